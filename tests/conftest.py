@@ -1,0 +1,63 @@
+"""Shared test fixtures: the environment's own MPI launcher and a bounded way to run MPI jobs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def find_mpiexec() -> str | None:
+    """The launcher of the MPI that mpi4py in this environment uses: next to sys.executable, then PATH."""
+    here = Path(sys.executable).parent
+    for name in ("mpiexec", "mpirun"):
+        if (here / name).exists():
+            return str(here / name)
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for MPI subprocesses: repo importable, Open MPI allowed as root and oversubscribed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_btl", "^ofi")
+    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+@pytest.fixture(scope="session")
+def mpiexec() -> str:
+    """Path of the MPI launcher; skips the test where no MPI is installed."""
+    path = find_mpiexec()
+    if path is None:
+        pytest.skip("no mpiexec found next to the Python interpreter or on PATH")
+    return path
+
+
+def run_mpi(
+    mpiexec: str,
+    n: int,
+    args: list[str],
+    timeout: float = 120,
+    cwd: Path | str = REPO,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``mpiexec -n n args...`` with a hard timeout; the caller asserts on returncode and output."""
+    return subprocess.run(
+        [mpiexec, "-n", str(n), *args],
+        cwd=cwd,
+        env=mpi_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
