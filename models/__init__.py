@@ -1,0 +1,1 @@
+"""Model files in the user's style, loaded by ``MODELFILE=models.<file>`` and ``MODELCLASS=<class>``."""

@@ -1,0 +1,79 @@
+"""Who am I: the launcher that started this process, and rank, size and local rank from MPI itself.
+
+Launch detection reads the variables each launcher sets (Open MPI's ``mpirun``, MPICH's Hydra ``mpiexec``,
+Slurm ``srun`` with PMI-2 or PMIx). The local rank comes from MPI's shared-memory split
+(``Split_type(COMM_TYPE_SHARED)``), never from one launcher's variables, so it is right under all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+#: Variables that prove an MPI launcher (or srun with a PMI plug-in) started this process.
+LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
+    "openmpi": ("OMPI_COMM_WORLD_SIZE",),
+    "pmix": ("PMIX_RANK",),
+    "mpich": ("PMI_RANK", "PMI_SIZE"),
+}
+
+
+def detect_launcher(environ: dict[str, str] | None = None) -> str | None:
+    """Name of the launcher that started this process (``openmpi``, ``pmix``, ``mpich``), or None if plain."""
+    environ = dict(os.environ) if environ is None else environ
+    for name, keys in LAUNCHER_VARIABLES.items():
+        if all(k in environ for k in keys):
+            if name == "mpich" and "SLURM_STEP_ID" in environ:
+                return "slurm-pmi2"
+            if name == "pmix" and "SLURM_STEP_ID" in environ:
+                return "slurm-pmix"
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    node: int
+    nodes: int
+    hostname: str
+    launcher: str | None
+    mpi: Any = None  # the mpi4py COMM_WORLD, None in a plain single process without MPI
+
+
+def detect_world() -> World:
+    """Initialise MPI (thread level ``serialized``) and describe this rank's place in COMM_WORLD."""
+    import mpi4py
+
+    mpi4py.rc.thread_level = "serialized"
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    leaders = comm.Split(0 if local.rank == 0 else MPI.UNDEFINED, comm.rank)
+    node = comm.rank if leaders == MPI.COMM_NULL else leaders.rank
+    nodes = 0 if leaders == MPI.COMM_NULL else leaders.size
+    node = local.bcast(node, root=0)
+    nodes = comm.bcast(nodes, root=0)
+    world = World(
+        rank=comm.rank,
+        size=comm.size,
+        local_rank=local.rank,
+        local_size=local.size,
+        node=node,
+        nodes=nodes,
+        hostname=socket.gethostname(),
+        launcher=detect_launcher(),
+        mpi=comm,
+    )
+    if leaders != MPI.COMM_NULL:
+        leaders.Free()
+    local.Free()
+    return world

@@ -1,0 +1,158 @@
+"""``crossbow-launch``: parse the cfg, start the MPI job if needed, build the session on every rank, train.
+
+Failure policy — no rank is ever left hanging:
+
+* bad input (cfg, CLI, model file, data file) is found before any rank communicates; ranks agree on it with
+  one ``allgather``, rank 0 prints one line, every rank exits with status 2;
+* any exception later, on any rank, prints one line naming the rank and the cause (the traceback goes to
+  ``rank<r>.traceback`` in the run folder) and calls ``MPI_Abort``, which ends every rank of the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .config import Config, load_config
+from .env import World, detect_launcher, detect_world
+from .errors import USAGE_EXIT_CODE, UsageError
+from .log import setup_logging
+
+log = logging.getLogger("mpicrossbow.launcher")  # also when run as __main__
+
+EPILOG = """\
+overrides: section.key=value sets a key of a section, KEY=value a bare key, e.g.
+  crossbow-launch -cfg session.cfg optim.lr=0.05 session.epochs=3 RULE=BSP
+Run under mpirun/mpiexec/srun, every rank trains; run alone, it starts one rank per DEVICES entry."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface (Theano-MPI's ``-cfg`` spelling, ``--cfg`` and ``-cfg=FILE`` too)."""
+    parser = argparse.ArgumentParser(
+        prog="crossbow-launch",
+        description="Train a model with an mpicrossbow session.cfg.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-cfg", "--cfg", required=True, metavar="FILE", help="the session.cfg to run")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="cfg overrides")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved cfg and exit")
+    return parser
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"crossbow-launch: error: {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``crossbow-launch``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    try:
+        config = load_config(args.cfg, args.overrides)
+    except UsageError as exc:
+        _say(str(exc))
+        return USAGE_EXIT_CODE
+    if args.print_config:
+        sys.stdout.write(config.to_ini())
+        return 0
+    if detect_launcher() is None:
+        from .spawn import spawn
+
+        try:
+            return spawn(config.devices, ["-cfg", args.cfg, *args.overrides])
+        except UsageError as exc:
+            _say(str(exc))
+            return USAGE_EXIT_CODE
+    return run_rank(config)
+
+
+def run_rank(config: Config, rule: Any = None) -> int:
+    """This rank's whole life: agree on set-up, train, and abort the job on any failure."""
+    from .session import Session
+
+    world = detect_world()
+    setup_logging(world.rank, world.size, config.session.log_level.upper() if world.rank == 0 else None)
+    session = Session(config, world, rule)
+    code = agree(world, session.prepare_local)
+    if code:
+        return code
+    try:
+        session.prepare_collective()
+        result = session.run()
+        session.close()
+    except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
+        abort(world, exc, session.run_dir)
+    if world.rank == 0:
+        log.info(
+            "done: %d epoch(s), %d step(s), val accuracy %.4f, %.1f s (exchange %.1f s), results in %s",
+            result.epochs, result.steps, result.val_accuracy, result.wall_seconds, result.exchange_seconds,
+            result.run_dir,
+        )
+    return 0
+
+
+def agree(world: World, prepare: Any) -> int:
+    """Run ``prepare`` (no communication inside), then agree across ranks whether it worked.
+
+    Returns 0 on success everywhere; otherwise rank 0 prints each distinct problem once and every rank
+    returns 2 (bad input) or 1 (a crash).
+    """
+    problem: tuple[str, str] | None = None
+    try:
+        prepare()
+    except UsageError as exc:
+        problem = ("usage", str(exc))
+    except Exception as exc:  # a crash while reading the user's files is still reported, not hung on
+        problem = ("crash", f"{type(exc).__name__}: {exc} ({_where(exc)})")
+    problems = world.mpi.allgather(problem) if world.mpi is not None else [problem]
+    failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+    if not failed:
+        return 0
+    if world.rank == 0:
+        seen: dict[str, list[int]] = {}
+        for rank, (_, text) in failed:
+            seen.setdefault(text, []).append(rank)
+        for text, ranks in seen.items():
+            everyone = len(ranks) == world.size
+            _say(text if everyone else f"rank {','.join(map(str, ranks))}: {text}")
+    return USAGE_EXIT_CODE if all(kind == "usage" for _, (kind, _) in failed) else 1
+
+
+def _where(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "no traceback"
+    last = frames[-1]
+    return f"{Path(last.filename).name}:{last.lineno} in {last.name}"
+
+
+def abort(world: World, exc: BaseException, run_dir: Path | None) -> NoReturn:
+    """Print one line naming this rank and the cause, keep the traceback in a file, abort every rank."""
+    if isinstance(exc, KeyboardInterrupt):
+        text, code = "interrupted", 130
+    elif isinstance(exc, UsageError):
+        text, code = str(exc), USAGE_EXIT_CODE
+    else:
+        text, code = f"{type(exc).__name__}: {exc} ({_where(exc)})", 1
+    detail = ""
+    if run_dir is not None and not isinstance(exc, KeyboardInterrupt):
+        try:
+            path = run_dir / f"rank{world.rank}.traceback"
+            path.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+            detail = f"; traceback in {path}"
+        except OSError:
+            pass
+    _say(f"rank {world.rank} of {world.size} on {world.hostname} failed: {text}{detail}")
+    if world.mpi is not None and world.size > 1:
+        world.mpi.Abort(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

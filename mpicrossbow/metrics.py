@@ -1,0 +1,64 @@
+"""Metrics of a run, written by rank 0 to ``metrics.h5`` in the run folder and flushed every epoch.
+
+Layout: group ``train`` with one row per logged step (``step``, ``epoch``, ``loss``, ``accuracy``, ``lr``,
+``time``), group ``val`` with one row per validation (``epoch``, ``step``, ``loss``, ``accuracy``, ``time``,
+``exchange_share``); the resolved cfg text is the file attribute ``config``. Appending row by row and
+flushing means a crash loses at most the current epoch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+TRAIN_COLUMNS = ("step", "epoch", "loss", "accuracy", "lr", "time")
+VAL_COLUMNS = ("epoch", "step", "loss", "accuracy", "time", "exchange_share")
+
+
+class MetricsWriter:
+    """Append-only HDF5 tables of training and validation metrics."""
+
+    def __init__(self, path: Path, config_text: str, attrs: dict[str, Any] | None = None) -> None:
+        self.path = path
+        self.file = h5py.File(path, "w")
+        self.file.attrs["config"] = config_text
+        for key, value in (attrs or {}).items():
+            self.file.attrs[key] = value
+        for group, columns in (("train", TRAIN_COLUMNS), ("val", VAL_COLUMNS)):
+            g = self.file.create_group(group)
+            for col in columns:
+                g.create_dataset(col, shape=(0,), maxshape=(None,), dtype="f8", chunks=(1024,))
+
+    def _append(self, group: str, row: dict[str, float]) -> None:
+        g = self.file[group]
+        for key, value in row.items():
+            ds = g[key]
+            ds.resize((ds.shape[0] + 1,))
+            ds[-1] = value
+
+    def train(self, **row: float) -> None:
+        """Append one training row (keys: TRAIN_COLUMNS)."""
+        self._append("train", row)
+
+    def val(self, **row: float) -> None:
+        """Append one validation row (keys: VAL_COLUMNS) and flush to disk."""
+        self._append("val", row)
+        self.file.flush()
+
+    def close(self, **attrs: Any) -> None:
+        """Store final attributes (final accuracy, wall time...) and close the file."""
+        if self.file.id.valid:
+            for key, value in attrs.items():
+                self.file.attrs[key] = value
+            self.file.close()
+
+
+def read_metrics(path: Path | str) -> dict[str, dict[str, np.ndarray]]:
+    """Load ``metrics.h5`` into {'train': {column: array}, 'val': {...}, 'attrs': {...}}."""
+    with h5py.File(path, "r") as f:
+        out: dict[str, Any] = {g: {k: f[g][k][()] for k in f[g]} for g in ("train", "val")}
+        out["attrs"] = dict(f.attrs)
+    return out

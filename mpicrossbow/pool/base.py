@@ -1,0 +1,55 @@
+"""The LearnerPool interface: the m replicas a rank trains, as the session and the rules see them."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .learner import Learner
+
+
+class LearnerPool(ABC):
+    """m learners inside one rank, each with its own replica, optimizer state and batches.
+
+    The session drives a step as ``compute()`` (forward and backward of every learner), the rule's
+    ``on_gradients``, ``apply()`` (every optimizer step) and the rule's ``exchange``. Rules touch only the
+    learners' flat ``params``, ``grads`` and ``buffers``.
+    """
+
+    learners: list[Learner]
+
+    #: False when the model updates itself inside its step (Theano-MPI form): no gradients to exchange.
+    has_gradients: bool = True
+
+    @property
+    @abstractmethod
+    def n_batch_train(self) -> int:
+        """Steps per epoch; identical on every rank."""
+
+    @abstractmethod
+    def start_epoch(self, epoch: int) -> None:
+        """Prepare every learner's batches for ``epoch`` (deterministic reshuffle)."""
+
+    @abstractmethod
+    def compute(self, count: int) -> None:
+        """Forward and backward (or the model's own step) of every learner on its next batch."""
+
+    @abstractmethod
+    def apply(self) -> None:
+        """Apply every learner's optimizer step."""
+
+    @abstractmethod
+    def set_lr(self, lr: float, epoch: int) -> None:
+        """Set the learning rate for the coming steps of ``epoch``."""
+
+    @abstractmethod
+    def validate(self, params: torch.Tensor | None = None) -> tuple[float, float, float]:
+        """(loss sum, hits, samples) over this rank's validation shard, with learner 0's weights or ``params``."""
+
+    @abstractmethod
+    def take_stats(self) -> tuple[float, float, float]:
+        """(loss sum, hits, samples) of training since the last call, summed over learners."""
+
+    def close(self) -> None:
+        """Release data files and model resources."""

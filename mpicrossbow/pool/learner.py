@@ -1,0 +1,82 @@
+"""One learner: a model replica, its optimizer and the flat buffers a rule exchanges."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import OptimSection
+from ..errors import ContractError
+from .flat import attach_flat_grads, flatten_into_buffer
+
+
+class Learner:
+    """A replica whose parameters, gradients and float buffers each live in one flat tensor.
+
+    ``params``, ``grads`` and ``buffers`` are what rules read and write; the module and optimizer see the
+    same storage. Loss, hits and sample counts accumulate on the device (no host sync per step) until
+    :meth:`take_stats` reads them.
+    """
+
+    def __init__(self, module: nn.Module, model: Any, optim: OptimSection, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.module = module.to(device)
+        self.param_list = [p for p in self.module.parameters() if p.requires_grad]
+        if not self.param_list:
+            raise ContractError(f"{type(model).__name__}.module() returned a network with no trainable parameters")
+        dtypes = {p.dtype for p in self.param_list}
+        if len(dtypes) > 1:
+            raise ContractError(f"{type(model).__name__}: all parameters must share one dtype, found {dtypes}")
+        self.params = flatten_into_buffer(self.param_list)
+        self.grads = attach_flat_grads(self.param_list, self.params)
+        float_buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+        self.buffers = (
+            flatten_into_buffer(float_buffers) if float_buffers else torch.zeros(0, device=device)
+        )
+        self.optimizer = model.optimizer(self.param_list, optim)
+        self._stats = torch.zeros(3, dtype=torch.float64, device=device)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Zero the flat gradient, run forward and backward on one batch, accumulate the batch's stats."""
+        self.module.train()
+        self.grads.zero_()
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        output = self.module(inputs)
+        loss = self.model.loss(output, targets)
+        loss.backward()
+        with torch.no_grad():
+            hits = torch.as_tensor(self.model.correct(output, targets), dtype=torch.float64, device=self.device)
+            n = torch.tensor(float(len(targets)), dtype=torch.float64, device=self.device)
+            self._stats += torch.stack([loss.detach().double() * n, hits, n])
+
+    def step(self) -> None:
+        """Apply the optimizer to the (possibly exchanged) flat gradient."""
+        self.optimizer.step()
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every parameter group."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def take_stats(self) -> tuple[float, float, float]:
+        """(loss sum, hits, samples) since the last call, then reset."""
+        loss, hits, n = self._stats.tolist()
+        self._stats.zero_()
+        return loss, hits, n
+
+    @torch.no_grad()
+    def evaluate(self, batches: Any) -> tuple[float, float, float]:
+        """(loss sum, hits, samples) of this replica over ``batches``, in eval mode."""
+        self.module.eval()
+        loss_sum, hits, n = 0.0, 0.0, 0.0
+        for inputs, targets in batches:
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            output = self.module(inputs)
+            loss_sum += float(self.model.loss(output, targets)) * len(targets)
+            hits += float(self.model.correct(output, targets))
+            n += len(targets)
+        return loss_sum, hits, n

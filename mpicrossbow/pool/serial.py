@@ -1,0 +1,93 @@
+"""The serial engine: m torch-native replicas trained one after another (the reference engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..config import OptimSection
+from ..errors import DataError
+from ..model import check_data
+from ..shard import Shard
+from .base import LearnerPool
+from .learner import Learner
+
+
+class SerialPool(LearnerPool):
+    """Learners of a torch-native model; learner j of rank r reads shard ``r * m + j`` of ``size * m``."""
+
+    def __init__(
+        self,
+        model: Any,
+        rank: int,
+        size: int,
+        batch_size: int,
+        optim: OptimSection,
+        device: torch.device,
+        seed: int = 0,
+        learners: int = 1,
+    ) -> None:
+        owner = type(model).__name__
+        self.learners = []
+        self.datas = []
+        for j in range(learners):
+            self.learners.append(Learner(model.module(), model, optim, device))
+            data = model.data(Shard(rank * learners + j, size * learners, batch_size, seed))
+            check_data(data, owner, torch_form=True)
+            self.datas.append(data)
+        counts = {d.n_batch_train for d in self.datas}
+        if min(counts) == 0:
+            raise DataError(f"{owner}: this rank's training shard holds less than one batch of {batch_size}")
+        self._n_batch_train = min(counts)
+        self._iters: list[Iterator[Any]] = []
+
+    @property
+    def n_batch_train(self) -> int:
+        """Steps per epoch (the smallest learner shard decides)."""
+        return self._n_batch_train
+
+    def start_epoch(self, epoch: int) -> None:
+        """Start every learner's reshuffled pass over its shard."""
+        self._iters = [iter(d.train_batches(epoch)) for d in self.datas]
+
+    def compute(self, count: int) -> None:
+        """Forward and backward of each learner on its next batch."""
+        for learner, batches in zip(self.learners, self._iters):
+            try:
+                inputs, targets = next(batches)
+            except StopIteration:
+                raise DataError(
+                    f"train_batches() ended after {count} batches but n_batch_train says {self.n_batch_train}"
+                ) from None
+            learner.forward_backward(inputs, targets)
+
+    def apply(self) -> None:
+        """Every learner's optimizer step."""
+        for learner in self.learners:
+            learner.step()
+
+    def set_lr(self, lr: float, epoch: int) -> None:
+        """Same learning rate for every learner."""
+        for learner in self.learners:
+            learner.set_lr(lr)
+
+    def take_stats(self) -> tuple[float, float, float]:
+        """Training stats summed over learners."""
+        totals = [learner.take_stats() for learner in self.learners]
+        return tuple(sum(col) for col in zip(*totals))  # type: ignore[return-value]
+
+    def validate(self, params: torch.Tensor | None = None) -> tuple[float, float, float]:
+        """Evaluate learner 0 (or ``params`` loaded into it) on every learner's validation shard."""
+        learner = self.learners[0]
+        saved = None
+        if params is not None:
+            saved = learner.params.clone()
+            learner.params.copy_(params)
+        try:
+            totals = [learner.evaluate(d.val_batches()) for d in self.datas]
+        finally:
+            if saved is not None:
+                learner.params.copy_(saved)
+        return tuple(sum(col) for col in zip(*totals))  # type: ignore[return-value]

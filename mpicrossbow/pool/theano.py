@@ -1,0 +1,122 @@
+"""Adapter that runs a Theano-MPI-form model (``train_iter``/``val_iter``/``params``) as a learner pool."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+import torch
+
+from ..errors import ContractError
+from ..model import check_data
+from .base import LearnerPool
+from .flat import flatten_into_buffer
+
+
+class Recorder:
+    """Theano-MPI's recorder: the model reports per-batch cost and error through it."""
+
+    def __init__(self) -> None:
+        self.train = [0.0, 0.0, 0.0]  # loss sum, hits, batches
+        self.val = [0.0, 0.0, 0.0]
+        self.times: dict[str, float] = {}
+        self._t0 = time.perf_counter()
+
+    def start(self) -> None:
+        """Start timing a phase."""
+        self._t0 = time.perf_counter()
+
+    def end(self, phase: str) -> None:
+        """Stop timing ``phase`` ('calc', 'comm', ...) and add it up."""
+        self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - self._t0
+
+    def train_error(self, count: int, cost: float, error: float) -> None:
+        """Record one training batch: mean cost and error rate (0..1)."""
+        self.train = [self.train[0] + float(cost), self.train[1] + 1.0 - float(error), self.train[2] + 1.0]
+
+    def val_error(self, count: int, cost: float, error: float, error_top_5: float | None = None) -> None:
+        """Record one validation batch: mean cost and error rate (0..1)."""
+        self.val = [self.val[0] + float(cost), self.val[1] + 1.0 - float(error), self.val[2] + 1.0]
+
+
+class _ParamsOnly:
+    """The learner face of a Theano-MPI-form model: flat params, no gradients or buffers."""
+
+    def __init__(self, params: torch.Tensor) -> None:
+        self.params = params
+        self.grads = torch.zeros(0)
+        self.buffers = torch.zeros(0)
+
+
+class TheanoPool(LearnerPool):
+    """One Theano-MPI-form model per rank. Stats are per batch (cost, error rate), as Theano-MPI reports."""
+
+    has_gradients = False
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        owner = type(model).__name__
+        params = getattr(model, "params", None)
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, torch.Tensor) for p in params):
+            raise ContractError(f"{owner}.params must be a list of torch tensors")
+        if not params:
+            raise ContractError(f"{owner}.params is empty: nothing to exchange")
+        check_data(getattr(model, "data", None), owner, torch_form=False)
+        # The tensors keep their identity (the model's optimizer still holds them); their storage moves
+        # into one flat buffer, so train_iter must update them in place.
+        flat = flatten_into_buffer(list(params))
+        self.learners = [_ParamsOnly(flat)]  # type: ignore[list-item]
+        self.recorder = Recorder()
+        self._epoch = -1
+        compile_fns = model.compile_iter_fns
+        if "sync_type" in inspect.signature(compile_fns).parameters:
+            compile_fns(sync_type="avg")
+        else:
+            compile_fns()
+
+    @property
+    def n_batch_train(self) -> int:
+        """The model's ``data.n_batch_train``."""
+        return int(self.model.data.n_batch_train)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Nothing to prepare: the model reads its own data."""
+
+    def compute(self, count: int) -> None:
+        """One ``train_iter`` (forward, backward and the model's own update)."""
+        self.model.train_iter(count, self.recorder)
+
+    def apply(self) -> None:
+        """Nothing: ``train_iter`` already updated the weights."""
+
+    def set_lr(self, lr: float, epoch: int) -> None:
+        """Theano-MPI models own their schedule: call ``adjust_hyperp(epoch)`` once per epoch."""
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self.model.adjust_hyperp(epoch)
+
+    def take_stats(self) -> tuple[float, float, float]:
+        """(cost sum, accuracy sum, batches) since the last call."""
+        out = tuple(self.recorder.train)
+        self.recorder.train = [0.0, 0.0, 0.0]
+        return out  # type: ignore[return-value]
+
+    def validate(self, params: torch.Tensor | None = None) -> tuple[float, float, float]:
+        """Run ``val_iter`` over ``data.n_batch_val`` batches; weights swapped in from ``params`` if given."""
+        flat = self.learners[0].params
+        saved = flat.clone() if params is not None else None
+        if params is not None:
+            flat.copy_(params)
+        self.recorder.val = [0.0, 0.0, 0.0]
+        try:
+            for count in range(int(self.model.data.n_batch_val)):
+                self.model.val_iter(count, self.recorder)
+        finally:
+            if saved is not None:
+                flat.copy_(saved)
+        return tuple(self.recorder.val)  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Call the model's ``cleanup()``."""
+        self.model.cleanup()

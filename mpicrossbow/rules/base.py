@@ -1,0 +1,142 @@
+"""The rule plug-in: how replicas exchange parameters. Declare, bind, exchange, finish.
+
+* ``Rule(**hyper)`` only validates and stores hyper-parameters (a nested ``Config`` dataclass): cheap and
+  picklable.
+* ``bind(comm, pool)`` allocates state and makes every replica start from rank 0's weights.
+* ``on_gradients(step)`` runs between backward and the optimizer step; ``exchange(step)`` after the step.
+  Either may communicate, or decide not to (period, probability, staleness).
+* ``sync_state()`` makes the model that is validated or saved consistent (e.g. averages BatchNorm buffers);
+  ``eval_params()`` names the weights to validate (a centre variable, say) or None for learner 0's own.
+* ``finish()`` drains everything in flight, so no message is lost and no rank waits forever.
+* ``init(...)`` / ``wait()``: Theano-MPI's facade, written once here.
+
+A rule sees only the Communicator and the pool's flat buffers — never files, streams or config text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from ..comm.base import Communicator
+from ..validate import build
+
+if TYPE_CHECKING:
+    from ..job import Job, RunResult
+    from ..pool.base import LearnerPool
+
+
+class Rule:
+    """Base class of every exchange rule. Subclasses set ``Config`` and override the hooks they need."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        """No hyper-parameters."""
+
+    #: Registry name (set by the ``RULES.register`` decorator's caller convention).
+    name: ClassVar[str] = "RULE"
+
+    def __init__(self, **hyper: Any) -> None:
+        self.hyper = build(self.Config, hyper, "rule")
+        self.comm: Communicator | None = None
+        self.pool: LearnerPool | None = None
+        self._job: Job | None = None
+
+    # ----------------------------------------------------------------- binding
+    def bind(self, comm: Communicator, pool: LearnerPool) -> Rule:
+        """Attach to the communicator and pool; every learner starts from rank 0's learner 0."""
+        self.comm, self.pool = comm, pool
+        first = pool.learners[0]
+        for flat in (first.params, first.buffers):
+            if flat.numel():
+                comm.broadcast(flat, root=0).wait()
+        for learner in pool.learners[1:]:
+            learner.params.copy_(first.params)
+            learner.buffers.copy_(first.buffers)
+        self.on_bind()
+        return self
+
+    def on_bind(self) -> None:
+        """Allocate rule state once comm and pool are known."""
+
+    # ------------------------------------------------------------------- hooks
+    def on_gradients(self, step: int) -> None:
+        """Called after every learner's backward, before the optimizer step."""
+
+    def exchange(self, step: int) -> None:
+        """Called after every learner's optimizer step."""
+
+    def sync_state(self) -> None:
+        """Make the model to validate or save consistent across ranks (collective on every rank)."""
+
+    def eval_params(self) -> torch.Tensor | None:
+        """Flat weights to validate and save, or None for learner 0's own."""
+        return None
+
+    def on_lr_change(self, old: float, new: float) -> None:
+        """Called when the learning-rate schedule changes the rate (SMA resets replicas on a step down)."""
+
+    def finish(self) -> None:
+        """Drain messages in flight; after it returns no rank waits on another."""
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """All rule state needed to resume (tensors and plain values only)."""
+        return {"hyper": dataclasses.asdict(self.hyper)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def world_learners(self) -> int:
+        """k: learners over all ranks."""
+        assert self.comm is not None and self.pool is not None, "bind() first"
+        return self.comm.size * len(self.pool.learners)
+
+    def average(self, attr: str) -> None:
+        """Set ``attr`` (``params``, ``grads`` or ``buffers``) of every learner to the mean over all k learners.
+
+        Learners of this rank are summed locally first, then one allreduce crosses ranks.
+        """
+        assert self.comm is not None and self.pool is not None, "bind() first"
+        flats = [getattr(learner, attr) for learner in self.pool.learners]
+        if not flats[0].numel():
+            return
+        total = flats[0]
+        for other in flats[1:]:
+            total.add_(other)
+        self.comm.allreduce(total).wait()
+        total.div_(self.world_learners)
+        for other in flats[1:]:
+            other.copy_(total)
+
+    # ----------------------------------------------------- Theano-MPI facade
+    def init(
+        self,
+        devices: list[str] | str,
+        modelfile: str,
+        modelclass: str,
+        cfg: str | None = None,
+        **sections: Mapping[str, Any],
+    ) -> Rule:
+        """Start training with this rule: ``rule.init(devices=['cpu0','cpu1'], modelfile=..., modelclass=...)``.
+
+        ``sections`` hold cfg sections as dicts (``session={'epochs': 3}, optim={'lr': 0.05}``), on top of
+        ``cfg`` if given. Inside an MPI job this joins the running world and prepares the session; run from
+        plain Python it starts an MPI job with one rank per device. Returns at once; see :meth:`wait`.
+        """
+        from ..job import start_job
+
+        self._job = start_job(self, devices, modelfile, modelclass, cfg, sections)
+        return self
+
+    def wait(self) -> RunResult:
+        """Block until the job started by :meth:`init` ends; return its result or raise its failure."""
+        if self._job is None:
+            raise RuntimeError("call rule.init(...) before rule.wait()")
+        job, self._job = self._job, None
+        return job.wait()
