@@ -23,6 +23,7 @@ section or key, wrong type, out-of-range value, missing required key — is a Co
 
 from __future__ import annotations
 
+import ast
 import configparser
 import dataclasses
 from collections.abc import Mapping, Sequence
@@ -161,9 +162,24 @@ def _read(path: Path | None, text: str | None) -> configparser.ConfigParser:
     try:
         parser.read_string(f"[{TOP}]\n{text}", source=str(path or "<text>"))
     except configparser.Error as exc:
-        message = " ".join(str(exc).replace(f"[{TOP}]", "").split())
-        raise ConfigError(f"{path or 'cfg'}: {message}") from None
+        raise ConfigError(f"{path or 'cfg'}: {_parse_error(exc)}") from None
     return parser
+
+
+def _parse_error(exc: configparser.Error) -> str:
+    """configparser's complaint in cfg terms, with line numbers of the user's file (not of our header)."""
+    if isinstance(exc, configparser.DuplicateOptionError):
+        where = "the bare keys" if exc.section == TOP else f"[{exc.section}]"
+        return f"line {(exc.lineno or 1) - 1}: key '{exc.option}' appears twice in {where}"
+    if isinstance(exc, configparser.DuplicateSectionError):
+        return f"line {(exc.lineno or 1) - 1}: section [{exc.section}] appears twice"
+    if isinstance(exc, configparser.ParsingError) and exc.errors:
+        lineno, line = exc.errors[0]
+        line = line.strip()
+        if line[:1] in "'\"":  # configparser stores repr(line)
+            line = ast.literal_eval(line)
+        return f"line {lineno - 1}: cannot parse {line.strip()!r}; expected key = value or [section]"
+    return " ".join(str(exc).replace(TOP, "bare keys").split())
 
 
 def _apply_override(raw: dict[str, dict[str, str]], item: str) -> None:

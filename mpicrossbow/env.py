@@ -7,6 +7,7 @@ Slurm ``srun`` with PMI-2 or PMIx). The local rank comes from MPI's shared-memor
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -33,6 +34,37 @@ def detect_launcher(environ: dict[str, str] | None = None) -> str | None:
     return None
 
 
+#: Settings that make waiting ranks yield the CPU instead of spinning (as mpi4py's CI uses them). With more
+#: ranks than cores, a spinning rank steals the time slice of the rank everybody waits for: measured here,
+#: 4 ranks on 2 cores trained the digits job in 59 s without them and in 1 s with them.
+OVERSUBSCRIBED_SETTINGS = {
+    "MPIR_CVAR_POLLS_BEFORE_YIELD": "1",
+    "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true",
+    "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "1",
+    "OMPI_MCA_mpi_yield_when_idle": "1",
+}
+
+
+def local_ranks_from_launcher(environ: dict[str, str]) -> int | None:
+    """Ranks on this node as the launcher announces them (before MPI is initialised), if it does."""
+    for key in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE"):
+        value = environ.get(key, "").split("(")[0].split(",")[0]
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def tune_for_oversubscription(environ: dict[str, str] | None = None) -> bool:
+    """Before MPI_Init: with more ranks on this node than CPUs, make idle ranks yield (user settings win)."""
+    environ = os.environ if environ is None else environ  # type: ignore[assignment]
+    local = local_ranks_from_launcher(environ)  # type: ignore[arg-type]
+    if local is None or local <= (os.cpu_count() or 1):
+        return False
+    for key, value in OVERSUBSCRIBED_SETTINGS.items():
+        environ.setdefault(key, value)
+    return True
+
+
 @dataclass(frozen=True)
 class World:
     """This process's place in the job."""
@@ -53,6 +85,7 @@ def detect_world() -> World:
     import mpi4py
 
     mpi4py.rc.thread_level = "serialized"
+    oversubscribed = tune_for_oversubscription()
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -76,4 +109,6 @@ def detect_world() -> World:
     if leaders != MPI.COMM_NULL:
         leaders.Free()
     local.Free()
+    if oversubscribed and world.rank == 0:
+        logging.getLogger(__name__).info("more ranks than cores on a node: idle ranks yield the CPU")
     return world

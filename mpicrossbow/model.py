@@ -70,6 +70,8 @@ class TorchModel:
 
 def _import_module(modelfile: str) -> Any:
     """Import MODELFILE given as a dotted module (``models.lenet``, from the working directory) or a path."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # Theano-MPI's convention: model files are found from where you run
     if modelfile.endswith(".py") or os.sep in modelfile:
         path = Path(modelfile)
         if not path.is_file():
@@ -80,8 +82,6 @@ def _import_module(modelfile: str) -> Any:
         sys.modules[path.stem] = module
         spec.loader.exec_module(module)
         return module
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
         return importlib.import_module(modelfile)
     except ModuleNotFoundError as exc:

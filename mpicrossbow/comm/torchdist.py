@@ -1,0 +1,209 @@
+"""The torch.distributed communicator (Gloo on CPU, NCCL on GPU), bootstrapped from MPI.
+
+MPI already knows every rank, so no ``MASTER_ADDR``/``MASTER_PORT`` is needed: rank 0 binds a TCP socket to
+port 0 to get a free port, broadcasts ``(address, port)`` with mpi4py, and every rank calls
+``init_process_group(init_method="tcp://address:port")``. The address is 127.0.0.1 when all ranks share one
+host (hostnames gathered over MPI), otherwise rank 0's hostname resolved.
+
+``split`` builds torch groups: the (color, key) pairs are gathered over MPI, then every rank creates one group
+per color in sorted order (``new_group`` is collective over the whole default group). ``new_group`` orders its
+members by global rank, so the communicator keeps its own key-ordered member list and translates ranks
+itself; peers and roots are always passed to torch as global ranks. Splitting a split uses
+``use_local_synchronization`` (only the parent's ranks take part), which torch keys by the member set: such a
+nested split cannot create the same member set twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from mpicrossbow.comm.base import Communicator, DoneHandle, Handle, ReduceOp
+
+log = logging.getLogger(__name__)
+
+#: The torch.distributed backends this communicator drives.
+TORCH_BACKENDS = ("gloo", "nccl")
+
+_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
+
+
+def free_tcp_port() -> int:
+    """A TCP port that was free a moment ago on this host (the kernel picks it when binding to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class TorchDistHandle(Handle):
+    """A torch.distributed ``Work``: ``wait()`` makes the result usable (for NCCL, on the current stream)."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        """Block until the work completes."""
+        self._work.wait()
+
+    def test(self) -> bool:
+        """True once the work has completed; never blocks."""
+        return self._work.is_completed()
+
+
+class TorchDistCommunicator(Communicator):
+    """A :class:`Communicator` over a torch.distributed process group; build it with :meth:`from_mpi`."""
+
+    name = "torchdist"
+
+    def __init__(
+        self,
+        mpi_comm: MPI.Comm,
+        members: list[int],
+        group: dist.ProcessGroup | None,
+        backend: str,
+        timeout_s: float,
+        owns_default_group: bool = False,
+        owns_mpi_comm: bool = False,
+    ) -> None:
+        self.name = backend
+        self._mpi = mpi_comm
+        self._members = members  # global torch ranks, in this communicator's rank order
+        self._group = group  # None: the default group
+        self._timeout = timedelta(seconds=timeout_s)
+        self._rank = members.index(dist.get_rank())
+        self._owns_default_group = owns_default_group
+        self._owns_mpi_comm = owns_mpi_comm
+        self._children: list[TorchDistCommunicator] = []
+        self._closed = False
+
+    @classmethod
+    def from_mpi(
+        cls, mpi_comm: MPI.Comm | None = None, backend: str = "gloo", timeout_s: float = 300.0
+    ) -> TorchDistCommunicator:
+        """Initialise torch.distributed over the ranks of ``mpi_comm`` (default ``COMM_WORLD``); collective.
+
+        If torch.distributed is already initialised with the same rank and size, its default group is reused
+        (and left alone by :meth:`close`).
+        """
+        if backend not in TORCH_BACKENDS:
+            valid = ", ".join(TORCH_BACKENDS)
+            raise ValueError(f"unknown torch.distributed backend {backend!r}; valid: {valid}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("the nccl backend needs CUDA, and torch.cuda.is_available() is False here")
+        comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        rank, size = comm.Get_rank(), comm.Get_size()
+        members = list(range(size))
+        if dist.is_initialized():
+            if (dist.get_rank(), dist.get_world_size()) != (rank, size):
+                raise RuntimeError("torch.distributed is already initialised with another rank or size")
+            log.info("reusing the initialised torch.distributed default group")
+            return cls(comm, members, None, dist.get_backend(), timeout_s)
+        start = time.perf_counter()
+        hosts = comm.allgather(socket.gethostname())
+        endpoint = None
+        if rank == 0:
+            address = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
+            endpoint = (address, free_tcp_port())
+        address, port = comm.bcast(endpoint, root=0)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{address}:{port}",
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        log.info(
+            "torch.distributed %s up: %d ranks via tcp://%s:%d in %.2f s",
+            backend,
+            size,
+            address,
+            port,
+            time.perf_counter() - start,
+        )
+        return cls(comm, members, None, backend, timeout_s, owns_default_group=True)
+
+    @property
+    def mpi(self) -> MPI.Comm:
+        """The mpi4py communicator spanning the same ranks (used for bootstrap and splits)."""
+        return self._mpi
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the communicator (key order after a split)."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the communicator."""
+        return len(self._members)
+
+    @staticmethod
+    def _flat(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_contiguous():
+            raise ValueError("TorchDistCommunicator needs a contiguous tensor; call .contiguous() first")
+        return tensor.detach()
+
+    @staticmethod
+    def _handle(work: dist.Work | None) -> Handle:
+        return DoneHandle() if work is None else TorchDistHandle(work)
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
+        """``dist.all_reduce`` in place."""
+        work = dist.all_reduce(self._flat(tensor), _OPS[op], group=self._group, async_op=async_op)
+        return self._handle(work)
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, async_op: bool = False) -> Handle:
+        """``dist.broadcast`` from communicator rank ``root``."""
+        work = dist.broadcast(self._flat(tensor), self._members[root], group=self._group, async_op=async_op)
+        return self._handle(work)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        """``dist.isend`` to communicator rank ``dst``."""
+        return self._handle(dist.isend(self._flat(tensor), self._members[dst], group=self._group, tag=tag))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+        """``dist.irecv`` from communicator rank ``src``."""
+        return self._handle(dist.irecv(self._flat(tensor), self._members[src], group=self._group, tag=tag))
+
+    def barrier(self) -> None:
+        """``dist.barrier`` over the group."""
+        dist.barrier(group=self._group)
+
+    def split(self, color: int, key: int | None = None) -> TorchDistCommunicator:
+        """One torch group per color, members ordered by (key, rank); collective over this communicator."""
+        entries = self._mpi.allgather((color, self._rank if key is None else key))
+        mine: tuple[list[int], dist.ProcessGroup] | None = None
+        for c in sorted({c for c, _ in entries}):
+            order = sorted((k, r) for r, (cc, k) in enumerate(entries) if cc == c)
+            members = [self._members[r] for _, r in order]
+            group = dist.new_group(
+                members, timeout=self._timeout, use_local_synchronization=self._group is not None
+            )
+            if c == color:
+                mine = (members, group)
+        assert mine is not None
+        child_mpi = self._mpi.Split(color, self._rank if key is None else key)
+        child = TorchDistCommunicator(
+            child_mpi, mine[0], mine[1], self.name, self._timeout.total_seconds(), owns_mpi_comm=True
+        )
+        self._children.append(child)
+        return child
+
+    def close(self) -> None:
+        """Close splits, free their MPI communicators, and destroy the default group if this one made it."""
+        if self._closed:
+            return
+        self._closed = True
+        for child in self._children:
+            child.close()
+        self._children.clear()
+        if self._owns_mpi_comm:
+            self._mpi.Free()
+        if self._owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,138 @@
+"""Real MPI jobs: the default job, a Theano-MPI cfg, rule.init()/wait(), bad input and a crashing rank.
+
+Each test is one ``mpiexec`` launch (torch import ≈ 3 s per rank), every one bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, mpi_env, run_mpi
+from models.mlp import MLP
+from mpicrossbow.metrics import read_metrics
+from mpicrossbow.shard import Shard
+
+pytestmark = [pytest.mark.mpi]
+
+
+def launcher() -> list[str]:
+    """The installed console script, or the module when the package is not installed."""
+    script = Path(sys.executable).parent / "crossbow-launch"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mpicrossbow.launcher"]
+
+
+def only_run(out: Path) -> Path:
+    runs = [p for p in out.iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_default_job_reaches_95_percent(mpiexec: str, tmp_path: Path, ranks: int) -> None:
+    start = time.monotonic()
+    proc = run_mpi(mpiexec, ranks, [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}",
+                                     f"DEVICES={','.join(f'cpu{i}' for i in range(ranks))}"], timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    metrics = read_metrics(run / "metrics.h5")
+    assert metrics["attrs"]["world_size"] == ranks
+    assert metrics["val"]["accuracy"][-1] >= 0.95, metrics["val"]["accuracy"]
+    assert (run / "session.cfg").read_text().startswith("# resolved from launch/digits.cfg")
+    assert f"val accuracy {metrics['val']['accuracy'][-1]:.4f}" in proc.stderr
+    assert elapsed < 60
+
+
+def test_theano_style_cfg_runs_unchanged_and_starts_its_own_job(tmp_path: Path) -> None:
+    """Bare keys only, DEVICES=cpu0,cpu1, no mpiexec: crossbow-launch starts the 2-rank job itself."""
+    proc = subprocess.run([*launcher(), "-cfg", str(REPO / "launch/theano_style.cfg"),
+                           f"session.output={tmp_path}"], cwd=REPO, env=mpi_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(only_run(tmp_path) / "metrics.h5")
+    assert metrics["attrs"]["world_size"] == 2
+    assert metrics["val"]["accuracy"][-1] >= 0.95
+
+
+def test_rule_init_wait_in_mpi_equals_one_process_on_union_of_batches(mpiexec: str, tmp_path: Path) -> None:
+    proc = run_mpi(mpiexec, 2, [sys.executable, "tests/mpi_scripts/bsp_union.py", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = np.load(tmp_path / "params.npy")
+    torch.manual_seed(3)  # the session seeds with [session] seed before building rank 0's replica
+    model = MLP(hidden=32)
+    module = model.module()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    iters = [iter(model.data(Shard(r, 2, 8, 3)).train_batches(0)) for r in range(2)]
+    for _ in range(12):
+        batches = [next(it) for it in iters]
+        opt.zero_grad()
+        out = module(torch.cat([b[0] for b in batches]))
+        torch.nn.functional.cross_entropy(out, torch.cat([b[1] for b in batches])).backward()
+        opt.step()
+    want = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+FAILING_MODEL = '''
+from torch import nn
+from models.mlp import MLP
+
+class Boom(nn.Module):
+    def __init__(self, inner, owner):
+        super().__init__()
+        self.inner, self.owner, self.calls = inner, owner, 0
+    def forward(self, x):
+        self.calls += 1
+        if self.owner.rank == 1 and self.calls == 5:
+            raise RuntimeError("injected failure in forward")
+        return self.inner(x)
+
+class FailingMLP(MLP):
+    def module(self):
+        return Boom(super().module(), self)
+    def data(self, shard):
+        self.rank = shard.rank
+        return super().data(shard)
+'''
+
+
+def test_rank_that_raises_ends_the_whole_job_naming_it(mpiexec: str, tmp_path: Path) -> None:
+    model = tmp_path / "failing.py"
+    model.write_text(FAILING_MODEL)
+    start = time.monotonic()
+    proc = run_mpi(mpiexec, 2, [*launcher(), "-cfg", "launch/digits.cfg", f"MODELFILE={model}",
+                                "MODELCLASS=FailingMLP", f"session.output={tmp_path}"], timeout=60)
+    assert time.monotonic() - start < 30
+    assert proc.returncode != 0
+    assert "rank 1 of 2" in proc.stderr and "RuntimeError: injected failure in forward" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (only_run(tmp_path) / "rank1.traceback").read_text().count("injected failure") >= 1
+
+
+@pytest.mark.parametrize(
+    ("ranks", "args", "message"),
+    [
+        (2, ["MODELFILE={bad}"], "MODELFILE '{bad}': syntax error in {bad} line 2: "),
+        (4, [], "DEVICES lists 2 device(s) (cpu0,cpu1) but the job has 4 rank(s)"),
+        (2, ["MODELCLASS=Nope"], "MODELCLASS 'Nope' not found in models.mlp; classes there: MLP"),
+    ],
+)
+def test_bad_input_under_mpi_exits_2_before_training(
+    mpiexec: str, tmp_path: Path, ranks: int, args: list[str], message: str
+) -> None:
+    bad = tmp_path / "broken.py"
+    bad.write_text("import torch\ndef broken(:\n    pass\n")
+    proc = run_mpi(mpiexec, ranks, [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}/runs",
+                                    *(a.format(bad=bad) for a in args)], timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"crossbow-launch: error: {message.format(bad=bad)}"), errors
+    assert "epoch" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()
