@@ -1,17 +1,13 @@
 """In-process test doubles: a world of threads, one per rank, so rule tests check exact math without MPI.
 
 ``InProcessWorld(4).run(fn)`` runs ``fn(comm)`` on four threads and returns the results in rank order.
-Obviously correct rather than fast:
-
-* Collectives meet at a :class:`threading.Barrier`; each rank deposits a copy of its tensor and computes the
-  result itself. ``allreduce`` reduces in rank order 0, 1, …, n-1 (16-bit floats accumulate in float32, as in
-  the MPI backend), so a numpy reference adding in that order matches bit for bit. ``async_op`` is ignored:
-  every operation completes before it returns.
-* ``isend`` is buffered (the tensor is copied into a mailbox). ``irecv`` is bound at post time to the n-th
-  message of its (src, dst, tag) channel, as MPI matches receives in posting order.
-* When a rank raises, every other rank's pending wait raises :class:`WorldAborted` at once, and ``run``
-  re-raises the first real error, its rank named in a note. Every wait ends in :class:`TimeoutError` (naming
-  the operation and rank) after the world's timeout.
+Collectives meet at a :class:`threading.Barrier`; each rank deposits a copy of its tensor and computes the
+result itself, reducing in rank order 0, 1, …, n-1 (16-bit floats accumulate in float32, as in the MPI
+backend), so a numpy reference adding in that order matches bit for bit. Every operation completes before
+it returns (``async_op`` is ignored). ``isend`` is buffered; ``irecv`` is bound at post time to the n-th
+message of its (src, dst, tag) channel, as MPI matches receives in posting order. When a rank raises, every
+other rank's pending wait raises :class:`WorldAborted` at once and ``run`` re-raises the first real error,
+its rank named in a note; every wait ends in :class:`TimeoutError` after the world's timeout.
 """
 
 from __future__ import annotations
@@ -48,10 +44,9 @@ class _Shared:
         """Wake every waiter of every group: barriers break, receives see the flag."""
         with self.cond:
             self.aborted.set()
-            groups = list(self.groups)
             self.cond.notify_all()
-        for group in groups:
-            group.barrier.abort()
+            for group in self.groups:
+                group.barrier.abort()
 
 
 class _Group:
@@ -60,9 +55,8 @@ class _Group:
     def __init__(self, shared: _Shared, size: int) -> None:
         self.shared, self.size, self.barrier = shared, size, threading.Barrier(size)
         self.slots: list[object] = [None] * size
-        self.sent: defaultdict[tuple[int, int, int], int] = defaultdict(int)
-        self.posted: defaultdict[tuple[int, int, int], int] = defaultdict(int)
-        self.mailbox: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self.mail: defaultdict[tuple[int, int, int], list[torch.Tensor | None]] = defaultdict(list)
+        self.posted: defaultdict[tuple[int, int, int], int] = defaultdict(int)  # receives per channel
         self.splits: dict[tuple[int, int], _Group] = {}
         with shared.cond:
             shared.groups.append(self)
@@ -73,14 +67,18 @@ class _Group:
 class _RecvHandle(Handle):
     """A posted receive: bound to the n-th message of one (src, dst, tag) channel."""
 
-    def __init__(self, comm: InProcessCommunicator, tensor: torch.Tensor, slot: tuple[int, ...]) -> None:
-        self._comm, self._tensor, self._slot, self._done = comm, tensor, slot, False
+    def __init__(
+        self, comm: InProcessCommunicator, tensor: torch.Tensor, channel: tuple[int, int, int], index: int
+    ) -> None:
+        self._comm, self._tensor, self._channel, self._index, self._done = comm, tensor, channel, index, False
 
     def _take(self) -> bool:
         """Copy the message in if it has arrived; caller holds the condition."""
-        msg = self._comm._group.mailbox.pop(self._slot, None)
-        if msg is None:
+        box = self._comm._group.mail[self._channel]
+        if len(box) <= self._index:
             return False
+        msg, box[self._index] = box[self._index], None
+        assert msg is not None
         if (msg.dtype, msg.numel()) != (self._tensor.dtype, self._tensor.numel()):
             raise ValueError(
                 f"irecv on {self._comm._label}: {msg.numel()} x {msg.dtype} sent, buffer differs"
@@ -106,7 +104,7 @@ class _RecvHandle(Handle):
                 self._comm._check_abort("irecv")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    src, _, tag, _ = self._slot
+                    src, _, tag = self._channel
                     what = f"irecv(src={src}, tag={tag}) on {self._comm._label}"
                     raise TimeoutError(f"{what} timed out after {shared.timeout_s}s")
                 shared.cond.wait(remaining)
@@ -181,9 +179,7 @@ class InProcessCommunicator(Communicator):
         self._check_peer(dst, "dst")
         msg = tensor.detach().clone()
         with self._shared.cond:
-            channel = (self._rank, dst, tag)
-            self._group.mailbox[(*channel, self._group.sent[channel])] = msg
-            self._group.sent[channel] += 1
+            self._group.mail[(self._rank, dst, tag)].append(msg)
             self._shared.cond.notify_all()
         return DoneHandle()
 
@@ -192,9 +188,9 @@ class InProcessCommunicator(Communicator):
         self._check_peer(src, "src")
         with self._shared.cond:
             channel = (src, self._rank, tag)
-            slot = (*channel, self._group.posted[channel])
+            index = self._group.posted[channel]
             self._group.posted[channel] += 1
-        return _RecvHandle(self, tensor, slot)
+        return _RecvHandle(self, tensor, channel, index)
 
     def barrier(self) -> None:
         """Wait until every rank of the (sub-)world is here."""
