@@ -172,8 +172,11 @@ class TorchDistCommunicator(Communicator):
         return self._handle(dist.irecv(self._flat(tensor), self._members[src], group=self._group, tag=tag))
 
     def barrier(self) -> None:
-        """``dist.barrier`` over the group."""
-        dist.barrier(group=self._group)
+        """``dist.barrier`` over the group (on the current device for NCCL)."""
+        if self.name == "nccl":
+            dist.barrier(group=self._group, device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier(group=self._group)
 
     def split(self, color: int, key: int | None = None) -> TorchDistCommunicator:
         """One torch group per color, members ordered by (key, rank); collective over this communicator."""
