@@ -46,7 +46,9 @@ class LegacyMLP:
         self.config = config
         self.verbose = config["verbose"]
         self.base_lr = float(config.get("lr", 0.1))
-        self.data = DigitsData(config["rank"], config["size"], int(config.get("batch_size", 32)), config["seed"])
+        self.data = DigitsData(
+            config["rank"], config["size"], int(config.get("batch_size", 32)), config["seed"]
+        )
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
         self.params = list(self.net.parameters())
         self.optimizer: torch.optim.Optimizer | None = None

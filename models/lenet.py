@@ -15,7 +15,12 @@ class LeNet(TorchModel):
     """
 
     def __init__(
-        self, dataset: str = "digits", root: str = "", channels: int = 1, image_size: int = 0, classes: int = 10
+        self,
+        dataset: str = "digits",
+        root: str = "",
+        channels: int = 1,
+        image_size: int = 0,
+        classes: int = 10,
     ) -> None:
         if dataset not in ("digits", "mnist"):
             raise ValueError(f"dataset must be digits or mnist, got {dataset!r}")
@@ -34,7 +39,7 @@ class LeNet(TorchModel):
             nn.Linear(84, self.classes),
         )  # fmt: skip
 
-    def data(self, shard: Shard):  # noqa: ANN201 - a DataClass
+    def data(self, shard: Shard):
         """This rank's share of the digits or of MNIST."""
         if self.dataset == "mnist":
             from data.idx import MNIST

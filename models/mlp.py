@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from torch import nn
 
 from data.digits import Digits
@@ -20,7 +22,7 @@ class MLP(TorchModel):
         """A fresh replica."""
         widths = [self.inputs] + [self.hidden] * self.layers
         body: list[nn.Module] = [nn.Flatten()]
-        for a, b in zip(widths, widths[1:]):
+        for a, b in itertools.pairwise(widths):
             body += [nn.Linear(a, b), nn.ReLU()]
         return nn.Sequential(*body, nn.Linear(widths[-1], self.classes))
 

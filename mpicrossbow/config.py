@@ -52,7 +52,9 @@ class SessionSection:
         "auto", "rank 0 console output: a tqdm bar on a terminal, log lines otherwise"
     )
     log_level: Literal["debug", "info", "warning"] = setting("info", "log level of rank 0 (others: warning)")
-    threads: int = setting(0, "torch threads per rank (0: the cores this rank may use / ranks on the node)", ge=0)
+    threads: int = setting(
+        0, "torch threads per rank (0: the cores this rank may use / ranks on the node)", ge=0
+    )
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ class OptimSection:
     nesterov: bool = setting(False, "Nesterov momentum")
     schedule: Literal["none", "step", "multistep"] = setting("none", "learning-rate schedule")
     step_epochs: int = setting(30, "step schedule: multiply by gamma every N epochs", ge=1)
-    milestones: tuple[int, ...] = setting((), "multistep schedule: epochs at which to multiply by gamma", ge=1)
+    milestones: tuple[int, ...] = setting(
+        (), "multistep schedule: epochs at which to multiply by gamma", ge=1
+    )
     gamma: float = setting(0.1, "decay factor of step/multistep", gt=0, le=1)
     warmup_epochs: float = setting(0.0, "linear warm-up from lr/10 over this many epochs", ge=0)
 
@@ -224,7 +228,9 @@ def from_raw(raw: Mapping[str, Mapping[str, Any]], source: str) -> Config:
     for key in top:
         if key not in TOP_KEYS:
             valid = ", ".join(k.upper() for k in TOP_KEYS)
-            raise ConfigError(f"unknown key '{key.upper()}' before the first section; valid bare keys: {valid}")
+            raise ConfigError(
+                f"unknown key '{key.upper()}' before the first section; valid bare keys: {valid}"
+            )
     for key in TOP_KEYS:
         if not str(top.get(key, "")).strip():
             raise ConfigError(f"missing required key {key.upper()} (a bare key before the first section)")

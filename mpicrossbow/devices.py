@@ -38,10 +38,14 @@ class DeviceSpec:
         if self.kind == "cpu":
             return torch.device("cpu")
         if not torch.cuda.is_available():
-            raise ConfigError(f"DEVICES: {self} requested but CUDA is not available (torch {torch.__version__})")
+            raise ConfigError(
+                f"DEVICES: {self} requested but CUDA is not available (torch {torch.__version__})"
+            )
         index = self.index or 0
         if index >= torch.cuda.device_count():
-            raise ConfigError(f"DEVICES: {self} requested but only {torch.cuda.device_count()} CUDA devices exist")
+            raise ConfigError(
+                f"DEVICES: {self} requested but only {torch.cuda.device_count()} CUDA devices exist"
+            )
         return torch.device("cuda", index)
 
 

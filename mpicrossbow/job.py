@@ -15,7 +15,7 @@ import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from .config import TOP, Config, load_config
 from .env import detect_launcher, detect_world
@@ -64,7 +64,7 @@ class InWorldJob(Job):
         try:
             result = self.session.run()
             self.session.close()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             abort(self.world, exc, self.session.run_dir)
         return result
 
@@ -78,7 +78,9 @@ class SpawnedJob(Job):
         with tempfile.NamedTemporaryFile("w", suffix=".cfg", prefix="rule-init-", dir=out, delete=False) as f:
             f.write(config.to_ini())
         self.cfg_path = Path(f.name)
-        self.proc = subprocess.Popen([sys.executable, "-m", "mpicrossbow.launcher", "-cfg", str(self.cfg_path)])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mpicrossbow.launcher", "-cfg", str(self.cfg_path)]
+        )
 
     def wait(self) -> int:
         """Wait for the job; 0 on success, JobFailed otherwise (Ctrl-C stops the job and re-raises)."""
@@ -97,7 +99,7 @@ class SpawnedJob(Job):
 
 def start_job(
     rule: Rule,
-    devices: Union[list[str], str],
+    devices: list[str] | str,
     modelfile: str,
     modelclass: str,
     cfg: str | None,
@@ -113,8 +115,12 @@ def start_job(
         registered = False
     if not registered:
         name = f"{type(rule).__module__}:{type(rule).__qualname__}"
-    top = {"rule": name, "modelfile": modelfile, "modelclass": modelclass,
-           "devices": devices if isinstance(devices, str) else ",".join(devices)}
+    top = {
+        "rule": name,
+        "modelfile": modelfile,
+        "modelclass": modelclass,
+        "devices": devices if isinstance(devices, str) else ",".join(devices),
+    }
     extra = {TOP: top, **{k: dict(v) for k, v in sections.items()}, "rule": dataclasses.asdict(rule.hyper)}
     config = load_config(cfg, extra=extra)
     if detect_launcher() is not None:

@@ -86,12 +86,16 @@ def run_rank(config: Config, rule: Any = None) -> int:
         session.prepare_collective()
         result = session.run()
         session.close()
-    except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
+    except BaseException as exc:
         abort(world, exc, session.run_dir)
     if world.rank == 0:
         log.info(
             "done: %d epoch(s), %d step(s), val accuracy %.4f, %.1f s (exchange %.1f s), results in %s",
-            result.epochs, result.steps, result.val_accuracy, result.wall_seconds, result.exchange_seconds,
+            result.epochs,
+            result.steps,
+            result.val_accuracy,
+            result.wall_seconds,
+            result.exchange_seconds,
             result.run_dir,
         )
     return 0

@@ -13,7 +13,8 @@ Subclassing :class:`TorchModel` gives the defaults, but any class with these mem
 **Theano-MPI form** (compatibility). ``MODELCLASS(config)`` receives a dict (rank, size, device, seed,
 batch_size, lr, verbose and the ``[model]`` keys) and has ``params`` (a list of tensors the rule exchanges),
 ``data`` (with ``n_batch_train`` and ``n_batch_val``), ``compile_iter_fns()``, ``train_iter(count, recorder)``
-(one step including its own update), ``val_iter(count, recorder)``, ``adjust_hyperp(epoch)`` and ``cleanup()``.
+(one step including its own update), ``val_iter(count, recorder)``, ``adjust_hyperp(epoch)`` and
+``cleanup()``.
 
 A DataClass has ``n_batch_train`` and ``n_batch_val`` and, in the torch-native form, ``train_batches(epoch)``
 and ``val_batches()`` iterators of ``(inputs, targets)``.
@@ -60,7 +61,11 @@ class TorchModel:
     def optimizer(self, params: Any, optim: OptimSection) -> torch.optim.Optimizer:
         """The local optimizer of one replica; SGD with ``[optim]``'s lr, momentum and weight decay."""
         return torch.optim.SGD(
-            params, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay, nesterov=optim.nesterov
+            params,
+            lr=optim.lr,
+            momentum=optim.momentum,
+            weight_decay=optim.weight_decay,
+            nesterov=optim.nesterov,
         )
 
     def correct(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor | int:
@@ -90,7 +95,7 @@ def _import_module(modelfile: str) -> Any:
                 f"MODELFILE '{modelfile}': module not found (run from the folder that holds it, "
                 f"or give a path to a .py file); working directory: {os.getcwd()}"
             ) from None
-        raise ContractError(f"MODELFILE '{modelfile}' imports '{exc.name}', which is not installed") from None
+        raise
 
 
 def load_model_class(modelfile: str, modelclass: str) -> type:
@@ -99,15 +104,24 @@ def load_model_class(modelfile: str, modelclass: str) -> type:
         module = _import_module(modelfile)
     except ContractError:
         raise
+    except ModuleNotFoundError as exc:
+        raise ContractError(f"MODELFILE '{modelfile}' imports '{exc.name}', which is not installed") from None
     except SyntaxError as exc:
-        raise ContractError(f"MODELFILE '{modelfile}': syntax error in {exc.filename} line {exc.lineno}: {exc.msg}")
+        raise ContractError(
+            f"MODELFILE '{modelfile}': syntax error in {exc.filename} line {exc.lineno}: {exc.msg}"
+        ) from None
     except Exception as exc:
-        raise ContractError(f"MODELFILE '{modelfile}' failed to import: {type(exc).__name__}: {exc}") from None
+        raise ContractError(
+            f"MODELFILE '{modelfile}' failed to import: {type(exc).__name__}: {exc}"
+        ) from None
     cls = getattr(module, modelclass, None)
     if not isinstance(cls, type):
-        found = sorted(n for n, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__)
+        found = sorted(
+            n for n, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__
+        )
         raise ContractError(
-            f"MODELCLASS '{modelclass}' not found in {modelfile}; classes there: {', '.join(found) or '(none)'}"
+            f"MODELCLASS '{modelclass}' not found in {modelfile}; "
+            f"classes there: {', '.join(found) or '(none)'}"
         )
     return cls
 
@@ -117,7 +131,9 @@ def contract_form(cls: type) -> Literal["torch", "theano"]:
     if any(hasattr(cls, m) for m in ("train_iter", "compile_iter_fns")):
         missing = [m for m in THEANO_METHODS if not callable(getattr(cls, m, None))]
         if missing:
-            raise ContractError(f"{cls.__name__} (Theano-MPI form) is missing method(s): {', '.join(missing)}")
+            raise ContractError(
+                f"{cls.__name__} (Theano-MPI form) is missing method(s): {', '.join(missing)}"
+            )
         return "theano"
     missing = [m for m in TORCH_MEMBERS if not callable(getattr(cls, m, None))]
     if missing:

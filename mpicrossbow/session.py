@@ -79,11 +79,19 @@ class Session:
             self.rule = RULES.get(cfg.rule)(**cfg.rule_params)
         cls = load_model_class(cfg.modelfile, cfg.modelclass)
         form = contract_form(cls)
-        torch.manual_seed(cfg.session.seed)  # same initial replicas everywhere (rank 0's are broadcast anyway)
+        torch.manual_seed(
+            cfg.session.seed
+        )  # same initial replicas everywhere (rank 0's are broadcast anyway)
         if form == "torch":
             model = _construct(cls, call_kwargs(cls, cfg.model_params, "model"))
             self.pool = SerialPool(
-                model, world.rank, world.size, cfg.data.batch_size, cfg.optim, self.device, seed=cfg.session.seed
+                model,
+                world.rank,
+                world.size,
+                cfg.data.batch_size,
+                cfg.optim,
+                self.device,
+                seed=cfg.session.seed,
             )
         else:
             model = _construct(cls, {**self._theano_config(), **cfg.model_params}, positional=True)
@@ -91,7 +99,12 @@ class Session:
         torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
         log.info(
             "%s model %s from %s on %s, %d thread(s), %d step(s) per epoch",
-            form, cfg.modelclass, cfg.modelfile, self.device, threads, self.pool.n_batch_train,
+            form,
+            cfg.modelclass,
+            cfg.modelfile,
+            self.device,
+            threads,
+            self.pool.n_batch_train,
         )
 
     def _theano_config(self) -> dict[str, Any]:
@@ -122,12 +135,19 @@ class Session:
             self.metrics = MetricsWriter(
                 self.run_dir / "metrics.h5", text, {"world_size": world.size, "rule": cfg.rule}
             )
-            log.info("run folder %s; %d rank(s), rule %s, comm %s", self.run_dir, world.size, cfg.rule,
-                     self.comm.name)
+            log.info(
+                "run folder %s; %d rank(s), rule %s, comm %s",
+                self.run_dir,
+                world.size,
+                cfg.rule,
+                self.comm.name,
+            )
 
     def _make_run_dir(self) -> Path:
         cfg = self.config
-        name = cfg.session.name or f"{cfg.modelclass}-{cfg.rule.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}"
+        name = (
+            cfg.session.name or f"{cfg.modelclass}-{cfg.rule.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
         base = Path(cfg.session.output) / name
         path, n = base, 1
         while path.exists() and (path / "metrics.h5").exists():  # never overwrite an earlier run's results
@@ -185,8 +205,15 @@ class Session:
         if bar is not None:
             bar.close()
         result = RunResult(
-            run_dir=str(self.run_dir), epochs=epochs, steps=step, train_loss=train[0], train_accuracy=train[1],
-            val_loss=val[0], val_accuracy=val[1], wall_seconds=wall, exchange_seconds=exchange_s,
+            run_dir=str(self.run_dir),
+            epochs=epochs,
+            steps=step,
+            train_loss=train[0],
+            train_accuracy=train[1],
+            val_loss=val[0],
+            val_accuracy=val[1],
+            wall_seconds=wall,
+            exchange_seconds=exchange_s,
             samples_per_second=samples / wall if wall > 0 else 0.0,
         )
         if self.metrics is not None:
@@ -201,14 +228,28 @@ class Session:
 
     def _progress(self, total: int) -> Any:
         mode = self.config.session.progress
-        if self.world.rank != 0 or mode == "off" or (mode == "auto" and not sys.stderr.isatty()) or mode == "log":
+        if (
+            self.world.rank != 0
+            or mode == "off"
+            or (mode == "auto" and not sys.stderr.isatty())
+            or mode == "log"
+        ):
             return None
         from tqdm import tqdm
 
         return tqdm(total=total, unit="step", dynamic_ncols=True, leave=True)
 
-    def _report(self, epoch: int, step: int, lr: float, train: tuple[float, float],
-                val: tuple[float, float] | None, wall: float, exchange_s: float, bar: Any) -> None:
+    def _report(
+        self,
+        epoch: int,
+        step: int,
+        lr: float,
+        train: tuple[float, float],
+        val: tuple[float, float] | None,
+        wall: float,
+        exchange_s: float,
+        bar: Any,
+    ) -> None:
         if self.world.rank != 0:
             return
         share = exchange_s / wall if wall > 0 else 0.0
@@ -218,8 +259,9 @@ class Session:
         if val is not None:
             text += f" | val loss {val[0]:.4f} acc {val[1]:.4f}"
             if self.metrics is not None:
-                self.metrics.val(epoch=epoch + 1, step=step, loss=val[0], accuracy=val[1], time=wall,
-                                 exchange_share=share)
+                self.metrics.val(
+                    epoch=epoch + 1, step=step, loss=val[0], accuracy=val[1], time=wall, exchange_share=share
+                )
         text += f" | lr {lr:.4g} | {wall:.1f}s, exchange {share:.0%}"
         if bar is not None:
             if val is not None:

@@ -54,7 +54,7 @@ def _describe(tp: Any) -> str:
 
 
 def coerce(value: Any, tp: Any, where: str) -> Any:
-    """Convert ``value`` (a cfg string or a Python value) to annotation ``tp``; ConfigError names ``where``."""
+    """Convert ``value`` (a cfg string or a Python value) to annotation ``tp``; errors name ``where``."""
     origin = typing.get_origin(tp)
     bad = ConfigError(f"{where}: expected {_describe(tp)}, got {value!r}")
     if origin in (Union, types.UnionType):
@@ -74,7 +74,9 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         choices = typing.get_args(tp)
         text = value.strip() if isinstance(value, str) else value
         for choice in choices:
-            if text == choice or (isinstance(text, str) and isinstance(choice, str) and text.lower() == choice):
+            if text == choice or (
+                isinstance(text, str) and isinstance(choice, str) and text.lower() == choice
+            ):
                 return choice
         raise ConfigError(f"{where}: {value!r} is not valid; choose one of {', '.join(map(str, choices))}")
     if origin is tuple:
@@ -193,5 +195,8 @@ def describe_fields(cls: type) -> list[tuple[str, str, Any, str]]:
     rows = []
     for f in dataclasses.fields(cls):
         default = None if f.default is dataclasses.MISSING else f.default
-        rows.append((f.name, _describe(hints[f.name]), default, f.metadata.get("help", "")))
+        signs = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
+        bounds = ", ".join(f"{signs[k]} {f.metadata[k]}" for k in signs if k in f.metadata)
+        kind = _describe(hints[f.name]) + (f" ({bounds})" if bounds else "")
+        rows.append((f.name, kind, default, f.metadata.get("help", "")))
     return rows

@@ -30,7 +30,7 @@ def train_bsp(size: int, mode: str) -> list[np.ndarray]:
     pools = [make_pool(r, size) for r in range(size)]
     initial = pools[0].learners[0].params.clone()
 
-    def body(comm):  # noqa: ANN001, ANN202
+    def body(comm):
         pool = pools[comm.rank]
         rule = BSP(mode=mode).bind(comm, pool)
         pool.start_epoch(0)
@@ -50,8 +50,9 @@ def union_reference(size: int) -> np.ndarray:
     """One process, one replica (rank 0's initial weights), each step on the concatenated rank batches."""
     pools = [make_pool(r, size) for r in range(size)]
     module = copy.deepcopy(pools[0].learners[0].module)
-    opt = torch.optim.SGD(module.parameters(), lr=OPTIM.lr, momentum=OPTIM.momentum,
-                          weight_decay=OPTIM.weight_decay)
+    opt = torch.optim.SGD(
+        module.parameters(), lr=OPTIM.lr, momentum=OPTIM.momentum, weight_decay=OPTIM.weight_decay
+    )
     iters = [iter(p.datas[0].train_batches(0)) for p in pools]
     for _ in range(STEPS):
         batches = [next(it) for it in iters]
@@ -94,5 +95,5 @@ def test_avg_mode_equals_local_steps_then_numpy_mean(size: int) -> None:
 def test_bsp_rejects_unknown_mode() -> None:
     from mpicrossbow.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="mode.*grad"):
+    with pytest.raises(ConfigError, match=r"mode.*grad"):
         BSP(mode="sum")

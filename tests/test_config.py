@@ -22,10 +22,15 @@ def test_theano_mpi_bare_keys_and_defaults() -> None:
 
 
 def test_sections_types_and_overrides() -> None:
-    text = BASE + "[optim]\nlr = 0.5\nschedule = multistep\nmilestones = 3, 6\nnesterov = yes\n[model]\nhidden=7\n"
+    text = (
+        BASE
+        + "[optim]\nlr = 0.5\nschedule = multistep\nmilestones = 3, 6\nnesterov = yes\n[model]\nhidden=7\n"
+    )
     cfg = load_config(text=text)
     assert cfg.optim.milestones == (3, 6) and cfg.optim.nesterov is True
-    cfg = load_config(text=text, overrides=["optim.lr=0.25", "session.epochs=3", "RULE=bsp", "model.hidden=9"])
+    cfg = load_config(
+        text=text, overrides=["optim.lr=0.25", "session.epochs=3", "RULE=bsp", "model.hidden=9"]
+    )
     assert cfg.optim.lr == 0.25 and cfg.session.epochs == 3 and cfg.rule == "BSP"
     assert cfg.model_params == {"hidden": "9"}
 
@@ -47,12 +52,24 @@ def test_resolved_config_round_trips() -> None:
         (BASE + "[optim]\nnesterov=maybe\n", [], r"\[optim\] nesterov: expected true or false"),
         (BASE + "[optim]\nlr=-1\n", [], r"\[optim\] lr: -1.0 is out of range; must be > 0"),
         (BASE + "[optim]\nmomentum=1\n", [], r"momentum: 1.0 is out of range; must be < 1"),
-        (BASE + "[optim]\nschedule=cosine\n", [], r"schedule: 'cosine' is not valid; choose one of none, step"),
+        (
+            BASE + "[optim]\nschedule=cosine\n",
+            [],
+            r"schedule: 'cosine' is not valid; choose one of none, step",
+        ),
         (BASE + "[optim]\nschedule=multistep\n", [], r"multistep needs milestones"),
-        (BASE + "[comm]\nbackend=tcp\n", [], r"backend: 'tcp' is not valid; choose one of auto, mpi, gloo, nccl"),
+        (
+            BASE + "[comm]\nbackend=tcp\n",
+            [],
+            r"backend: 'tcp' is not valid; choose one of auto, mpi, gloo, nccl",
+        ),
         (BASE.replace("MODELCLASS=MLP\n", ""), [], r"missing required key MODELCLASS"),
         (BASE.replace("RULE=BSP", "RULE=BPS"), [], r"unknown rule 'BPS'; valid: BSP"),
-        (BASE + "[rule]\nmode=sum\n", [], r"\[rule\] mode: 'sum' is not valid; choose one of auto, grad, avg"),
+        (
+            BASE + "[rule]\nmode=sum\n",
+            [],
+            r"\[rule\] mode: 'sum' is not valid; choose one of auto, grad, avg",
+        ),
         (BASE + "[rule]\nalpha=1\n", [], r"\[rule\] unknown key 'alpha'; valid keys: mode"),
         (BASE.replace("cpu0,cpu1", "gpu0"), [], r"DEVICES: unknown device 'gpu0'; valid forms: cudaN, cpu"),
         (BASE, ["optim.lr"], r"override 'optim.lr': expected section.key=value"),
@@ -79,9 +96,11 @@ def test_devices_forms_and_rank_mapping() -> None:
     specs = parse_devices("nodeA:cuda0,cuda1 nodeB:cuda0")
     assert [str(s) for s in specs] == ["nodeA:cuda0", "nodeA:cuda1", "nodeB:cuda0"]
     assert device_for_rank(parse_devices("localhost:cpu0,cpu1"), 1, 2) == DeviceSpec("cpu", 1, "localhost")
-    with pytest.raises(ConfigError, match=r"DEVICES lists 2 device\(s\) \(cpu0,cpu1\) but the job has 4 rank"):
+    with pytest.raises(
+        ConfigError, match=r"DEVICES lists 2 device\(s\) \(cpu0,cpu1\) but the job has 4 rank"
+    ):
         device_for_rank(parse_devices("cpu0,cpu1"), 0, 4)
-    with pytest.raises(ConfigError, match="rank 0 is on host .* but its entry is no-such-host-x:cpu0"):
+    with pytest.raises(ConfigError, match=r"rank 0 is on host .* but its entry is no-such-host-x:cpu0"):
         device_for_rank(parse_devices("no-such-host-x:cpu0"), 0, 1)
 
 

@@ -37,8 +37,18 @@ def only_run(out: Path) -> Path:
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_default_job_reaches_95_percent(mpiexec: str, tmp_path: Path, ranks: int) -> None:
     start = time.monotonic()
-    proc = run_mpi(mpiexec, ranks, [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}",
-                                     f"DEVICES={','.join(f'cpu{i}' for i in range(ranks))}"], timeout=120)
+    proc = run_mpi(
+        mpiexec,
+        ranks,
+        [
+            *launcher(),
+            "-cfg",
+            "launch/digits.cfg",
+            f"session.output={tmp_path}",
+            f"DEVICES={','.join(f'cpu{i}' for i in range(ranks))}",
+        ],
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = only_run(tmp_path)
@@ -52,9 +62,14 @@ def test_default_job_reaches_95_percent(mpiexec: str, tmp_path: Path, ranks: int
 
 def test_theano_style_cfg_runs_unchanged_and_starts_its_own_job(tmp_path: Path) -> None:
     """Bare keys only, DEVICES=cpu0,cpu1, no mpiexec: crossbow-launch starts the 2-rank job itself."""
-    proc = subprocess.run([*launcher(), "-cfg", str(REPO / "launch/theano_style.cfg"),
-                           f"session.output={tmp_path}"], cwd=REPO, env=mpi_env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [*launcher(), "-cfg", str(REPO / "launch/theano_style.cfg"), f"session.output={tmp_path}"],
+        cwd=REPO,
+        env=mpi_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(only_run(tmp_path) / "metrics.h5")
     assert metrics["attrs"]["world_size"] == 2
@@ -80,7 +95,7 @@ def test_rule_init_wait_in_mpi_equals_one_process_on_union_of_batches(mpiexec: s
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-FAILING_MODEL = '''
+FAILING_MODEL = """
 from torch import nn
 from models.mlp import MLP
 
@@ -100,15 +115,26 @@ class FailingMLP(MLP):
     def data(self, shard):
         self.rank = shard.rank
         return super().data(shard)
-'''
+"""
 
 
 def test_rank_that_raises_ends_the_whole_job_naming_it(mpiexec: str, tmp_path: Path) -> None:
     model = tmp_path / "failing.py"
     model.write_text(FAILING_MODEL)
     start = time.monotonic()
-    proc = run_mpi(mpiexec, 2, [*launcher(), "-cfg", "launch/digits.cfg", f"MODELFILE={model}",
-                                "MODELCLASS=FailingMLP", f"session.output={tmp_path}"], timeout=60)
+    proc = run_mpi(
+        mpiexec,
+        2,
+        [
+            *launcher(),
+            "-cfg",
+            "launch/digits.cfg",
+            f"MODELFILE={model}",
+            "MODELCLASS=FailingMLP",
+            f"session.output={tmp_path}",
+        ],
+        timeout=60,
+    )
     assert time.monotonic() - start < 30
     assert proc.returncode != 0
     assert "rank 1 of 2" in proc.stderr and "RuntimeError: injected failure in forward" in proc.stderr
@@ -129,10 +155,22 @@ def test_bad_input_under_mpi_exits_2_before_training(
 ) -> None:
     bad = tmp_path / "broken.py"
     bad.write_text("import torch\ndef broken(:\n    pass\n")
-    proc = run_mpi(mpiexec, ranks, [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}/runs",
-                                    *(a.format(bad=bad) for a in args)], timeout=60)
+    proc = run_mpi(
+        mpiexec,
+        ranks,
+        [
+            *launcher(),
+            "-cfg",
+            "launch/digits.cfg",
+            f"session.output={tmp_path}/runs",
+            *(a.format(bad=bad) for a in args),
+        ],
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and errors[0].startswith(f"crossbow-launch: error: {message.format(bad=bad)}"), errors
+    assert len(errors) == 1 and errors[0].startswith(f"crossbow-launch: error: {message.format(bad=bad)}"), (
+        errors
+    )
     assert "epoch" not in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()

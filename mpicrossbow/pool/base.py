@@ -45,11 +45,14 @@ class LearnerPool(ABC):
 
     @abstractmethod
     def validate(self, params: torch.Tensor | None = None) -> tuple[float, float, float]:
-        """(loss sum, hits, samples) over this rank's validation shard, with learner 0's weights or ``params``."""
+        """(loss sum, hits, samples) over this rank's validation shard with learner 0's weights or ``params``.
+
+        ``params`` (a flat buffer such as a centre variable) is swapped in for the evaluation only.
+        """
 
     @abstractmethod
     def take_stats(self) -> tuple[float, float, float]:
         """(loss sum, hits, samples) of training since the last call, summed over learners."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Release data files and model resources."""

@@ -26,16 +26,18 @@ class Learner:
         self.module = module.to(device)
         self.param_list = [p for p in self.module.parameters() if p.requires_grad]
         if not self.param_list:
-            raise ContractError(f"{type(model).__name__}.module() returned a network with no trainable parameters")
+            raise ContractError(
+                f"{type(model).__name__}.module() returned a network with no trainable parameters"
+            )
         dtypes = {p.dtype for p in self.param_list}
         if len(dtypes) > 1:
-            raise ContractError(f"{type(model).__name__}: all parameters must share one dtype, found {dtypes}")
+            raise ContractError(
+                f"{type(model).__name__}: all parameters must share one dtype, found {dtypes}"
+            )
         self.params = flatten_into_buffer(self.param_list)
         self.grads = attach_flat_grads(self.param_list, self.params)
         float_buffers = [b for b in self.module.buffers() if b.is_floating_point()]
-        self.buffers = (
-            flatten_into_buffer(float_buffers) if float_buffers else torch.zeros(0, device=device)
-        )
+        self.buffers = flatten_into_buffer(float_buffers) if float_buffers else torch.zeros(0, device=device)
         self.optimizer = model.optimizer(self.param_list, optim)
         self._stats = torch.zeros(3, dtype=torch.float64, device=device)
 
@@ -49,7 +51,9 @@ class Learner:
         loss = self.model.loss(output, targets)
         loss.backward()
         with torch.no_grad():
-            hits = torch.as_tensor(self.model.correct(output, targets), dtype=torch.float64, device=self.device)
+            hits = torch.as_tensor(
+                self.model.correct(output, targets), dtype=torch.float64, device=self.device
+            )
             n = torch.tensor(float(len(targets)), dtype=torch.float64, device=self.device)
             self._stats += torch.stack([loss.detach().double() * n, hits, n])
 

@@ -54,7 +54,7 @@ class SerialPool(LearnerPool):
 
     def compute(self, count: int) -> None:
         """Forward and backward of each learner on its next batch."""
-        for learner, batches in zip(self.learners, self._iters):
+        for learner, batches in zip(self.learners, self._iters, strict=True):
             try:
                 inputs, targets = next(batches)
             except StopIteration:
@@ -76,7 +76,7 @@ class SerialPool(LearnerPool):
     def take_stats(self) -> tuple[float, float, float]:
         """Training stats summed over learners."""
         totals = [learner.take_stats() for learner in self.learners]
-        return tuple(sum(col) for col in zip(*totals))  # type: ignore[return-value]
+        return tuple(sum(col) for col in zip(*totals, strict=True))  # type: ignore[return-value]
 
     def validate(self, params: torch.Tensor | None = None) -> tuple[float, float, float]:
         """Evaluate learner 0 (or ``params`` loaded into it) on every learner's validation shard."""
@@ -90,4 +90,4 @@ class SerialPool(LearnerPool):
         finally:
             if saved is not None:
                 learner.params.copy_(saved)
-        return tuple(sum(col) for col in zip(*totals))  # type: ignore[return-value]
+        return tuple(sum(col) for col in zip(*totals, strict=True))  # type: ignore[return-value]

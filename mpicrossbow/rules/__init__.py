@@ -1,4 +1,4 @@
-"""Exchange rules. Import a rule by name through :data:`RULES`, or directly: ``from mpicrossbow.rules import BSP``."""
+"""Exchange rules: look one up by name in :data:`RULES`, or import one (``from mpicrossbow import BSP``)."""
 
 from .base import Rule
 from .bsp import BSP

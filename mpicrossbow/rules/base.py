@@ -98,7 +98,7 @@ class Rule:
         return self.comm.size * len(self.pool.learners)
 
     def average(self, attr: str) -> None:
-        """Set ``attr`` (``params``, ``grads`` or ``buffers``) of every learner to the mean over all k learners.
+        """Set ``attr`` (``params``, ``grads`` or ``buffers``) of every learner to the mean over all k.
 
         Learners of this rank are summed locally first, then one allreduce crosses ranks.
         """
@@ -123,7 +123,7 @@ class Rule:
         cfg: str | None = None,
         **sections: Mapping[str, Any],
     ) -> Rule:
-        """Start training with this rule: ``rule.init(devices=['cpu0','cpu1'], modelfile=..., modelclass=...)``.
+        """Start training: ``rule.init(devices=['cpu0', 'cpu1'], modelfile=..., modelclass=...)``.
 
         ``sections`` hold cfg sections as dicts (``session={'epochs': 3}, optim={'lr': 0.05}``), on top of
         ``cfg`` if given. Inside an MPI job this joins the running world and prepares the session; run from

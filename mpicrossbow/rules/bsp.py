@@ -37,7 +37,8 @@ class BSP(Rule):
         """BSP hyper-parameters."""
 
         mode: Literal["auto", "grad", "avg"] = setting(
-            "auto", "grad: average gradients; avg: average parameters after local steps; auto: grad if possible"
+            "auto",
+            "grad: average gradients; avg: average parameters after local steps; auto: grad if possible",
         )
 
     name = "BSP"

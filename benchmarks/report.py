@@ -1,0 +1,93 @@
+"""What every benchmark shares: re-launching itself under MPI, describing the machine, writing results.
+
+Results are appended to ``benchmarks/results/<name>.md`` with the date, the exact command, library versions
+and a hostname-free machine description, so a figure can always be traced to how it was measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+def under_mpi() -> bool:
+    """True when an MPI launcher started this process."""
+    return any(v in os.environ for v in LAUNCHER_VARS)
+
+
+def relaunch(script: str, ranks: int, argv: list[str], timeout_s: float = 1800) -> int:
+    """Run ``script argv`` again under the mpiexec next to the interpreter (else on PATH); its exit status."""
+    here = Path(sys.executable).parent
+    launcher = next((str(here / n) for n in ("mpiexec", "mpirun") if (here / n).exists()), None)
+    launcher = launcher or shutil.which("mpiexec") or shutil.which("mpirun")
+    if launcher is None:
+        sys.exit("no mpiexec next to the interpreter or on PATH; run under your MPI launcher")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
+    env["MPICROSSBOW_BENCH_COMMAND"] = " ".join(["python", Path(script).relative_to(REPO).as_posix(), *argv])
+    cmd = [launcher, "-n", str(ranks), sys.executable, str(script), *argv]
+    return subprocess.run(cmd, env=env, timeout=timeout_s).returncode
+
+
+def command() -> str:
+    """The command line the user typed (as passed down by :func:`relaunch`)."""
+    return os.environ.get("MPICROSSBOW_BENCH_COMMAND") or " ".join(["python", *sys.argv])
+
+
+def machine() -> str:
+    """CPU model and core counts, without the hostname."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (
+        f"{model}, {os.cpu_count()} logical cores ({usable} usable), {platform.system()} "
+        f"{platform.machine()}; 1-minute load average {load:.1f} at the end of the run "
+        "(a shared machine: compare ratios, not times)"
+    )
+
+
+def versions() -> str:
+    """Python, torch, mpi4py and MPI library versions."""
+    import mpi4py
+    import torch
+    from mpi4py import MPI
+
+    mpi = MPI.Get_library_version().splitlines()[0].strip()
+    return (
+        f"Python {platform.python_version()}, torch {torch.__version__}, mpi4py {mpi4py.__version__}, {mpi}"
+    )
+
+
+def append_result(name: str, title: str, table: str, notes: str = "") -> Path:
+    """Append one dated section (command, versions, machine, table) to ``results/<name>.md``."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    body = (
+        f"\n## {title} — {stamp}\n\n- command: `{command()}`\n- versions: {versions()}\n"
+        f"- machine: {machine()}\n\n{table}\n"
+    )
+    if notes:
+        body += f"\n{notes}\n"
+    with path.open("a", encoding="utf-8") as f:
+        if f.tell() == 0:
+            f.write(f"# {name} benchmark results\n")
+        f.write(body)
+    return path
