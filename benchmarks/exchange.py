@@ -13,25 +13,19 @@ date, command, versions and CPU, to benchmarks/results/exchange.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results" / "exchange.md"
-#: Variables an MPI launcher sets in its ranks; without any of them this is a plain process.
-LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.report import append_result, relaunch, under_mpi
+
 RAW = "raw mpi4py Allreduce, numpy array"
 RAW_TORCH = "raw mpi4py Allreduce, torch-allocated memory"
 FW_TORCH = "framework MPICommunicator.allreduce, torch tensor"
-FW_NUMPY = "framework MPICommunicator.allreduce, numpy-allocated tensor"
+FW_NUMPY = "framework MPICommunicator.allreduce, a learner's flat buffer (numpy-allocated)"
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,49 +36,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=20, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--ranks", type=int, default=2, help="ranks when re-launching under mpiexec")
-    parser.add_argument("--output", type=Path, default=RESULTS, help="markdown file to append to")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
     return parser.parse_args()
-
-
-def relaunch(args: argparse.Namespace) -> int:
-    """Run this script again under the mpiexec next to the interpreter (else on PATH); return its status."""
-    here = Path(sys.executable).parent
-    launcher = next((str(here / n) for n in ("mpiexec", "mpirun") if (here / n).exists()), None)
-    launcher = launcher or shutil.which("mpiexec") or shutil.which("mpirun")
-    if launcher is None:
-        sys.exit("no mpiexec next to the interpreter or on PATH; run under your MPI launcher")
-    command = [launcher, "-n", str(args.ranks), sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    )
-    env["MPICROSSBOW_BENCH_COMMAND"] = " ".join(["python", *sys.argv])
-    return subprocess.run(command, env=env, timeout=1800).returncode
-
-
-def machine() -> str:
-    """CPU model and core counts, without the hostname."""
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (
-        f"{model}, {os.cpu_count()} logical cores ({usable} usable), {platform.system()} "
-        f"{platform.machine()}; 1-minute load average {load:.1f} at the end of the run (a shared machine)"
-    )
 
 
 def main() -> int:
     args = parse_args()
-    if not any(v in os.environ for v in LAUNCHER_VARS):
-        return relaunch(args)
-    sys.path.insert(0, str(REPO))
-    import mpi4py
+    if not under_mpi():
+        return relaunch(__file__, args.ranks, sys.argv[1:])
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -92,6 +51,7 @@ def main() -> int:
 
     from mpicrossbow.comm.mpi import MPICommunicator
     from mpicrossbow.comm.torchdist import TorchDistCommunicator
+    from mpicrossbow.pool.flat import empty_flat
 
     world = MPI.COMM_WORLD
     framework = MPICommunicator(world)
@@ -100,7 +60,7 @@ def main() -> int:
     # Buffers per method. numpy asks the kernel for transparent huge pages on large arrays, torch's allocator
     # does not, and that alone moves MPI's time by several percent: so both framework and raw mpi4py are
     # measured on both kinds of memory, and the like-for-like ratios isolate what the framework adds.
-    fw_torch, fw_numpy = torch.ones(numel), torch.from_numpy(np.ones(numel, dtype=np.float32))
+    fw_torch, fw_numpy = torch.ones(numel), empty_flat(numel, torch.device("cpu"), torch.float32).fill_(1)
     raw_numpy, raw_torch = np.ones(numel, dtype=np.float32), torch.ones(numel).numpy()
     gloo_tensor, src, dst = torch.ones(numel), torch.ones(numel), torch.empty(numel)
 
@@ -162,31 +122,11 @@ def main() -> int:
     table = "\n".join(rows)
     print(f"{table}\n\n{summary}", flush=True)
 
-    script = Path(__file__).resolve().relative_to(REPO)
-    command = os.environ.get("MPICROSSBOW_BENCH_COMMAND") or " ".join(
-        ["mpiexec", "-n", str(world.Get_size()), "python", str(script), *sys.argv[1:]]
-    )
-    mpi_version = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
-    record = [
-        f"## {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
-        "",
-        f"- command: `{command}`",
-        f"- versions: Python {platform.python_version()}, torch {torch.__version__}, "
-        f"mpi4py {mpi4py.__version__}, numpy {np.__version__}, "
-        f"MPI library: {mpi_version}",
-        f"- machine: {machine()}",
-        "",
-        table,
-        "",
-        summary,
-        "",
-    ]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    fresh = not args.output.exists()
-    with args.output.open("a", encoding="utf-8") as out:
-        if fresh:
-            out.write("# Exchange benchmark: allreduce of one flat float32 buffer\n\n")
-        out.write("\n".join(record) + "\n")
+    if not args.no_write:
+        print(
+            "appended to",
+            append_result("exchange", "Allreduce of one flat float32 buffer", f"{table}\n\n{summary}"),
+        )
     return 0
 
 

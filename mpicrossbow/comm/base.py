@@ -103,7 +103,7 @@ class Communicator(ABC):
         self.allreduce(t, op).wait()
         return t.tolist()
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources held by the communicator (process groups, windows). Idempotent."""
 
     def __repr__(self) -> str:
