@@ -1,9 +1,9 @@
 """Metrics of a run, written by rank 0 to ``metrics.h5`` in the run folder and flushed every epoch.
 
 Layout: group ``train`` with one row per epoch, averaged over every rank (``step``, ``epoch``, ``loss``,
-``accuracy``, ``lr``, ``time``), group ``val`` with one row per validation (``epoch``, ``step``, ``loss``,
-``accuracy``, ``time``, ``exchange_share``); the resolved cfg text is the file attribute ``config``. Appending row by row and
-flushing means a crash loses at most the current epoch.
+``accuracy``, ``lr``, ``time``); group ``val`` with one row per validation (``epoch``, ``step``, ``loss``,
+``accuracy``, ``time``, ``exchange_share``); the resolved cfg text is the file attribute ``config``.
+Appending row by row and flushing means a crash loses at most the current epoch.
 """
 
 from __future__ import annotations
