@@ -174,3 +174,21 @@ def test_bad_input_under_mpi_exits_2_before_training(
     )
     assert "epoch" not in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_rule_init_from_plain_python_starts_the_job(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "tests/mpi_scripts/rule_spawn.py", str(tmp_path)],
+        cwd=REPO,
+        env=mpi_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["status 0", "failed 2"]
+    assert "MODELCLASS 'NoSuchModel' not found in models.mlp" in proc.stderr
+    runs = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(runs) == 1 and read_metrics(runs[0] / "metrics.h5")["attrs"]["world_size"] == 2
+    assert "mode = auto" in (runs[0] / "session.cfg").read_text()
+    assert not list(tmp_path.glob("*.cfg"))  # the temporary cfg is removed
