@@ -65,6 +65,15 @@ def tune_for_oversubscription(environ: dict[str, str] | None = None) -> bool:
     return True
 
 
+def launcher_rank(environ: dict[str, str] | None = None) -> int | None:
+    """This process's world rank as the launcher announces it, read before MPI is initialised."""
+    environ = dict(os.environ) if environ is None else environ
+    for key in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if environ.get(key, "").isdigit():
+            return int(environ[key])
+    return None
+
+
 @dataclass(frozen=True)
 class World:
     """This process's place in the job."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .config import Config, load_config
-from .env import World, detect_launcher, detect_world
+from .env import World, detect_launcher, detect_world, launcher_rank
 from .errors import USAGE_EXIT_CODE, UsageError
 from .log import setup_logging
 
@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         config = load_config(args.cfg, args.overrides)
-    except UsageError as exc:
-        _say(str(exc))
+    except UsageError as exc:  # every rank reads the same cfg and fails alike: rank 0 speaks for all
+        if detect_launcher() is None or launcher_rank() in (0, None):
+            _say(str(exc))
         return USAGE_EXIT_CODE
     if args.print_config:
         sys.stdout.write(config.to_ini())
