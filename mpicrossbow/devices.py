@@ -3,7 +3,9 @@
 Accepted forms, comma-separated (Theano-MPI's syntax plus CPU entries):
 
 * ``cuda0,cuda1`` — GPU index per rank, ranks in order;
-* ``cpu`` / ``cpu0,cpu1`` — a CPU rank (the number only labels it);
+* ``cpu0,cpu1`` — CPU ranks (the number only labels it);
+* ``cpu`` alone — every rank on the CPU, as many ranks as the MPI launcher starts (run without one,
+  ``crossbow-launch`` starts one rank per usable core, or ``-np N``);
 * ``host:cuda0,cuda1`` — devices on a named host; several hosts separated by spaces or ``;``
   (``nodeA:cuda0,cuda1 nodeB:cuda0,cuda1``). Rank r takes the r-th device of the whole list.
 """
@@ -73,6 +75,11 @@ def parse_devices(text: str) -> tuple[DeviceSpec, ...]:
     return tuple(specs)
 
 
+def any_size(specs: tuple[DeviceSpec, ...]) -> bool:
+    """True for ``DEVICES=cpu``: one CPU entry without index or host, valid for any number of ranks."""
+    return specs == (DeviceSpec("cpu"),)
+
+
 def host_matches(wanted: str, hostname: str | None = None) -> bool:
     """True when ``wanted`` names this machine (short name, full name or ``localhost``)."""
     hostname = hostname or socket.gethostname()
@@ -82,7 +89,9 @@ def host_matches(wanted: str, hostname: str | None = None) -> bool:
 
 
 def device_for_rank(specs: tuple[DeviceSpec, ...], rank: int, size: int) -> DeviceSpec:
-    """The spec rank ``rank`` drives; the list must have exactly one entry per rank of the job."""
+    """The spec rank ``rank`` drives; the list must have exactly one entry per rank (or be ``cpu``)."""
+    if any_size(specs):
+        return specs[0]
     if len(specs) != size:
         raise ConfigError(
             f"DEVICES lists {len(specs)} device(s) ({','.join(map(str, specs))}) but the job has {size} "

@@ -40,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-cfg", "--cfg", required=True, metavar="FILE", help="the session.cfg to run")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="cfg overrides")
+    parser.add_argument(
+        "-np",
+        "--np",
+        type=int,
+        metavar="N",
+        help="ranks to start when run without an MPI launcher (default: one per DEVICES entry; "
+        "for DEVICES=cpu one per usable core)",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved cfg and exit")
     return parser
 
@@ -59,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         if detect_launcher() is None or launcher_rank() in (0, None):
             _say(str(exc))
         return USAGE_EXIT_CODE
+    if args.np is not None and args.np < 1:
+        _say(f"-np must be at least 1, got {args.np}")
+        return USAGE_EXIT_CODE
     if args.print_config:
         sys.stdout.write(config.to_ini())
         return 0
@@ -66,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         from .spawn import spawn
 
         try:
-            return spawn(config.devices, ["-cfg", args.cfg, *args.overrides])
+            return spawn(config.devices, ["-cfg", args.cfg, *args.overrides], args.np)
         except UsageError as exc:
             _say(str(exc))
             return USAGE_EXIT_CODE

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from .devices import DeviceSpec
+from .devices import DeviceSpec, any_size
 from .errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,18 @@ def run_job(cmd: Sequence[str], env: dict[str, str]) -> int:
     return 128 - code if code < 0 else code
 
 
-def spawn(devices: Sequence[DeviceSpec], args: Sequence[str]) -> int:
+def expand_devices(devices: Sequence[DeviceSpec], ranks: int | None) -> list[DeviceSpec]:
+    """One entry per rank to start: the list itself, or ``ranks`` (default: usable cores) for ``cpu``."""
+    if any_size(tuple(devices)):
+        return list(devices) * (ranks or len(os.sched_getaffinity(0)))
+    if ranks is not None and ranks != len(devices):
+        raise UsageError(f"-np {ranks} does not match DEVICES, which lists {len(devices)} device(s)")
+    return list(devices)
+
+
+def spawn(devices: Sequence[DeviceSpec], args: Sequence[str], ranks: int | None = None) -> int:
     """Start the job for ``devices`` running ``crossbow-launch args`` on every rank; return its status."""
+    devices = expand_devices(devices, ranks)
     mpiexec = find_mpiexec()
     flavor = mpi_flavor(mpiexec)
     return run_job(spawn_command(mpiexec, flavor, devices, args), spawn_env(flavor, len(devices)))

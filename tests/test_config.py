@@ -96,6 +96,7 @@ def test_devices_forms_and_rank_mapping() -> None:
     specs = parse_devices("nodeA:cuda0,cuda1 nodeB:cuda0")
     assert [str(s) for s in specs] == ["nodeA:cuda0", "nodeA:cuda1", "nodeB:cuda0"]
     assert device_for_rank(parse_devices("localhost:cpu0,cpu1"), 1, 2) == DeviceSpec("cpu", 1, "localhost")
+    assert device_for_rank(parse_devices("cpu"), 6, 8) == DeviceSpec("cpu")  # DEVICES=cpu: any world size
     with pytest.raises(
         ConfigError, match=r"DEVICES lists 2 device\(s\) \(cpu0,cpu1\) but the job has 4 rank"
     ):

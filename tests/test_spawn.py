@@ -9,7 +9,7 @@ import pytest
 from mpicrossbow.devices import parse_devices
 from mpicrossbow.env import OVERSUBSCRIBED_SETTINGS, detect_launcher, tune_for_oversubscription
 from mpicrossbow.errors import UsageError
-from mpicrossbow.spawn import spawn_command
+from mpicrossbow.spawn import expand_devices, spawn_command
 
 
 @pytest.mark.parametrize(
@@ -48,3 +48,13 @@ def test_oversubscription_settings_only_when_oversubscribed(monkeypatch: pytest.
     assert tune_for_oversubscription(env)
     assert env["MPIR_CVAR_POLLS_BEFORE_YIELD"] == "1000"  # the user's setting wins
     assert all(k in env for k in OVERSUBSCRIBED_SETTINGS)
+
+
+def test_devices_cpu_fits_any_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = parse_devices("cpu")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    assert [str(d) for d in expand_devices(cpu, None)] == ["cpu", "cpu", "cpu"]  # one rank per usable core
+    assert len(expand_devices(cpu, 5)) == 5
+    assert len(expand_devices(parse_devices("cpu0,cpu1"), None)) == 2
+    with pytest.raises(UsageError, match=r"-np 3 does not match DEVICES, which lists 2 device\(s\)"):
+        expand_devices(parse_devices("cpu0,cpu1"), 3)
