@@ -2,6 +2,8 @@
 
 from .base import Rule
 from .bsp import BSP
+from .easgd import EASGD
 from .registry import RULES
+from .sma import SMA
 
-__all__ = ["BSP", "RULES", "Rule"]
+__all__ = ["BSP", "EASGD", "RULES", "SMA", "Rule"]

@@ -1,0 +1,123 @@
+"""SMA — synchronous model averaging (Crossbow, Koliousis et al., VLDB 2019).
+
+Who sends what to whom, and when: every step, each learner j computes its correction
+``c_j = α (w_j − z)`` from its weights *before* its local step, takes the local step (the learner's
+optimizer: ``v_j ← μ_l v_j − η g_j``) and subtracts ``c_j``. The corrections of a rank's learners are summed
+in memory and **one allreduce per step** sums them across ranks — the volume does not grow with learners
+per rank. Every rank then moves its identical copy of the central model: ``z ← z + Σ_j c_j + μ (z − z_prev)``.
+
+The allreduce is started without waiting and completed at the start of the next step, so it overlaps the
+next forward and backward pass (Crossbow lets a learner start step t+1 once its step t is done).
+Learners start from z; when the learning-rate schedule steps down every replica is reset to z. Validation
+and checkpoints use z. ``alpha`` defaults to 1/k (k learners in all); k·α > 1 diverged in ALGORITHMS.md's
+measurements, so it is warned about.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..comm.base import Handle
+from ..validate import setting
+from .base import Rule
+from .registry import RULES
+
+log = logging.getLogger(__name__)
+
+
+@RULES.register("SMA")
+class SMA(Rule):
+    """Synchronous model averaging with a momentum-carrying central model z."""
+
+    @dataclass(frozen=True)
+    class Config:
+        """SMA hyper-parameters (μ_l, the learners' momentum, is ``[optim] momentum``)."""
+
+        alpha: float | None = setting(None, "elastic rate α (default 1/k, k = learners in all)", ge=0, le=1)
+        momentum: float = setting(0.9, "momentum μ of the central model z", ge=0, lt=1)
+
+    name = "SMA"
+
+    def on_bind(self) -> None:
+        """z starts as the (broadcast) replica; allocate one correction buffer per learner."""
+        assert self.pool is not None
+        k = self.world_learners
+        self.alpha = self.hyper.alpha if self.hyper.alpha is not None else 1.0 / k
+        if k * self.alpha > 1:
+            log.warning("SMA: k·α = %d × %g > 1; ALGORITHMS.md measured divergence there", k, self.alpha)
+        first = self.pool.learners[0].params
+        self.z = first.clone()
+        self.z_prev = first.clone()
+        self.corrections = [torch.zeros_like(first) for _ in self.pool.learners]
+        self._pending: Handle | None = None
+
+    def _complete(self) -> None:
+        """Finish the last step's allreduce and move z: z ← z + Σc + μ (z − z_prev)."""
+        if self._pending is None:
+            return
+        self._pending.wait()
+        self._pending = None
+        total = self.corrections[0]
+        step = total.add_(self.z - self.z_prev, alpha=self.hyper.momentum)
+        self.z_prev.copy_(self.z)
+        self.z.add_(step)
+
+    def on_gradients(self, step: int) -> None:
+        """c_j = α (w_j − z) with the weights from before this step's update."""
+        self._complete()
+        assert self.pool is not None
+        for learner, c in zip(self.pool.learners, self.corrections, strict=True):
+            torch.sub(learner.params, self.z, alpha=1.0, out=c).mul_(self.alpha)
+
+    def exchange(self, step: int) -> None:
+        """w_j ← w_j − c_j after the local step; sum the c_j locally and start one allreduce."""
+        assert self.pool is not None and self.comm is not None
+        for learner, c in zip(self.pool.learners, self.corrections, strict=True):
+            learner.params.sub_(c)
+        total = self.corrections[0]
+        for c in self.corrections[1:]:
+            total.add_(c)
+        self._pending = self.comm.allreduce(total, async_op=True)
+
+    def on_lr_change(self, old: float, new: float) -> None:
+        """When the rate steps down, every replica restarts from z."""
+        if new < old:
+            self._complete()
+            assert self.pool is not None
+            for learner in self.pool.learners:
+                learner.params.copy_(self.z)
+
+    def sync_state(self) -> None:
+        """Complete the step in flight so z is current."""
+        self._complete()
+
+    def eval_params(self) -> torch.Tensor:
+        """Validate (and save) the central model z."""
+        self._complete()
+        return self.z
+
+    def finish(self) -> None:
+        """No allreduce is left in flight."""
+        self._complete()
+
+    def state_dict(self) -> dict[str, Any]:
+        """z, z_prev and the resolved α."""
+        self._complete()
+        return {
+            **super().state_dict(),
+            "z": self.z.clone(),
+            "z_prev": self.z_prev.clone(),
+            "alpha": self.alpha,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore z, z_prev and α."""
+        self._complete()
+        self.z.copy_(state["z"])
+        self.z_prev.copy_(state["z_prev"])
+        self.alpha = float(state["alpha"])
