@@ -55,6 +55,8 @@ class SessionSection:
     threads: int = setting(
         0, "torch threads per rank (0: the cores this rank may use / ranks on the node)", ge=0
     )
+    slow_ranks: tuple[int, ...] = setting((), "test/benchmark hook: ranks that sleep after every step", ge=0)
+    slow_seconds: float = setting(0.0, "test/benchmark hook: seconds each step of slow_ranks sleeps", ge=0)
 
 
 @dataclass(frozen=True)

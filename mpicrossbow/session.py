@@ -32,6 +32,7 @@ from .model import contract_form, load_model_class
 from .pool import LearnerPool, SerialPool, TheanoPool
 from .rules import RULES, Rule
 from .schedule import lr_at
+from .shard import Shard
 from .validate import call_kwargs
 
 log = logging.getLogger(__name__)
@@ -82,17 +83,19 @@ class Session:
         torch.manual_seed(
             cfg.session.seed
         )  # same initial replicas everywhere (rank 0's are broadcast anyway)
+        self.trains = self.rule.trains(world.rank, world.size)
+        self.full_val: Any = None
         if form == "torch":
             model = _construct(cls, call_kwargs(cls, cfg.model_params, "model"))
-            self.pool = SerialPool(
-                model,
-                world.rank,
-                world.size,
-                cfg.data.batch_size,
-                cfg.optim,
-                self.device,
-                seed=cfg.session.seed,
-            )
+            index, count = self.rule.train_shard(world.rank, world.size) if self.trains else (0, 1)
+            batch = cfg.data.batch_size
+            self.pool = SerialPool(model, index, count, batch, cfg.optim, self.device, seed=cfg.session.seed)
+            if not self.rule.synchronous:  # ranks validate alone, on the whole validation set
+                self.full_val = (
+                    self.pool.datas[0] if count == 1 else model.data(Shard(0, 1, batch, cfg.session.seed))
+                )
+        elif not self.rule.synchronous:
+            raise ContractError(f"RULE={cfg.rule} is asynchronous and needs a torch-native model")
         else:
             model = _construct(cls, {**self._theano_config(), **cfg.model_params}, positional=True)
             self.pool = TheanoPool(model)
@@ -158,17 +161,47 @@ class Session:
 
     # -------------------------------------------------------------------- loop
     def run(self) -> RunResult:
-        """Train to the step or epoch budget; every rank returns the same RunResult."""
+        """Train to the step or epoch budget (or serve); every rank returns the same RunResult."""
+        assert self.pool is not None and self.rule is not None and self.comm is not None
+        self._start = time.perf_counter()
+        if self.trains:
+            epochs, steps, train, val, exchange_s, samples = self._train()
+        else:
+            self.rule.serve(self._report_served)
+            epochs, steps, train, val, exchange_s, samples = 0, 0, (math.nan, math.nan), None, 0.0, 0.0
+        self.rule.finish()
+        if not self.rule.synchronous:  # everyone is here now: collectives are safe again
+            samples = self.comm.allreduce_scalars([samples])[0]
+            val = self._validate_async_final()
+        assert val is not None
+        wall = time.perf_counter() - self._start
+        result = RunResult(
+            run_dir=str(self.run_dir),
+            epochs=epochs,
+            steps=steps,
+            train_loss=train[0],
+            train_accuracy=train[1],
+            val_loss=val[0],
+            val_accuracy=val[1],
+            wall_seconds=wall,
+            exchange_seconds=exchange_s,
+            samples_per_second=samples / wall if wall > 0 else 0.0,
+        )
+        if self.metrics is not None:
+            self.metrics.close(**{k: v for k, v in asdict(result).items() if k != "run_dir"})
+        return result
+
+    def _train(self) -> tuple[int, int, tuple[float, float], tuple[float, float], float, float]:
+        """The training loop of a rank that trains."""
         assert self.pool is not None and self.rule is not None and self.comm is not None
         cfg, pool, rule, comm = self.config, self.pool, self.rule, self.comm
         per_epoch = pool.n_batch_train
         total = cfg.session.steps or cfg.session.epochs * per_epoch
         epochs = math.ceil(total / per_epoch) if total else 0
+        delay = cfg.session.slow_seconds if self.world.rank in cfg.session.slow_ranks else 0.0
         bar = self._progress(total)
-        step, lr, exchange_s = 0, -1.0, 0.0
+        step, lr, exchange_s, samples = 0, -1.0, 0.0, 0.0
         train = val = (math.nan, math.nan)
-        samples = 0.0
-        start = time.perf_counter()
         for epoch in range(epochs):
             pool.start_epoch(epoch)
             pool.set_lr(lr_at(cfg.optim, epoch), epoch)
@@ -188,9 +221,14 @@ class Session:
                 rule.exchange(step)
                 exchange_s += time.perf_counter() - t
                 step += 1
+                if delay:
+                    time.sleep(delay)
                 if bar is not None:
                     bar.update(1)
-            loss_sum, hits, n = comm.allreduce_scalars(list(pool.take_stats()))
+            stats = pool.take_stats()
+            if rule.synchronous:
+                stats = tuple(comm.allreduce_scalars(list(stats)))
+            loss_sum, hits, n = stats
             samples += n
             train = (loss_sum / max(n, 1), hits / max(n, 1))
             last = epoch == epochs - 1
@@ -198,33 +236,54 @@ class Session:
             validated = last or bool(every and (epoch + 1) % every == 0)
             if validated:
                 val = self._validate()
-            wall = time.perf_counter() - start
+            wall = time.perf_counter() - self._start
             self._report(epoch, step, lr, train, val if validated else None, wall, exchange_s, bar)
-        rule.finish()
-        wall = time.perf_counter() - start
         if bar is not None:
             bar.close()
-        result = RunResult(
-            run_dir=str(self.run_dir),
-            epochs=epochs,
-            steps=step,
-            train_loss=train[0],
-            train_accuracy=train[1],
-            val_loss=val[0],
-            val_accuracy=val[1],
-            wall_seconds=wall,
-            exchange_seconds=exchange_s,
-            samples_per_second=samples / wall if wall > 0 else 0.0,
-        )
-        if self.metrics is not None:
-            self.metrics.close(**{k: v for k, v in asdict(result).items() if k != "run_dir"})
-        return result
+        return epochs, step, train, val, exchange_s, samples
 
     def _validate(self) -> tuple[float, float]:
+        """Synchronous rules: every rank's shard, summed. Asynchronous: this rank alone, on the whole set."""
         assert self.pool is not None and self.rule is not None and self.comm is not None
+        if not self.rule.synchronous:
+            loss_sum, hits, n = self.pool.validate(self.rule.eval_params(), self.full_val)
+            return loss_sum / max(n, 1), hits / max(n, 1)
         self.rule.sync_state()
         loss_sum, hits, n = self.comm.allreduce_scalars(list(self.pool.validate(self.rule.eval_params())))
         return loss_sum / max(n, 1), hits / max(n, 1)
+
+    def _report_served(self, params: torch.Tensor, epoch: float) -> None:
+        """Validation callback for a serving rank (rank 0 only logs and records)."""
+        assert self.pool is not None
+        if self.world.rank != 0:
+            return
+        loss_sum, hits, n = self.pool.validate(params, self.full_val)
+        wall = time.perf_counter() - self._start
+        val = (loss_sum / max(n, 1), hits / max(n, 1))
+        if self.metrics is not None:
+            self.metrics.val(epoch=epoch, step=0, loss=val[0], accuracy=val[1], time=wall, exchange_share=0.0)
+        log.info("served model after %.2f epoch(s): val loss %.4f acc %.4f | %.1fs", epoch, *val, wall)
+
+    def _validate_async_final(self) -> tuple[float, float]:
+        """After ``finish``: rank 0 validates the rule's model; every rank's own model is reported too."""
+        assert self.pool is not None and self.rule is not None and self.comm is not None
+        mpi = self.world.mpi
+        self.rule.sync_state()
+        own = self.pool.validate(None, self.full_val) if self.trains else (math.nan, math.nan, 1.0)
+        everyone = mpi.allgather(own[1] / max(own[2], 1)) if mpi is not None else [own[1] / max(own[2], 1)]
+        val = None
+        if self.world.rank == 0:
+            loss_sum, hits, n = self.pool.validate(self.rule.eval_params(), self.full_val)
+            val = (loss_sum / max(n, 1), hits / max(n, 1))
+            log.info("final %s model: val loss %.4f acc %.4f", self.config.rule, *val)
+            log.info("each rank's own model: %s", ", ".join(f"{a:.4f}" for a in everyone))
+            wall = time.perf_counter() - self._start
+            if self.metrics is not None:
+                self.metrics.val(
+                    epoch=math.nan, step=0, loss=val[0], accuracy=val[1], time=wall, exchange_share=0.0
+                )
+                self.metrics.file.attrs["rank_val_accuracy"] = everyone
+        return mpi.bcast(val, root=0) if mpi is not None else val  # type: ignore[return-value]
 
     def _progress(self, total: int) -> Any:
         mode = self.config.session.progress

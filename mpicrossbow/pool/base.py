@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -44,10 +45,11 @@ class LearnerPool(ABC):
         """Set the learning rate for the coming steps of ``epoch``."""
 
     @abstractmethod
-    def validate(self, params: torch.Tensor | None = None) -> tuple[float, float, float]:
+    def validate(self, params: torch.Tensor | None = None, data: Any = None) -> tuple[float, float, float]:
         """(loss sum, hits, samples) over this rank's validation shard with learner 0's weights or ``params``.
 
-        ``params`` (a flat buffer such as a centre variable) is swapped in for the evaluation only.
+        ``params`` (a flat buffer such as a centre variable) is swapped in for the evaluation only; ``data``
+        (a DataClass) replaces the pool's own validation shards.
         """
 
     @abstractmethod

@@ -78,15 +78,15 @@ class SerialPool(LearnerPool):
         totals = [learner.take_stats() for learner in self.learners]
         return tuple(sum(col) for col in zip(*totals, strict=True))  # type: ignore[return-value]
 
-    def validate(self, params: torch.Tensor | None = None) -> tuple[float, float, float]:
-        """Evaluate learner 0 (or ``params`` loaded into it) on every learner's validation shard."""
+    def validate(self, params: torch.Tensor | None = None, data: Any = None) -> tuple[float, float, float]:
+        """Evaluate learner 0 (or ``params`` loaded into it) on every learner's val shard, or on ``data``."""
         learner = self.learners[0]
         saved = None
         if params is not None:
             saved = learner.params.clone()
             learner.params.copy_(params)
         try:
-            totals = [learner.evaluate(d.val_batches()) for d in self.datas]
+            totals = [learner.evaluate(d.val_batches()) for d in ([data] if data is not None else self.datas)]
         finally:
             if saved is not None:
                 learner.params.copy_(saved)

@@ -102,7 +102,7 @@ class TheanoPool(LearnerPool):
         self.recorder.train = [0.0, 0.0, 0.0]
         return out  # type: ignore[return-value]
 
-    def validate(self, params: torch.Tensor | None = None) -> tuple[float, float, float]:
+    def validate(self, params: torch.Tensor | None = None, data: Any = None) -> tuple[float, float, float]:
         """Run ``val_iter`` over ``data.n_batch_val`` batches; weights swapped in from ``params`` if given."""
         flat = self.learners[0].params
         saved = flat.clone() if params is not None else None

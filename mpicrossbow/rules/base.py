@@ -8,6 +8,9 @@
 * ``sync_state()`` makes the model that is validated or saved consistent (e.g. averages BatchNorm buffers);
   ``eval_params()`` names the weights to validate (a centre variable, say) or None for learner 0's own.
 * ``finish()`` drains everything in flight, so no message is lost and no rank waits forever.
+* Asynchronous rules set ``synchronous = False``: the session then runs no collective until ``finish()``
+  (ranks progress at their own pace; rank 0 validates locally). A rule may keep a rank out of training
+  (``trains``) and give it a ``serve()`` loop instead, e.g. a parameter server.
 * ``init(...)`` / ``wait()``: Theano-MPI's facade, written once here.
 
 A rule sees only the Communicator and the pool's flat buffers — never files, streams or config text.
@@ -16,7 +19,7 @@ A rule sees only the Communicator and the pool's flat buffers — never files, s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -38,6 +41,23 @@ class Rule:
 
     #: Registry name (set by the ``RULES.register`` decorator's caller convention).
     name: ClassVar[str] = "RULE"
+
+    @property
+    def synchronous(self) -> bool:
+        """False when ranks run at their own pace between ``bind`` and ``finish`` (no collectives then)."""
+        return True
+
+    def trains(self, rank: int, size: int) -> bool:
+        """Whether ``rank`` trains (False: it runs :meth:`serve`). Called before ``bind``."""
+        return True
+
+    def train_shard(self, rank: int, size: int) -> tuple[int, int]:
+        """(index, count) of the training shard ``rank`` reads, among the ranks that train."""
+        return rank, size
+
+    def serve(self, report: Callable[[torch.Tensor, float], None]) -> None:
+        """The loop of a rank that does not train; ``report(params, epoch)`` validates and logs a model."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no rank out of training")
 
     def __init__(self, **hyper: Any) -> None:
         self.hyper = build(self.Config, hyper, "rule")
