@@ -169,7 +169,9 @@ class Session:
         else:
             self.rule.serve(self._report_served)
             epochs, steps, train, val, exchange_s, samples = 0, 0, (math.nan, math.nan), None, 0.0, 0.0
+        busy = time.perf_counter() - self._start
         self.rule.finish()
+        self._record_rank_rates(steps / busy if self.trains and busy > 0 else math.nan)
         if not self.rule.synchronous:  # everyone is here now: collectives are safe again
             samples = self.comm.allreduce_scalars([samples])[0]
             val = self._validate_async_final()
@@ -241,6 +243,13 @@ class Session:
         if bar is not None:
             bar.close()
         return epochs, step, train, val, exchange_s, samples
+
+    def _record_rank_rates(self, rate: float) -> None:
+        """Every rank's training steps per second (NaN for serving ranks) into the metrics, after finish."""
+        mpi = self.world.mpi
+        rates = mpi.allgather(rate) if mpi is not None else [rate]
+        if self.metrics is not None:
+            self.metrics.file.attrs["rank_steps_per_second"] = rates
 
     def _validate(self) -> tuple[float, float]:
         """Synchronous rules: every rank's shard, summed. Asynchronous: this rank alone, on the whole set."""
