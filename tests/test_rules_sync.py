@@ -8,6 +8,7 @@ exactly the equations (the gradients were taken at the framework's own weights, 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -145,3 +146,13 @@ def test_easgd_centre_moves_by_alpha_sum_of_differences() -> None:
 def test_hyper_parameters_are_validated(cls: type, hyper: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         cls(**hyper)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sync_rules_equal_numpy_under_real_mpi(mpiexec: str, ranks: int) -> None:
+    from conftest import run_mpi
+
+    proc = run_mpi(mpiexec, ranks, [sys.executable, "tests/mpi_scripts/rules_check.py"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:3] == [f"ok SMA {ranks}", f"ok EASGD {ranks}", f"ok EAMSGD {ranks}"]
