@@ -1,41 +1,70 @@
-"""EASGD — elastic averaging SGD, synchronous form (Zhang, Choromanska, LeCun, NIPS 2015; Theano-MPI, SpeeDO).
+"""EASGD — elastic averaging SGD (Zhang, Choromanska, LeCun, NIPS 2015; Theano-MPI, SpeeDO).
 
-Who sends what to whom, and when: learners take plain local steps; every τ steps each learner computes its
-elastic difference ``d_i = x_i − x~`` from the values before the update, the differences of a rank's
-learners are summed in memory and **one allreduce** sums them across ranks; then every learner moves toward
-the centre, ``x_i ← x_i − α d_i``, and every rank moves its identical copy of the centre,
-``x~ ← x~ + α Σ_i d_i``. Validation and checkpoints use the centre.
+Who sends what to whom, and when:
 
-``momentum = δ`` turns the local step into EAMSGD's Nesterov momentum (``v ← δ v − η g(x + δ v)``; every
-learner's optimizer gets ``nesterov = True`` and momentum δ); left unset, the local step is the learner's
-optimizer from ``[optim]``. ``alpha`` defaults to 0.9/k (the paper's β = kα = 0.9); Theano-MPI used 0.5.
+* ``mode = sync`` (default): learners take plain local steps; every τ steps each learner computes its
+  elastic difference ``d_i = x_i − x~`` from the values before the update, the differences of a rank's
+  learners are summed in memory and **one allreduce** sums them across ranks; then every learner moves
+  toward the centre, ``x_i ← x_i − α d_i``, and every rank moves its identical copy of the centre,
+  ``x~ ← x~ + α Σ_i d_i``. k is every learner of every rank.
+* ``mode = async`` (Theano-MPI's EASGD): **rank 0 serves and validates the centre and does not train**;
+  workers are ranks 1..N-1 and shard the training data among themselves (:meth:`EASGD.train_shard`). Every
+  τ local steps a worker sends a snapshot of x_i to the server, which applies ``e = α (x_i − x~)``,
+  ``x~ ← x~ + e`` for each request as it arrives and sends ``e`` back; the worker applies ``x_i ← x_i − e``.
+  No barrier: a slow worker never holds the others. The protocol (one posted receive per worker, the done
+  message that ends :meth:`EASGD.serve`, the once-per-epoch report) is in
+  :mod:`mpicrossbow.rules.elastic_server`. k is the number of worker learners (N − 1 with one learner per
+  rank); a job of one rank has no worker and is rejected with a ConfigError. During training a worker
+  validates its own weights; after ``finish()``, ``sync_state()`` broadcasts the final centre from rank 0.
+
+Validation and checkpoints use the centre. ``momentum = δ`` turns the local step into EAMSGD's Nesterov
+momentum (``v ← δ v − η g(x + δ v)``; every learner's optimizer gets ``nesterov = True`` and momentum δ);
+left unset, the local step is the learner's optimizer from ``[optim]``. ``alpha`` defaults to 0.9/k (the
+paper's β = kα = 0.9); Theano-MPI used 0.5. ``tau`` defaults to 10.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from ..errors import ConfigError
 from ..validate import setting
 from .base import Rule
+from .elastic_server import ElasticServer, ElasticWorker, Order
 from .registry import RULES
 
 log = logging.getLogger(__name__)
 
+#: The rank that holds the centre in ``mode = async``.
+SERVER = 0
+
 
 @RULES.register("EASGD")
 class EASGD(Rule):
-    """Elastic averaging every τ steps through one allreduce (``mode = sync``)."""
+    """Elastic averaging every τ steps: one allreduce (``sync``) or a centre server on rank 0 (``async``).
+
+    ``order`` is a test hook for ``mode = async``: given the number of messages the server has processed and
+    the sorted ranks of the workers not yet done, it names the worker whose next message the server waits for
+    (blocking), which makes the arrival order deterministic, e.g. round-robin
+    ``lambda n, active: active[n % len(active)]``. Left None (always, outside tests) the server answers
+    requests in the order they arrive.
+    """
 
     @dataclass(frozen=True)
     class Config:
         """EASGD hyper-parameters."""
 
-        alpha: float | None = setting(None, "elastic rate α (default 0.9/k, k = learners in all)", gt=0, le=1)
+        mode: Literal["sync", "async"] = setting(
+            "sync", "sync: one allreduce every τ steps; async: rank 0 serves the centre, ranks 1..N-1 train"
+        )
+        alpha: float | None = setting(
+            None, "elastic rate α (default 0.9/k, k = learners in all; async: worker learners)", gt=0, le=1
+        )
         tau: int = setting(10, "communication period τ in local steps", ge=1)
         momentum: float | None = setting(
             None, "EAMSGD: Nesterov momentum δ of the local step (unset: [optim])", ge=0, lt=1
@@ -43,10 +72,46 @@ class EASGD(Rule):
 
     name = "EASGD"
 
+    def __init__(self, order: Order | None = None, **hyper: Any) -> None:
+        super().__init__(**hyper)
+        self.order = order
+        self._server: ElasticServer | None = None
+        self._worker: ElasticWorker | None = None
+        self._steps = 0
+        self._synced = False
+
+    # ------------------------------------------------------------ async roles
+    @property
+    def synchronous(self) -> bool:
+        """False in ``mode = async``: ranks progress at their own pace until ``finish()``."""
+        return self.hyper.mode == "sync"
+
+    def _check_size(self, size: int) -> None:
+        if not self.synchronous and size < 2:
+            raise ConfigError(
+                f"[rule] mode = async needs at least 2 ranks (rank 0 serves the centre, ranks 1..N-1 train); "
+                f"this job has {size}"
+            )
+
+    def trains(self, rank: int, size: int) -> bool:
+        """Every rank trains in ``sync`` mode; in ``async`` mode all but the server, rank 0."""
+        self._check_size(size)
+        return self.synchronous or rank != SERVER
+
+    def train_shard(self, rank: int, size: int) -> tuple[int, int]:
+        """``sync``: shard ``rank`` of ``size``; ``async``: the workers share the data (rank − 1 of N − 1)."""
+        if self.synchronous:
+            return rank, size
+        self._check_size(size)
+        return rank - 1, size - 1
+
+    # ---------------------------------------------------------------- binding
     def on_bind(self) -> None:
         """The centre starts as the broadcast replica; EAMSGD reconfigures the local optimizers."""
-        assert self.pool is not None
-        k = self.world_learners
+        assert self.pool is not None and self.comm is not None
+        self._check_size(self.comm.size)
+        learners = len(self.pool.learners)
+        k = self.world_learners if self.synchronous else (self.comm.size - 1) * learners
         self.alpha = self.hyper.alpha if self.hyper.alpha is not None else 0.9 / k
         if k * self.alpha > 1:
             log.warning(
@@ -58,10 +123,32 @@ class EASGD(Rule):
             for learner in self.pool.learners:
                 for group in learner.optimizer.param_groups:
                     group.update(momentum=self.hyper.momentum, nesterov=self.hyper.momentum > 0, dampening=0)
+        if self.synchronous:
+            return
+        if self.comm.rank == SERVER:
+            self._server = ElasticServer(self.comm, self.centre, self.alpha, self.order)
+        else:
+            self._worker = ElasticWorker(
+                self.comm, [learner.params for learner in self.pool.learners], SERVER
+            )
+        log.info(
+            "EASGD async: rank %d %s; %d worker learner(s), α = %g, τ = %d",
+            self.comm.rank,
+            "serves the centre" if self._server else "trains",
+            k,
+            self.alpha,
+            self.hyper.tau,
+        )
 
+    # -------------------------------------------------------------- exchange
     def exchange(self, step: int) -> None:
-        """Every τ-th step: d_i = x_i − x~, one allreduce of Σ d_i, then the elastic moves."""
+        """Every τ-th step: the allreduce of Σ d_i (``sync``) or this worker's request to the server."""
+        self._steps = step + 1
         if (step + 1) % self.hyper.tau:
+            return
+        if not self.synchronous:
+            if self._worker is not None:
+                self._worker.exchange(self._progress())
             return
         assert self.pool is not None and self.comm is not None
         for learner, d in zip(self.pool.learners, self.diffs, strict=True):
@@ -73,15 +160,63 @@ class EASGD(Rule):
         self.comm.allreduce(total).wait()
         self.centre.add_(total, alpha=self.alpha)
 
-    def eval_params(self) -> torch.Tensor:
-        """Validate (and save) the centre x~."""
+    def _progress(self) -> float:
+        """Epochs this worker has completed (steps over steps per epoch)."""
+        assert self.pool is not None
+        return self._steps / self.pool.n_batch_train
+
+    def serve(self, report: Callable[[torch.Tensor, float], None]) -> None:
+        """``async`` on rank 0: answer workers until all are done; ``report`` the centre once per epoch."""
+        if self._server is None:
+            super().serve(report)
+            return
+        self._server.serve(report)
+
+    def finish(self) -> None:
+        """A worker sends its done message; the server has nothing in flight once ``serve`` returned."""
+        if self._worker is not None:
+            self._worker.finish(self._progress())
+        if self._server is not None and self._server.in_flight:
+            raise RuntimeError(f"EASGD server finished with {self._server.in_flight} message(s) in flight")
+
+    def sync_state(self) -> None:
+        """``async``: broadcast the server's centre to every rank (a collective: only after ``finish``)."""
+        if self.synchronous:
+            return
+        assert self.comm is not None
+        self.comm.broadcast(self.centre, root=SERVER).wait()
+        self._synced = True
+
+    def eval_params(self) -> torch.Tensor | None:
+        """Validate (and save) the centre x~; an ``async`` worker has none before ``sync_state`` (None)."""
+        if self._worker is not None and not self._synced:
+            return None
         return self.centre
 
+    # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The centre and the resolved α."""
-        return {**super().state_dict(), "centre": self.centre.clone(), "alpha": self.alpha}
+        """The centre (an ``async`` worker's: the last one broadcast), the resolved α and the counters."""
+        state = {
+            **super().state_dict(),
+            "centre": self.centre.clone(),
+            "alpha": self.alpha,
+            "steps": self._steps,
+        }
+        if self._server is not None:
+            state["updates"] = self._server.updates
+            state["progress"] = dict(self._server.progress)
+        if self._worker is not None:
+            state["requests"] = self._worker.requests
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the centre and α."""
+        """Restore the centre, α and the counters."""
         self.centre.copy_(state["centre"])
         self.alpha = float(state["alpha"])
+        self._steps = int(state.get("steps", 0))
+        if self._server is not None:
+            self._server.alpha = self.alpha
+            self._server.updates = int(state.get("updates", 0))
+            self._server.progress.update(state.get("progress", {}))
+        if self._worker is not None:
+            self._worker.requests = int(state.get("requests", 0))

@@ -1,0 +1,173 @@
+"""Asynchronous EASGD's wire protocol: the centre's server loop (rank 0) and a worker's elastic exchange.
+
+Theano-MPI style: the centre x~ lives on a server rank that does not train. Who sends what to whom, and when:
+
+* Worker i, every τ local steps and for each of its learners in turn: posts a receive for the reply, sends
+  a snapshot of its flat weights x_i to the server (non-blocking isend of a copy, so training memory is
+  never on the wire), waits for the reply ``e`` and applies ``x_i ← x_i − e``. It waits for its own reply
+  right away, so ``e`` lands on the very weights it sent.
+* The server keeps **one posted receive per worker** and tests them all in a loop, never blocking on one
+  worker, so a slow worker never stalls the others. For each request, as it arrives, it computes
+  ``e = α (x_i − x~)`` with the x_i that was sent, applies ``x~ ← x~ + e``, sends ``e`` back and re-posts
+  that worker's receive. ALGORITHMS.md has the worker read x~ and compute e itself; computing e at the server
+  is the same update made atomic (no other worker's update can slip between the read of x~ and the write).
+* Termination: after its last step a worker sends a *done* message through the same channel (same tag,
+  same size, flag element set), so it consumes the receive the server has posted for it and no receive is
+  left dangling nor needs cancelling. The server leaves :meth:`ElasticServer.serve` once every worker is
+  done and every reply send has completed: nothing is in flight on either side.
+
+A request is ``[x_i (n values), flag, progress]``: flag 0 asks for an update, 1 says done; progress is the
+worker's epochs completed (steps / steps per epoch). The server reports the centre once per epoch-equivalent:
+whenever the mean progress over workers crosses an integer (with equal shards that is every
+``(n_batch_train / τ) · (N − 1)`` updates, n_batch_train being a worker's steps per epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..comm.base import Communicator, Handle
+
+log = logging.getLogger(__name__)
+
+#: Message tags (below MPI's guaranteed tag upper bound 32767).
+REQUEST_TAG = 7101
+REPLY_TAG = 7102
+#: Values of a request's flag element.
+UPDATE, DONE = 0.0, 1.0
+#: The server's idle back-off between sweeps that found nothing (seconds): it must not starve the workers
+#: of CPU on an oversubscribed node, yet answer quickly.
+IDLE_MIN_S, IDLE_MAX_S = 2e-5, 1e-3
+
+#: Test hook: ``order(processed, active)`` names the worker whose next message the server waits for
+#: (blocking), given the number of messages processed so far and the sorted ranks of the workers not done.
+Order = Callable[[int, Sequence[int]], int]
+#: ``report(centre, epoch)``: validate and log the centre after ``epoch`` epoch-equivalents.
+Report = Callable[[torch.Tensor, float], None]
+
+
+class ElasticWorker:
+    """A training rank's side: every τ steps, send x_i, receive e, apply ``x_i ← x_i − e`` (per learner)."""
+
+    def __init__(self, comm: Communicator, params: Sequence[torch.Tensor], server: int = 0) -> None:
+        self.comm, self.params, self.server = comm, list(params), server
+        n = self.params[0].numel()
+        self.request = self.params[0].new_zeros(n + 2)
+        self.reply = self.params[0].new_zeros(n)
+        #: Requests answered so far (over all learners of this rank).
+        self.requests = 0
+        self.done = False
+
+    def exchange(self, progress: float) -> None:
+        """One elastic update per learner: send a snapshot of its weights, apply the server's reply."""
+        assert not self.done, "exchange after done"
+        n = self.reply.numel()
+        for x in self.params:
+            self.request[:n].copy_(x)
+            self.request[n] = UPDATE
+            self.request[n + 1] = progress
+            recv = self.comm.irecv(self.reply, self.server, REPLY_TAG)
+            send = self.comm.isend(self.request, self.server, REQUEST_TAG)
+            recv.wait()  # our own reply, right away: e lands on the weights we sent
+            send.wait()
+            x.sub_(self.reply)
+            self.requests += 1
+
+    def finish(self, progress: float) -> None:
+        """Send the done message (consuming the server's posted receive) and wait until it has left."""
+        if self.done:
+            return
+        n = self.reply.numel()
+        self.request[:n].zero_()
+        self.request[n] = DONE
+        self.request[n + 1] = progress
+        self.comm.isend(self.request, self.server, REQUEST_TAG).wait()
+        self.done = True
+
+
+class ElasticServer:
+    """Rank 0's side: holds the centre x~ and answers each worker's request as it arrives."""
+
+    def __init__(
+        self, comm: Communicator, centre: torch.Tensor, alpha: float, order: Order | None = None
+    ) -> None:
+        self.comm, self.centre, self.alpha, self.order = comm, centre, alpha, order
+        self.workers = [r for r in range(comm.size) if r != comm.rank]
+        n = centre.numel()
+        self._inbox = {w: centre.new_zeros(n + 2) for w in self.workers}
+        self._outbox = {w: centre.new_zeros(n) for w in self.workers}
+        self._recvs: dict[int, Handle] = {}
+        self._sends: dict[int, Handle] = {}
+        #: Elastic updates applied to the centre so far.
+        self.updates = 0
+        #: Each worker's latest reported progress in epochs.
+        self.progress = {w: 0.0 for w in self.workers}
+        self._reported = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Receives posted and reply sends started that have not completed (0 after :meth:`serve`)."""
+        return len(self._recvs) + len(self._sends)
+
+    @property
+    def epoch(self) -> float:
+        """Epoch-equivalents done: the mean of the workers' progress."""
+        return sum(self.progress.values()) / len(self.workers)
+
+    def serve(self, report: Report) -> None:
+        """Answer requests until every worker is done and every reply has been delivered."""
+        for w in self.workers:
+            self._post(w)
+        processed, idle = 0, IDLE_MIN_S
+        while self._recvs:
+            if self.order is not None:
+                w = self.order(processed, sorted(self._recvs))
+                self._recvs[w].wait()
+                ready = [w]
+            else:
+                ready = [w for w, handle in self._recvs.items() if handle.test()]
+            for w in ready:
+                self._handle(w, report)
+                processed += 1
+            if ready:
+                idle = IDLE_MIN_S
+            else:
+                time.sleep(idle)
+                idle = min(2 * idle, IDLE_MAX_S)
+        for handle in self._sends.values():
+            handle.wait()
+        self._sends.clear()
+        log.info(
+            "EASGD server: %d elastic updates from %d worker(s), all done", self.updates, len(self.workers)
+        )
+
+    def _post(self, w: int) -> None:
+        self._recvs[w] = self.comm.irecv(self._inbox[w], w, REQUEST_TAG)
+
+    def _handle(self, w: int, report: Report) -> None:
+        """One arrived message from worker ``w``: an elastic update and its reply, or its done flag."""
+        del self._recvs[w]
+        msg = self._inbox[w]
+        n = self.centre.numel()
+        self.progress[w] = float(msg[n + 1])
+        if float(msg[n]) == DONE:
+            log.debug("EASGD server: worker %d done after %.2f epoch(s)", w, self.progress[w])
+        else:
+            if w in self._sends:  # the previous reply to w was received before w could ask again
+                self._sends.pop(w).wait()
+            e = self._outbox[w]
+            torch.sub(msg[:n], self.centre, out=e)
+            e.mul_(self.alpha)
+            self.centre.add_(e)
+            self._sends[w] = self.comm.isend(e, w, REPLY_TAG)
+            self.updates += 1
+            self._post(w)
+        epoch = self.epoch
+        if math.floor(epoch) > self._reported:
+            self._reported = math.floor(epoch)
+            report(self.centre, epoch)
