@@ -171,7 +171,10 @@ class Session:
             epochs, steps, train, val, exchange_s, samples = 0, 0, (math.nan, math.nan), None, 0.0, 0.0
         busy = time.perf_counter() - self._start
         self.rule.finish()
-        self._record_rank_rates(steps / busy if self.trains and busy > 0 else math.nan)
+        if self.trains and busy > 0:
+            self._record_rank_rates(steps / busy, exchange_s / busy)
+        else:
+            self._record_rank_rates(math.nan, math.nan)
         if not self.rule.synchronous:  # everyone is here now: collectives are safe again
             samples = self.comm.allreduce_scalars([samples])[0]
             val = self._validate_async_final()
@@ -244,12 +247,13 @@ class Session:
             bar.close()
         return epochs, step, train, val, exchange_s, samples
 
-    def _record_rank_rates(self, rate: float) -> None:
-        """Every rank's training steps per second (NaN for serving ranks) into the metrics, after finish."""
+    def _record_rank_rates(self, rate: float, share: float) -> None:
+        """Every rank's training steps/s and exchange share (NaN for serving ranks) into the metrics."""
         mpi = self.world.mpi
-        rates = mpi.allgather(rate) if mpi is not None else [rate]
+        pairs = mpi.allgather((rate, share)) if mpi is not None else [(rate, share)]
         if self.metrics is not None:
-            self.metrics.file.attrs["rank_steps_per_second"] = rates
+            self.metrics.file.attrs["rank_steps_per_second"] = [p[0] for p in pairs]
+            self.metrics.file.attrs["rank_exchange_share"] = [p[1] for p in pairs]
 
     def _validate(self) -> tuple[float, float]:
         """Synchronous rules: every rank's shard, summed. Asynchronous: this rank alone, on the whole set."""
