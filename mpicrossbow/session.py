@@ -80,9 +80,8 @@ class Session:
             self.rule = RULES.get(cfg.rule)(**cfg.rule_params)
         cls = load_model_class(cfg.modelfile, cfg.modelclass)
         form = contract_form(cls)
-        torch.manual_seed(
-            cfg.session.seed
-        )  # same initial replicas everywhere (rank 0's are broadcast anyway)
+        # Same initial replicas everywhere (rank 0's are broadcast by bind() anyway).
+        torch.manual_seed(cfg.session.seed)
         self.trains = self.rule.trains(world.rank, world.size)
         self.full_val: Any = None
         if form == "torch":
