@@ -3,7 +3,8 @@
 from .base import Rule
 from .bsp import BSP
 from .easgd import EASGD
+from .gosgd import GOSGD
 from .registry import RULES
 from .sma import SMA
 
-__all__ = ["BSP", "EASGD", "RULES", "SMA", "Rule"]
+__all__ = ["BSP", "EASGD", "GOSGD", "RULES", "SMA", "Rule"]
