@@ -86,6 +86,16 @@ class EASGD(Rule):
         """False in ``mode = async``: ranks progress at their own pace until ``finish()``."""
         return self.hyper.mode == "sync"
 
+    @property
+    def server(self) -> ElasticServer | None:
+        """``async`` on rank 0 after ``bind``: the centre's server (its counters); None elsewhere."""
+        return self._server
+
+    @property
+    def worker(self) -> ElasticWorker | None:
+        """``async`` on ranks 1..N-1 after ``bind``: this worker's end of the protocol; None elsewhere."""
+        return self._worker
+
     def _check_size(self, size: int) -> None:
         if not self.synchronous and size < 2:
             raise ConfigError(
