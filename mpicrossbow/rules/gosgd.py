@@ -22,7 +22,8 @@ weight and a zero params buffer), which by the non-overtaking rule arrives after
 it then polls and merges until every peer's goodbye is in (the goodbye consumes the posted receive, which
 is not re-posted, so nothing dangles) and waits for its own sends, which every peer drains the same way.
 Every rank reaches finish() after its last step and blocks on nothing before sending its goodbyes, so
-every loop ends; ranks may even take different numbers of steps. ``sync_state()`` (after finish,
+every loop ends; ranks may even take different numbers of steps. No exchange of message counts (a
+collective) is needed, and a rank blocked in one could not merge meanwhile. ``sync_state()`` (after finish,
 collectives allowed) computes Σ a_i x_i with one allreduce; ``eval_params()`` returns it (None before).
 
 Test hook: ``GOSGD(schedule=f)`` with ``f(step, rank) -> destination | None`` replaces the random draw,
@@ -83,16 +84,16 @@ class GOSGD(Rule):
         assert self.pool is not None and self.comm is not None
         if len(self.pool.learners) != 1:
             raise ValueError(f"GOSGD supports one learner per rank for now, got {len(self.pool.learners)}")
-        rank, size = self.comm.rank, self.comm.size
+        self.x = self.pool.learners[0].params  # the learner's own weights, merged in place
+        rank, size = self.rank, self.size = self.comm.rank, self.comm.size
         self.mass = UNIT // size + (rank < UNIT % size)
         self.rng = np.random.default_rng((self.hyper.seed, rank))
         self.steps, self.sent, self.received = 0, [0] * size, [0] * size
         self.finished = False
         self.average_params: torch.Tensor | None = None
-        params = self.pool.learners[0].params
         self.peers = [s for s in range(size) if s != rank]
         self.inbox = {
-            s: (torch.empty_like(params), params.new_zeros(1, dtype=torch.float64)) for s in self.peers
+            s: (torch.empty_like(self.x), self.x.new_zeros(1, dtype=torch.float64)) for s in self.peers
         }
         self.posted: dict[int, tuple[Handle, Handle] | None] = {s: None for s in self.peers}
         for s in self.peers:
@@ -124,10 +125,8 @@ class GOSGD(Rule):
         if weight < 0:  # goodbye: no more messages from src, its receive is consumed and stays so
             self.posted[src] = None
             return False
-        assert self.pool is not None
         mass = int(weight * UNIT)
-        x = self.pool.learners[0].params
-        x.add_(x_s - x, alpha=mass / (self.mass + mass))
+        self.x.add_(x_s - self.x, alpha=mass / (self.mass + mass))  # (a_i x_i + a_s x_s) / (a_i + a_s)
         self.mass += mass
         self.received[src] += 1
         self._post(src)
@@ -141,9 +140,9 @@ class GOSGD(Rule):
 
     def _await_scheduled(self, step: int) -> None:
         """Schedule mode: wait for and merge exactly what the schedule sent here at ``step``."""
-        assert self.comm is not None and self.schedule is not None
+        assert self.schedule is not None
         for src in self.peers:
-            if step >= 0 and self.schedule(step, src) == self.comm.rank:
+            if step >= 0 and self.schedule(step, src) == self.rank:
                 self._take(src, wait=True)
 
     def _send(self, dst: int, params: torch.Tensor, weight: float) -> None:
@@ -154,11 +153,10 @@ class GOSGD(Rule):
         )
 
     def _destination(self, step: int) -> int | None:
-        assert self.comm is not None
         if self.schedule is not None:
-            dst = self.schedule(step, self.comm.rank)
-            if dst is not None and (dst == self.comm.rank or not 0 <= dst < self.comm.size):
-                raise ValueError(f"GOSGD schedule({step}, {self.comm.rank}) = {dst} is not another rank")
+            dst = self.schedule(step, self.rank)
+            if dst is not None and (dst == self.rank or not 0 <= dst < self.size):
+                raise ValueError(f"GOSGD schedule({step}, {self.rank}) = {dst} is not another rank")
             return dst
         if not self.peers or self.rng.random() >= self.hyper.p:
             return None
@@ -166,7 +164,6 @@ class GOSGD(Rule):
 
     def exchange(self, step: int) -> None:
         """Merge what arrived, then gossip with probability p (or as the schedule says)."""
-        assert self.pool is not None
         if self.schedule is not None:
             self._await_scheduled(self.steps - 1)
         else:
@@ -179,33 +176,32 @@ class GOSGD(Rule):
         half = self.mass // 2
         self.mass -= half
         self.sent[dst] += 1
-        self._send(dst, self.pool.learners[0].params.clone(), half / UNIT)
+        self._send(dst, self.x.clone(), half / UNIT)
 
     def finish(self) -> None:
         """Send goodbyes, merge until every peer's goodbye is in, wait for own sends (see module doc)."""
-        assert self.pool is not None
         if self.finished:
             return
         if self.schedule is not None:
             self._await_scheduled(self.steps - 1)
-        goodbye = torch.zeros_like(self.pool.learners[0].params)
+        goodbye = torch.zeros_like(self.x)
         for dst in self.peers:
             self._send(dst, goodbye, -1.0)
         while any(h is not None for h in self.posted.values()):
             self._merge_arrived()
             time.sleep(1e-4)
-        for handles in self.outbox:
-            handles[0].wait()
-            handles[1].wait()
+        for sent_params, sent_weight, *_ in self.outbox:
+            sent_params.wait()
+            sent_weight.wait()
         self.outbox, self.finished = [], True
         log.debug("GOSGD finished: weight %.6g, sent %s, received %s", self.weight, self.sent, self.received)
 
     def sync_state(self) -> None:
         """After finish: the weighted average Σ a_i x_i, one allreduce (Σ a_i = 1)."""
-        assert self.pool is not None and self.comm is not None
+        assert self.comm is not None
         if not self.finished:
             raise RuntimeError("GOSGD.sync_state() needs finish() first: messages are still in flight")
-        self.average_params = self.pool.learners[0].params.clone().mul_(self.weight)
+        self.average_params = self.x.clone().mul_(self.weight)
         self.comm.allreduce(self.average_params).wait()
 
     def eval_params(self) -> torch.Tensor | None:
