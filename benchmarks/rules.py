@@ -93,7 +93,7 @@ def main() -> int:
                 attrs = m["attrs"]
                 share = statistics.median(s for s in attrs["rank_exchange_share"] if s == s)  # NaN: server
                 final = attrs["val_accuracy"]
-                rows.append(f"| {label} | {size} | {epoch:g} | {seconds:.2f} | {final:.4f} | {share:.0%} |")
+                rows.append(f"| {label} | {size} | {epoch:.3g} | {seconds:.2f} | {final:.4f} | {share:.0%} |")
                 curves[(label, size)] = (m["val"]["time"], m["val"]["accuracy"])
         slow_rows = []
         n = args.straggler_size
