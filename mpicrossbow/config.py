@@ -86,7 +86,27 @@ class OptimSection:
 class DataSection:
     """``[data]``: batching of each rank's shard."""
 
-    batch_size: int = setting(32, "samples per batch per learner", ge=1)
+    batch_size: int = setting(
+        32, "samples per batch per learner (each of a rank's learners reads its own)", ge=1
+    )
+
+
+@dataclass(frozen=True)
+class PoolSection:
+    """``[pool]``: the learners one rank trains (Crossbow's learner pool) and the engine that runs them."""
+
+    learners: int | Literal["auto"] = setting(
+        1, "learners (model replicas) per rank, or auto: Crossbow's tuner picks the count", ge=1
+    )
+    engine: Literal["serial", "fused", "streams"] = setting(
+        "serial",
+        "serial: one learner after another; fused: the replicas as one wider model; "
+        "streams: one CUDA stream per learner",
+    )
+    max_learners: int = setting(16, "learners = auto: the most learners per rank the tuner tries", ge=1)
+    tune_threshold: float = setting(
+        0.1, "learners = auto: add a learner while throughput rises by more than this fraction", ge=0
+    )
 
 
 @dataclass(frozen=True)
@@ -103,6 +123,7 @@ SECTIONS: dict[str, type] = {
     "session": SessionSection,
     "optim": OptimSection,
     "data": DataSection,
+    "pool": PoolSection,
     "comm": CommSection,
 }
 #: Sections whose keys belong to a plug-in (the rule's hyper-parameters, the model's keyword arguments).
@@ -122,6 +143,7 @@ class Config:
     session: SessionSection = field(default_factory=SessionSection)
     optim: OptimSection = field(default_factory=OptimSection)
     data: DataSection = field(default_factory=DataSection)
+    pool: PoolSection = field(default_factory=PoolSection)
     comm: CommSection = field(default_factory=CommSection)
     rule_params: Mapping[str, Any] = field(default_factory=dict)
     model_params: Mapping[str, str] = field(default_factory=dict)

@@ -1,8 +1,10 @@
 """Metrics of a run, written by rank 0 to ``metrics.h5`` in the run folder and flushed every epoch.
 
 Layout: group ``train`` with one row per epoch, averaged over every rank (``step``, ``epoch``, ``loss``,
-``accuracy``, ``lr``, ``time``); group ``val`` with one row per validation (``epoch``, ``step``, ``loss``,
-``accuracy``, ``time``, ``exchange_share``); the resolved cfg text is the file attribute ``config``.
+``accuracy``, ``lr``, ``time``, ``learners`` per rank); group ``val`` with one row per validation
+(``epoch``, ``step``, ``loss``, ``accuracy``, ``time``, ``exchange_share``); the resolved cfg text is the
+file attribute ``config``; ``learners`` (final count per rank) and, with ``[pool] learners = auto``,
+``autotune_history`` (learners, samples/s per check) are attributes too.
 Appending row by row and flushing means a crash loses at most the current epoch.
 """
 
@@ -14,7 +16,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-TRAIN_COLUMNS = ("step", "epoch", "loss", "accuracy", "lr", "time")
+TRAIN_COLUMNS = ("step", "epoch", "loss", "accuracy", "lr", "time", "learners")
 VAL_COLUMNS = ("epoch", "step", "loss", "accuracy", "time", "exchange_share")
 
 

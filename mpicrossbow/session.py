@@ -21,15 +21,17 @@ from typing import Any
 
 import torch
 
+from .autotune import AutoTuner
 from .comm import make_communicator
-from .comm.base import Communicator
+from .comm.base import Communicator, ReduceOp
 from .config import Config
 from .devices import device_for_rank
 from .env import World
-from .errors import ContractError
+from .errors import ConfigError, ContractError
 from .metrics import MetricsWriter
 from .model import contract_form, load_model_class
-from .pool import LearnerPool, SerialPool, TheanoPool
+from .pool import LearnerPool, TheanoPool
+from .pool.engines import ENGINES
 from .rules import RULES, Rule
 from .schedule import lr_at
 from .shard import Shard
@@ -84,28 +86,47 @@ class Session:
         torch.manual_seed(cfg.session.seed)
         self.trains = self.rule.trains(world.rank, world.size)
         self.full_val: Any = None
+        auto = cfg.pool.learners == "auto"
+        learners = 1 if auto else int(cfg.pool.learners)
+        self.tuner = AutoTuner(cfg.pool.tune_threshold, cfg.pool.max_learners) if auto else None
+        if auto and not self.rule.synchronous:
+            raise ConfigError(
+                f"[pool] learners = auto needs a synchronous rule (every rank must change its learner count "
+                f"at the same step); RULE={cfg.rule} is asynchronous: set [pool] learners to a number"
+            )
         if form == "torch":
             model = _construct(cls, call_kwargs(cls, cfg.model_params, "model"))
             index, count = self.rule.train_shard(world.rank, world.size) if self.trains else (0, 1)
             batch = cfg.data.batch_size
-            self.pool = SerialPool(model, index, count, batch, cfg.optim, self.device, seed=cfg.session.seed)
+            engine = ENGINES.get(cfg.pool.engine)
+            self.pool = engine(
+                model, index, count, batch, cfg.optim, self.device, seed=cfg.session.seed, learners=learners
+            )
             if not self.rule.synchronous:  # ranks validate alone, on the whole validation set
+                whole = count == 1 and learners == 1  # learner 0 already holds the whole set
                 self.full_val = (
-                    self.pool.datas[0] if count == 1 else model.data(Shard(0, 1, batch, cfg.session.seed))
+                    self.pool.datas[0] if whole else model.data(Shard(0, 1, batch, cfg.session.seed))
                 )
         elif not self.rule.synchronous:
             raise ContractError(f"RULE={cfg.rule} is asynchronous and needs a torch-native model")
+        elif auto or learners > 1 or cfg.pool.engine != "serial":
+            raise ContractError(
+                f"{cfg.modelclass} is a Theano-MPI-form model (it trains itself in train_iter): it runs one "
+                "learner per rank; [pool] learners and engine need a torch-native model"
+            )
         else:
             model = _construct(cls, {**self._theano_config(), **cfg.model_params}, positional=True)
             self.pool = TheanoPool(model)
         torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
         log.info(
-            "%s model %s from %s on %s, %d thread(s), %d step(s) per epoch",
+            "%s model %s from %s on %s, %d thread(s), %s learner(s) per rank (%s engine), %d step(s)/epoch",
             form,
             cfg.modelclass,
             cfg.modelfile,
             self.device,
             threads,
+            "auto: 1" if auto else learners,
+            cfg.pool.engine,
             self.pool.n_batch_train,
         )
 
@@ -192,24 +213,30 @@ class Session:
             samples_per_second=samples / wall if wall > 0 else 0.0,
         )
         if self.metrics is not None:
-            self.metrics.close(**{k: v for k, v in asdict(result).items() if k != "run_dir"})
+            self.metrics.close(
+                learners=len(self.pool.learners),
+                **{k: v for k, v in asdict(result).items() if k != "run_dir"},
+            )
         return result
 
     def _train(self) -> tuple[int, int, tuple[float, float], tuple[float, float], float, float]:
         """The training loop of a rank that trains."""
         assert self.pool is not None and self.rule is not None and self.comm is not None
         cfg, pool, rule, comm = self.config, self.pool, self.rule, self.comm
-        per_epoch = pool.n_batch_train
-        total = cfg.session.steps or cfg.session.epochs * per_epoch
-        epochs = math.ceil(total / per_epoch) if total else 0
+        budget = cfg.session.steps
+        # With a step budget the epoch count follows from it; the auto-tuner may change steps per epoch.
+        epochs = math.ceil(budget / pool.n_batch_train) if budget else cfg.session.epochs
         delay = cfg.session.slow_seconds if self.world.rank in cfg.session.slow_ranks else 0.0
-        bar = self._progress(total)
+        bar = self._progress(budget or epochs * pool.n_batch_train)
         step, lr, exchange_s, samples = 0, -1.0, 0.0, 0.0
         train = val = (math.nan, math.nan)
-        for epoch in range(epochs):
+        epoch = 0
+        while epoch < epochs and (not budget or step < budget):
+            per_epoch = pool.n_batch_train
             pool.start_epoch(epoch)
             pool.set_lr(lr_at(cfg.optim, epoch), epoch)
-            for count in range(min(per_epoch, total - step)):
+            epoch_start = time.perf_counter()
+            for count in range(min(per_epoch, budget - step) if budget else per_epoch):
                 new_lr = lr_at(cfg.optim, epoch + count / per_epoch)
                 if new_lr != lr:
                     if lr > 0:
@@ -229,22 +256,45 @@ class Session:
                     time.sleep(delay)
                 if bar is not None:
                     bar.update(1)
+            epoch_seconds = time.perf_counter() - epoch_start
+            learners = len(pool.learners)
             stats = pool.take_stats()
             if rule.synchronous:
                 stats = tuple(comm.allreduce_scalars(list(stats)))
             loss_sum, hits, n = stats
             samples += n
             train = (loss_sum / max(n, 1), hits / max(n, 1))
-            last = epoch == epochs - 1
+            last = epoch == epochs - 1 or bool(budget and step >= budget)
             every = cfg.session.validate_every
             validated = last or bool(every and (epoch + 1) % every == 0)
             if validated:
                 val = self._validate()
             wall = time.perf_counter() - self._start
-            self._report(epoch, step, lr, train, val if validated else None, wall, exchange_s, bar)
+            self._report(epoch, step, lr, learners, train, val if validated else None, wall, exchange_s, bar)
+            if self.tuner is not None and not last:
+                self._tune(n, epoch_seconds)
+                if budget:
+                    epochs = epoch + 1 + math.ceil((budget - step) / pool.n_batch_train)
+                elif bar is not None:
+                    bar.total = step + (epochs - epoch - 1) * pool.n_batch_train
+            epoch += 1
         if bar is not None:
             bar.close()
         return epochs, step, train, val, exchange_s, samples
+
+    def _tune(self, samples: float, seconds: float) -> None:
+        """Auto-tuner check after an epoch: one allreduce of samples/s, then every rank resizes alike."""
+        assert self.tuner is not None and self.pool is not None and self.rule is not None
+        assert self.comm is not None
+        # Samples are already summed over ranks; the slowest rank's time sets a synchronous job's pace.
+        slowest = self.comm.allreduce_scalars([seconds], op=ReduceOp.MAX)[0]
+        before = len(self.pool.learners)
+        after = self.tuner.observe(samples / max(slowest, 1e-9))
+        if after != before:
+            self.pool.resize(after)
+            self.rule.on_resize()
+        if self.metrics is not None:
+            self.metrics.file.attrs["autotune_history"] = [list(h) for h in self.tuner.history]
 
     def _record_rank_rates(self, rate: float, share: float) -> None:
         """Every rank's training steps/s and exchange share (NaN for serving ranks) into the metrics."""
@@ -315,6 +365,7 @@ class Session:
         epoch: int,
         step: int,
         lr: float,
+        learners: int,
         train: tuple[float, float],
         val: tuple[float, float] | None,
         wall: float,
@@ -326,7 +377,15 @@ class Session:
         share = exchange_s / wall if wall > 0 else 0.0
         text = f"epoch {epoch + 1} step {step}: train loss {train[0]:.4f} acc {train[1]:.4f}"
         if self.metrics is not None:
-            self.metrics.train(step=step, epoch=epoch + 1, loss=train[0], accuracy=train[1], lr=lr, time=wall)
+            self.metrics.train(
+                step=step,
+                epoch=epoch + 1,
+                loss=train[0],
+                accuracy=train[1],
+                lr=lr,
+                time=wall,
+                learners=learners,
+            )
         if val is not None:
             text += f" | val loss {val[0]:.4f} acc {val[1]:.4f}"
             if self.metrics is not None:

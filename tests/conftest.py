@@ -61,3 +61,16 @@ def run_mpi(
         text=True,
         timeout=timeout,
     )
+
+
+def launcher() -> list[str]:
+    """The installed ``crossbow-launch`` console script, or the module when the package is not installed."""
+    script = Path(sys.executable).parent / "crossbow-launch"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mpicrossbow.launcher"]
+
+
+def only_run(out: Path) -> Path:
+    """The one run folder a job created under ``out``."""
+    runs = [p for p in out.iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]

@@ -37,14 +37,18 @@ LR, MOMENTUM, TAU = 0.05, 0.9, 3
 Order = Callable[[int, Sequence[int]], int]
 
 
-def make_pools(size: int, hidden: int = 16) -> list[SerialPool]:
+def make_pools(size: int, hidden: int = 16, learners: int = 1) -> list[SerialPool]:
     """Rank 0's pool on the whole set (it serves, as the session builds it); workers share the data."""
     optim = OptimSection(lr=LR, momentum=MOMENTUM)
     pools = []
     for r in range(size):
         torch.manual_seed(r)
         index, count = (0, 1) if r == 0 else EASGD(mode="async").train_shard(r, size)
-        pools.append(SerialPool(MLP(hidden=hidden), index, count, 8, optim, torch.device("cpu"), seed=1))
+        pools.append(
+            SerialPool(
+                MLP(hidden=hidden), index, count, 8, optim, torch.device("cpu"), seed=1, learners=learners
+            )
+        )
     return pools
 
 
@@ -55,9 +59,13 @@ def run_async(
     hyper: dict[str, Any],
     delay: dict[int, float] | None = None,
     hidden: int = 16,
+    learners: int = 1,
 ) -> dict[str, Any]:
-    """Run the server and the workers as threads; record gradients, results, reports and channel state."""
-    pools = make_pools(size, hidden)
+    """Run the server and the workers as threads; record gradients, results, reports and channel state.
+
+    A worker's recorded gradient at a step is an array [learners, n]; results hold [learners, n] weights.
+    """
+    pools = make_pools(size, hidden, learners)
     grads: dict[int, list[np.ndarray]] = {r: [] for r in range(1, size)}
     out: dict[str, Any] = {"reports": [], "finished": {}, "rules": [None] * size, "pools": pools}
 
@@ -78,7 +86,7 @@ def run_async(
                 if step % per_epoch == 0:
                     pool.start_epoch(step // per_epoch)
                 pool.compute(step % per_epoch)
-                grads[comm.rank].append(pool.learners[0].grads.numpy().copy())
+                grads[comm.rank].append(np.stack([learner.grads.numpy().copy() for learner in pool.learners]))
                 rule.on_gradients(step)
                 pool.apply()
                 rule.exchange(step)
@@ -93,7 +101,7 @@ def run_async(
             assert isinstance(comm, InProcessCommunicator)
             group = comm._group  # every message sent was received, every receive posted was matched
             out["channels"] = {ch: (group.posted[ch], list(group.mail[ch])) for ch in set(group.mail)}
-        return pool.learners[0].params.numpy().copy(), centre, before_sync
+        return np.stack([lr.params.numpy().copy() for lr in pool.learners]), centre, before_sync
 
     out["results"] = InProcessWorld(size).run(body)
     out["grads"] = grads
@@ -108,8 +116,11 @@ def numpy_async_easgd(
     nesterov: bool,
     order: Order,
 ) -> tuple[dict[int, np.ndarray], np.ndarray, int]:
-    """ALGORITHMS.md's asynchronous EASGD with the recorded gradients, requests served in ``order``."""
-    x = {r: w0.astype(np.float64).copy() for r in grads}
+    """ALGORITHMS.md's asynchronous EASGD with the recorded gradients, requests served in ``order``.
+
+    A worker's weights are [learners, n]; one request serves its learners one after another.
+    """
+    x = {r: np.stack([w0.astype(np.float64)] * len(grads[r][0])) for r in grads}
     buf = {r: np.zeros_like(x[r]) for r in grads}
     t = dict.fromkeys(grads, 0)
     centre = w0.astype(np.float64).copy()
@@ -131,10 +142,11 @@ def numpy_async_easgd(
         if advance(
             r
         ):  # the worker reads x~, computes e = α (x_i − x~), x_i ← x_i − e; the server x~ ← x~ + e
-            e = alpha * (x[r] - centre)
-            x[r] = x[r] - e
-            centre = centre + e
-            updates += 1
+            for j in range(len(x[r])):
+                e = alpha * (x[r][j] - centre)
+                x[r][j] = x[r][j] - e
+                centre = centre + e
+                updates += 1
         else:
             active.remove(r)
         processed += 1
@@ -163,24 +175,31 @@ def assert_nothing_in_flight(out: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("size", "eamsgd", "order"),
-    [(2, False, round_robin), (2, True, round_robin), (4, False, skewed), (4, True, round_robin)],
+    ("size", "eamsgd", "order", "learners"),
+    [
+        (2, False, round_robin, 1),
+        (2, True, round_robin, 1),
+        (4, False, skewed, 1),
+        (4, True, round_robin, 1),
+        (3, False, skewed, 2),
+        (2, True, round_robin, 3),
+    ],
 )
-def test_async_easgd_equals_numpy(size: int, eamsgd: bool, order: Order) -> None:
+def test_async_easgd_equals_numpy(size: int, eamsgd: bool, order: Order, learners: int) -> None:
     steps = {r: 10 + 2 * r for r in range(1, size)}  # uneven: requests after 3, 6, 9, (12); done at the end
     hyper = {"tau": TAU, "momentum": MOMENTUM} if eamsgd else {"tau": TAU}
-    out = run_async(size, steps, order, hyper)
-    alpha = 0.9 / (size - 1)  # default α = 0.9/k, k = the workers
+    out = run_async(size, steps, order, hyper, learners=learners)
+    alpha = 0.9 / ((size - 1) * learners)  # default α = 0.9/k, k = the worker learners
     x, centre, updates = numpy_async_easgd(out["start"], out["grads"], alpha, TAU, eamsgd, order)
     results = out["results"]
     np.testing.assert_allclose(results[0][1], centre, rtol=1e-4, atol=1e-6)
     for r in range(1, size):
         np.testing.assert_allclose(results[r][0], x[r], rtol=1e-4, atol=1e-6)
         assert results[r][2] is None  # a worker has no centre to validate before sync_state
-        assert out["rules"][r].worker.requests == steps[r] // TAU
+        assert out["rules"][r].worker.requests == learners * (steps[r] // TAU)
     for rule in out["rules"]:  # after sync_state every rank validates the server's final centre
         np.testing.assert_allclose(rule.eval_params().numpy(), centre, rtol=1e-4, atol=1e-6)
-    assert out["rules"][0].server.updates == updates == sum(s // TAU for s in steps.values())
+    assert out["rules"][0].server.updates == updates == learners * sum(s // TAU for s in steps.values())
     assert out["rules"][0].state_dict()["updates"] == updates
     assert_nothing_in_flight(out)
 

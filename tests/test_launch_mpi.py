@@ -14,24 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, mpi_env, run_mpi
+from conftest import REPO, launcher, mpi_env, only_run, run_mpi
 from models.mlp import MLP
 from mpicrossbow.metrics import read_metrics
 from mpicrossbow.shard import Shard
 
 pytestmark = [pytest.mark.mpi]
-
-
-def launcher() -> list[str]:
-    """The installed console script, or the module when the package is not installed."""
-    script = Path(sys.executable).parent / "crossbow-launch"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "mpicrossbow.launcher"]
-
-
-def only_run(out: Path) -> Path:
-    runs = [p for p in out.iterdir() if p.is_dir()]
-    assert len(runs) == 1, runs
-    return runs[0]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -27,14 +27,19 @@ STEPS = 9
 LR, MOMENTUM = 0.05, 0.9
 
 
-def run(size: int, make_rule: Any, nesterov: bool = False) -> tuple[np.ndarray, list[np.ndarray], list, list]:
-    """Train STEPS steps; return the initial weights, final weights per rank, grads per rank, rules."""
+def run(
+    size: int, make_rule: Any, nesterov: bool = False, learners: int = 1
+) -> tuple[np.ndarray, list[np.ndarray], list, list]:
+    """Train STEPS steps; return the initial weights, final weights and grads per global learner
+    (rank-major: learner j of rank r is r·m + j), and every rank's rule."""
     optim = OptimSection(lr=LR, momentum=MOMENTUM, nesterov=nesterov)
     pools = []
     for r in range(size):
         torch.manual_seed(r)
-        pools.append(SerialPool(MLP(hidden=16), r, size, 8, optim, torch.device("cpu"), seed=1))
-    grads: list[list[np.ndarray]] = [[] for _ in range(size)]
+        pools.append(
+            SerialPool(MLP(hidden=16), r, size, 8, optim, torch.device("cpu"), seed=1, learners=learners)
+        )
+    grads: list[list[np.ndarray]] = [[] for _ in range(size * learners)]
     rules: list[Rule] = [None] * size  # type: ignore[list-item]
     start: list[np.ndarray] = [None] * size  # type: ignore[list-item]
 
@@ -45,14 +50,15 @@ def run(size: int, make_rule: Any, nesterov: bool = False) -> tuple[np.ndarray, 
         pool.start_epoch(0)
         for step in range(STEPS):
             pool.compute(step)
-            grads[comm.rank].append(pool.learners[0].grads.numpy().copy())
+            for j, learner in enumerate(pool.learners):
+                grads[comm.rank * learners + j].append(learner.grads.numpy().copy())
             rule.on_gradients(step)
             pool.apply()
             rule.exchange(step)
         rule.finish()
-        return pool.learners[0].params.numpy().copy()
+        return [learner.params.numpy().copy() for learner in pool.learners]
 
-    final = InProcessWorld(size).run(body)
+    final = [w for per_rank in InProcessWorld(size).run(body) for w in per_rank]
     assert all(np.array_equal(s, start[0]) for s in start)  # bind broadcast rank 0's replica
     return start[0], final, grads, rules
 
@@ -71,13 +77,16 @@ def numpy_sma(w0: np.ndarray, grads: list, alpha: float, mu: float) -> tuple[lis
     return w, z
 
 
-@pytest.mark.parametrize("size", [1, 2, 4])
-def test_sma_equals_numpy(size: int) -> None:
-    w0, final, grads, rules = run(size, lambda: SMA(momentum=0.5))
-    w, z = numpy_sma(w0, grads, alpha=1.0 / size, mu=0.5)
-    for r in range(size):
-        np.testing.assert_allclose(final[r], w[r], rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(rules[r].eval_params().numpy(), z, rtol=1e-4, atol=1e-6)
+@pytest.mark.parametrize(("size", "learners"), [(1, 1), (2, 1), (4, 1), (1, 4), (2, 3)])
+def test_sma_equals_numpy(size: int, learners: int) -> None:
+    """Corrections summed in the rank, one allreduce: the same z as numpy's sum over all k learners."""
+    w0, final, grads, rules = run(size, lambda: SMA(momentum=0.5), learners=learners)
+    k = size * learners
+    w, z = numpy_sma(w0, grads, alpha=1.0 / k, mu=0.5)
+    for g in range(k):
+        np.testing.assert_allclose(final[g], w[g], rtol=1e-4, atol=1e-6)
+    for rule in rules:
+        np.testing.assert_allclose(rule.eval_params().numpy(), z, rtol=1e-4, atol=1e-6)
 
 
 def test_sma_with_zero_alpha_and_momentum_leaves_z_unchanged() -> None:
@@ -106,15 +115,17 @@ def numpy_easgd(
     return w, centre
 
 
-@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize(("size", "learners"), [(1, 1), (2, 1), (4, 1), (2, 2)])
 @pytest.mark.parametrize("eamsgd", [False, True])
-def test_easgd_sync_equals_numpy(size: int, eamsgd: bool) -> None:
+def test_easgd_sync_equals_numpy(size: int, learners: int, eamsgd: bool) -> None:
     hyper = {"tau": 3, "momentum": MOMENTUM} if eamsgd else {"tau": 3}
-    w0, final, grads, rules = run(size, lambda: EASGD(**hyper))
-    w, centre = numpy_easgd(w0, grads, alpha=0.9 / size, tau=3, nesterov=eamsgd)
-    for r in range(size):
-        np.testing.assert_allclose(final[r], w[r], rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(rules[r].eval_params().numpy(), centre, rtol=1e-4, atol=1e-6)
+    w0, final, grads, rules = run(size, lambda: EASGD(**hyper), learners=learners)
+    k = size * learners
+    w, centre = numpy_easgd(w0, grads, alpha=0.9 / k, tau=3, nesterov=eamsgd)
+    for g in range(k):
+        np.testing.assert_allclose(final[g], w[g], rtol=1e-4, atol=1e-6)
+    for rule in rules:
+        np.testing.assert_allclose(rule.eval_params().numpy(), centre, rtol=1e-4, atol=1e-6)
 
 
 def test_easgd_centre_moves_by_alpha_sum_of_differences() -> None:

@@ -56,5 +56,9 @@ class LearnerPool(ABC):
     def take_stats(self) -> tuple[float, float, float]:
         """(loss sum, hits, samples) of training since the last call, summed over learners."""
 
+    def resize(self, learners: int) -> None:
+        """Change the number of learners between epochs (the auto-tuner); engines that can override this."""
+        raise NotImplementedError(f"{type(self).__name__} cannot change its number of learners")
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release data files and model resources."""

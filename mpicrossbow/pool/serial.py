@@ -29,19 +29,48 @@ class SerialPool(LearnerPool):
         seed: int = 0,
         learners: int = 1,
     ) -> None:
-        owner = type(model).__name__
-        self.learners = []
+        self.model, self.rank, self.size, self.batch_size = model, rank, size, batch_size
+        self.optim, self.device, self.seed = optim, device, seed
+        self.learners = [Learner(model.module(), model, optim, device) for _ in range(learners)]
+        self._load_data()
+        self._iters: list[Iterator[Any]] = []
+
+    def _load_data(self) -> None:
+        """Learner j of rank r reads shard ``r * m + j`` of ``size * m``: no two learners share a batch."""
+        owner, m = type(self.model).__name__, len(self.learners)
         self.datas = []
-        for j in range(learners):
-            self.learners.append(Learner(model.module(), model, optim, device))
-            data = model.data(Shard(rank * learners + j, size * learners, batch_size, seed))
+        for j in range(m):
+            data = self.model.data(Shard(self.rank * m + j, self.size * m, self.batch_size, self.seed))
             check_data(data, owner, torch_form=True)
             self.datas.append(data)
         counts = {d.n_batch_train for d in self.datas}
         if min(counts) == 0:
-            raise DataError(f"{owner}: this rank's training shard holds less than one batch of {batch_size}")
+            raise DataError(
+                f"{owner}: a learner's training shard holds less than one batch of {self.batch_size} "
+                f"({self.size} rank(s) × {m} learner(s) share the data)"
+            )
         self._n_batch_train = min(counts)
-        self._iters: list[Iterator[Any]] = []
+
+    def resize(self, learners: int) -> None:
+        """Keep the first ``learners`` replicas, or add copies of learner 0; reshard the data.
+
+        Called between epochs (the auto-tuner); a new learner is a copy of learner 0: weights, buffers and
+        optimizer state (momentum), so BSP's identical replicas stay identical. The next
+        :meth:`start_epoch` reads the new shards.
+        """
+        if learners < 1:
+            raise ValueError(f"a pool needs at least one learner, got {learners}")
+        first = self.learners[0]
+        while len(self.learners) > learners:
+            self.learners.pop()
+        while len(self.learners) < learners:
+            learner = Learner(self.model.module(), self.model, self.optim, self.device)
+            learner.params.copy_(first.params)
+            learner.buffers.copy_(first.buffers)
+            learner.optimizer.load_state_dict(first.optimizer.state_dict())
+            self.learners.append(learner)
+        self._load_data()
+        self._iters = []
 
     @property
     def n_batch_train(self) -> int:

@@ -96,6 +96,16 @@ class Rule:
         """Flat weights to validate and save, or None for learner 0's own."""
         return None
 
+    def on_resize(self) -> None:
+        """The pool's learner count changed (``[pool] learners = auto``); resize per-learner state.
+
+        New learners are copies of learner 0. Rules without per-learner state override this with nothing
+        to do; the default refuses, so a user rule is never resized without its consent.
+        """
+        from ..errors import ConfigError
+
+        raise ConfigError(f"RULE={self.name} does not support [pool] learners = auto; set a number")
+
     def on_lr_change(self, old: float, new: float) -> None:
         """Called when the learning-rate schedule changes the rate (SMA resets replicas on a step down)."""
 

@@ -56,6 +56,10 @@ class BSP(Rule):
             )
         log.info("BSP in %s mode over %d learner(s)", self.mode, self.world_learners)
 
+    def on_resize(self) -> None:
+        """Nothing per learner: k is read from the pool at every average."""
+        log.info("BSP now over %d learner(s)", self.world_learners)
+
     def on_gradients(self, step: int) -> None:
         """Gradient mode: G = mean of every learner's gradient, before the optimizer step."""
         if self.mode == "grad":

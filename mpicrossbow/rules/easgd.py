@@ -9,12 +9,13 @@ Who sends what to whom, and when:
   ``x~ ← x~ + α Σ_i d_i``. k is every learner of every rank.
 * ``mode = async`` (Theano-MPI's EASGD): **rank 0 serves and validates the centre and does not train**;
   workers are ranks 1..N-1 and shard the training data among themselves (:meth:`EASGD.train_shard`). Every
-  τ local steps a worker sends a snapshot of x_i to the server, which applies ``e = α (x_i − x~)``,
-  ``x~ ← x~ + e`` for each request as it arrives and sends ``e`` back; the worker applies ``x_i ← x_i − e``.
+  τ local steps a worker rank sends a snapshot of its learners' x_j in one message to the server, which
+  applies ``e_j = α (x_j − x~)``, ``x~ ← x~ + e_j`` learner by learner as each request arrives and sends
+  the e_j back; the worker applies ``x_j ← x_j − e_j``.
   No barrier: a slow worker never holds the others. The protocol (one posted receive per worker, the done
   message that ends :meth:`EASGD.serve`, the once-per-epoch report) is in
-  :mod:`mpicrossbow.rules.elastic_server`. k is the number of worker learners (N − 1 with one learner per
-  rank); a job of one rank has no worker and is rejected with a ConfigError. During training a worker
+  :mod:`mpicrossbow.rules.elastic_server`. k is the number of worker learners ((N − 1)·m with m learners
+  per rank); a job of one rank has no worker and is rejected with a ConfigError. During training a worker
   validates its own weights; after ``finish()``, ``sync_state()`` broadcasts the final centre from rank 0.
 
 Validation and checkpoints use the centre. ``momentum = δ`` turns the local step into EAMSGD's Nesterov
@@ -120,15 +121,9 @@ class EASGD(Rule):
         """The centre starts as the broadcast replica; EAMSGD reconfigures the local optimizers."""
         assert self.pool is not None and self.comm is not None
         self._check_size(self.comm.size)
-        learners = len(self.pool.learners)
-        k = self.world_learners if self.synchronous else (self.comm.size - 1) * learners
-        self.alpha = self.hyper.alpha if self.hyper.alpha is not None else 0.9 / k
-        if k * self.alpha > 1:
-            log.warning(
-                "EASGD: k·α = %d × %g > 1: the centre overshoots (the paper needs β = kα < 1)", k, self.alpha
-            )
         self.centre = self.pool.learners[0].params.clone()
-        self.diffs = [torch.zeros_like(self.centre) for _ in self.pool.learners]
+        self.on_resize()
+        k = self.world_learners if self.synchronous else (self.comm.size - 1) * len(self.pool.learners)
         if self.hyper.momentum is not None:
             for learner in self.pool.learners:
                 for group in learner.optimizer.param_groups:
@@ -136,7 +131,9 @@ class EASGD(Rule):
         if self.synchronous:
             return
         if self.comm.rank == SERVER:
-            self._server = ElasticServer(self.comm, self.centre, self.alpha, self.order)
+            self._server = ElasticServer(
+                self.comm, self.centre, self.alpha, self.order, learners=len(self.pool.learners)
+            )
         else:
             self._worker = ElasticWorker(
                 self.comm, [learner.params for learner in self.pool.learners], SERVER
@@ -149,6 +146,18 @@ class EASGD(Rule):
             self.alpha,
             self.hyper.tau,
         )
+
+    def on_resize(self) -> None:
+        """α (when defaulted to 0.9/k) and one difference buffer per learner follow the learner count."""
+        assert self.pool is not None and self.comm is not None
+        learners = len(self.pool.learners)
+        k = self.world_learners if self.synchronous else (self.comm.size - 1) * learners
+        self.alpha = self.hyper.alpha if self.hyper.alpha is not None else 0.9 / k
+        if k * self.alpha > 1:
+            log.warning(
+                "EASGD: k·α = %d × %g > 1: the centre overshoots (the paper needs β = kα < 1)", k, self.alpha
+            )
+        self.diffs = [torch.zeros_like(self.centre) for _ in self.pool.learners]
 
     # -------------------------------------------------------------- exchange
     def exchange(self, step: int) -> None:

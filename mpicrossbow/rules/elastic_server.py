@@ -2,10 +2,11 @@
 
 Theano-MPI style: the centre x~ lives on a server rank that does not train. Who sends what to whom, and when:
 
-* Worker i, every τ local steps and for each of its learners in turn: posts a receive for the reply, sends
-  a snapshot of its flat weights x_i to the server (non-blocking isend of a copy, so training memory is
-  never on the wire), waits for the reply ``e`` and applies ``x_i ← x_i − e``. It waits for its own reply
-  right away, so ``e`` lands on the very weights it sent.
+* A worker rank, every τ local steps: posts a receive for the reply, sends a snapshot of the flat weights
+  of **all its m learners in one message** (non-blocking isend of a copy, so training memory is never on
+  the wire; one round trip per rank, not per learner), waits for the reply ``[e_1 .. e_m]`` and applies
+  ``x_j ← x_j − e_j``. It waits for its own reply right away, so each ``e_j`` lands on the very weights
+  it sent.
 * The server keeps **one posted receive per worker** and tests them all in a loop, never blocking on one
   worker, so a slow worker never stalls the others. For each request, as it arrives, it computes
   ``e = α (x_i − x~)`` with the x_i that was sent, applies ``x~ ← x~ + e``, sends ``e`` back and re-posts
@@ -16,10 +17,10 @@ Theano-MPI style: the centre x~ lives on a server rank that does not train. Who 
   left dangling nor needs cancelling. The server leaves :meth:`ElasticServer.serve` once every worker is
   done and every reply send has completed: nothing is in flight on either side.
 
-A request is ``[x_i (n values), flag, progress]``: flag 0 asks for an update, 1 says done; progress is the
-worker's epochs completed (steps / steps per epoch). The server reports the centre once per epoch-equivalent:
-whenever the mean progress over workers crosses an integer (with equal shards that is every
-``(n_batch_train / τ) · (N − 1)`` updates, n_batch_train being a worker's steps per epoch).
+A request is ``[x_1 .. x_m (m·n values), flag, progress]``: flag 0 asks for an update, 1 says done;
+progress is the worker's epochs completed (steps / steps per epoch). The server reports the centre once
+per epoch-equivalent: whenever the mean progress over workers crosses an integer (with equal shards that
+is every ``(n_batch_train / τ) · (N − 1) · m`` updates, n_batch_train being a worker's steps per epoch).
 """
 
 from __future__ import annotations
@@ -52,31 +53,32 @@ Report = Callable[[torch.Tensor, float], None]
 
 
 class ElasticWorker:
-    """A training rank's side: every τ steps, send x_i, receive e, apply ``x_i ← x_i − e`` (per learner)."""
+    """A training rank's side: every τ steps, send all x_j at once, apply the replies ``x_j ← x_j − e_j``."""
 
     def __init__(self, comm: Communicator, params: Sequence[torch.Tensor], server: int = 0) -> None:
         self.comm, self.params, self.server = comm, list(params), server
-        n = self.params[0].numel()
+        n = len(self.params) * self.params[0].numel()
         self.request = self.params[0].new_zeros(n + 2)
         self.reply = self.params[0].new_zeros(n)
-        #: Requests answered so far (over all learners of this rank).
+        #: Elastic updates answered so far (one per learner per exchange).
         self.requests = 0
         self.done = False
 
     def exchange(self, progress: float) -> None:
-        """One elastic update per learner: send a snapshot of its weights, apply the server's reply."""
+        """One round trip: snapshots of all learners' weights out, one elastic difference per learner back."""
         assert not self.done, "exchange after done"
         n = self.reply.numel()
-        for x in self.params:
-            self.request[:n].copy_(x)
-            self.request[n] = UPDATE
-            self.request[n + 1] = progress
-            recv = self.comm.irecv(self.reply, self.server, REPLY_TAG)
-            send = self.comm.isend(self.request, self.server, REQUEST_TAG)
-            recv.wait()  # our own reply, right away: e lands on the weights we sent
-            send.wait()
-            x.sub_(self.reply)
-            self.requests += 1
+        for x, slot in zip(self.params, self.request[:n].view(len(self.params), -1), strict=True):
+            slot.copy_(x)
+        self.request[n] = UPDATE
+        self.request[n + 1] = progress
+        recv = self.comm.irecv(self.reply, self.server, REPLY_TAG)
+        send = self.comm.isend(self.request, self.server, REQUEST_TAG)
+        recv.wait()  # our own reply, right away: each e_j lands on the weights we sent
+        send.wait()
+        for x, e in zip(self.params, self.reply.view(len(self.params), -1), strict=True):
+            x.sub_(e)
+        self.requests += len(self.params)
 
     def finish(self, progress: float) -> None:
         """Send the done message (consuming the server's posted receive) and wait until it has left."""
@@ -94,11 +96,17 @@ class ElasticServer:
     """Rank 0's side: holds the centre x~ and answers each worker's request as it arrives."""
 
     def __init__(
-        self, comm: Communicator, centre: torch.Tensor, alpha: float, order: Order | None = None
+        self,
+        comm: Communicator,
+        centre: torch.Tensor,
+        alpha: float,
+        order: Order | None = None,
+        learners: int = 1,
     ) -> None:
         self.comm, self.centre, self.alpha, self.order = comm, centre, alpha, order
+        self.learners = learners
         self.workers = [r for r in range(comm.size) if r != comm.rank]
-        n = centre.numel()
+        n = learners * centre.numel()
         self._inbox = {w: centre.new_zeros(n + 2) for w in self.workers}
         self._outbox = {w: centre.new_zeros(n) for w in self.workers}
         self._recvs: dict[int, Handle] = {}
@@ -153,19 +161,20 @@ class ElasticServer:
         """One arrived message from worker ``w``: an elastic update and its reply, or its done flag."""
         del self._recvs[w]
         msg = self._inbox[w]
-        n = self.centre.numel()
+        n = self.learners * self.centre.numel()
         self.progress[w] = float(msg[n + 1])
         if float(msg[n]) == DONE:
             log.debug("EASGD server: worker %d done after %.2f epoch(s)", w, self.progress[w])
         else:
             if w in self._sends:  # the previous reply to w was received before w could ask again
                 self._sends.pop(w).wait()
-            e = self._outbox[w]
-            torch.sub(msg[:n], self.centre, out=e)
-            e.mul_(self.alpha)
-            self.centre.add_(e)
-            self._sends[w] = self.comm.isend(e, w, REPLY_TAG)
-            self.updates += 1
+            sent = msg[:n].view(self.learners, -1)
+            for x, e in zip(sent, self._outbox[w].view(self.learners, -1), strict=True):
+                torch.sub(x, self.centre, out=e)  # learner by learner: each sees the centre the last moved
+                e.mul_(self.alpha)
+                self.centre.add_(e)
+            self._sends[w] = self.comm.isend(self._outbox[w], w, REPLY_TAG)
+            self.updates += self.learners
             self._post(w)
         epoch = self.epoch
         if math.floor(epoch) > self._reported:

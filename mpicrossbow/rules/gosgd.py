@@ -1,35 +1,38 @@
 """GOSGD — gossip SGD (Blot, Picard, Cord, Thome 2016; Theano-MPI GOSGD). Asynchronous: no collectives.
 
-Who sends what to whom, and when: every learner i keeps its weights x_i and a gossip weight a_i (initially
-1/k). It takes its optimizer's local step every step; then (``exchange``) it merges every message that has
-arrived, ``x_i ← (a_i x_i + a_s x_s) / (a_i + a_s)``, ``a_i ← a_i + a_s``, and with probability ``p`` picks
-another rank j uniformly (a numpy generator seeded by ``(seed, rank)``), halves a_i and sends (x_i, a_i) to
-j. A message is two non-blocking point-to-point transfers, never pickled: a snapshot of the flat parameter
-buffer (kept alive until the send completes) and the weight as a 1-element float64 tensor.
+Who sends what to whom, and when: every learner i (k in all: ranks × learners per rank, learner j of rank r
+is global learner ``r·m + j``) keeps its weights x_i and a gossip weight a_i (initially 1/k). It takes its
+optimizer's local step every step; then (``exchange``) every message that has arrived for it is merged,
+``x_i ← (a_i x_i + a_s x_s) / (a_i + a_s)``, ``a_i ← a_i + a_s``, and with probability ``p`` it picks
+another learner uniformly (a numpy generator seeded by ``(seed, rank)``), halves a_i and sends (x_i, a_i).
+A message to a learner of the same rank is a snapshot queued in memory; a message to another rank is two
+non-blocking point-to-point transfers, never pickled: a snapshot of the flat parameter buffer (kept alive
+until the send completes) and ``[weight, destination learner]`` as a 2-element float64 tensor. Either kind
+is merged at the receiver's next exchange.
 
 Exact weights: a_i is an integer count of 2⁻⁵² units (exact in float64 on the wire), halving sends the
 rounded-down half and keeps the rest, so Σ a_i is exactly 1.0 for every k and run length; for k a power of
-two the initial 1/k is exact, otherwise the remainder units go to the first ranks.
+two the initial 1/k is exact, otherwise the remainder units go to the first learners.
 
-Receiving: each rank keeps one posted receive per source (a params and a weight buffer each, so
+Receiving: each rank keeps one posted receive per source rank (a params and a weight buffer each, so
 O(ranks × params) memory) and re-posts it after consuming a message; receives match in posting order and
 MPI never lets messages of one (source, tag) overtake each other, so the n-th params and n-th weight
 message of a source belong together. A posted receive is also what lets a large (rendezvous-protocol)
 send complete while the receiver is busy.
 
-``finish()`` — termination without a collective: each rank sends every peer a *goodbye* (a negative
+``finish()`` — termination without a collective: each rank sends every peer rank a *goodbye* (a negative
 weight and a zero params buffer), which by the non-overtaking rule arrives after all its real messages;
 it then polls and merges until every peer's goodbye is in (the goodbye consumes the posted receive, which
-is not re-posted, so nothing dangles) and waits for its own sends, which every peer drains the same way.
-Every rank reaches finish() after its last step and blocks on nothing before sending its goodbyes, so
-every loop ends; ranks may even take different numbers of steps. No exchange of message counts (a
-collective) is needed, and a rank blocked in one could not merge meanwhile. ``sync_state()`` (after finish,
-collectives allowed) computes Σ a_i x_i with one allreduce; ``eval_params()`` returns it (None before).
+is not re-posted, so nothing dangles), merges what its own learners queued for each other, and waits for
+its own sends, which every peer drains the same way. Every rank reaches finish() after its last step and
+blocks on nothing before sending its goodbyes, so every loop ends; ranks may even take different numbers of
+steps. ``sync_state()`` (after finish, collectives allowed) computes Σ a_i x_i with one allreduce;
+``eval_params()`` returns it (None before).
 
-Test hook: ``GOSGD(schedule=f)`` with ``f(step, rank) -> destination | None`` replaces the random draw,
-and at step t each rank first waits for exactly the messages the schedule sent it at step t−1 (and
-merges only those, in source order), so runs are deterministic even under real MPI. BatchNorm buffers are
-not gossiped. Only one learner per rank is supported for now.
+Test hook: ``GOSGD(schedule=f)`` with ``f(step, learner) -> destination learner | None`` (global indices)
+replaces the random draw, and at step t each learner first merges exactly the messages the schedule sent it
+at step t−1, in source order, waiting for remote ones, so runs are deterministic even under real MPI.
+BatchNorm buffers are not gossiped.
 """
 
 from __future__ import annotations
@@ -53,13 +56,13 @@ log = logging.getLogger(__name__)
 #: Gossip weights count units of 2⁻⁵²: the whole mass 1.0 is ``UNIT`` units, exact in float64.
 UNIT = 2**52
 TAG_PARAMS, TAG_WEIGHT = 4101, 4102
-#: The test hook: (step, rank) -> destination rank or None.
+#: The test hook: (step, global learner) -> destination global learner or None.
 Schedule = Callable[[int, int], int | None]
 
 
 @RULES.register("GOSGD")
 class GOSGD(Rule):
-    """Gossip: with probability p per step, send half of one's weight and one's model to a random peer."""
+    """Gossip: with probability p per step, a learner sends half its weight and its model to another."""
 
     @dataclass(frozen=True)
     class Config:
@@ -80,103 +83,144 @@ class GOSGD(Rule):
         return False
 
     def on_bind(self) -> None:
-        """Initial weight, the peer generator and one posted receive per source."""
+        """Initial weights, the peer generator and one posted receive per source rank."""
         assert self.pool is not None and self.comm is not None
-        if len(self.pool.learners) != 1:
-            raise ValueError(f"GOSGD supports one learner per rank for now, got {len(self.pool.learners)}")
-        self.x = self.pool.learners[0].params  # the learner's own weights, merged in place
-        rank, size = self.rank, self.size = self.comm.rank, self.comm.size
-        self.mass = UNIT // size + (rank < UNIT % size)
-        self.rng = np.random.default_rng((self.hyper.seed, rank))
-        self.steps, self.sent, self.received = 0, [0] * size, [0] * size
+        self.xs = [learner.params for learner in self.pool.learners]  # merged in place
+        self.m = len(self.xs)
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self.k = self.size * self.m
+        first = self.rank * self.m
+        self.masses = [UNIT // self.k + (g < UNIT % self.k) for g in range(first, first + self.m)]
+        self.rng = np.random.default_rng((self.hyper.seed, self.rank))
+        self.steps, self.sent, self.received = 0, [0] * self.size, [0] * self.size
         self.finished = False
         self.average_params: torch.Tensor | None = None
-        self.peers = [s for s in range(size) if s != rank]
-        self.inbox = {
-            s: (torch.empty_like(self.x), self.x.new_zeros(1, dtype=torch.float64)) for s in self.peers
-        }
+        self.peers = [s for s in range(self.size) if s != self.rank]
+        x = self.xs[0]
+        self.inbox = {s: (torch.empty_like(x), x.new_zeros(2, dtype=torch.float64)) for s in self.peers}
         self.posted: dict[int, tuple[Handle, Handle] | None] = {s: None for s in self.peers}
         for s in self.peers:
             self._post(s)
         self.outbox: list[tuple[Handle, Handle, torch.Tensor, torch.Tensor]] = []
+        #: Messages between learners of this rank: (source learner, destination j, snapshot, mass).
+        self.local: list[tuple[int, int, torch.Tensor, int]] = []
+
+    @property
+    def mass(self) -> int:
+        """Σ a_i over this rank's learners, in units of 2⁻⁵²."""
+        return sum(self.masses)
 
     @property
     def weight(self) -> float:
-        """a_i, this learner's gossip weight (exact)."""
+        """Σ a_i over this rank's learners (exact)."""
         return self.mass / UNIT
 
     def _post(self, src: int) -> None:
         assert self.comm is not None
-        x, a = self.inbox[src]
-        self.posted[src] = (self.comm.irecv(x, src, TAG_PARAMS), self.comm.irecv(a, src, TAG_WEIGHT))
+        x, meta = self.inbox[src]
+        self.posted[src] = (self.comm.irecv(x, src, TAG_PARAMS), self.comm.irecv(meta, src, TAG_WEIGHT))
 
-    def _take(self, src: int, wait: bool) -> bool:
-        """Consume the next message from ``src`` if it is in (or wait for it); False if none or goodbye."""
+    def _merge(self, j: int, x_s: torch.Tensor, mass: int) -> None:
+        """x_j ← (a_j x_j + a_s x_s) / (a_j + a_s); a_j ← a_j + a_s."""
+        self.xs[j].add_(x_s - self.xs[j], alpha=mass / (self.masses[j] + mass))
+        self.masses[j] += mass
+
+    def _take(self, src: int, wait: bool) -> int | None:
+        """Merge the next message from ``src`` if in (or wait for it): its learner, or None (none/goodbye)."""
         handles = self.posted[src]
         if handles is None:
-            return False
+            return None
         if wait:
             handles[0].wait()
             handles[1].wait()
         elif not (handles[1].test() and handles[0].test()):
-            return False
-        x_s, a_s = self.inbox[src]
-        weight = float(a_s.item())
+            return None
+        x_s, meta = self.inbox[src]
+        weight, j = meta.tolist()
         if weight < 0:  # goodbye: no more messages from src, its receive is consumed and stays so
             self.posted[src] = None
-            return False
-        mass = int(weight * UNIT)
-        self.x.add_(x_s - self.x, alpha=mass / (self.mass + mass))  # (a_i x_i + a_s x_s) / (a_i + a_s)
-        self.mass += mass
+            return None
+        self._merge(int(j), x_s, int(weight * UNIT))
         self.received[src] += 1
         self._post(src)
-        return True
+        return int(j)
+
+    def _merge_local(self, only: Callable[[int, int], bool] = lambda src, j: True) -> None:
+        """Merge the queued messages between this rank's learners (in source order) that ``only`` picks."""
+        keep = []
+        for src, j, x_s, mass in sorted(self.local, key=lambda msg: msg[0]):
+            if only(src, j):
+                self._merge(j, x_s, mass)
+                self.received[self.rank] += 1
+            else:
+                keep.append((src, j, x_s, mass))
+        self.local = keep
 
     def _merge_arrived(self) -> None:
-        """Merge every message in, each source's in arrival order, sources in rank order."""
+        """Merge every message in: each source rank's in arrival order, then this rank's own."""
         for src in self.peers:
-            while self._take(src, wait=False):
+            while self._take(src, wait=False) is not None:
                 pass
+        self._merge_local()
 
     def _await_scheduled(self, step: int) -> None:
-        """Schedule mode: wait for and merge exactly what the schedule sent here at ``step``."""
+        """Schedule mode: merge exactly what the schedule sent here at ``step``, in source order."""
         assert self.schedule is not None
-        for src in self.peers:
-            if step >= 0 and self.schedule(step, src) == self.rank:
-                self._take(src, wait=True)
+        if step < 0:
+            return
+        mine = range(self.rank * self.m, (self.rank + 1) * self.m)
+        for g in range(self.k):
+            dst = self.schedule(step, g)
+            if dst not in mine:
+                continue
+            src = g // self.m
+            if src == self.rank:
+                self._merge_local(lambda s, j, g=g: s == g)
+            else:
+                j = self._take(src, wait=True)
+                if j != dst - self.rank * self.m:
+                    raise RuntimeError(f"GOSGD schedule: expected a message for learner {dst}, got {j}")
 
-    def _send(self, dst: int, params: torch.Tensor, weight: float) -> None:
+    def _send(self, dst: int, params: torch.Tensor, weight: float, j: int) -> None:
         assert self.comm is not None
-        a = params.new_full((1,), weight, dtype=torch.float64)
+        meta = params.new_tensor([weight, float(j)], dtype=torch.float64)
         self.outbox.append(
-            (self.comm.isend(params, dst, TAG_PARAMS), self.comm.isend(a, dst, TAG_WEIGHT), params, a)
+            (self.comm.isend(params, dst, TAG_PARAMS), self.comm.isend(meta, dst, TAG_WEIGHT), params, meta)
         )
 
-    def _destination(self, step: int) -> int | None:
+    def _destination(self, step: int, g: int) -> int | None:
+        """Global learner that learner ``g`` gossips to at ``step``, or None."""
         if self.schedule is not None:
-            dst = self.schedule(step, self.rank)
-            if dst is not None and (dst == self.rank or not 0 <= dst < self.size):
-                raise ValueError(f"GOSGD schedule({step}, {self.rank}) = {dst} is not another rank")
+            dst = self.schedule(step, g)
+            if dst is not None and (dst == g or not 0 <= dst < self.k):
+                raise ValueError(f"GOSGD schedule({step}, {g}) = {dst} is not another learner")
             return dst
-        if not self.peers or self.rng.random() >= self.hyper.p:
+        if self.k == 1 or self.rng.random() >= self.hyper.p:
             return None
-        return self.peers[int(self.rng.integers(len(self.peers)))]
+        other = int(self.rng.integers(self.k - 1))
+        return other + (other >= g)
 
     def exchange(self, step: int) -> None:
-        """Merge what arrived, then gossip with probability p (or as the schedule says)."""
+        """Merge what arrived, then every learner gossips with probability p (or as the schedule says)."""
         if self.schedule is not None:
             self._await_scheduled(self.steps - 1)
         else:
             self._merge_arrived()
-        self.outbox = [m for m in self.outbox if not (m[0].test() and m[1].test())]
-        dst = self._destination(self.steps)
+        self.outbox = [msg for msg in self.outbox if not (msg[0].test() and msg[1].test())]
+        for j in range(self.m):
+            g = self.rank * self.m + j
+            dst = self._destination(self.steps, g)
+            if dst is None:
+                continue
+            half = self.masses[j] // 2
+            self.masses[j] -= half
+            to_rank, to_j = divmod(dst, self.m)
+            self.sent[to_rank] += 1
+            if to_rank == self.rank:
+                self.local.append((g, to_j, self.xs[j].clone(), half))
+            else:
+                self._send(to_rank, self.xs[j].clone(), half / UNIT, to_j)
         self.steps += 1
-        if dst is None:
-            return
-        half = self.mass // 2
-        self.mass -= half
-        self.sent[dst] += 1
-        self._send(dst, self.x.clone(), half / UNIT)
 
     def finish(self) -> None:
         """Send goodbyes, merge until every peer's goodbye is in, wait for own sends (see module doc)."""
@@ -184,12 +228,13 @@ class GOSGD(Rule):
             return
         if self.schedule is not None:
             self._await_scheduled(self.steps - 1)
-        goodbye = torch.zeros_like(self.x)
+        goodbye = torch.zeros_like(self.xs[0])
         for dst in self.peers:
-            self._send(dst, goodbye, -1.0)
+            self._send(dst, goodbye, -1.0, 0)
         while any(h is not None for h in self.posted.values()):
             self._merge_arrived()
             time.sleep(1e-4)
+        self._merge_local()
         for sent_params, sent_weight, *_ in self.outbox:
             sent_params.wait()
             sent_weight.wait()
@@ -201,18 +246,21 @@ class GOSGD(Rule):
         assert self.comm is not None
         if not self.finished:
             raise RuntimeError("GOSGD.sync_state() needs finish() first: messages are still in flight")
-        self.average_params = self.x.clone().mul_(self.weight)
-        self.comm.allreduce(self.average_params).wait()
+        total = torch.zeros_like(self.xs[0])
+        for x, mass in zip(self.xs, self.masses, strict=True):
+            total.add_(x, alpha=mass / UNIT)
+        self.comm.allreduce(total).wait()
+        self.average_params = total
 
     def eval_params(self) -> torch.Tensor | None:
         """The weighted average after sync_state(); before it, None (this rank's own weights)."""
         return self.average_params
 
     def state_dict(self) -> dict[str, Any]:
-        """Weight, generator state and counters; take it after finish(), which drains messages in flight."""
+        """Weights, generator state and counters; take it after finish(), which drains messages in flight."""
         return {
             **super().state_dict(),
-            "mass": self.mass,
+            "masses": list(self.masses),
             "rng": self.rng.bit_generator.state,
             "steps": self.steps,
             "sent": list(self.sent),
@@ -220,8 +268,11 @@ class GOSGD(Rule):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore weight, generator state and counters."""
-        self.mass = int(state["mass"])
+        """Restore weights, generator state and counters."""
+        masses = [int(m) for m in state["masses"]]
+        if len(masses) != self.m:
+            raise ValueError(f"GOSGD state has {len(masses)} learner(s), this rank has {self.m}")
+        self.masses = masses
         self.rng.bit_generator.state = state["rng"]
         self.steps = int(state["steps"])
         self.sent, self.received = list(state["sent"]), list(state["received"])

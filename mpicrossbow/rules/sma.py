@@ -46,15 +46,26 @@ class SMA(Rule):
     def on_bind(self) -> None:
         """z starts as the (broadcast) replica; allocate one correction buffer per learner."""
         assert self.pool is not None
+        first = self.pool.learners[0].params
+        self.z = first.clone()
+        self.z_prev = first.clone()
+        self._pending: Handle | None = None
+        self.on_resize()
+
+    def on_resize(self) -> None:
+        """α (when defaulted to 1/k) and one correction buffer per learner follow the learner count.
+
+        Learners added by the auto-tuner start from z, as every learner did.
+        """
+        assert self.pool is not None
+        self._complete()
+        for learner in self.pool.learners[len(getattr(self, "corrections", [])) :]:
+            learner.params.copy_(self.z)
         k = self.world_learners
         self.alpha = self.hyper.alpha if self.hyper.alpha is not None else 1.0 / k
         if k * self.alpha > 1:
             log.warning("SMA: k·α = %d × %g > 1; ALGORITHMS.md measured divergence there", k, self.alpha)
-        first = self.pool.learners[0].params
-        self.z = first.clone()
-        self.z_prev = first.clone()
-        self.corrections = [torch.zeros_like(first) for _ in self.pool.learners]
-        self._pending: Handle | None = None
+        self.corrections = [torch.zeros_like(self.z) for _ in self.pool.learners]
 
     def _complete(self) -> None:
         """Finish the last step's allreduce and move z: z ← z + Σc + μ (z − z_prev)."""

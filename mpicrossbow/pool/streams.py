@@ -1,0 +1,79 @@
+"""The streams engine: each learner runs forward and backward on its own CUDA stream (Crossbow's design).
+
+With small batches one learner's kernels leave most of a GPU idle; issuing the m learners' kernels on m
+streams lets the GPU overlap them. Ordering is kept with events only, never a host synchronisation in the
+loop:
+
+* before learner j starts, its stream waits for an event recorded on the current (default) stream, so it
+  sees the weights the previous step's optimizer and the rule wrote there;
+* after its backward, learner j records an event on its stream, and the current stream waits for all m
+  events before the rule reads the gradients (``on_gradients``) and the optimizers step.
+
+Input batches are copied host → device on the learner's own stream (``non_blocking``), and the tensors
+allocated there are marked with ``record_stream`` semantics by PyTorch's caching allocator when they are
+used on another stream. Only CUDA devices can run this engine; any other device is a ConfigError.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import OptimSection
+from ..errors import ConfigError, DataError
+from .serial import SerialPool
+
+
+class StreamsPool(SerialPool):
+    """SerialPool's learners and data, with every learner's forward and backward on its own CUDA stream."""
+
+    def __init__(
+        self,
+        model: Any,
+        rank: int,
+        size: int,
+        batch_size: int,
+        optim: OptimSection,
+        device: torch.device,
+        seed: int = 0,
+        learners: int = 1,
+    ) -> None:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError(
+                f"[pool] engine = streams needs a CUDA device (DEVICES=cudaN), this rank has {device}; "
+                "use engine = serial or fused"
+            )
+        super().__init__(model, rank, size, batch_size, optim, device, seed, learners)
+        self._make_streams()
+
+    def _make_streams(self) -> None:
+        """One stream and one completion event per learner."""
+        self.streams = [torch.cuda.Stream(device=self.learners[0].device) for _ in self.learners]
+        self.events = [torch.cuda.Event() for _ in self.learners]
+
+    def resize(self, learners: int) -> None:
+        """Change the learner count (auto-tuner) and give every learner a stream."""
+        super().resize(learners)
+        self._make_streams()
+
+    def compute(self, count: int) -> None:
+        """Every learner's forward and backward on its own stream; the current stream waits for all."""
+        main = torch.cuda.current_stream(self.learners[0].device)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        for learner, batches, stream, done in zip(
+            self.learners, self._iters, self.streams, self.events, strict=True
+        ):
+            try:
+                inputs, targets = next(batches)
+            except StopIteration:
+                raise DataError(
+                    f"train_batches() ended after {count} batches but n_batch_train says {self.n_batch_train}"
+                ) from None
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                learner.forward_backward(inputs, targets)
+                done.record(stream)
+        for done in self.events:
+            main.wait_event(done)

@@ -1,0 +1,101 @@
+"""Crossbow's learner auto-tuner: scripted throughput sequences, and the pool resizing it drives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.mlp import MLP
+from mpicrossbow.autotune import AutoTuner
+from mpicrossbow.comm.base import Communicator
+from mpicrossbow.comm.inprocess import InProcessWorld
+from mpicrossbow.config import OptimSection
+from mpicrossbow.errors import ConfigError
+from mpicrossbow.pool import SerialPool
+from mpicrossbow.rules import BSP, GOSGD, SMA
+from mpicrossbow.shard import Shard
+
+
+def feed(tuner: AutoTuner, throughputs: list[float]) -> list[int]:
+    """The learner count the tuner asks for after each measurement."""
+    return [tuner.observe(t) for t in throughputs]
+
+
+def test_grows_while_throughput_rises_then_drops_the_last_and_freezes() -> None:
+    tuner = AutoTuner(threshold=0.1, max_learners=16)
+    # 1 → 2 (+50%) → 3 (+13%) → 4 (+3%: not enough): back to 3, frozen; later checks change nothing.
+    assert feed(tuner, [100, 150, 170, 175, 999]) == [2, 3, 4, 3, 3]
+    assert tuner.frozen and tuner.learners == 3
+    assert tuner.history == [(1, 100), (2, 150), (3, 170), (4, 175)]
+
+
+def test_a_drop_at_the_first_step_keeps_one_learner() -> None:
+    tuner = AutoTuner(threshold=0.1)
+    assert feed(tuner, [100, 90]) == [2, 1]
+    assert tuner.frozen and tuner.learners == 1
+
+
+def test_threshold_is_relative_to_the_last_accepted_count() -> None:
+    tuner = AutoTuner(threshold=0.25)
+    assert feed(tuner, [100, 124, 500]) == [2, 1, 1]  # +24% < 25%: the second learner is dropped
+
+
+def test_stops_at_max_learners() -> None:
+    tuner = AutoTuner(threshold=0.0, max_learners=3)
+    assert feed(tuner, [1, 2, 3, 4]) == [2, 3, 3, 3]
+    assert tuner.frozen and tuner.learners == 3
+    assert AutoTuner(max_learners=1).frozen
+
+
+def test_bad_settings() -> None:
+    with pytest.raises(ValueError, match="threshold"):
+        AutoTuner(threshold=-1)
+    with pytest.raises(ValueError, match="max_learners"):
+        AutoTuner(start=5, max_learners=4)
+
+
+def make_pool(learners: int) -> SerialPool:
+    return SerialPool(MLP(hidden=8), 0, 1, 8, OptimSection(lr=0.1), torch.device("cpu"), learners=learners)
+
+
+def test_resize_copies_learner_zero_and_reshards() -> None:
+    pool = make_pool(1)
+    pool.start_epoch(0)
+    pool.compute(0)
+    pool.apply()  # learner 0 has momentum now
+    pool.resize(3)
+    assert len(pool.learners) == 3 and len(pool.datas) == 3
+    first = pool.learners[0]
+    for learner in pool.learners[1:]:
+        assert (
+            torch.equal(learner.params, first.params) and learner.params.data_ptr() != first.params.data_ptr()
+        )
+        assert torch.equal(
+            learner.optimizer.state[learner.param_list[0]]["momentum_buffer"],
+            first.optimizer.state[first.param_list[0]]["momentum_buffer"],
+        )
+    assert [d.shard for d in pool.datas] == [Shard(j, 3, 8, 0) for j in range(3)]  # learner j: shard j of 3
+    pool.start_epoch(1)
+    pool.compute(0)
+    pool.apply()
+    assert not torch.equal(pool.learners[1].params, pool.learners[2].params)  # different batches
+    pool.resize(1)
+    assert len(pool.learners) == 1 and [d.shard for d in pool.datas] == [Shard(0, 1, 8, 0)]
+
+
+def test_rules_follow_a_resize() -> None:
+    def body(comm: Communicator) -> None:
+        pool = make_pool(1)
+        sma = SMA().bind(comm, pool)
+        assert sma.alpha == 1.0
+        pool.learners[0].params.add_(1.0)  # the learner drifted from z
+        pool.resize(4)
+        sma.on_resize()
+        assert sma.alpha == 0.25 and len(sma.corrections) == 4
+        for learner in pool.learners[1:]:  # new learners start from z
+            assert torch.equal(learner.params, sma.z)
+        BSP().bind(comm, pool).on_resize()
+        with pytest.raises(ConfigError, match="GOSGD does not support"):
+            GOSGD().bind(comm, pool).on_resize()
+
+    InProcessWorld(1).run(body)

@@ -1,0 +1,56 @@
+"""Learner pools in real MPI jobs: several learners per rank for every rule, and the auto-tuner.
+
+One ``mpiexec -n 2`` launch per case (torch import ≈ 3 s per rank), each bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import launcher, only_run, run_mpi
+from mpicrossbow.metrics import read_metrics
+
+pytestmark = [pytest.mark.mpi]
+
+
+def digits(mpiexec: str, out: Path, *overrides: str) -> dict:
+    """Run the digits job on 2 ranks with ``overrides``; return its metrics."""
+    args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={out}", *overrides]
+    proc = run_mpi(mpiexec, 2, args, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_metrics(only_run(out) / "metrics.h5")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "target"),
+    [
+        (("RULE=SMA", "pool.learners=4"), 0.95),
+        (("RULE=EASGD", "rule.mode=async", "pool.learners=2"), 0.93),
+        (("RULE=GOSGD", "rule.p=0.05", "pool.learners=2"), 0.93),
+    ],
+    ids=["SMA-m4", "EASGD-async-m2", "GOSGD-m2"],
+)
+def test_rules_with_several_learners_per_rank(
+    mpiexec: str, tmp_path: Path, overrides: tuple[str, ...], target: float
+) -> None:
+    metrics = digits(mpiexec, tmp_path, *overrides)
+    learners = int(overrides[-1].split("=")[1])
+    assert metrics["attrs"]["learners"] == learners
+    assert np.all(metrics["train"]["learners"] == learners)
+    assert metrics["val"]["accuracy"][-1] >= target, metrics["val"]["accuracy"]
+
+
+def test_auto_tuner_settles_on_a_learner_count(mpiexec: str, tmp_path: Path) -> None:
+    metrics = digits(mpiexec, tmp_path, "pool.learners=auto", "pool.max_learners=4", "session.epochs=8")
+    history = metrics["attrs"]["autotune_history"]
+    per_epoch = metrics["train"]["learners"]
+    assert per_epoch[0] == 1 and len(history) >= 2  # started at 1, tried at least one more
+    tried = [int(m) for m, _ in history]
+    assert tried == list(range(1, len(tried) + 1))  # one more learner per check
+    settled = int(metrics["attrs"]["learners"])
+    assert 1 <= settled <= 4 and per_epoch[-1] == settled
+    assert settled == len(tried) - 1 or settled == 4  # the last one added was dropped, or the ceiling
+    assert metrics["val"]["accuracy"][-1] >= 0.93
