@@ -57,6 +57,9 @@ class SessionSection:
     )
     slow_ranks: tuple[int, ...] = setting((), "test/benchmark hook: ranks that sleep after every step", ge=0)
     slow_seconds: float = setting(0.0, "test/benchmark hook: seconds each step of slow_ranks sleeps", ge=0)
+    on_nan: Literal["stop", "skip"] = setting(
+        "stop", "a learner's loss is NaN or infinite: stop the job with a message, or skip that batch"
+    )
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,52 @@ class PoolSection:
 
 
 @dataclass(frozen=True)
+class CheckpointSection:
+    """``[checkpoint]``: when to save every rank's full training state, how many to keep, how to resume."""
+
+    every_steps: int = setting(0, "save every N steps (0: not by steps)", ge=0)
+    every_epochs: int = setting(0, "save every N epochs (0: not by epochs)", ge=0)
+    keep: int = setting(3, "keep the newest K checkpoints, delete older ones", ge=1)
+    directory: str = setting("", "folder of the checkpoints (default: checkpoints/ in the run folder)")
+    final: bool = setting(True, "with checkpoints on, also save after the last step")
+    resume: str = setting(
+        "", "resume from: latest (the newest complete checkpoint), a checkpoint or run folder; empty: start"
+    )
+    on_signal: bool = setting(
+        True, "SIGTERM or SIGUSR1 (Slurm's warning before the time limit): save, then exit with status 0"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether periodic checkpoints are on."""
+        return bool(self.every_steps or self.every_epochs)
+
+
+@dataclass(frozen=True)
+class FaultSection:
+    """``[fault]``: fault injection for tests and drills: make one rank fail at one step, on purpose."""
+
+    rank: int = setting(-1, "the rank that fails (-1: none)", ge=-1)
+    step: int = setting(0, "the step (0-based, counted over the whole run) at which it fails", ge=0)
+    action: Literal["raise", "exit", "kill", "hang", "nan", "kill_in_save"] = setting(
+        "raise",
+        "raise an exception, exit(3), SIGKILL itself, hang, make its loss NaN, or SIGKILL itself "
+        "in the middle of writing the checkpoint of that step",
+    )
+
+
+@dataclass(frozen=True)
+class WatchdogSection:
+    """``[watchdog]``: stall detection, as Horovod's stall check: name the ranks a stuck step waits for."""
+
+    warn_after: float = setting(
+        60.0, "seconds one step may take before the ranks behind are logged (0: off)", ge=0
+    )
+    abort_after: float = setting(0.0, "seconds after which a stalled job is aborted (0: never)", ge=0)
+    interval: float = setting(1.0, "seconds between heartbeats and checks", gt=0)
+
+
+@dataclass(frozen=True)
 class CommSection:
     """``[comm]``: how ranks talk."""
 
@@ -125,6 +174,9 @@ SECTIONS: dict[str, type] = {
     "data": DataSection,
     "pool": PoolSection,
     "comm": CommSection,
+    "checkpoint": CheckpointSection,
+    "watchdog": WatchdogSection,
+    "fault": FaultSection,
 }
 #: Sections whose keys belong to a plug-in (the rule's hyper-parameters, the model's keyword arguments).
 FREE_SECTIONS = ("rule", "model")
@@ -145,6 +197,9 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     pool: PoolSection = field(default_factory=PoolSection)
     comm: CommSection = field(default_factory=CommSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    watchdog: WatchdogSection = field(default_factory=WatchdogSection)
+    fault: FaultSection = field(default_factory=FaultSection)
     rule_params: Mapping[str, Any] = field(default_factory=dict)
     model_params: Mapping[str, str] = field(default_factory=dict)
     source: str = "<python>"

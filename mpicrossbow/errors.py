@@ -24,3 +24,7 @@ class ContractError(UsageError):
 
 class DataError(UsageError):
     """A data file is missing, truncated or not in the expected format."""
+
+
+class CheckpointError(UsageError):
+    """A checkpoint is missing, truncated, corrupt, or from another job shape (world size, rule, learners)."""

@@ -53,7 +53,7 @@ class InWorldJob(Job):
         self.world = detect_world()
         setup_logging(self.world.rank, self.world.size)
         self.session: Session = Session(config, self.world, rule)
-        if agree(self.world, self.session.prepare_local):
+        if agree(self.world, self.session.prepare_local) or agree(self.world, self.session.check_consistency):
             raise UsageError("the session could not be prepared (see the error above)")
         self.session.prepare_collective()
 

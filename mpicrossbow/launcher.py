@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn
@@ -23,6 +24,10 @@ from .errors import USAGE_EXIT_CODE, UsageError
 from .log import setup_logging
 
 log = logging.getLogger("mpicrossbow.launcher")  # also when run as __main__
+
+#: Seconds between printing a rank's failure and MPI_Abort: MPI launchers forward output through pipes and
+#: may drop what is still in flight when they kill the job.
+ABORT_GRACE_S = 0.2
 
 EPILOG = """\
 overrides: section.key=value sets a key of a section, KEY=value a bare key, e.g.
@@ -48,6 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranks to start when run without an MPI launcher (default: one per DEVICES entry; "
         "for DEVICES=cpu one per usable core)",
     )
+    parser.add_argument(
+        "-resume",
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="PATH",
+        help="resume from the newest checkpoint of this cfg's runs, or from PATH (a checkpoint or run "
+        "folder): the same as checkpoint.resume=...",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved cfg and exit")
     return parser
 
@@ -61,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``crossbow-launch``; returns the exit status."""
     args = build_parser().parse_args(argv)
     setup_logging()
+    overrides = [*args.overrides, *([f"checkpoint.resume={args.resume}"] if args.resume else [])]
     try:
-        config = load_config(args.cfg, args.overrides)
+        config = load_config(args.cfg, overrides)
     except UsageError as exc:  # every rank reads the same cfg and fails alike: rank 0 speaks for all
         if detect_launcher() is None or launcher_rank() in (0, None):
             _say(str(exc))
@@ -77,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         from .spawn import spawn
 
         try:
-            return spawn(config.devices, ["-cfg", args.cfg, *args.overrides], args.np)
+            return spawn(config.devices, ["-cfg", args.cfg, *overrides], args.np)
         except UsageError as exc:
             _say(str(exc))
             return USAGE_EXIT_CODE
@@ -91,7 +106,7 @@ def run_rank(config: Config, rule: Any = None) -> int:
     world = detect_world()
     setup_logging(world.rank, world.size, config.session.log_level.upper() if world.rank == 0 else None)
     session = Session(config, world, rule)
-    code = agree(world, session.prepare_local)
+    code = agree(world, session.prepare_local) or agree(world, session.check_consistency)
     if code:
         return code
     try:
@@ -154,10 +169,12 @@ def abort(world: World, exc: BaseException, run_dir: Path | None) -> NoReturn:
         text, code = "interrupted", 130
     elif isinstance(exc, UsageError):
         text, code = str(exc), USAGE_EXIT_CODE
+    elif exc.__traceback__ is None:  # reported, never raised (the watchdog's stall): the message says it all
+        text, code = str(exc), 1
     else:
         text, code = f"{type(exc).__name__}: {exc} ({_where(exc)})", 1
     detail = ""
-    if run_dir is not None and not isinstance(exc, KeyboardInterrupt):
+    if run_dir is not None and exc.__traceback__ is not None and not isinstance(exc, KeyboardInterrupt):
         try:
             path = run_dir / f"rank{world.rank}.traceback"
             path.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
@@ -166,6 +183,7 @@ def abort(world: World, exc: BaseException, run_dir: Path | None) -> NoReturn:
             pass
     _say(f"rank {world.rank} of {world.size} on {world.hostname} failed: {text}{detail}")
     if world.mpi is not None and world.size > 1:
+        time.sleep(ABORT_GRACE_S)  # let the launcher forward the line before MPI_Abort tears the job down
         world.mpi.Abort(code)
     sys.exit(code)
 

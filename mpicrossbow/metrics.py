@@ -23,8 +23,19 @@ VAL_COLUMNS = ("epoch", "step", "loss", "accuracy", "time", "exchange_share")
 class MetricsWriter:
     """Append-only HDF5 tables of training and validation metrics."""
 
-    def __init__(self, path: Path, config_text: str, attrs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        config_text: str,
+        attrs: dict[str, Any] | None = None,
+        resume_step: int | None = None,
+    ) -> None:
         self.path = path
+        if resume_step is not None and path.exists():
+            self.file = h5py.File(path, "a")
+            self._truncate_after(resume_step)
+            self.file.attrs["resumed_at_step"] = resume_step
+            return
         self.file = h5py.File(path, "w")
         self.file.attrs["config"] = config_text
         for key, value in (attrs or {}).items():
@@ -33,6 +44,14 @@ class MetricsWriter:
             g = self.file.create_group(group)
             for col in columns:
                 g.create_dataset(col, shape=(0,), maxshape=(None,), dtype="f8", chunks=(1024,))
+
+    def _truncate_after(self, step: int) -> None:
+        """Resuming at ``step``: drop rows the interrupted run wrote after its checkpoint."""
+        for group in ("train", "val"):
+            g = self.file[group]
+            keep = int((g["step"][()] <= step).sum())
+            for ds in g.values():
+                ds.resize((keep,))
 
     def _append(self, group: str, row: dict[str, float]) -> None:
         g = self.file[group]

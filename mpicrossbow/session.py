@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -22,12 +23,14 @@ from typing import Any
 import torch
 
 from .autotune import AutoTuner
+from .checkpoint import Checkpointer, find_resume, load_rank_state
 from .comm import make_communicator
 from .comm.base import Communicator, ReduceOp
 from .config import Config
 from .devices import device_for_rank
 from .env import World
-from .errors import ConfigError, ContractError
+from .errors import CheckpointError, ConfigError, ContractError
+from .faults import FaultInjector
 from .metrics import MetricsWriter
 from .model import contract_form, load_model_class
 from .pool import LearnerPool, TheanoPool
@@ -36,6 +39,7 @@ from .rules import RULES, Rule
 from .schedule import lr_at
 from .shard import Shard
 from .validate import call_kwargs
+from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,14 @@ class RunResult:
     samples_per_second: float
 
 
+#: Steps between the ranks' agreements on whether a SIGTERM/SIGUSR1 arrived (the reaction time in steps).
+SIGNAL_CHECK_STEPS = 10
+
+
+class NonFiniteLoss(RuntimeError):
+    """A learner's training loss became NaN or infinite and ``[session] on_nan = stop``."""
+
+
 class Session:
     """One rank's part of a training job."""
 
@@ -67,6 +79,15 @@ class Session:
         self.comm: Communicator | None = None
         self.run_dir: Path | None = None
         self.metrics: MetricsWriter | None = None
+        self.checkpointer: Checkpointer | None = None
+        self.watchdog: Watchdog | None = None
+        self.faults = FaultInjector(config.fault, world.rank)
+        #: (checkpoint folder, its metadata, this rank's state) when resuming.
+        self.resume: tuple[Path, dict[str, Any], dict[str, Any]] | None = None
+        self._signal: int | None = None
+        self._pending_signal: list[Any] = []
+        #: True when a SIGTERM/SIGUSR1 ended training early (after a checkpoint).
+        self.stopped = False
 
     # ------------------------------------------------------------------ set-up
     def prepare_local(self) -> None:
@@ -118,6 +139,18 @@ class Session:
             model = _construct(cls, {**self._theano_config(), **cfg.model_params}, positional=True)
             self.pool = TheanoPool(model)
         torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
+        if (cfg.checkpoint.enabled or cfg.checkpoint.resume) and not self.rule.synchronous:
+            raise ConfigError(
+                f"[checkpoint] every_steps/every_epochs/resume need a synchronous rule; RULE={cfg.rule} is "
+                "asynchronous (ranks only meet at the end, so no step is common to all of them)"
+            )
+        if (cfg.checkpoint.enabled or cfg.checkpoint.resume) and auto:
+            raise ConfigError(
+                "[checkpoint] with [pool] learners = auto is not supported: set learners to the count the "
+                "tuner chose (metrics.h5 attribute 'learners')"
+            )
+        if cfg.checkpoint.resume:
+            self._load_resume()
         log.info(
             "%s model %s from %s on %s, %d thread(s), %s learner(s) per rank (%s engine), %d step(s)/epoch",
             form,
@@ -129,6 +162,50 @@ class Session:
             cfg.pool.engine,
             self.pool.n_batch_train,
         )
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint must agree with to be resumed by this job."""
+        assert self.pool is not None
+        return {
+            "world_size": self.world.size,
+            "rule": self.config.rule,
+            "learners": len(self.pool.learners),
+            "numel": int(self.pool.learners[0].params.numel()),
+        }
+
+    def _resume_candidates(self) -> list[Path]:
+        """Where ``resume = latest`` looks: the checkpoint directory, or this cfg's run folders."""
+        cfg = self.config
+        if cfg.checkpoint.directory:
+            return [Path(cfg.checkpoint.directory)]
+        output = Path(cfg.session.output)
+        pattern = cfg.session.name or f"{cfg.modelclass}-{cfg.rule.split(':')[-1]}-*"
+        return sorted(p / "checkpoints" for p in output.glob(pattern) if (p / "checkpoints").is_dir())
+
+    def _load_resume(self) -> None:
+        """Find and read this rank's part of the checkpoint to resume (no communication)."""
+        path = find_resume(self.config.checkpoint.resume, self._resume_candidates())
+        meta, state = load_rank_state(path, self.world.rank, self.checkpoint_meta())
+        self.resume = (path, meta, state)
+        if self.world.rank == 0:
+            log.info("resuming from %s (step %d)", path, meta["step"])
+
+    def check_consistency(self) -> None:
+        """Collective: every rank built the same model (parameter shapes), or a ContractError on all ranks."""
+        assert self.pool is not None
+        mpi = self.world.mpi
+        learner = self.pool.learners[0]
+        mine = [tuple(p.shape) for p in getattr(learner, "param_list", [learner.params])]
+        everyone = mpi.allgather(mine) if mpi is not None else [mine]
+        for rank, shapes in enumerate(everyone):
+            if shapes != everyone[0]:
+                count = sum(math.prod(s) for s in shapes)
+                first = sum(math.prod(s) for s in everyone[0])
+                raise ContractError(
+                    f"the model differs across ranks: rank 0 has {len(everyone[0])} parameter tensors "
+                    f"({first:,} values), rank {rank} has {len(shapes)} ({count:,} values); "
+                    "every rank must build the same network"
+                )
 
     def _theano_config(self) -> dict[str, Any]:
         cfg, world = self.config, self.world
@@ -149,14 +226,42 @@ class Session:
         cfg, world = self.config, self.world
         mpi = world.mpi
         self.comm = make_communicator(cfg.comm.backend, self.device, mpi)
-        run_dir = self._make_run_dir() if world.rank == 0 else None
+        resume_step = None if self.resume is None else int(self.resume[1]["step"])
+        if world.rank == 0:
+            run_dir = self._resumed_run_dir() or self._make_run_dir()
+        else:
+            run_dir = None
         self.run_dir = Path(mpi.bcast(str(run_dir), root=0) if mpi is not None else str(run_dir))
         self.rule.bind(self.comm, self.pool)
-        if world.rank == 0:
+        if self.resume is not None:
+            self._restore(self.resume[2])
+        # Asynchronous rules have no step that every rank reaches together: no checkpoints, no step watchdog.
+        synchronous = self.rule.synchronous
+        if synchronous and (cfg.checkpoint.enabled or cfg.checkpoint.on_signal):
+            directory = (
+                Path(cfg.checkpoint.directory) if cfg.checkpoint.directory else self.run_dir / "checkpoints"
+            )
+            self.checkpointer = Checkpointer(directory, world.rank, world.size, cfg.checkpoint.keep, mpi)
+        if synchronous and (cfg.watchdog.warn_after or cfg.watchdog.abort_after):
+            self.watchdog = Watchdog(
+                self.run_dir / "heartbeats",
+                world.rank,
+                world.size,
+                cfg.watchdog.warn_after,
+                cfg.watchdog.abort_after,
+                cfg.watchdog.interval,
+                self._abort_stalled,
+            ).start()
+        processes = mpi.allgather(os.getpid()) if mpi is not None else [os.getpid()]
+        if world.rank == 0:  # a launcher that reports a dead PID can be matched to its rank with this line
+            log.info("rank processes: %s", ", ".join(f"{r}: pid {pid}" for r, pid in enumerate(processes)))
             text = cfg.to_ini()
             (self.run_dir / "session.cfg").write_text(text, encoding="utf-8")
             self.metrics = MetricsWriter(
-                self.run_dir / "metrics.h5", text, {"world_size": world.size, "rule": cfg.rule}
+                self.run_dir / "metrics.h5",
+                text,
+                {"world_size": world.size, "rule": cfg.rule},
+                resume_step=resume_step,
             )
             log.info(
                 "run folder %s; %d rank(s), rule %s, comm %s",
@@ -165,6 +270,52 @@ class Session:
                 cfg.rule,
                 self.comm.name,
             )
+
+    def _resumed_run_dir(self) -> Path | None:
+        """Resuming from ``<run>/checkpoints/step-N``: continue in ``<run>`` (metrics are appended)."""
+        if self.resume is None or self.config.checkpoint.directory:
+            return None
+        folder = self.resume[0].resolve().parent
+        return folder.parent if folder.name == "checkpoints" else None
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Put this rank back where the checkpoint left it: replicas, optimizers, rule state, RNG."""
+        assert self.pool is not None and self.rule is not None
+        try:
+            self.pool.load_state_dict(state["pool"])
+            self.rule.load_state_dict(state["rule"])
+            torch.set_rng_state(state["rng"]["torch"])
+            if self.device.type == "cuda" and state["rng"].get("cuda") is not None:
+                torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        except (KeyError, TypeError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {self.resume[0] if self.resume else ''}: {exc}") from None
+
+    def _state(self, position: dict[str, Any]) -> dict[str, Any]:
+        """This rank's checkpoint content."""
+        assert self.pool is not None and self.rule is not None
+        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "rank": self.world.rank,
+            "position": position,
+            "pool": self.pool.state_dict(),
+            "rule": self.rule.state_dict(),
+            "rng": rng,
+        }
+
+    def _save(self, position: dict[str, Any]) -> Path:
+        """Collective: every rank writes its state for the checkpoint after ``position['step']`` steps."""
+        assert self.checkpointer is not None
+        step = int(position["step"])
+        meta = {**self.checkpoint_meta(), "epoch": position["epoch"], "time": time.time()}
+        return self.checkpointer.save(step, self._state(position), meta, self.faults.in_save(step))
+
+    def _abort_stalled(self, message: str) -> None:
+        """The watchdog's abort: one line naming this rank, then MPI_Abort (from the watchdog thread)."""
+        from .launcher import abort
+
+        abort(self.world, RuntimeError(message), self.run_dir)
 
     def _make_run_dir(self) -> Path:
         cfg = self.config
@@ -185,7 +336,15 @@ class Session:
         assert self.pool is not None and self.rule is not None and self.comm is not None
         self._start = time.perf_counter()
         if self.trains:
-            epochs, steps, train, val, exchange_s, samples = self._train()
+            try:
+                epochs, steps, train, val, exchange_s, samples = self._train()
+            finally:
+                for handle in self._pending_signal:  # the last step's signal allreduce
+                    handle.wait()
+                self._pending_signal.clear()
+                if self.checkpointer is not None and self.config.checkpoint.on_signal:
+                    for sig in (signal.SIGTERM, signal.SIGUSR1):
+                        signal.signal(sig, signal.SIG_DFL)
         else:
             self.rule.serve(self._report_served)
             epochs, steps, train, val, exchange_s, samples = 0, 0, (math.nan, math.nan), None, 0.0, 0.0
@@ -220,23 +379,36 @@ class Session:
         return result
 
     def _train(self) -> tuple[int, int, tuple[float, float], tuple[float, float], float, float]:
-        """The training loop of a rank that trains."""
+        """The training loop of a rank that trains (from the resumed position, if any)."""
         assert self.pool is not None and self.rule is not None and self.comm is not None
         cfg, pool, rule, comm = self.config, self.pool, self.rule, self.comm
+        ckpt = cfg.checkpoint
         budget = cfg.session.steps
         # With a step budget the epoch count follows from it; the auto-tuner may change steps per epoch.
         epochs = math.ceil(budget / pool.n_batch_train) if budget else cfg.session.epochs
         delay = cfg.session.slow_seconds if self.world.rank in cfg.session.slow_ranks else 0.0
-        bar = self._progress(budget or epochs * pool.n_batch_train)
-        step, lr, exchange_s, samples = 0, -1.0, 0.0, 0.0
+        position = self.resume[2]["position"] if self.resume is not None else {}
+        epoch, step, skip = (
+            int(position.get("epoch", 0)),
+            int(position.get("step", 0)),
+            int(position.get("count", 0)),
+        )
+        lr = float(position.get("lr", -1.0))
+        bar = self._progress(budget or epochs * pool.n_batch_train, initial=step)
+        exchange_s, samples, saved_at = 0.0, 0.0, step if self.resume is not None else -1
         train = val = (math.nan, math.nan)
-        epoch = 0
+        stop = self._watch_signals() if self.checkpointer is not None and ckpt.on_signal else None
         while epoch < epochs and (not budget or step < budget):
             per_epoch = pool.n_batch_train
             pool.start_epoch(epoch)
-            pool.set_lr(lr_at(cfg.optim, epoch), epoch)
+            pool.set_lr(lr_at(cfg.optim, epoch) if lr < 0 else lr, epoch)
+            if skip:
+                pool.skip(skip)
             epoch_start = time.perf_counter()
-            for count in range(min(per_epoch, budget - step) if budget else per_epoch):
+            for count in range(skip, min(per_epoch, skip + budget - step) if budget else per_epoch):
+                if self.watchdog is not None:
+                    self.watchdog.beat(step, "compute")
+                self.faults.at_step(step)
                 new_lr = lr_at(cfg.optim, epoch + count / per_epoch)
                 if new_lr != lr:
                     if lr > 0:
@@ -244,6 +416,9 @@ class Session:
                     pool.set_lr(new_lr, epoch)
                     lr = new_lr
                 pool.compute(count)
+                self._check_finite(step, epoch)
+                if self.watchdog is not None:
+                    self.watchdog.beat(step, "exchange")
                 t = time.perf_counter()
                 rule.on_gradients(step)
                 exchange_s += time.perf_counter() - t
@@ -256,6 +431,16 @@ class Session:
                     time.sleep(delay)
                 if bar is not None:
                     bar.update(1)
+                here = {"step": step, "epoch": epoch, "count": count + 1, "lr": lr}
+                if ckpt.every_steps and step % ckpt.every_steps == 0:
+                    self._save(here)
+                    saved_at = step
+                if stop is not None and stop(step):
+                    if saved_at != step:
+                        self._save(here)
+                    self._stopped_by_signal(step, bar)
+                    return epoch, step, train, self._validate(), exchange_s, samples
+            skip = 0
             epoch_seconds = time.perf_counter() - epoch_start
             learners = len(pool.learners)
             stats = pool.take_stats()
@@ -278,9 +463,76 @@ class Session:
                 elif bar is not None:
                     bar.total = step + (epochs - epoch - 1) * pool.n_batch_train
             epoch += 1
+            if ckpt.every_epochs and epoch % ckpt.every_epochs == 0 and saved_at != step and not last:
+                self._save({"step": step, "epoch": epoch, "count": 0, "lr": lr})
+                saved_at = step
+        if ckpt.enabled and ckpt.final and saved_at != step:
+            self._save({"step": step, "epoch": epoch, "count": 0, "lr": lr})
         if bar is not None:
             bar.close()
-        return epochs, step, train, val, exchange_s, samples
+        return epoch, step, train, val, exchange_s, samples
+
+    def _check_finite(self, step: int, epoch: int) -> None:
+        """A NaN or infinite loss stops the job with a message, or (``on_nan = skip``) drops that batch."""
+        assert self.pool is not None
+        if not self.pool.has_gradients:  # Theano-MPI-form models report their own cost through the recorder
+            return
+        learners = self.pool.learners
+        self.faults.poison(step, [lr.last_loss for lr in learners], [lr.grads for lr in learners])
+        bad = self.pool.nonfinite()
+        if not bad:
+            return
+        where = f"step {step} (epoch {epoch + 1}), learner(s) {', '.join(map(str, bad))}"
+        if self.config.session.on_nan == "stop":
+            raise NonFiniteLoss(
+                f"training loss is NaN or infinite at {where}; lower [optim] lr, check the data, or set "
+                "[session] on_nan = skip"
+            )
+        log.warning("loss is NaN or infinite at %s: that batch is skipped (its gradient zeroed)", where)
+        for j in bad:
+            learners[j].grads.zero_()
+
+    def _watch_signals(self) -> Any:
+        """SIGTERM/SIGUSR1 set a flag; returns ``stop(step)``, true on every rank once any rank was signalled.
+
+        The ranks agree through one non-blocking 1-value allreduce every ``SIGNAL_CHECK_STEPS`` steps, started
+        at one check and read at the next, so the decision is the same everywhere and nobody waits for it.
+        """
+        assert self.comm is not None
+
+        def handler(signum: int, frame: Any) -> None:
+            self._signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, handler)
+        flag = torch.zeros(1, dtype=torch.float64)
+        pending = self._pending_signal
+
+        def stop(step: int) -> bool:
+            assert self.comm is not None
+            if step % SIGNAL_CHECK_STEPS:
+                return False
+            if pending:
+                pending.pop().wait()
+                if flag.item() > 0:
+                    return True
+            flag.fill_(1.0 if self._signal is not None else 0.0)
+            pending.append(self.comm.allreduce(flag, ReduceOp.MAX, async_op=True))
+            return False
+
+        return stop
+
+    def _stopped_by_signal(self, step: int, bar: Any) -> None:
+        if bar is not None:
+            bar.close()
+        if self.world.rank == 0:
+            log.warning(
+                "stopped by a signal after step %d; checkpoint saved in %s: resume with --resume (or "
+                "checkpoint.resume=latest)",
+                step,
+                self.checkpointer.directory if self.checkpointer else "?",
+            )
+        self.stopped = True
 
     def _tune(self, samples: float, seconds: float) -> None:
         """Auto-tuner check after an epoch: one allreduce of samples/s, then every rank resizes alike."""
@@ -347,7 +599,7 @@ class Session:
                 self.metrics.file.attrs["rank_val_accuracy"] = everyone
         return mpi.bcast(val, root=0) if mpi is not None else val  # type: ignore[return-value]
 
-    def _progress(self, total: int) -> Any:
+    def _progress(self, total: int, initial: int = 0) -> Any:
         mode = self.config.session.progress
         if (
             self.world.rank != 0
@@ -358,7 +610,7 @@ class Session:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=total, unit="step", dynamic_ncols=True, leave=True)
+        return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=True)
 
     def _report(
         self,
@@ -401,7 +653,9 @@ class Session:
             log.info(text)
 
     def close(self) -> None:
-        """Close the metrics file, the pool and the communicator."""
+        """Stop the watchdog; close the metrics file, the pool and the communicator."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.metrics is not None:
             self.metrics.close()
         if self.pool is not None:

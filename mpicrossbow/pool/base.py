@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -55,6 +56,22 @@ class LearnerPool(ABC):
     @abstractmethod
     def take_stats(self) -> tuple[float, float, float]:
         """(loss sum, hits, samples) of training since the last call, summed over learners."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every learner's replica, buffers, optimizer state and running stats, for a checkpoint."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be checkpointed")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (same learner count and model size, else an error)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be checkpointed")
+
+    def skip(self, count: int) -> None:
+        """After :meth:`start_epoch`, pass over the first ``count`` batches without training (resume)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot resume inside an epoch")
+
+    def nonfinite(self) -> list[int]:
+        """Learners whose last training loss was NaN or infinite (one host synchronisation)."""
+        return []
 
     def resize(self, learners: int) -> None:
         """Change the number of learners between epochs (the auto-tuner); engines that can override this."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..config import OptimSection
-from ..errors import ContractError
+from ..errors import CheckpointError, ContractError
 from .flat import attach_flat_grads, flatten_into_buffer
 
 
@@ -40,6 +41,8 @@ class Learner:
         self.buffers = flatten_into_buffer(float_buffers) if float_buffers else torch.zeros(0, device=device)
         self.optimizer = model.optimizer(self.param_list, optim)
         self._stats = torch.zeros(3, dtype=torch.float64, device=device)
+        #: The loss of the last training batch (on the device): the session checks it is finite.
+        self.last_loss = torch.zeros((), device=device)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """Zero the flat gradient, run forward and backward on one batch, accumulate the batch's stats."""
@@ -51,11 +54,13 @@ class Learner:
         loss = self.model.loss(output, targets)
         loss.backward()
         with torch.no_grad():
+            self.last_loss = loss.detach()
             hits = torch.as_tensor(
                 self.model.correct(output, targets), dtype=torch.float64, device=self.device
             )
             n = torch.tensor(float(len(targets)), dtype=torch.float64, device=self.device)
-            self._stats += torch.stack([loss.detach().double() * n, hits, n])
+            row = torch.stack([self.last_loss.double() * n, hits, n])
+            self._stats += torch.where(torch.isfinite(self.last_loss), row, torch.zeros_like(row))
 
     def step(self) -> None:
         """Apply the optimizer to the (possibly exchanged) flat gradient."""
@@ -65,6 +70,28 @@ class Learner:
         """Set the learning rate of every parameter group."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        """Replica, float buffers, optimizer state and running stats (tensors and plain values only)."""
+        return {
+            "params": self.params,
+            "buffers": self.buffers,
+            "optimizer": self.optimizer.state_dict(),
+            "stats": self._stats,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s values in place (the flat buffers keep their storage)."""
+        for name in ("params", "buffers", "stats"):
+            mine = self._stats if name == "stats" else getattr(self, name)
+            theirs = state[name]
+            if theirs.shape != mine.shape:
+                raise CheckpointError(
+                    f"checkpoint {name} hold {theirs.numel()} values, this model has {mine.numel()}: "
+                    "another model or model configuration"
+                )
+            mine.copy_(theirs)
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def take_stats(self) -> tuple[float, float, float]:
         """(loss sum, hits, samples) since the last call, then reset."""

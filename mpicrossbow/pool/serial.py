@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from ..config import OptimSection
-from ..errors import DataError
+from ..errors import CheckpointError, DataError
 from ..model import check_data
 from ..shard import Shard
 from .base import LearnerPool
@@ -91,6 +91,31 @@ class SerialPool(LearnerPool):
                     f"train_batches() ended after {count} batches but n_batch_train says {self.n_batch_train}"
                 ) from None
             learner.forward_backward(inputs, targets)
+
+    def skip(self, count: int) -> None:
+        """Pass over each learner's first ``count`` batches of this epoch (resuming mid-epoch)."""
+        for batches in self._iters:
+            for _ in range(count):
+                next(batches)
+
+    def nonfinite(self) -> list[int]:
+        """Learners whose last loss was not finite; one host synchronisation for all of them."""
+        ok = torch.isfinite(torch.stack([learner.last_loss for learner in self.learners])).tolist()
+        return [j for j, good in enumerate(ok) if not good]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every learner's state, in learner order."""
+        return {"learners": [learner.state_dict() for learner in self.learners]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore every learner; the checkpoint must hold as many learners as this pool."""
+        saved = state["learners"]
+        if len(saved) != len(self.learners):
+            raise CheckpointError(
+                f"checkpoint holds {len(saved)} learner(s) per rank, this pool has {len(self.learners)}"
+            )
+        for learner, learner_state in zip(self.learners, saved, strict=True):
+            learner.load_state_dict(learner_state)
 
     def apply(self) -> None:
         """Every learner's optimizer step."""

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..errors import ContractError
+from ..errors import CheckpointError, ContractError
 from ..model import check_data
 from .base import LearnerPool
 from .flat import flatten_into_buffer
@@ -116,6 +117,22 @@ class TheanoPool(LearnerPool):
             if saved is not None:
                 flat.copy_(saved)
         return tuple(self.recorder.val)  # type: ignore[return-value]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The exchanged ``params`` only: the model's own optimizer and data position are its business."""
+        return {"params": self.learners[0].params}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``params``."""
+        flat = self.learners[0].params
+        if state["params"].shape != flat.shape:
+            raise CheckpointError(
+                f"checkpoint params hold {state['params'].numel()} values, this model has {flat.numel()}"
+            )
+        flat.copy_(state["params"])
+
+    def skip(self, count: int) -> None:
+        """Theano-MPI-form models read their own data: nothing to skip (resume is not exact for them)."""
 
     def close(self) -> None:
         """Call the model's ``cleanup()``."""

@@ -1,0 +1,194 @@
+"""Checkpoints: every rank's whole training state, written atomically, read back without unpickling code.
+
+Layout, one folder per checkpoint::
+
+    <directory>/step-000000120/           complete (renamed into place by rank 0 after every rank wrote)
+        meta.pt                           version, step, epoch, world size, rule, learners, engine, model size
+        rank-00000.pt ...                 each rank's state: replicas, optimizer, rule state, RNG, position
+    <directory>/step-000000130.partial/   being written (or left by a crash): never loaded, removed later
+
+Atomicity: each file is written to a temporary name, flushed, ``fsync``-ed and renamed; after a barrier rank 0
+writes ``meta.pt`` the same way and renames the folder from ``.partial`` to its final name, then fsyncs the
+parent. A crash at any moment leaves the previous complete checkpoint untouched, and a ``.partial`` folder is
+never mistaken for a checkpoint. After the rename rank 0 deletes all but the newest ``keep`` checkpoints.
+
+Reading uses ``torch.load(weights_only=True)``, which refuses anything but tensors and plain Python
+containers, so a checkpoint cannot run code. Every problem — missing, truncated or corrupt files, another
+format version, world size, rule or learner count — is a :class:`~mpicrossbow.errors.CheckpointError` with
+one line naming the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+#: Bumped whenever the layout of a checkpoint changes incompatibly.
+FORMAT_VERSION = 1
+META = "meta.pt"
+_STEP_DIR = re.compile(r"^step-(\d{9})$")
+
+
+def step_dir(directory: Path, step: int) -> Path:
+    """The folder of the complete checkpoint taken after ``step`` steps."""
+    return directory / f"step-{step:09d}"
+
+
+def rank_file(path: Path, rank: int) -> Path:
+    """The file that holds ``rank``'s state inside checkpoint folder ``path``."""
+    return path / f"rank-{rank:05d}.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: Path, before_rename: Callable[[], None] | None = None) -> None:
+    """``torch.save`` to a temporary file, fsync, rename onto ``path``: readers see the old or the new file.
+
+    ``before_rename`` runs after the data is written and before it becomes visible (a fault-injection hook).
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if before_rename is not None:
+        before_rename()
+    os.replace(tmp, path)
+
+
+def safe_load(path: Path, what: str) -> dict[str, Any]:
+    """Load a checkpoint file with ``weights_only=True``; any failure is one CheckpointError line."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path.parent}: {what} {path.name} is missing")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, bit flips, foreign pickles: all unreadable
+        reason = " ".join(str(exc).split())[:160]
+        raise CheckpointError(
+            f"checkpoint file {path} is truncated or corrupt ({type(exc).__name__}: {reason})"
+        ) from None
+    if not isinstance(obj, dict) or obj.get("version") != FORMAT_VERSION:
+        found = obj.get("version") if isinstance(obj, dict) else type(obj).__name__
+        raise CheckpointError(
+            f"checkpoint file {path} has format version {found!r}; this mpicrossbow reads {FORMAT_VERSION}"
+        )
+    return obj
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoint folders in ``directory``, oldest step first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if _STEP_DIR.match(p.name) and (p / META).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def find_resume(spec: str, candidates: list[Path]) -> Path:
+    """The checkpoint ``spec`` names: ``latest`` (newest in ``candidates``), a checkpoint or a run folder."""
+    if spec != "latest":
+        path = Path(spec)
+        if (path / META).is_file():
+            return path
+        inside = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
+        if inside:
+            return inside[-1]
+        if not path.exists():
+            raise CheckpointError(f"[checkpoint] resume: {path} does not exist")
+        raise CheckpointError(f"[checkpoint] resume: {path} holds no complete checkpoint ({META} missing)")
+    found = [c for directory in candidates for c in complete_checkpoints(directory)]
+    if not found:
+        where = ", ".join(str(c) for c in candidates) or "(nowhere to look)"
+        raise CheckpointError(f"[checkpoint] resume = latest: no complete checkpoint in {where}")
+    return max(found, key=lambda p: (p / META).stat().st_mtime)
+
+
+class Checkpointer:
+    """Writes this rank's part of each checkpoint; rank 0 also publishes and prunes. Collective."""
+
+    def __init__(self, directory: Path, rank: int, size: int, keep: int, mpi: Any = None) -> None:
+        self.directory, self.rank, self.size, self.keep, self.mpi = directory, rank, size, keep, mpi
+        if rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.mpi is not None and self.size > 1:
+            self.mpi.Barrier()
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        before_rename: Callable[[], None] | None = None,
+    ) -> Path:
+        """Every rank writes ``state``; rank 0 writes ``meta`` and makes the checkpoint visible."""
+        start = time.perf_counter()
+        final = step_dir(self.directory, step)
+        partial = final.with_name(final.name + ".partial")
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # left over by a crash
+            partial.mkdir(parents=True)
+        self._barrier()
+        atomic_save({"version": FORMAT_VERSION, **state}, rank_file(partial, self.rank), before_rename)
+        self._barrier()  # every rank's file is durable
+        if self.rank == 0:
+            atomic_save({"version": FORMAT_VERSION, "step": step, **meta}, partial / META)
+            _fsync_dir(partial)
+            if final.exists():  # the same step saved again (a resumed run): replace it
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            _fsync_dir(self.directory)
+            self._prune()
+            log.info("checkpoint %s saved in %.2f s", final, time.perf_counter() - start)
+        self._barrier()
+        return final
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep`` complete checkpoints; remove older ones and stale partial folders."""
+        complete = complete_checkpoints(self.directory)
+        for old in complete[: max(0, len(complete) - self.keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in self.directory.glob("step-*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def load_rank_state(
+    path: Path, rank: int, expect: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(meta, this rank's state) of checkpoint folder ``path``, checked against the job's ``expect``."""
+    meta = safe_load(path / META, "its metadata file")
+    for key, value in expect.items():
+        if meta.get(key) != value:
+            raise CheckpointError(
+                f"checkpoint {path} was written with {key} = {meta.get(key)!r}, this job has {value!r}; "
+                f"resume with the same {key} or start afresh"
+            )
+    state = safe_load(rank_file(path, rank), f"rank {rank}'s file")
+    if state.get("rank") != rank:
+        raise CheckpointError(f"checkpoint file {rank_file(path, rank)} holds rank {state.get('rank')!r}")
+    return meta, state

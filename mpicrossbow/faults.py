@@ -1,0 +1,66 @@
+"""Fault injection, built into the library (as torchft does) so tests and drills can break a job on purpose.
+
+``[fault] rank = r, step = s, action = ...`` makes rank r fail when it starts step s (counted from 0 over the
+whole run): ``raise`` an exception, ``exit`` (``sys.exit(3)``, as user code might), ``kill`` itself
+with SIGKILL, ``hang`` forever, make its loss ``nan``, or ``kill_in_save``: SIGKILL itself in the middle
+of writing the checkpoint taken once s steps are done (its file written, not yet renamed into place).
+Every other rank is unaffected; what the job does next is what the tests check.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from .config import FaultSection
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """The exception ``action = raise`` throws."""
+
+
+class FaultInjector:
+    """This rank's part of ``[fault]``: does nothing unless this rank is the one that fails."""
+
+    def __init__(self, section: FaultSection, rank: int) -> None:
+        self.section = section
+        self.active = section.rank == rank
+
+    def _due(self, step: int, *actions: str) -> bool:
+        return self.active and step == self.section.step and self.section.action in actions
+
+    def at_step(self, step: int) -> None:
+        """Called as ``step`` starts: raise, exit, kill or hang if this is the fault's rank and step."""
+        if not self._due(step, "raise", "exit", "kill", "hang"):
+            return
+        action = self.section.action
+        log.warning("[fault] %s at step %d (injected)", action, step)
+        if action == "raise":
+            raise InjectedFault(f"injected fault at step {step} ([fault] action = raise)")
+        if action == "exit":
+            sys.exit(3)  # as user code calling exit() would: the launcher still names the rank
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang
+            time.sleep(1)
+
+    def poison(self, step: int, losses: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """``action = nan``: after the step's backward, learner 0's loss and gradient become NaN."""
+        if self._due(step, "nan"):
+            log.warning("[fault] nan loss at step %d (injected)", step)
+            losses[0].fill_(float("nan"))
+            grads[0].fill_(float("nan"))
+
+    def in_save(self, step: int) -> Callable[[], None] | None:
+        """``action = kill_in_save``: a hook that SIGKILLs this rank before its checkpoint file is renamed."""
+        if not self._due(step, "kill_in_save"):
+            return None
+        return lambda: os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,170 @@
+"""Checkpoints without MPI: atomic writes, safe loading, pruning, a crash during a save, pool state."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.mlp import MLP
+from mpicrossbow.checkpoint import (
+    FORMAT_VERSION,
+    Checkpointer,
+    atomic_save,
+    complete_checkpoints,
+    find_resume,
+    load_rank_state,
+    safe_load,
+)
+from mpicrossbow.config import FaultSection, OptimSection
+from mpicrossbow.errors import CheckpointError
+from mpicrossbow.faults import FaultInjector, InjectedFault
+from mpicrossbow.pool import SerialPool
+from mpicrossbow.watchdog import Watchdog, heartbeat_file
+
+META = {"world_size": 1, "rule": "BSP", "learners": 1, "numel": 10}
+
+
+def save(ck: Checkpointer, step: int, value: float = 0.0, hook: Callable[[], None] | None = None) -> Path:
+    return ck.save(step, {"rank": 0, "x": torch.full((10,), value)}, META, hook)
+
+
+def test_save_load_and_keep_newest(tmp_path: Path) -> None:
+    ck = Checkpointer(tmp_path / "ck", 0, 1, keep=2)
+    for step in (10, 20, 30):
+        save(ck, step, float(step))
+    names = [p.name for p in complete_checkpoints(tmp_path / "ck")]
+    assert names == ["step-000000020", "step-000000030"]
+    latest = find_resume("latest", [tmp_path / "ck"])
+    meta, state = load_rank_state(latest, 0, META)
+    assert (
+        meta["step"] == 30
+        and meta["version"] == FORMAT_VERSION
+        and torch.equal(state["x"], torch.full((10,), 30.0))
+    )
+    assert find_resume(str(tmp_path / "ck" / "step-000000020"), []) == tmp_path / "ck" / "step-000000020"
+
+
+def test_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    ck = Checkpointer(tmp_path, 0, 1, keep=3)
+    save(ck, 10, 1.0)
+
+    def crash() -> None:
+        raise KeyboardInterrupt("killed while writing")
+
+    with pytest.raises(KeyboardInterrupt):
+        save(ck, 20, 2.0, crash)
+    assert (tmp_path / "step-000000020.partial").is_dir()  # half-written, never a checkpoint
+    latest = find_resume("latest", [tmp_path])
+    assert latest.name == "step-000000010"
+    assert torch.equal(load_rank_state(latest, 0, META)[1]["x"], torch.ones(10))
+    save(ck, 20, 2.0)  # the next save cleans up and succeeds
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000010", "step-000000020"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_damaged_files_are_one_clear_error(tmp_path: Path, damage: str) -> None:
+    path = save(Checkpointer(tmp_path, 0, 1, keep=1), 5)
+    rank = path / "rank-00000.pt"
+    data = rank.read_bytes()
+    rank.write_bytes(
+        {"truncate": data[: len(data) // 2], "garbage": os.urandom(len(data)), "empty": b""}[damage]
+    )
+    with pytest.raises(CheckpointError, match=r"checkpoint file .*rank-00000.pt is truncated or corrupt"):
+        load_rank_state(path, 0, META)
+
+
+def test_code_in_a_checkpoint_is_never_run(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self) -> tuple:
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    path = tmp_path / "evil.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"version": FORMAT_VERSION, "x": Evil()}, f, protocol=2)
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        safe_load(path, "file")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_other_version_and_other_job_shape_are_named(tmp_path: Path) -> None:
+    atomic_save({"version": 99}, tmp_path / "v.pt")
+    with pytest.raises(CheckpointError, match="format version 99; this mpicrossbow reads 1"):
+        safe_load(tmp_path / "v.pt", "file")
+    path = save(Checkpointer(tmp_path / "ck", 0, 1, keep=1), 5)
+    with pytest.raises(CheckpointError, match="written with world_size = 1, this job has 4"):
+        load_rank_state(path, 0, {**META, "world_size": 4})
+    with pytest.raises(CheckpointError, match=r"rank 1's file rank-00001\.pt is missing"):
+        load_rank_state(path, 1, META)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        find_resume("latest", [tmp_path / "nothing"])
+    with pytest.raises(CheckpointError, match="does not exist"):
+        find_resume(str(tmp_path / "nowhere"), [])
+
+
+def test_pool_state_round_trip(tmp_path: Path) -> None:
+    optim = OptimSection(lr=0.1, momentum=0.9)
+    pools = [SerialPool(MLP(hidden=8), 0, 1, 8, optim, torch.device("cpu"), learners=2) for _ in range(2)]
+    pools[0].start_epoch(0)
+    for count in range(3):
+        pools[0].compute(count)
+        pools[0].apply()
+    atomic_save({"version": FORMAT_VERSION, "pool": pools[0].state_dict()}, tmp_path / "p.pt")
+    pools[1].load_state_dict(safe_load(tmp_path / "p.pt", "file")["pool"])
+    for pool in pools:  # the same next steps from the restored state
+        pool.start_epoch(0)
+        pool.skip(3)
+        pool.compute(3)
+        pool.apply()
+    for a, b in zip(pools[0].learners, pools[1].learners, strict=True):
+        assert torch.equal(a.params, b.params)
+    assert pools[0].take_stats() == pools[1].take_stats()
+    other = SerialPool(MLP(hidden=16), 0, 1, 8, optim, torch.device("cpu"), learners=2)
+    with pytest.raises(CheckpointError, match="another model"):
+        other.load_state_dict(pools[0].state_dict())
+    with pytest.raises(CheckpointError, match="2 learner"):
+        SerialPool(MLP(hidden=8), 0, 1, 8, optim, torch.device("cpu")).load_state_dict(pools[0].state_dict())
+
+
+def test_fault_injector_fires_only_for_its_rank_and_step() -> None:
+    FaultInjector(FaultSection(rank=1, step=3), rank=0).at_step(3)
+    injector = FaultInjector(FaultSection(rank=1, step=3), rank=1)
+    injector.at_step(2)
+    with pytest.raises(InjectedFault, match="step 3"):
+        injector.at_step(3)
+    losses, grads = [torch.zeros(())], [torch.zeros(4)]
+    FaultInjector(FaultSection(rank=0, step=1, action="nan"), 0).poison(1, losses, grads)
+    assert torch.isnan(losses[0]) and torch.isnan(grads[0]).all()
+    assert FaultInjector(FaultSection(rank=0, step=5, action="kill_in_save"), 0).in_save(4) is None
+
+
+def test_watchdog_names_the_rank_behind(tmp_path: Path) -> None:
+    messages: list[str] = []
+    behind = {
+        "rank": 1,
+        "host": "node7",
+        "pid": 4242,
+        "step": 41,
+        "phase": "compute",
+        "progressed": time.time() - 9,
+    }
+    heartbeat_file(tmp_path, 1).write_text(json.dumps(behind))
+    dog = Watchdog(
+        tmp_path, 0, 2, warn_after=0.2, abort_after=0.6, interval=0.05, abort=messages.append
+    ).start()
+    dog.beat(41, "exchange")  # rank 0 waits in step 41's exchange; rank 1 never arrived
+    deadline = time.monotonic() + 10
+    while not messages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dog.stop()
+    assert messages, "the watchdog did not abort"
+    assert "step 41 (exchange) has not progressed" in messages[0]
+    assert "waiting for rank(s) 1 on node7 (pid 4242, in compute of step 41" in messages[0]
+    assert "abort_after" in messages[0]
+    assert json.loads(heartbeat_file(tmp_path, 0).read_text())["phase"] == "done"

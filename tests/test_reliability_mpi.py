@@ -1,0 +1,143 @@
+"""Reliability in real MPI jobs: exact resume, a crash during a save, failing and hanging ranks, bad input.
+
+Every job is one ``mpiexec -n 2`` launch of the digits job bounded by a timeout; failures are injected with
+the library's own ``[fault]`` hook.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, launcher, mpi_env, only_run, run_mpi
+from mpicrossbow.checkpoint import complete_checkpoints
+
+pytestmark = [pytest.mark.mpi]
+
+STEPS = 132  # 3 epochs of 44 steps on 2 ranks
+
+
+def job(mpiexec: str, out: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The digits job on 2 ranks for 3 epochs, checkpoints every 25 steps, with ``overrides``."""
+    args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={out}", "session.epochs=3",
+            "checkpoint.every_steps=25", *overrides]  # fmt: skip
+    return run_mpi(mpiexec, 2, args, timeout=timeout)
+
+
+def final_state(out: Path, rank: int) -> dict:
+    final = complete_checkpoints(only_run(out) / "checkpoints")[-1]
+    assert final.name == f"step-{STEPS:09d}"
+    return torch.load(final / f"rank-{rank:05d}.pt", weights_only=True)
+
+
+@pytest.mark.parametrize(
+    "rule", [("RULE=BSP",), ("RULE=SMA",), ("RULE=EASGD", "rule.tau=5")], ids=["BSP", "SMA", "EASGD-sync"]
+)
+def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(
+    mpiexec: str, tmp_path: Path, rule: tuple[str, ...]
+) -> None:
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert job(mpiexec, whole, *rule).returncode == 0
+    crashed = job(mpiexec, broken, *rule, "fault.rank=1", "fault.step=70")
+    assert crashed.returncode != 0 and "rank 1 of 2" in crashed.stderr
+    resumed = job(mpiexec, broken, *rule, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-000000050 (step 50)" in resumed.stderr  # the newest checkpoint before the crash
+    for rank in (0, 1):
+        a, b = final_state(whole, rank), final_state(broken, rank)
+        for learner_a, learner_b in zip(a["pool"]["learners"], b["pool"]["learners"], strict=True):
+            assert torch.equal(learner_a["params"], learner_b["params"])
+            assert torch.equal(learner_a["buffers"], learner_b["buffers"])
+        for key, value in a["rule"].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, b["rule"][key]), key
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(mpiexec: str, tmp_path: Path) -> None:
+    crashed = job(mpiexec, tmp_path, "fault.rank=1", "fault.step=50", "fault.action=kill_in_save")
+    assert crashed.returncode != 0
+    folder = only_run(tmp_path) / "checkpoints"
+    assert [c.name for c in complete_checkpoints(folder)] == ["step-000000025"]
+    assert (folder / "step-000000050.partial").is_dir()
+    resumed = job(mpiexec, tmp_path, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-000000025 (step 25)" in resumed.stderr
+    assert not (folder / "step-000000050.partial").exists()
+
+
+@pytest.mark.parametrize("action", ["raise", "kill", "exit", "nan"])
+def test_a_failing_rank_ends_the_job_quickly_and_is_named(mpiexec: str, tmp_path: Path, action: str) -> None:
+    start = time.monotonic()
+    proc = job(mpiexec, tmp_path, "fault.rank=1", "fault.step=30", f"fault.action={action}", timeout=60)
+    assert time.monotonic() - start < 30
+    assert proc.returncode != 0
+    if action != "kill":
+        message = {
+            "raise": "InjectedFault",
+            "exit": "SystemExit: 3",
+            "nan": "training loss is NaN or infinite",
+        }[action]
+        errors = [line for line in proc.stderr.splitlines() if "crossbow-launch: error:" in line]
+        assert len(errors) == 1 and "rank 1 of 2" in errors[0] and message in errors[0], errors
+    else:  # the launcher names the process; the job's log maps it to its rank
+        pids = dict(re.findall(r"(\d+): pid (\d+)", re.search(r"rank processes: (.*)", proc.stderr)[1]))
+        dead = re.search(r"PID (\d+) RUNNING AT|process rank (\d+)", proc.stdout + proc.stderr)
+        assert dead is not None, proc.stdout[-2000:]
+        assert dead[1] == pids["1"] or dead[2] == "1"
+    assert "Traceback" not in proc.stderr
+
+
+def test_nan_loss_can_be_skipped(mpiexec: str, tmp_path: Path) -> None:
+    proc = job(mpiexec, tmp_path, "fault.rank=0", "fault.step=30", "fault.action=nan", "session.on_nan=skip")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loss is NaN or infinite at step 30 (epoch 1), learner(s) 0: that batch is skipped" in proc.stderr
+
+
+def test_a_hanging_rank_is_named_and_the_job_aborted(mpiexec: str, tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = job(
+        mpiexec, tmp_path, "fault.rank=1", "fault.step=20", "fault.action=hang", "watchdog.warn_after=2",
+        "watchdog.abort_after=5", "watchdog.interval=0.5", timeout=90,
+    )  # fmt: skip
+    assert proc.returncode != 0 and time.monotonic() - start < 40
+    assert re.search(
+        r"stall: step 20 \(exchange\) has not progressed for \d+ s; waiting for rank\(s\) 1 on \S+ "
+        r"\(pid \d+, in compute of step 20",
+        proc.stderr,
+    )
+    assert "aborting ([watchdog] abort_after = 5 s)" in proc.stderr
+
+
+def test_sigusr1_saves_a_checkpoint_and_exits_cleanly(mpiexec: str, tmp_path: Path) -> None:
+    args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}", "session.epochs=200"]
+    proc = subprocess.Popen(
+        [mpiexec, "-n", "2", *args], cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        beat = None
+        while beat is None and time.monotonic() < deadline:  # rank 1's heartbeat names its pid
+            time.sleep(0.5)
+            beat = next(iter(tmp_path.glob("*/heartbeats/rank-00001.json")), None)
+        assert beat is not None, "no heartbeat"
+        pid = json.loads(beat.read_text())["pid"]
+        time.sleep(1)
+        os.kill(pid, signal.SIGUSR1)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stopped by a signal after step" in stderr
+    step = int(re.search(r"stopped by a signal after step (\d+)", stderr)[1])
+    saved = complete_checkpoints(only_run(tmp_path) / "checkpoints")
+    assert saved and saved[-1].name == f"step-{step:09d}"
