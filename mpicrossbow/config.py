@@ -98,12 +98,24 @@ class CommSection:
     )
 
 
+@dataclass(frozen=True)
+class NumaSection:
+    """``[numa]``: which cores each rank runs on (see :mod:`mpicrossbow.numa`)."""
+
+    bind: Literal["none", "core", "numa", "socket", "gpu"] = setting(
+        "none", "core binding per rank: none, core, numa, socket, gpu (the cores local to the rank's GPU)"
+    )
+    memory: bool = setting(True, "prefer the NUMA node of a rank's cores for its memory (when it has one)")
+    report: bool = setting(True, "rank 0 logs a table: rank, host, device, cores, NUMA node, threads")
+
+
 #: Section name → dataclass, for the sections with fixed keys.
 SECTIONS: dict[str, type] = {
     "session": SessionSection,
     "optim": OptimSection,
     "data": DataSection,
     "comm": CommSection,
+    "numa": NumaSection,
 }
 #: Sections whose keys belong to a plug-in (the rule's hyper-parameters, the model's keyword arguments).
 FREE_SECTIONS = ("rule", "model")
@@ -123,6 +135,7 @@ class Config:
     optim: OptimSection = field(default_factory=OptimSection)
     data: DataSection = field(default_factory=DataSection)
     comm: CommSection = field(default_factory=CommSection)
+    numa: NumaSection = field(default_factory=NumaSection)
     rule_params: Mapping[str, Any] = field(default_factory=dict)
     model_params: Mapping[str, str] = field(default_factory=dict)
     source: str = "<python>"

@@ -47,13 +47,13 @@ class InWorldJob(Job):
     """This process is already a rank: the session is prepared now and trained by ``wait``."""
 
     def __init__(self, config: Config, rule: Rule) -> None:
-        from .launcher import agree
+        from .launcher import bind_and_prepare
         from .session import Session
 
         self.world = detect_world()
         setup_logging(self.world.rank, self.world.size)
         self.session: Session = Session(config, self.world, rule)
-        if agree(self.world, self.session.prepare_local):
+        if bind_and_prepare(self.world, self.session):
             raise UsageError("the session could not be prepared (see the error above)")
         self.session.prepare_collective()
 

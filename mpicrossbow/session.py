@@ -29,6 +29,7 @@ from .env import World
 from .errors import ContractError
 from .metrics import MetricsWriter
 from .model import contract_form, load_model_class
+from .numa import Binding
 from .pool import LearnerPool, SerialPool, TheanoPool
 from .rules import RULES, Rule
 from .schedule import lr_at
@@ -65,6 +66,7 @@ class Session:
         self.comm: Communicator | None = None
         self.run_dir: Path | None = None
         self.metrics: MetricsWriter | None = None
+        self.binding: Binding | None = None  # set by the launcher before prepare_local
 
     # ------------------------------------------------------------------ set-up
     def prepare_local(self) -> None:
@@ -74,7 +76,11 @@ class Session:
         self.device = spec.torch_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        threads = cfg.session.threads or max(1, len(os.sched_getaffinity(0)) // max(1, world.local_size))
+        threads = cfg.session.threads or (
+            self.binding.threads
+            if self.binding is not None
+            else max(1, len(os.sched_getaffinity(0)) // max(1, world.local_size))
+        )
         torch.set_num_threads(threads)
         if self.rule is None:
             self.rule = RULES.get(cfg.rule)(**cfg.rule_params)
