@@ -243,13 +243,16 @@ def bind(
 ) -> Binding:
     """Plan this node and bind this rank (no communication). Returns what this rank now runs on."""
     me = facts[rank]
-    node = sorted((f for f in facts if f.host == me.host), key=lambda f: f.local_rank)
+    # Ranks on this host by hostname, not by MPI's node: emulated nodes (two slurmd on one machine) share
+    # the cores, and MPI may call them different nodes.
+    node = sorted((f for f in facts if f.host == me.host), key=lambda f: (f.local_rank, f.rank))
+    index = node.index(me)
     topo = topo or load_topology()
     cpus: CpuSet = frozenset(me.affinity)
     source = "none"
     if prebound(node):
         source = "launcher"
-        if mode != "none" and me.local_rank == 0:
+        if mode != "none" and index == 0:
             log.warning(
                 "%s: the MPI launcher or Slurm already bound the ranks; keeping that binding (bind = %s "
                 "not applied)",
@@ -259,19 +262,19 @@ def bind(
     elif mode != "none":
         usable = topo.restrict(frozenset(me.allowed) & frozenset(me.affinity))
         devices = [f.device for f in node]
-        if mode == "gpu" and me.local_rank == 0:
+        if mode == "gpu" and index == 0:
             reason = gpu_fallback_reason(usable, devices)
             if reason:
                 log.warning("%s: bind = gpu binds like numa: %s", me.host, reason)
         sets = plan(mode, usable, devices)
-        if me.local_rank == 0 and len(set(sets)) < len(sets):
+        if index == 0 and len(set(sets)) < len(sets):
             log.warning(
                 "%s: %d ranks but only %d cores to bind to: some ranks share cores",
                 me.host,
                 len(node),
                 len(usable.cores),
             )
-        cpus = sets[me.local_rank]
+        cpus = sets[index]
         set_affinity_all_threads(cpus)
         source = mode
     numa_nodes = topo.numa_of(cpus)
