@@ -113,7 +113,7 @@ class SpawnedJob(Job):
         sys.stderr.flush()
 
     def stop(self) -> None:
-        """End the job: SIGTERM to the launcher (it forwards it to mpiexec), then SIGKILL its process group."""
+        """End the job: SIGTERM to the launcher (forwarded to mpiexec), then SIGKILL its process group."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
