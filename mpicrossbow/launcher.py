@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as exc:
             _say(str(exc))
             return USAGE_EXIT_CODE
+    if args.hostfile and launcher_rank() in (0, None):
+        log.warning("-hostfile is used only when crossbow-launch starts the job itself; ignored under MPI")
     return run_rank(config)
 
 
