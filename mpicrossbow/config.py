@@ -167,6 +167,17 @@ class CommSection:
     )
 
 
+@dataclass(frozen=True)
+class NumaSection:
+    """``[numa]``: which cores each rank runs on (see :mod:`mpicrossbow.numa`)."""
+
+    bind: Literal["none", "core", "numa", "socket", "gpu"] = setting(
+        "none", "core binding per rank: none, core, numa, socket, gpu (the cores local to the rank's GPU)"
+    )
+    memory: bool = setting(True, "prefer the NUMA node of a rank's cores for its memory (when it has one)")
+    report: bool = setting(True, "rank 0 logs a table: rank, host, device, cores, NUMA node, threads")
+
+
 #: Section name → dataclass, for the sections with fixed keys.
 SECTIONS: dict[str, type] = {
     "session": SessionSection,
@@ -174,6 +185,7 @@ SECTIONS: dict[str, type] = {
     "data": DataSection,
     "pool": PoolSection,
     "comm": CommSection,
+    "numa": NumaSection,
     "checkpoint": CheckpointSection,
     "watchdog": WatchdogSection,
     "fault": FaultSection,
@@ -197,6 +209,7 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     pool: PoolSection = field(default_factory=PoolSection)
     comm: CommSection = field(default_factory=CommSection)
+    numa: NumaSection = field(default_factory=NumaSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     watchdog: WatchdogSection = field(default_factory=WatchdogSection)
     fault: FaultSection = field(default_factory=FaultSection)

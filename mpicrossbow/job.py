@@ -10,9 +10,12 @@ it ends and raises :class:`JobFailed` with its exit status if it failed.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +28,10 @@ from .log import setup_logging
 if TYPE_CHECKING:
     from .rules.base import Rule
     from .session import RunResult, Session
+
+
+#: How crossbow-launch starts the one line that names a failure (see launcher._say).
+ERROR_PREFIX = "crossbow-launch: error: "
 
 
 class JobFailed(RuntimeError):
@@ -47,13 +54,13 @@ class InWorldJob(Job):
     """This process is already a rank: the session is prepared now and trained by ``wait``."""
 
     def __init__(self, config: Config, rule: Rule) -> None:
-        from .launcher import agree
+        from .launcher import agree, bind_and_prepare
         from .session import Session
 
         self.world = detect_world()
         setup_logging(self.world.rank, self.world.size)
         self.session: Session = Session(config, self.world, rule)
-        if agree(self.world, self.session.prepare_local) or agree(self.world, self.session.check_consistency):
+        if bind_and_prepare(self.world, self.session) or agree(self.world, self.session.check_consistency):
             raise UsageError("the session could not be prepared (see the error above)")
         self.session.prepare_collective()
 
@@ -70,7 +77,15 @@ class InWorldJob(Job):
 
 
 class SpawnedJob(Job):
-    """A ``crossbow-launch`` MPI job started from this plain process."""
+    """A ``crossbow-launch`` MPI job started from this plain process.
+
+    The job runs in its own session (process group), so stopping it reaches every process it started; its
+    stderr is passed through line by line and the ``crossbow-launch: error:`` lines are kept for
+    :class:`JobFailed`.
+    """
+
+    #: Seconds the job gets to end after SIGTERM before its whole process group is killed.
+    STOP_GRACE_S = 5.0
 
     def __init__(self, config: Config) -> None:
         out = Path(config.session.output)
@@ -78,22 +93,55 @@ class SpawnedJob(Job):
         with tempfile.NamedTemporaryFile("w", suffix=".cfg", prefix="rule-init-", dir=out, delete=False) as f:
             f.write(config.to_ini())
         self.cfg_path = Path(f.name)
+        self.errors: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mpicrossbow.launcher", "-cfg", str(self.cfg_path)]
+            [sys.executable, "-m", "mpicrossbow.launcher", "-cfg", str(self.cfg_path)],
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            start_new_session=True,
         )
+        self._reader = threading.Thread(target=self._pass_stderr, daemon=True)
+        self._reader.start()
+
+    def _pass_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            sys.stderr.write(line)
+            if line.startswith(ERROR_PREFIX):
+                self.errors.append(line[len(ERROR_PREFIX) :].strip())
+        sys.stderr.flush()
+
+    def stop(self) -> None:
+        """End the job: SIGTERM to the launcher (forwarded to mpiexec), then SIGKILL its process group."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(self.STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever is left: mpiexec, proxies, ranks
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
     def wait(self) -> int:
-        """Wait for the job; 0 on success, JobFailed otherwise (Ctrl-C stops the job and re-raises)."""
+        """Wait for the job; 0 on success, JobFailed naming the failing rank otherwise.
+
+        Ctrl-C (KeyboardInterrupt) stops the whole job, then re-raises.
+        """
         try:
             status = self.proc.wait()
+            self._reader.join(timeout=10)
         except KeyboardInterrupt:
-            self.proc.terminate()
-            self.proc.wait()
+            self.stop()
             raise
         finally:
             self.cfg_path.unlink(missing_ok=True)
         if status:
-            raise JobFailed(status, f"crossbow-launch job failed with exit status {status}")
+            detail = "; ".join(dict.fromkeys(self.errors)) or "no error message (see the output above)"
+            raise JobFailed(status, f"crossbow-launch job failed with exit status {status}: {detail}")
         return 0
 
 

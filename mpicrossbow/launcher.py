@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .config import Config, load_config
+from .devices import device_for_rank
 from .env import World, detect_launcher, detect_world, launcher_rank
 from .errors import USAGE_EXIT_CODE, UsageError
 from .log import setup_logging
+from .numa import MODES, bind, device_label, gather_facts, report
 
 log = logging.getLogger("mpicrossbow.launcher")  # also when run as __main__
 
@@ -62,6 +64,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="resume from the newest checkpoint of this cfg's runs, or from PATH (a checkpoint or run "
         "folder): the same as checkpoint.resume=...",
     )
+    parser.add_argument(
+        "-bind",
+        "--bind",
+        choices=MODES,
+        metavar="MODE",
+        help="core binding per rank: none, core, numa, socket or gpu (same as numa.bind=MODE)",
+    )
+    parser.add_argument(
+        "-hostfile",
+        "--hostfile",
+        metavar="FILE",
+        help="hosts to start ranks on when run without an MPI launcher ('host slots=N' or 'host:N' lines)",
+    )
+    parser.add_argument(
+        "-launcher",
+        "--launcher",
+        choices=("auto", "mpiexec", "srun"),
+        default="auto",
+        help="how to start the job when run alone (auto: srun inside a Slurm allocation, else mpiexec)",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved cfg and exit")
     return parser
 
@@ -76,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     overrides = [*args.overrides, *([f"checkpoint.resume={args.resume}"] if args.resume else [])]
+    if args.bind is not None:
+        overrides.append(f"numa.bind={args.bind}")
     try:
         config = load_config(args.cfg, overrides)
     except UsageError as exc:  # every rank reads the same cfg and fails alike: rank 0 speaks for all
@@ -92,10 +116,19 @@ def main(argv: list[str] | None = None) -> int:
         from .spawn import spawn
 
         try:
-            return spawn(config.devices, ["-cfg", args.cfg, *overrides], args.np)
+            return spawn(
+                config.devices,
+                ["-cfg", args.cfg, *overrides],
+                args.np,
+                hostfile=args.hostfile,
+                bind=config.numa.bind,
+                launcher=args.launcher,
+            )
         except UsageError as exc:
             _say(str(exc))
             return USAGE_EXIT_CODE
+    if args.hostfile and launcher_rank() in (0, None):
+        log.warning("-hostfile is used only when crossbow-launch starts the job itself; ignored under MPI")
     return run_rank(config)
 
 
@@ -106,7 +139,7 @@ def run_rank(config: Config, rule: Any = None) -> int:
     world = detect_world()
     setup_logging(world.rank, world.size, config.session.log_level.upper() if world.rank == 0 else None)
     session = Session(config, world, rule)
-    code = agree(world, session.prepare_local) or agree(world, session.check_consistency)
+    code = bind_and_prepare(world, session) or agree(world, session.check_consistency)
     if code:
         return code
     try:
@@ -126,6 +159,28 @@ def run_rank(config: Config, rule: Any = None) -> int:
             result.run_dir,
         )
     return 0
+
+
+def bind_and_prepare(world: World, session: Any) -> int:
+    """Bind this rank's cores (before CUDA starts), prepare the session locally, agree, report bindings.
+
+    Returns 0 when every rank is ready, else the exit status :func:`agree` chose.
+    """
+    config = session.config
+    try:
+        label = device_label(device_for_rank(config.devices, world.rank, world.size))
+    except UsageError:  # reported by prepare_local on every rank, through agree
+        label = "?"
+    facts = gather_facts(world, label)
+
+    def prepare() -> None:
+        session.binding = bind(config.numa.bind, facts, world.rank, config.numa.memory)
+        session.prepare_local()
+
+    code = agree(world, prepare)
+    if code == 0 and config.numa.report:
+        report(world, session.binding)
+    return code
 
 
 def agree(world: World, prepare: Any) -> int:

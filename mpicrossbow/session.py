@@ -33,6 +33,7 @@ from .errors import CheckpointError, ConfigError, ContractError
 from .faults import FaultInjector
 from .metrics import MetricsWriter
 from .model import contract_form, load_model_class
+from .numa import Binding
 from .pool import LearnerPool, TheanoPool
 from .pool.engines import ENGINES
 from .rules import RULES, Rule
@@ -88,6 +89,7 @@ class Session:
         self._pending_signal: list[Any] = []
         #: True when a SIGTERM/SIGUSR1 ended training early (after a checkpoint).
         self.stopped = False
+        self.binding: Binding | None = None  # set by the launcher before prepare_local
 
     # ------------------------------------------------------------------ set-up
     def prepare_local(self) -> None:
@@ -97,7 +99,11 @@ class Session:
         self.device = spec.torch_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        threads = cfg.session.threads or max(1, len(os.sched_getaffinity(0)) // max(1, world.local_size))
+        threads = cfg.session.threads or (
+            self.binding.threads
+            if self.binding is not None
+            else max(1, len(os.sched_getaffinity(0)) // max(1, world.local_size))
+        )
         torch.set_num_threads(threads)
         if self.rule is None:
             self.rule = RULES.get(cfg.rule)(**cfg.rule_params)

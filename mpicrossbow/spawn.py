@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,16 +52,105 @@ def mpi_flavor(mpiexec: str) -> str:
     return "unknown"
 
 
-def spawn_command(mpiexec: str, flavor: str, devices: Sequence[DeviceSpec], args: Sequence[str]) -> list[str]:
-    """The full launcher command: one rank per device, on the named hosts when DEVICES names hosts."""
-    cmd = [mpiexec, "-n", str(len(devices))]
+def read_hostfile(path: str | Path) -> list[tuple[str, int]]:
+    """(host, slots) pairs from a hostfile in Open MPI (``host slots=4``) or MPICH (``host:4``) syntax.
+
+    Blank lines and ``#`` comments are skipped; a host without a count has one slot. Anything else is a
+    UsageError naming the file and line.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"-hostfile {path}: cannot read it: {exc.strerror or exc}") from None
+    hosts: list[tuple[str, int]] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(
+            r"([A-Za-z0-9_.\-]+)(?::(\d+)|\s+slots\s*=\s*(\d+))?(\s+max_slots\s*=\s*\d+)?", line
+        )
+        if match is None:
+            raise UsageError(
+                f"-hostfile {path} line {lineno}: cannot parse {line!r}; expected 'host', 'host slots=N' or "
+                "'host:N'"
+            )
+        slots = int(match.group(2) or match.group(3) or 1)
+        if slots < 1:
+            raise UsageError(f"-hostfile {path} line {lineno}: {match.group(1)} has {slots} slots")
+        hosts.append((match.group(1), slots))
+    if not hosts:
+        raise UsageError(f"-hostfile {path}: names no host")
+    return hosts
+
+
+def host_counts(
+    devices: Sequence[DeviceSpec], hostfile: Sequence[tuple[str, int]] | None
+) -> list[tuple[str, int]]:
+    """(host, ranks) in order from DEVICES' host names or from a hostfile; empty when neither names hosts."""
     hosts = [d.host for d in devices]
     if any(hosts):
         if not all(hosts):
             raise UsageError("DEVICES: give a host for every entry or for none (host:cuda0,cuda1 form)")
+        if hostfile:
+            raise UsageError("DEVICES names hosts and -hostfile was given too; use one of them")
         counts = Counter(hosts)
-        spec = ",".join(f"{h}:{counts[h]}" for h in dict.fromkeys(hosts))
+        return [(h, counts[h]) for h in dict.fromkeys(hosts)]  # type: ignore[index]
+    if not hostfile:
+        return []
+    slots = sum(n for _, n in hostfile)
+    if slots < len(devices):
+        raise UsageError(f"the hostfile has {slots} slot(s) but the job needs {len(devices)} rank(s)")
+    return list(hostfile)
+
+
+def spawn_command(
+    mpiexec: str,
+    flavor: str,
+    devices: Sequence[DeviceSpec],
+    args: Sequence[str],
+    hostfile: Sequence[tuple[str, int]] | None = None,
+    bind: str = "none",
+) -> list[str]:
+    """The launcher command: one rank per device, on the hosts that DEVICES or a hostfile names.
+
+    Open MPI binds ranks itself by default; when mpicrossbow binds (``bind`` other than none) it is told
+    ``--bind-to none`` so the two do not fight. Hydra (MPICH) binds nothing unless asked.
+    """
+    cmd = [mpiexec, "-n", str(len(devices))]
+    hosts = host_counts(devices, hostfile)
+    if hosts:
+        spec = ",".join(f"{h}:{n}" for h, n in hosts)
         cmd += ["--host", spec] if flavor == "openmpi" else ["-hosts", spec]
+    if flavor == "openmpi" and bind != "none":
+        cmd += ["--bind-to", "none"]
+    return [*cmd, sys.executable, "-m", "mpicrossbow.launcher", *args]
+
+
+def srun_command(
+    flavor: str,
+    devices: Sequence[DeviceSpec],
+    args: Sequence[str],
+    hostfile: Sequence[tuple[str, int]] | None = None,
+    bind: str = "none",
+    srun: str = "srun",
+) -> list[str]:
+    """``srun`` inside a Slurm allocation: PMI-2 for MPICH, PMIx for Open MPI, one task per device.
+
+    Hosts (from DEVICES or a hostfile) become ``--nodelist`` with as many tasks on each; Slurm's own CPU
+    binding is switched off when mpicrossbow binds.
+    """
+    cmd = [srun, f"--mpi={'pmix' if flavor == 'openmpi' else 'pmi2'}", "-n", str(len(devices))]
+    hosts = host_counts(devices, hostfile)
+    if hosts:
+        per_node = {n for _, n in hosts}
+        if len(per_node) != 1:
+            raise UsageError("srun starts the same number of ranks on every host; the hosts given differ")
+        cmd += ["-N", str(len(hosts)), f"--nodelist={','.join(h for h, _ in hosts)}"]
+        cmd += [f"--ntasks-per-node={per_node.pop()}"]
+    if bind != "none":
+        cmd += ["--cpu-bind=none"]
     return [*cmd, sys.executable, "-m", "mpicrossbow.launcher", *args]
 
 
@@ -99,18 +189,59 @@ def run_job(cmd: Sequence[str], env: dict[str, str]) -> int:
     return 128 - code if code < 0 else code
 
 
+def in_slurm_allocation(environ: dict[str, str] | None = None) -> bool:
+    """True inside ``sbatch``/``salloc`` (a job id) but outside a job step started by ``srun``."""
+    environ = dict(os.environ) if environ is None else environ
+    return "SLURM_JOB_ID" in environ and "SLURM_STEP_ID" not in environ
+
+
+def default_ranks(environ: dict[str, str] | None = None) -> int:
+    """Ranks for ``DEVICES=cpu``: the allocation's tasks inside Slurm, else this process's usable cores."""
+    environ = dict(os.environ) if environ is None else environ
+    tasks = environ.get("SLURM_NTASKS", "")
+    if "SLURM_JOB_ID" in environ and tasks.isdigit():
+        return int(tasks)
+    return len(os.sched_getaffinity(0))
+
+
 def expand_devices(devices: Sequence[DeviceSpec], ranks: int | None) -> list[DeviceSpec]:
     """One entry per rank to start: the list itself, or ``ranks`` (default: usable cores) for ``cpu``."""
     if any_size(tuple(devices)):
-        return list(devices) * (ranks or len(os.sched_getaffinity(0)))
+        return list(devices) * (ranks or default_ranks())
     if ranks is not None and ranks != len(devices):
         raise UsageError(f"-np {ranks} does not match DEVICES, which lists {len(devices)} device(s)")
     return list(devices)
 
 
-def spawn(devices: Sequence[DeviceSpec], args: Sequence[str], ranks: int | None = None) -> int:
-    """Start the job for ``devices`` running ``crossbow-launch args`` on every rank; return its status."""
+def spawn(
+    devices: Sequence[DeviceSpec],
+    args: Sequence[str],
+    ranks: int | None = None,
+    hostfile: str | None = None,
+    bind: str = "none",
+    launcher: str = "auto",
+) -> int:
+    """Start the job for ``devices`` running ``crossbow-launch args`` on every rank; return its status.
+
+    ``launcher``: ``mpiexec``, ``srun``, or ``auto`` (srun inside a Slurm allocation when it exists).
+    """
+    hosts = read_hostfile(hostfile) if hostfile else None
+    if any_size(tuple(devices)) and ranks is None and hosts:
+        ranks = sum(n for _, n in hosts)
     devices = expand_devices(devices, ranks)
+    srun = shutil.which("srun")
+    use_srun = launcher == "srun" or (launcher == "auto" and in_slurm_allocation() and srun is not None)
+    if use_srun:
+        if srun is None:
+            raise UsageError("-launcher srun: srun is not on PATH")
+        try:
+            flavor = mpi_flavor(find_mpiexec())
+        except UsageError:
+            flavor = "unknown"
+        cmd = srun_command(flavor, devices, args, hosts, bind, srun)
+        return run_job(cmd, dict(os.environ))
     mpiexec = find_mpiexec()
     flavor = mpi_flavor(mpiexec)
-    return run_job(spawn_command(mpiexec, flavor, devices, args), spawn_env(flavor, len(devices)))
+    return run_job(
+        spawn_command(mpiexec, flavor, devices, args, hosts, bind), spawn_env(flavor, len(devices))
+    )

@@ -5,6 +5,8 @@ Each test is one ``mpiexec`` launch (torch import ≈ 3 s per rank), every one b
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -154,19 +156,81 @@ def test_bad_input_under_mpi_exits_2_before_training(
     assert not (tmp_path / "runs").exists()
 
 
-def test_rule_init_from_plain_python_starts_the_job(tmp_path: Path) -> None:
+def test_rule_init_from_plain_python_trains_and_reports_failures(tmp_path: Path) -> None:
+    model = tmp_path / "failing.py"
+    model.write_text(FAILING_MODEL)
     proc = subprocess.run(
-        [sys.executable, "tests/mpi_scripts/rule_spawn.py", str(tmp_path)],
+        [sys.executable, "tests/mpi_scripts/rule_spawn.py", str(tmp_path), str(model)],
         cwd=REPO,
         env=mpi_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["status 0", "failed 2"]
-    assert "MODELCLASS 'NoSuchModel' not found in models.mlp" in proc.stderr
-    runs = [p for p in tmp_path.iterdir() if p.is_dir()]
-    assert len(runs) == 1 and read_metrics(runs[0] / "metrics.h5")["attrs"]["world_size"] == 2
-    assert "mode = auto" in (runs[0] / "session.cfg").read_text()
-    assert not list(tmp_path.glob("*.cfg"))  # the temporary cfg is removed
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "status 0"
+    (run,) = [p for p in (tmp_path / "ok").iterdir() if p.is_dir()]
+    metrics = read_metrics(run / "metrics.h5")
+    assert metrics["attrs"]["world_size"] == 2
+    assert metrics["val"]["accuracy"][-1] >= 0.95, metrics["val"]["accuracy"]
+    assert "mode = auto" in (run / "session.cfg").read_text()
+    assert lines[1].startswith("missing 2 crossbow-launch job failed with exit status 2: ")
+    assert "MODELCLASS 'NoSuchModel' not found in models.mlp" in lines[1]
+    assert lines[2].startswith("crash ") and not lines[2].startswith("crash 0")
+    assert "rank 1 of 2" in lines[2] and "RuntimeError: injected failure in forward" in lines[2]
+    for name in ("ok", "missing", "crash"):
+        assert not list((tmp_path / name).glob("*.cfg"))  # the temporary cfg is removed
+
+
+def processes_mentioning(marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every process whose command line contains ``marker`` (a /proc scan)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            zombie = "State:\tZ" in (entry / "status").read_text()
+        except OSError:
+            continue
+        if marker in cmdline and not zombie:
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def test_sigint_to_a_rule_init_driver_stops_the_whole_job(tmp_path: Path) -> None:
+    """Ctrl-C in the driver ends mpiexec and every rank within seconds; nothing is left running."""
+    driver = subprocess.Popen(
+        [sys.executable, "tests/mpi_scripts/rule_forever.py", str(tmp_path)],
+        cwd=REPO,
+        env=mpi_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    marker = str(tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        ranks: list[tuple[int, str]] = []
+        while time.monotonic() < deadline:  # wait until both ranks train (the run folder exists)
+            ranks = [p for p in processes_mentioning(marker) if "mpicrossbow.launcher" in p[1]]
+            if len(ranks) >= 3 and any(p.is_dir() for p in tmp_path.iterdir()):
+                break
+            assert driver.poll() is None, driver.communicate(timeout=10)
+            time.sleep(0.5)
+        assert len(ranks) >= 3, ranks  # the spawning crossbow-launch and two ranks
+        assert any("mpiexec" in c or "mpirun" in c or "prterun" in c for _, c in processes_mentioning(marker))
+        driver.send_signal(signal.SIGINT)
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while processes_mentioning(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert processes_mentioning(marker) == []
+        assert driver.returncode != 0 and "KeyboardInterrupt" in driver.communicate(timeout=10)[1]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=10)
+        for pid, _ in processes_mentioning(marker):  # only this test's processes, by id
+            os.kill(pid, signal.SIGKILL)
