@@ -61,8 +61,22 @@ class RunResult:
     samples_per_second: float
 
 
+#: Steps after which a rank's resident memory is sampled as the warmed-up baseline (soak measurements).
+RSS_WARM_STEPS = 1000
+
 #: Steps between the ranks' agreements on whether a SIGTERM/SIGUSR1 arrived (the reaction time in steps).
 SIGNAL_CHECK_STEPS = 10
+
+
+def resident_mb() -> float:
+    """This process's resident memory in MB (Linux /proc; NaN elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return math.nan
 
 
 class NonFiniteLoss(RuntimeError):
@@ -87,6 +101,7 @@ class Session:
         self.resume: tuple[Path, dict[str, Any], dict[str, Any]] | None = None
         self._signal: int | None = None
         self._pending_signal: list[Any] = []
+        self._rss_warm = math.nan
         #: True when a SIGTERM/SIGUSR1 ended training early (after a checkpoint).
         self.stopped = False
         self.binding: Binding | None = None  # set by the launcher before prepare_local
@@ -341,6 +356,7 @@ class Session:
         """Train to the step or epoch budget (or serve); every rank returns the same RunResult."""
         assert self.pool is not None and self.rule is not None and self.comm is not None
         self._start = time.perf_counter()
+        rss_start = resident_mb()
         if self.trains:
             try:
                 epochs, steps, train, val, exchange_s, samples = self._train()
@@ -360,6 +376,7 @@ class Session:
             self._record_rank_rates(steps / busy, exchange_s / busy)
         else:
             self._record_rank_rates(math.nan, math.nan)
+        self._record_rank_health(rss_start)
         if not self.rule.synchronous:  # everyone is here now: collectives are safe again
             samples = self.comm.allreduce_scalars([samples])[0]
             val = self._validate_async_final()
@@ -433,6 +450,8 @@ class Session:
                 rule.exchange(step)
                 exchange_s += time.perf_counter() - t
                 step += 1
+                if step == RSS_WARM_STEPS:
+                    self._rss_warm = resident_mb()
                 if delay:
                     time.sleep(delay)
                 if bar is not None:
@@ -561,6 +580,17 @@ class Session:
         if self.metrics is not None:
             self.metrics.file.attrs["rank_steps_per_second"] = [p[0] for p in pairs]
             self.metrics.file.attrs["rank_exchange_share"] = [p[1] for p in pairs]
+
+    def _record_rank_health(self, rss_start: float) -> None:
+        """Every rank's resident memory (start, after RSS_WARM_STEPS steps, end) and requests in flight."""
+        assert self.rule is not None
+        mine = (rss_start, self._rss_warm, resident_mb(), self.rule.in_flight)
+        mpi = self.world.mpi
+        rows = mpi.allgather(mine) if mpi is not None else [mine]
+        names = ("rank_rss_start_mb", "rank_rss_warm_mb", "rank_rss_end_mb", "rank_in_flight")
+        if self.metrics is not None:
+            for i, name in enumerate(names):
+                self.metrics.file.attrs[name] = [row[i] for row in rows]
 
     def _validate(self) -> tuple[float, float]:
         """Synchronous rules: every rank's shard, summed. Asynchronous: this rank alone, on the whole set."""

@@ -41,6 +41,8 @@ def test_rules_with_several_learners_per_rank(
     assert metrics["attrs"]["learners"] == learners
     assert np.all(metrics["train"]["learners"] == learners)
     assert metrics["val"]["accuracy"][-1] >= target, metrics["val"]["accuracy"]
+    assert list(metrics["attrs"]["rank_in_flight"]) == [0, 0]  # nothing outstanding after finish()
+    assert all(mb > 0 for mb in metrics["attrs"]["rank_rss_end_mb"])
 
 
 def test_auto_tuner_settles_on_a_learner_count(mpiexec: str, tmp_path: Path) -> None:

@@ -112,6 +112,11 @@ class Rule:
     def finish(self) -> None:
         """Drain messages in flight; after it returns no rank waits on another."""
 
+    @property
+    def in_flight(self) -> int:
+        """Requests this rank still has outstanding (posted receives, unfinished sends); 0 after finish()."""
+        return 0
+
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """All rule state needed to resume (tensors and plain values only)."""

@@ -198,6 +198,11 @@ class EASGD(Rule):
         if self._server is not None and self._server.in_flight:
             raise RuntimeError(f"EASGD server finished with {self._server.in_flight} message(s) in flight")
 
+    @property
+    def in_flight(self) -> int:
+        """The server's posted receives and reply sends (a worker waits for each reply at once: 0)."""
+        return self._server.in_flight if self._server is not None else 0
+
     def sync_state(self) -> None:
         """``async``: broadcast the server's centre to every rank (a collective: only after ``finish``)."""
         if self.synchronous:

@@ -241,6 +241,12 @@ class GOSGD(Rule):
         self.outbox, self.finished = [], True
         log.debug("GOSGD finished: weight %.6g, sent %s, received %s", self.weight, self.sent, self.received)
 
+    @property
+    def in_flight(self) -> int:
+        """Posted receives, sends not yet completed and queued in-memory messages."""
+        posted = sum(2 for handles in self.posted.values() if handles is not None)
+        return posted + 2 * len(self.outbox) + len(self.local)
+
     def sync_state(self) -> None:
         """After finish: the weighted average Σ a_i x_i, one allreduce (Σ a_i = 1)."""
         assert self.comm is not None
