@@ -141,3 +141,69 @@ def test_sigusr1_saves_a_checkpoint_and_exits_cleanly(mpiexec: str, tmp_path: Pa
     step = int(re.search(r"stopped by a signal after step (\d+)", stderr)[1])
     saved = complete_checkpoints(only_run(tmp_path) / "checkpoints")
     assert saved and saved[-1].name == f"step-{step:09d}"
+
+
+SKEWED_MODEL = """
+import os
+from models.mlp import MLP
+
+class Skewed(MLP):
+    def module(self):
+        rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+        self.hidden = 16 + rank  # a rank-dependent network: the shapes differ across ranks
+        return super().module()
+"""
+
+CORRUPT_DATA_MODEL = """
+from data.digits import Digits
+from models.mlp import MLP
+
+class OnCorruptFile(MLP):
+    def __init__(self, path: str = "", hidden: int = 128) -> None:
+        super().__init__(hidden=hidden)
+        self.path = path
+
+    def data(self, shard):
+        return Digits(shard, path=self.path)
+"""
+
+
+def make_checkpoint(folder: Path, meta: bytes | dict) -> Path:
+    path = folder / "step-000000010"
+    path.mkdir(parents=True)
+    if isinstance(meta, dict):
+        torch.save({"version": 1, "step": 10, **meta}, path / "meta.pt")
+    else:
+        (path / "meta.pt").write_bytes(meta)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case", ["truncated-checkpoint", "other-world-size", "shapes-differ", "corrupt-data"]
+)
+def test_bad_input_is_one_line_and_exit_2(mpiexec: str, tmp_path: Path, case: str) -> None:
+    extra: list[str] = []
+    if case == "truncated-checkpoint":
+        ck = make_checkpoint(tmp_path / "ck", b"PK\x03\x04 truncated")
+        extra, message = [f"checkpoint.resume={ck}"], f"checkpoint file {ck}/meta.pt is truncated or corrupt"
+    elif case == "other-world-size":
+        meta = {"world_size": 4, "rule": "BSP", "learners": 1, "numel": 26122}
+        ck = make_checkpoint(tmp_path / "ck", meta)
+        extra, message = [f"checkpoint.resume={ck}"], "was written with world_size = 4, this job has 2"
+    elif case == "shapes-differ":
+        (tmp_path / "skewed.py").write_text(SKEWED_MODEL)
+        extra = [f"MODELFILE={tmp_path / 'skewed.py'}", "MODELCLASS=Skewed"]
+        message = "the model differs across ranks: rank 0 has 6 parameter tensors"
+    else:
+        bad = tmp_path / "digits.h5"
+        bad.write_bytes((REPO / "data" / "digits.h5").read_bytes()[:5000])
+        (tmp_path / "oncorrupt.py").write_text(CORRUPT_DATA_MODEL)
+        extra = [f"MODELFILE={tmp_path / 'oncorrupt.py'}", "MODELCLASS=OnCorruptFile", f"model.path={bad}"]
+        message = str(bad)
+    out = tmp_path / "runs"
+    args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={out}", *extra]
+    proc = run_mpi(mpiexec, 2, args, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "crossbow-launch: error:" in line]
+    assert len(errors) == 1 and message in errors[0], errors
+    assert "Traceback" not in proc.stderr and "epoch 1" not in proc.stderr
