@@ -119,7 +119,8 @@ def main() -> None:
         "Growth is the largest per-rank (end − warm) ÷ warm of resident memory, warm being after the first "
         "1,000 steps (allocator and autograd warm-up excluded), "
         "measured by each rank from /proc/self/status; the in-flight column sums every rank's outstanding "
-        "requests after finish() (posted receives, unfinished sends, queued local messages)."
+        "requests after finish() (posted receives, unfinished sends, queued local messages). nan: async "
+        "EASGD's server rank (rank 0) trains no steps, so it has no warm sample."
     )
     if not args.no_write:
         print(append_result("soak", "Soak and checkpoint I/O", table, notes))
