@@ -175,7 +175,8 @@ class FusedBatchNorm(nn.Module):
                 raise ContractError(f"fused BatchNorm1d expects (m, N, C) inputs, got shape {tuple(x.shape)}")
             inputs = x.transpose(0, 1).reshape(x.shape[1], -1)
         out = F.batch_norm(inputs, mean, var, weight, bias, use_batch, factor, self.eps)
-        if self.training and self.running_mean is not None and mean is not None and var is not None:
+        scratch = mean is not None and mean._base is None  # reshape copied (m > 1) rather than viewed
+        if self.training and scratch and self.running_mean is not None and var is not None:
             with torch.no_grad():  # the scratch copies got the update; write it back into each row
                 self.running_mean.copy_(mean.view_as(self.running_mean))
                 self.running_var.copy_(var.view_as(self.running_var))  # type: ignore[union-attr]

@@ -153,10 +153,19 @@ class FusedPool(LearnerPool):
         self.fused_params = slots.ordered_params()
         if len(self.fused_params) != len(first_params):
             raise ContractError(f"{owner}: some parameters are not used by any fusable layer")
-        self.optimizer = model.optimizer(self.fused_params, optim)
+        if getattr(type(model), "optimizer", None) is TorchModel.optimizer:
+            # The default recipe is one elementwise parameter group: give it the whole (m, P) buffer as one
+            # parameter, so a step is a handful of ops on one contiguous tensor (see the module docstring).
+            flat = nn.Parameter(self.params2d)
+            flat.grad = self.grads2d
+            self.optimizer = model.optimizer([flat], optim)
+        else:
+            self.optimizer = model.optimizer(self.fused_params, optim)
         self._default_loss = getattr(type(model), "loss", None) is TorchModel.loss
         self._default_correct = getattr(type(model), "correct", None) is TorchModel.correct
-        self._stats = torch.zeros(learners, 3, dtype=torch.float64, device=device)
+        self._loss_sums = torch.zeros(learners, dtype=torch.float64, device=device)
+        self._hit_counts = torch.zeros(learners, dtype=torch.float64, device=device)
+        self._samples = 0  # per learner: every learner takes a full batch each step
 
     @property
     def n_batch_train(self) -> int:
@@ -194,7 +203,7 @@ class FusedPool(LearnerPool):
     def _hits(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Each replica's number of correct predictions, shape ``(m,)``."""
         if self._default_correct and output.ndim == 3:
-            return (output.argmax(dim=-1) == targets).sum(dim=1).double()
+            return (output.argmax(dim=-1) == targets).sum(dim=1)
         return torch.stack(
             [
                 torch.as_tensor(
@@ -207,7 +216,8 @@ class FusedPool(LearnerPool):
     def compute(self, count: int) -> None:
         """Zero the gradients, then one fused forward and backward of every learner on its next batch."""
         inputs, targets = self._next_batches(count)
-        self.fused.train()
+        if not self.fused.training:
+            self.fused.train()
         self.grads2d.zero_()
         output = self.fused(inputs)
         losses = self._losses(output, targets)
@@ -215,9 +225,9 @@ class FusedPool(LearnerPool):
             warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
             losses.sum().backward()
         with torch.no_grad():
-            n = torch.full((self.m,), float(targets.shape[1]), dtype=torch.float64, device=self.device)
-            hits = self._hits(output, targets)
-            self._stats += torch.stack([losses.detach().double() * n, hits, n], dim=1)
+            self._loss_sums.add_(losses.detach(), alpha=targets.shape[1])
+            self._hit_counts.add_(self._hits(output, targets))
+            self._samples += targets.shape[1]
 
     def apply(self) -> None:
         """One optimizer step over the fused parameters (every replica's step)."""
@@ -230,13 +240,20 @@ class FusedPool(LearnerPool):
 
     def take_stats(self) -> tuple[float, float, float]:
         """Training stats summed over learners since the last call."""
-        loss, hits, n = self._stats.sum(dim=0).tolist()
-        self._stats.zero_()
+        loss, hits = float(self._loss_sums.sum()), float(self._hit_counts.sum())
+        n = float(self._samples * self.m)
+        self._loss_sums.zero_()
+        self._hit_counts.zero_()
+        self._samples = 0
         return loss, hits, n
 
     def learner_stats(self) -> list[tuple[float, float, float]]:
         """Per-learner (loss sum, hits, samples) since the last :meth:`take_stats`, without resetting."""
-        return [tuple(row) for row in self._stats.tolist()]  # type: ignore[misc]
+        n = float(self._samples)
+        return [
+            (loss, hits, n)
+            for loss, hits in zip(self._loss_sums.tolist(), self._hit_counts.tolist(), strict=True)
+        ]
 
     def validate(self, params: torch.Tensor | None = None, data: Any = None) -> tuple[float, float, float]:
         """Evaluate learner 0 (or ``params`` loaded into it) on every learner's val shard, or on ``data``."""
