@@ -43,6 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.learners, args.batches, args.threads = "1,8", "4,16", "1"
         args.models = args.models or "mlp,lenet8,resnet20"
         args.rounds, args.round_seconds = 3, 0.2
+    args.models = args.models or "mlp,lenet8,lenet28,resnet20"
     return args
 
 
