@@ -194,6 +194,61 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
+def median_seconds(fn: Any, repeat: int = 30) -> float:
+    """Median process CPU time of ``fn()`` over ``repeat`` calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
+def layout_costs(catalogue: dict[str, Any], m: int = 8, batch: int = 16) -> str:
+    """What the fused pool's strided views cost against the copy-in/copy-out alternative, per step.
+
+    Views: the only extra work is reshaping every grouped convolution's ``(m, out, …)`` weight view to
+    ``(m·out, …)`` in forward (a copy), measured directly. Copy-in/out: a fused module with its own
+    contiguous weights must copy the m replicas' gradients out before the rule's hooks and the parameters
+    back in after them (at least two ``(m, P)`` copies per step, three for rules that read the weights
+    before the step).
+    """
+    import torch
+
+    from mpicrossbow.config import OptimSection
+    from mpicrossbow.pool import FusedPool
+    from mpicrossbow.pool.fuse import FusedConv2d
+
+    lines = [
+        f"Layout costs at m = {m}, batch {batch}/learner, 1 thread (median CPU time per step):",
+        "",
+        "| model | fused step | views: conv weight reshapes | copy-in/out: 2 × (m, P) copies |",
+        "|---|---:|---:|---:|",
+    ]
+    torch.set_num_threads(1)
+    for key in ("mlp", "resnet20"):
+        label, model = catalogue[key]
+        torch.manual_seed(0)
+        pool = FusedPool(
+            model, 0, 1, batch, OptimSection(lr=0.01, momentum=0.9), torch.device("cpu"), learners=m
+        )
+        state = {"epoch": 0, "count": 0}
+        pool.start_epoch(0)
+        step = median_seconds(lambda pool=pool, state=state: run_steps(pool, 1, state), repeat=10)
+        convs = [mod for mod in pool.fused.modules() if isinstance(mod, FusedConv2d)]
+        reshape = median_seconds(
+            lambda convs=convs: [c.weight.reshape(-1, *c.weight.shape[2:]) for c in convs]
+        )
+        out, back = torch.empty_like(pool.params2d), pool.params2d.clone()
+        copies = median_seconds(lambda p=pool, o=out, b=back: (o.copy_(p.grads2d), p.params2d.copy_(b)))
+        lines.append(
+            f"| {label} | {step * 1e3:.2f} ms | {reshape * 1e3:.3f} ms ({reshape / step:.1%}) "
+            f"| {copies * 1e3:.3f} ms ({copies / step:.1%}) |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     """Measure the grid, print the table, append it to results/pool.md and draw the PNG."""
     args = parse_args(sys.argv[1:])
@@ -220,7 +275,7 @@ def main() -> int:
                         row = Row(label, device.type, threads, m, batch, serial, fused, cpu_ratio, steps)
                         rows.append(row)
                         print(table([row]).splitlines()[-1], flush=True)
-    text = table(rows)
+    text = table(rows) + "\n\n" + layout_costs(catalogue)
     print(text)
     head = (
         f"{args.rounds} alternating timed rounds per engine (median) of about {args.round_seconds} s "
