@@ -147,16 +147,19 @@ def measure(
 
 
 def table(rows: list[Row]) -> str:
-    """Markdown table of the rows."""
+    """Markdown table of the rows; 'fused ÷ one learner' divides by the serial m = 1 row of that setting."""
+    one = {(r.model, r.device, r.threads, r.batch): r.serial for r in rows if r.m == 1}
     lines = [
         "| model | device | threads | m | batch/learner | serial samples/s | fused samples/s "
-        "| fused ÷ serial | by CPU time |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| fused ÷ serial | by CPU time | fused ÷ one learner |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        base = one.get((r.model, r.device, r.threads, r.batch))
+        versus_one = f"{r.fused / base:.2f}" if base else "–"
         lines.append(
             f"| {r.model} | {r.device} | {r.threads} | {r.m} | {r.batch} | {r.serial:,.0f} | {r.fused:,.0f} "
-            f"| {r.ratio:.2f} | {r.cpu_ratio:.2f} |"
+            f"| {r.ratio:.2f} | {r.cpu_ratio:.2f} | {versus_one} |"
         )
     return "\n".join(lines)
 
