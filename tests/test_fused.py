@@ -23,6 +23,7 @@ from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import FusedPool, SerialPool
+from mpicrossbow.pool.fuse import FusedConv2d
 from mpicrossbow.rules import BSP, SMA, Rule
 
 CPU = torch.device("cpu")
@@ -210,3 +211,29 @@ def test_rules_run_unchanged_on_the_fused_pool(make_rule: Any) -> None:
     for s, f in zip(serial, fused, strict=True):
         torch.testing.assert_close(f, s, atol=ATOL, rtol=0)
         assert (f[1] - f[0]).abs().max() > 1e-3  # the replicas really trained
+
+
+@pytest.mark.parametrize("mode", FusedConv2d.MODES)
+def test_both_convolution_forms_match_serial(mode: str) -> None:
+    serial, fused = pools(LeNet(), 3)
+    convs = [layer for layer in fused.fused.modules() if isinstance(layer, FusedConv2d)]
+    assert len(convs) == 2
+    for conv in convs:
+        conv.mode = mode
+    serial.start_epoch(0)
+    fused.start_epoch(0)
+    for step in range(STEPS):
+        serial.compute(step)
+        fused.compute(step)
+        serial.apply()
+        fused.apply()
+    assert_rows_equal(serial, fused, "params")
+    assert all(conv.mode == mode for conv in convs)
+
+
+def test_choosing_a_convolution_form_leaves_gradients_alone() -> None:
+    _, fused = pools(LeNet(), 2)
+    conv = next(layer for layer in fused.fused.modules() if isinstance(layer, FusedConv2d))
+    fused.grads2d.fill_(0.5)
+    assert conv.choose(torch.randn(4, 2, 8, 8)) in FusedConv2d.MODES
+    assert torch.equal(fused.grads2d, torch.full_like(fused.grads2d, 0.5))

@@ -32,6 +32,7 @@ could not see); write custom blocks from the supported layers and :class:`Residu
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 
 import torch
@@ -43,10 +44,15 @@ from ..residual import Residual
 
 
 def grouped(x: torch.Tensor, m: int) -> torch.Tensor:
-    """Images in the grouped layout ``(N, m·C, H, W)``; a batched ``(m, N, C, H, W)`` tensor is converted."""
+    """Images in the grouped layout ``(N, m·C, H, W)``; a batched ``(m, N, C, H, W)`` tensor is converted.
+
+    The conversion (one copy) stores the result channels-last: oneDNN's grouped convolutions, batch norm and
+    pooling then keep that format, and measured 1.3–2× faster than the same grouped convolution in NCHW on a
+    CPU (benchmarks/results/pool.md).
+    """
     if x.ndim == 5:
         _, n, c, h, w = x.shape
-        return x.transpose(0, 1).reshape(n, m * c, h, w)
+        return x.permute(1, 3, 4, 0, 2).reshape(n, h, w, m * c).permute(0, 3, 1, 2)
     return x
 
 
@@ -54,7 +60,7 @@ def batched(x: torch.Tensor, m: int) -> torch.Tensor:
     """Any fused tensor in the batched layout ``(m, N, …)``; a grouped 4-D tensor is converted."""
     if x.ndim == 4:
         n, mc, h, w = x.shape
-        return x.view(n, m, mc // m, h, w).transpose(0, 1)
+        return x.reshape(n, m, mc // m, h, w).transpose(0, 1)
     return x
 
 
@@ -120,7 +126,17 @@ class FusedLinear(nn.Module):
 
 
 class FusedConv2d(nn.Module):
-    """m ``Conv2d`` layers as one grouped convolution on the grouped layout."""
+    """m ``Conv2d`` layers on the grouped layout: one grouped convolution, or m convolutions if faster.
+
+    oneDNN's grouped convolutions are fast for small images and slow for some larger ones (LeNet's second
+    convolution on 14×14 maps ran about 2× slower grouped than as 8 separate convolutions). So on its first
+    training forward a layer times both forms on the real input — forward plus backward through
+    ``torch.autograd.grad``, which leaves ``.grad`` untouched — and keeps the faster (``mode``); either form
+    computes each replica's convolution exactly, so the choice changes only speed and float round-off.
+    """
+
+    #: Candidate forms, in the order tried; ``mode`` is one of them once chosen.
+    MODES = ("grouped", "split")
 
     def __init__(self, layer: nn.Conv2d, slots: FlatSlots) -> None:
         super().__init__()
@@ -132,15 +148,62 @@ class FusedConv2d(nn.Module):
         self.weight = slots.param(layer.weight)  # (m, out, in/groups, kh, kw)
         self.bias = slots.param(layer.bias) if layer.bias is not None else None
         self.stride, self.padding, self.dilation = layer.stride, layer.padding, layer.dilation
-        self.groups = layer.groups * self.m
+        self.replica_groups = layer.groups
+        self.mode: str | None = "grouped" if self.m == 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One convolution; replica j's filters see only replica j's channels."""
+        """Replica j's filters see only replica j's channels."""
+        x = grouped(x, self.m)
+        if self.mode is None and self.training and torch.is_grad_enabled():
+            self.mode = self.choose(x)
+        return self.split(x) if self.mode == "split" else self.grouped(x)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """One convolution with m × groups groups (the weight view is reshaped, one copy)."""
         weight = self.weight.reshape(-1, *self.weight.shape[2:])
         bias = self.bias.reshape(-1) if self.bias is not None else None
-        return F.conv2d(
-            grouped(x, self.m), weight, bias, self.stride, self.padding, self.dilation, self.groups
-        )  # type: ignore[arg-type]
+        groups = self.replica_groups * self.m
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, groups)  # type: ignore[arg-type]
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """m convolutions on each replica's channels, concatenated (row views, no weight copy)."""
+        outs = [
+            F.conv2d(
+                part,
+                self.weight[j],
+                self.bias[j] if self.bias is not None else None,
+                self.stride,
+                self.padding,  # type: ignore[arg-type]
+                self.dilation,
+                self.replica_groups,
+            )
+            for j, part in enumerate(x.chunk(self.m, dim=1))
+        ]
+        return torch.cat(outs, dim=1)
+
+    def choose(self, x: torch.Tensor, repeats: int = 3) -> str:
+        """The faster form on input ``x``: best of ``repeats`` timed forward + backward passes each."""
+        probe = x.detach().requires_grad_(True)
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        best: dict[str, float] = {}
+        for mode in self.MODES:
+            run = getattr(self, mode)
+            times = []
+            for _ in range(repeats + 1):  # the first call warms up
+                _synchronize(x.device)
+                t0 = time.perf_counter()
+                out = run(probe)
+                torch.autograd.grad(out, [probe, *params], torch.ones_like(out))
+                _synchronize(x.device)
+                times.append(time.perf_counter() - t0)
+            best[mode] = min(times[1:])
+        return min(best, key=best.__getitem__)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for queued kernels, so a timing measures them (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class FusedBatchNorm(nn.Module):
