@@ -30,6 +30,9 @@ CPU = torch.device("cpu")
 OPTIM = OptimSection(lr=0.01, momentum=0.9, weight_decay=1e-4)
 STEPS = 3
 ATOL = 1e-5
+#: Gradients of a 20-layer BatchNorm net differ by up to ~3e-6 of their largest entry between a grouped and
+#: a plain convolution (float32 sums in another order, measured); parameters and buffers by ~5e-7.
+GRAD_TOL = 3e-5
 
 
 def pools(model: Any, m: int, batch: int = 8, rank: int = 0, size: int = 1) -> tuple[SerialPool, FusedPool]:
@@ -41,11 +44,18 @@ def pools(model: Any, m: int, batch: int = 8, rank: int = 0, size: int = 1) -> t
     return serial, fused
 
 
-def assert_rows_equal(serial: SerialPool, fused: FusedPool, attr: str) -> None:
-    """Learner j's flat ``attr`` equal in both engines, for every j."""
+def assert_rows_equal(serial: SerialPool, fused: FusedPool, attr: str, tol: float = ATOL) -> None:
+    """Learner j's flat ``attr`` equal in both engines, for every j, to ``tol`` relative to its largest entry.
+
+    Relative, because gradients reach magnitudes of tens where float32 round-off of a differently ordered
+    sum (a grouped convolution against a plain one) exceeds a fixed 1e-5.
+    """
     for j, (a, b) in enumerate(zip(serial.learners, fused.learners, strict=True)):
-        diff = (getattr(a, attr) - getattr(b, attr)).abs().max().item() if getattr(a, attr).numel() else 0.0
-        assert diff <= ATOL, f"learner {j}: {attr} differ by {diff}"
+        ref, got = getattr(a, attr), getattr(b, attr)
+        if not ref.numel():
+            continue
+        diff, scale = (ref - got).abs().max().item(), max(1.0, ref.abs().max().item())
+        assert diff <= tol * scale, f"learner {j}: {attr} differ by {diff} (largest entry {scale})"
 
 
 class SmoothedAdamMLP(MLP):
@@ -77,7 +87,7 @@ def test_fused_equals_serial_after_k_steps(name: str, m: int) -> None:
     for step in range(STEPS):
         serial.compute(step)
         fused.compute(step)
-        assert_rows_equal(serial, fused, "grads")
+        assert_rows_equal(serial, fused, "grads", GRAD_TOL)
         serial.apply()
         fused.apply()
     assert_rows_equal(serial, fused, "params")
