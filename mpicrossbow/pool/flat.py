@@ -39,6 +39,18 @@ def flatten_into_buffer(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if any(t.device != device or t.dtype != dtype for t in tensors):
         raise ValueError("flat buffers need tensors of one device and dtype")
     flat = empty_flat(sum(t.numel() for t in tensors), device, dtype)
+    point_into(tensors, flat)
+    return flat
+
+
+def point_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``tensors`` one after another into the 1-D contiguous ``flat`` and re-point their ``.data`` there.
+
+    ``flat`` may be a row of a larger 2-D buffer (the fused engine keeps learner j's replica in row j); it
+    must hold exactly the tensors' total size.
+    """
+    if flat.numel() != sum(t.numel() for t in tensors):
+        raise ValueError(f"flat holds {flat.numel()} elements, the tensors {sum(t.numel() for t in tensors)}")
     offset = 0
     for t in tensors:
         n = t.numel()
@@ -46,7 +58,6 @@ def flatten_into_buffer(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         view.copy_(t.detach())
         t.data = view
         offset += n
-    return flat
 
 
 def attach_flat_grads(params: Sequence[torch.nn.Parameter], flat_params: torch.Tensor) -> torch.Tensor:

@@ -99,15 +99,23 @@ class Learner:
         self._stats.zero_()
         return loss, hits, n
 
-    @torch.no_grad()
     def evaluate(self, batches: Any) -> tuple[float, float, float]:
         """(loss sum, hits, samples) of this replica over ``batches``, in eval mode."""
-        self.module.eval()
-        loss_sum, hits, n = 0.0, 0.0, 0.0
-        for inputs, targets in batches:
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            output = self.module(inputs)
-            loss_sum += float(self.model.loss(output, targets)) * len(targets)
-            hits += float(self.model.correct(output, targets))
-            n += len(targets)
-        return loss_sum, hits, n
+        return evaluate(self.module, self.model, self.device, batches)
+
+
+@torch.no_grad()
+def evaluate(module: nn.Module, model: Any, device: torch.device, batches: Any) -> tuple[float, float, float]:
+    """(loss sum, hits, samples) of one replica ``module`` over ``batches``, in eval mode.
+
+    Shared by every engine, so a replica validates the same way whichever engine trained it.
+    """
+    module.eval()
+    loss_sum, hits, n = 0.0, 0.0, 0.0
+    for inputs, targets in batches:
+        inputs, targets = inputs.to(device), targets.to(device)
+        output = module(inputs)
+        loss_sum += float(model.loss(output, targets)) * len(targets)
+        hits += float(model.correct(output, targets))
+        n += len(targets)
+    return loss_sum, hits, n

@@ -1,0 +1,307 @@
+"""Learner-pool engines side by side: samples/s of the serial and fused engines against learners per rank.
+
+One process, one rank's view: for each model, learner count m and per-learner batch, build a SerialPool and
+a FusedPool from the same seed and time ``compute()`` + ``apply()`` (forward, backward, optimizer step, batch
+assembly included) in alternating rounds, so machine noise hits both alike; report the median samples/s and
+the fused ÷ serial ratio. Torch threads are set explicitly (1 = one MPI rank's share of a 2-core machine when
+two ranks run; 2 = the whole machine). With CUDA present the same grid runs on the GPU too; without it that
+part is skipped with a note (the ``streams`` engine is not in this tree yet).
+
+    python benchmarks/pool.py             # full grid, 1 and 2 threads; appends to results/pool.md + PNG
+    python benchmarks/pool.py --quick     # m ∈ {1, 8}, batch ∈ {4, 16}, 1 thread, short rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.report import RESULTS, append_result
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small grid, short rounds (a smoke run)")
+    parser.add_argument("--learners", default="1,2,4,8,16", help="comma-separated learner counts m")
+    parser.add_argument("--batches", default="4,16,64", help="comma-separated per-learner batch sizes")
+    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    parser.add_argument("--models", default=None, help="subset of mlp,lenet8,lenet28,resnet20 (default all)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed alternating rounds per engine")
+    parser.add_argument("--round-seconds", type=float, default=0.5, help="target length of one round")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.learners, args.batches, args.threads = "1,8", "4,16", "1"
+        args.models = args.models or "mlp,lenet8,resnet20"
+        args.rounds, args.round_seconds = 3, 0.2
+    args.models = args.models or "mlp,lenet8,lenet28,resnet20"
+    return args
+
+
+def models() -> dict[str, Any]:
+    """Benchmark models by key: (label, model-file object)."""
+    from data.synthetic import Synthetic
+    from models.lenet import LeNet
+    from models.mlp import MLP
+    from models.resnet import ResNet20
+    from mpicrossbow import Shard
+
+    class SyntheticLeNet(LeNet):
+        """LeNet at MNIST size on synthetic 28×28 data (no MNIST files needed)."""
+
+        def data(self, shard: Shard) -> Synthetic:
+            return Synthetic(shard, shape=(1, 28, 28), n_train=2048, seed=shard.seed)
+
+    return {
+        "mlp": ("MLP 64-128-128-10 (digits 8×8)", MLP()),
+        "lenet8": ("LeNet (digits 8×8)", LeNet()),
+        "lenet28": ("LeNet (synthetic 28×28)", SyntheticLeNet(image_size=28)),
+        "resnet20": ("ResNet-20 (synthetic 32×32)", ResNet20()),
+    }
+
+
+@dataclass
+class Row:
+    """One measured configuration."""
+
+    model: str
+    device: str
+    threads: int
+    m: int
+    batch: int
+    serial: float
+    fused: float
+    cpu_ratio: float
+    steps: int
+
+    @property
+    def ratio(self) -> float:
+        """Fused ÷ serial samples/s."""
+        return self.fused / self.serial
+
+
+def run_steps(pool: Any, steps: int, state: dict[str, int]) -> None:
+    """``steps`` training steps of ``pool``, starting a new epoch whenever the shard is used up."""
+    for _ in range(steps):
+        if state["count"] >= pool.n_batch_train:
+            state["epoch"] += 1
+            state["count"] = 0
+            pool.start_epoch(state["epoch"])
+        pool.compute(state["count"])
+        pool.apply()
+        state["count"] += 1
+
+
+def measure(
+    model: Any, m: int, batch: int, args: argparse.Namespace, device: Any
+) -> tuple[float, float, float, int]:
+    """Median samples/s of serial and fused over alternating rounds, the CPU-time ratio, steps per round."""
+    import torch
+
+    from mpicrossbow.config import OptimSection
+    from mpicrossbow.pool import FusedPool, SerialPool
+
+    optim = OptimSection(lr=0.01, momentum=0.9, weight_decay=5e-4)
+    pools = {}
+    for name, cls in (("serial", SerialPool), ("fused", FusedPool)):
+        torch.manual_seed(0)
+        pools[name] = cls(model, 0, 1, batch, optim, device, seed=0, learners=m)
+        pools[name].start_epoch(0)
+    states = {name: {"epoch": 0, "count": 0} for name in pools}
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # Warm up both, and size a round from the serial engine's step time.
+    for name, pool in pools.items():
+        run_steps(pool, 2, states[name])
+    sync()
+    t0 = time.perf_counter()
+    run_steps(pools["serial"], 1, states["serial"])
+    sync()
+    steps = max(1, min(100, round(args.round_seconds / max(time.perf_counter() - t0, 1e-6))))
+    times: dict[str, list[float]] = {"serial": [], "fused": []}
+    cpu: dict[str, list[float]] = {"serial": [], "fused": []}
+    order = ["serial", "fused"]
+    for r in range(args.rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            sync()
+            t0, c0 = time.perf_counter(), time.process_time()
+            run_steps(pools[name], steps, states[name])
+            sync()
+            times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    n = steps * m * batch
+    cpu_ratio = statistics.median(cpu["serial"]) / max(statistics.median(cpu["fused"]), 1e-9)
+    return n / statistics.median(times["serial"]), n / statistics.median(times["fused"]), cpu_ratio, steps
+
+
+def table(rows: list[Row]) -> str:
+    """Markdown table of the rows; 'fused ÷ one learner' divides by the serial m = 1 row of that setting."""
+    one = {(r.model, r.device, r.threads, r.batch): r.serial for r in rows if r.m == 1}
+    lines = [
+        "| model | device | threads | m | batch/learner | serial samples/s | fused samples/s "
+        "| fused ÷ serial | by CPU time | fused ÷ one learner |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        base = one.get((r.model, r.device, r.threads, r.batch))
+        versus_one = f"{r.fused / base:.2f}" if base else "–"
+        lines.append(
+            f"| {r.model} | {r.device} | {r.threads} | {r.m} | {r.batch} | {r.serial:,.0f} | {r.fused:,.0f} "
+            f"| {r.ratio:.2f} | {r.cpu_ratio:.2f} | {versus_one} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """samples/s against m, one panel per model, a line per (engine, batch) at the smallest thread count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r.model for r in rows))
+    threads = min(r.threads for r in rows)
+    fig, axes = plt.subplots(1, len(labels), figsize=(5 * len(labels), 4), squeeze=False)
+    for ax, label in zip(axes[0], labels, strict=True):
+        mine = [r for r in rows if r.model == label and r.threads == threads and r.device == "cpu"]
+        for batch in sorted({r.batch for r in mine}):
+            pts = sorted((r.m, r.serial, r.fused) for r in mine if r.batch == batch)
+            (line,) = ax.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=f"fused, batch {batch}")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                "s--",
+                color=line.get_color(),
+                label=f"serial, batch {batch}",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("learners m")
+        ax.set_ylabel("samples/s")
+        ax.set_title(f"{label}, {threads} thread(s)", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def median_seconds(fn: Any, repeat: int = 30) -> float:
+    """Median process CPU time of ``fn()`` over ``repeat`` calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
+def layout_costs(catalogue: dict[str, Any], m: int = 8, batch: int = 16) -> str:
+    """What the fused pool's strided views cost against the copy-in/copy-out alternative, per step.
+
+    Views: the only extra work is reshaping every grouped convolution's ``(m, out, …)`` weight view to
+    ``(m·out, …)`` in forward (a copy), measured directly. Copy-in/out: a fused module with its own
+    contiguous weights must copy the m replicas' gradients out before the rule's hooks and the parameters
+    back in after them (at least two ``(m, P)`` copies per step, three for rules that read the weights
+    before the step).
+    """
+    import torch
+
+    from mpicrossbow.config import OptimSection
+    from mpicrossbow.pool import FusedPool
+    from mpicrossbow.pool.fuse import FusedConv2d
+
+    lines = [
+        f"Layout costs at m = {m}, batch {batch}/learner, 1 thread (median CPU time per step):",
+        "",
+        "| model | fused step | views: conv weight reshapes | copy-in/out: 2 × (m, P) copies |",
+        "|---|---:|---:|---:|",
+    ]
+    torch.set_num_threads(1)
+    for key in ("mlp", "resnet20"):
+        label, model = catalogue[key]
+        torch.manual_seed(0)
+        pool = FusedPool(
+            model, 0, 1, batch, OptimSection(lr=0.01, momentum=0.9), torch.device("cpu"), learners=m
+        )
+        state = {"epoch": 0, "count": 0}
+        pool.start_epoch(0)
+        step = median_seconds(lambda pool=pool, state=state: run_steps(pool, 1, state), repeat=10)
+        convs = [mod for mod in pool.fused.modules() if isinstance(mod, FusedConv2d)]
+        reshape = median_seconds(
+            lambda convs=convs: [c.weight.reshape(-1, *c.weight.shape[2:]) for c in convs]
+        )
+        out, back = torch.empty_like(pool.params2d), pool.params2d.clone()
+        copies = median_seconds(lambda p=pool, o=out, b=back: (o.copy_(p.grads2d), p.params2d.copy_(b)))
+        lines.append(
+            f"| {label} | {step * 1e3:.2f} ms | {reshape * 1e3:.3f} ms ({reshape / step:.1%}) "
+            f"| {copies * 1e3:.3f} ms ({copies / step:.1%}) |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Measure the grid, print the table, append it to results/pool.md and draw the PNG."""
+    args = parse_args(sys.argv[1:])
+    import torch
+
+    catalogue = models()
+    wanted = args.models.split(",")
+    unknown = [k for k in wanted if k not in catalogue]
+    if unknown:
+        sys.exit(f"unknown model(s) {unknown}; choose from {', '.join(catalogue)}")
+    learners = [int(v) for v in args.learners.split(",")]
+    batches = [int(v) for v in args.batches.split(",")]
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    rows: list[Row] = []
+    for device in devices:
+        thread_counts = [int(v) for v in args.threads.split(",")] if device.type == "cpu" else [1]
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            for key in wanted:
+                label, model = catalogue[key]
+                for batch in batches:
+                    for m in learners:
+                        serial, fused, cpu_ratio, steps = measure(model, m, batch, args, device)
+                        row = Row(label, device.type, threads, m, batch, serial, fused, cpu_ratio, steps)
+                        rows.append(row)
+                        print(table([row]).splitlines()[-1], flush=True)
+    text = table(rows) + "\n\n" + layout_costs(catalogue)
+    print(text)
+    head = (
+        f"{args.rounds} alternating timed rounds per engine (median) of about {args.round_seconds} s "
+        "each, after 2 warm-up steps; one step = every learner's batch assembly, forward, backward and SGD "
+        "step "
+        "(momentum 0.9, weight decay 5e-4). samples/s = m × batch × steps ÷ wall time; 'by CPU time' is "
+        "the same ratio from this process's CPU time, which other jobs on a shared machine disturb less."
+    )
+    gpu = (
+        "CUDA present: GPU rows above."
+        if torch.cuda.is_available()
+        else "No CUDA device on this machine: the GPU rows (fused vs serial on a GPU, and the streams "
+        "engine) are skipped; run this script on a GPU machine to add them."
+    )
+    if not args.no_write:
+        png = RESULTS / ("pool-quick.png" if args.quick else "pool.png")
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        plot(rows, png)
+        title = "Serial vs fused learner pool" + (" (--quick)" if args.quick else "")
+        path = append_result("pool", title, head + "\n\n" + text, f"{gpu}\n\nPlot: `{png.name}`.")
+        print("appended to", path, "and drew", png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

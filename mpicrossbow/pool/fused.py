@@ -1,0 +1,289 @@
+"""The fused engine: m replicas trained as one wider network (grouped convolutions, batched matmuls).
+
+Same contract and data as :class:`~mpicrossbow.pool.serial.SerialPool` — learner j of rank r reads shard
+``r·m + j`` of ``size·m``, and the m replicas are built by m calls of ``model.module()``, so under one torch
+seed both engines start from the same weights and see the same batches — but one step is one forward and
+one backward of the fused network (:mod:`mpicrossbow.pool.fuse`) instead of m.
+
+**State the rules see.** The pool owns three 2-D buffers, ``params2d (m, P)``, ``grads2d (m, P)`` and
+``buffers2d (m, B)``. Row j is learner j's flat replica in exactly the serial Learner's order (trainable
+parameters, then float buffers, in ``module.parameters()`` / ``module.buffers()`` order), so state moves
+between engines by copying rows. ``learners[j].params`` / ``.grads`` / ``.buffers`` are those rows:
+contiguous 1-D tensors that rules ``copy_``, ``add_`` and allreduce in place. The fused network's
+parameters are strided views into the same storage and their ``.grad`` views into ``grads2d``, so autograd
+accumulates straight into the rows and nothing is copied in or out around the rule hooks. Measured
+(benchmarks/pool.py, "layout costs"): strided views cost nothing measurable in batched matmuls and gradient
+accumulation, and the one copy they force (each grouped convolution's weight reshaped per forward) is about
+0.1 % of a step, the same order as the two ``(m, P)`` copies a copy-in/copy-out design would need; views
+win on simplicity (the rows are always the live state, no copy to forget when a rule writes).
+``learners[j].module`` is replica j's own ``nn.Module`` re-pointed at row j, used for validation and for
+inspecting one replica.
+
+**Loss.** The fused network returns ``(m, N, …)``; the loss is the sum over replicas of each replica's own
+``model.loss(out_j, y_j)``, so replica j's gradient equals its serial gradient. When the model keeps the
+default cross-entropy (and the default top-1 ``correct``), it is computed for all replicas in one call.
+
+**Optimizer.** Built once, ``model.optimizer(fused_params, optim)``, over the ``(m, …)`` fused parameters;
+when the model keeps TorchModel's default recipe (one SGD parameter group) it is given the whole
+``params2d`` as one parameter instead (grad ``grads2d``), so a step is a few ops on one contiguous tensor
+rather than a few per layer — the same arithmetic, element by element.
+
+**Limits.** An elementwise optimizer (SGD, momentum, Nesterov, weight decay, Adam, AdamW, RMSprop) updates
+each replica exactly as its own optimizer would. Optimizers that couple elements of one tensor (LARS/LAMB
+trust ratios, norm-based clipping inside the optimizer, Shampoo) would mix replicas and are not supported.
+A network with a layer the fuser does not know raises a ContractError naming it (no silent serial
+fallback: an engine that quietly ran serially would make every fused-vs-serial measurement a lie); choose
+``engine = serial`` for such models. Frozen parameters (``requires_grad=False``) are rejected likewise.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import OptimSection
+from ..errors import ContractError, DataError
+from ..model import TorchModel, check_data
+from ..shard import Shard
+from .base import LearnerPool
+from .flat import empty_flat, point_into
+from .fuse import FlatSlots, FusedNetwork
+from .learner import evaluate
+
+#: Autograd warns when a .grad's strides differ from a dense parameter's; ours are strided views by design.
+_LAYOUT_WARNING = "grad and param do not obey the gradient layout contract"
+
+
+class FusedLearner:
+    """Learner j of a fused pool as a rule sees it: row j of the pool's params, grads and buffers.
+
+    ``module`` is replica j's own network whose tensors are views of those rows (for validation and for
+    looking at one replica); training goes through the pool's fused network, which shares the storage.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: torch.Tensor,
+        grads: torch.Tensor,
+        buffers: torch.Tensor,
+    ) -> None:
+        self.module = module
+        self.params = params
+        self.grads = grads
+        self.buffers = buffers
+
+
+def _empty_rows(m: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """An ``(m, numel)`` buffer (numpy-backed on the CPU, as the serial flat buffers)."""
+    return empty_flat(m * numel, like.device, like.dtype).view(m, numel)
+
+
+class FusedPool(LearnerPool):
+    """Learners of a torch-native model fused into one network; learner j of rank r reads shard r·m + j."""
+
+    learners: list[FusedLearner]  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        model: Any,
+        rank: int,
+        size: int,
+        batch_size: int,
+        optim: OptimSection,
+        device: torch.device,
+        seed: int = 0,
+        learners: int = 1,
+    ) -> None:
+        owner = type(model).__name__
+        if learners < 1:
+            raise ValueError(f"learners must be >= 1, got {learners}")
+        self.model, self.device, self.m = model, device, learners
+        replicas = [model.module().to(device) for _ in range(learners)]
+        self.datas = []
+        for j in range(learners):
+            data = model.data(Shard(rank * learners + j, size * learners, batch_size, seed))
+            check_data(data, owner, torch_form=True)
+            self.datas.append(data)
+        counts = {d.n_batch_train for d in self.datas}
+        if min(counts) == 0:
+            raise DataError(f"{owner}: this rank's training shard holds less than one batch of {batch_size}")
+        self._n_batch_train = min(counts)
+        self._iters: list[Iterator[Any]] = []
+
+        param_lists, buffer_lists = [], []
+        for replica in replicas:
+            frozen = [n for n, p in replica.named_parameters() if not p.requires_grad]
+            if frozen:
+                raise ContractError(f"{owner}: the fused engine does not support frozen parameters: {frozen}")
+            param_lists.append(list(replica.parameters()))
+            buffer_lists.append([b for b in replica.buffers() if b.is_floating_point()])
+        first_params, first_buffers = param_lists[0], buffer_lists[0]
+        if not first_params:
+            raise ContractError(f"{owner}.module() returned a network with no trainable parameters")
+        if len({p.dtype for p in first_params} | {b.dtype for b in first_buffers}) > 1:
+            raise ContractError(f"{owner}: all parameters and float buffers must share one dtype")
+        pairs = zip(param_lists, buffer_lists, strict=True)
+        shapes = [([p.shape for p in ps], [b.shape for b in bs]) for ps, bs in pairs]
+        if any(s != shapes[0] for s in shapes):
+            raise ContractError(f"{owner}.module() returned replicas of different shapes")
+
+        n_params = sum(p.numel() for p in first_params)
+        n_buffers = sum(b.numel() for b in first_buffers)
+        self.params2d = _empty_rows(learners, n_params, first_params[0])
+        self.grads2d = _empty_rows(learners, n_params, first_params[0]).zero_()
+        self.buffers2d = (
+            _empty_rows(learners, n_buffers, first_params[0])
+            if first_buffers
+            else torch.zeros(learners, 0, device=device, dtype=first_params[0].dtype)
+        )
+        self.learners = []
+        for j, replica in enumerate(replicas):
+            point_into(param_lists[j], self.params2d[j])
+            if buffer_lists[j]:
+                point_into(buffer_lists[j], self.buffers2d[j])
+            self.learners.append(FusedLearner(replica, self.params2d[j], self.grads2d[j], self.buffers2d[j]))
+
+        slots = FlatSlots(
+            self.params2d,
+            self.grads2d,
+            self.buffers2d,
+            _offsets(first_params),
+            _offsets(first_buffers),
+        )
+        self.fused = FusedNetwork(replicas[0], slots)
+        self.fused_params = slots.ordered_params()
+        if len(self.fused_params) != len(first_params):
+            raise ContractError(f"{owner}: some parameters are not used by any fusable layer")
+        if getattr(type(model), "optimizer", None) is TorchModel.optimizer:
+            # The default recipe is one elementwise parameter group: give it the whole (m, P) buffer as one
+            # parameter, so a step is a handful of ops on one contiguous tensor (see the module docstring).
+            flat = nn.Parameter(self.params2d)
+            flat.grad = self.grads2d
+            self.optimizer = model.optimizer([flat], optim)
+        else:
+            self.optimizer = model.optimizer(self.fused_params, optim)
+        self._default_loss = getattr(type(model), "loss", None) is TorchModel.loss
+        self._default_correct = getattr(type(model), "correct", None) is TorchModel.correct
+        self._loss_sums = torch.zeros(learners, dtype=torch.float64, device=device)
+        self._hit_counts = torch.zeros(learners, dtype=torch.float64, device=device)
+        self._samples = 0  # per learner: every learner takes a full batch each step
+
+    @property
+    def n_batch_train(self) -> int:
+        """Steps per epoch (the smallest learner shard decides)."""
+        return self._n_batch_train
+
+    def start_epoch(self, epoch: int) -> None:
+        """Start every learner's reshuffled pass over its shard."""
+        self._iters = [iter(d.train_batches(epoch)) for d in self.datas]
+
+    def _next_batches(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every learner's next batch, stacked to ``(m, N, …)`` inputs and ``(m, N)`` targets."""
+        inputs, targets = [], []
+        for batches in self._iters:
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                raise DataError(
+                    f"train_batches() ended after {count} batches but n_batch_train says {self.n_batch_train}"
+                ) from None
+            inputs.append(x)
+            targets.append(y)
+        x, y = torch.stack(inputs), torch.stack(targets)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def _losses(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each replica's mean loss on its own batch, shape ``(m,)``."""
+        if self._default_loss and output.ndim == 3:
+            flat = F.cross_entropy(
+                output.reshape(-1, output.shape[-1]), targets.reshape(-1), reduction="none"
+            )
+            return flat.view(self.m, -1).mean(dim=1)
+        return torch.stack([self.model.loss(output[j], targets[j]) for j in range(self.m)])
+
+    def _hits(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each replica's number of correct predictions, shape ``(m,)``."""
+        if self._default_correct and output.ndim == 3:
+            return (output.argmax(dim=-1) == targets).sum(dim=1)
+        return torch.stack(
+            [
+                torch.as_tensor(
+                    self.model.correct(output[j], targets[j]), dtype=torch.float64, device=self.device
+                )
+                for j in range(self.m)
+            ]
+        )
+
+    def compute(self, count: int) -> None:
+        """Zero the gradients, then one fused forward and backward of every learner on its next batch."""
+        inputs, targets = self._next_batches(count)
+        if not self.fused.training:
+            self.fused.train()
+        self.grads2d.zero_()
+        output = self.fused(inputs)
+        losses = self._losses(output, targets)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
+            losses.sum().backward()
+        with torch.no_grad():
+            self._loss_sums.add_(losses.detach(), alpha=targets.shape[1])
+            self._hit_counts.add_(self._hits(output, targets))
+            self._samples += targets.shape[1]
+
+    def apply(self) -> None:
+        """One optimizer step over the fused parameters (every replica's step)."""
+        self.optimizer.step()
+
+    def set_lr(self, lr: float, epoch: int) -> None:
+        """Same learning rate for every learner."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def take_stats(self) -> tuple[float, float, float]:
+        """Training stats summed over learners since the last call."""
+        loss, hits = float(self._loss_sums.sum()), float(self._hit_counts.sum())
+        n = float(self._samples * self.m)
+        self._loss_sums.zero_()
+        self._hit_counts.zero_()
+        self._samples = 0
+        return loss, hits, n
+
+    def learner_stats(self) -> list[tuple[float, float, float]]:
+        """Per-learner (loss sum, hits, samples) since the last :meth:`take_stats`, without resetting."""
+        n = float(self._samples)
+        return [
+            (loss, hits, n)
+            for loss, hits in zip(self._loss_sums.tolist(), self._hit_counts.tolist(), strict=True)
+        ]
+
+    def validate(self, params: torch.Tensor | None = None, data: Any = None) -> tuple[float, float, float]:
+        """Evaluate learner 0 (or ``params`` loaded into it) on every learner's val shard, or on ``data``."""
+        learner = self.learners[0]
+        saved = None
+        if params is not None:
+            saved = learner.params.clone()
+            learner.params.copy_(params)
+        try:
+            totals = [
+                evaluate(learner.module, self.model, self.device, d.val_batches())
+                for d in ([data] if data is not None else self.datas)
+            ]
+        finally:
+            if saved is not None:
+                learner.params.copy_(saved)
+        return tuple(sum(col) for col in zip(*totals, strict=True))  # type: ignore[return-value]
+
+
+def _offsets(tensors: list[torch.Tensor]) -> dict[int, int]:
+    """``id(tensor)`` → its offset in a flat buffer that holds ``tensors`` one after another."""
+    offsets, offset = {}, 0
+    for t in tensors:
+        offsets[id(t)] = offset
+        offset += t.numel()
+    return offsets

@@ -1,0 +1,249 @@
+"""The fused engine against the serial reference: same replicas, same batches, same state after k steps.
+
+Both pools are built under the same torch seed (so their m replicas start equal) and read the same shards;
+after every step the fused pool's flat rows must equal the serial learners' flat buffers (parameters,
+gradients and BatchNorm running statistics) to float32 round-off. The rules must run on it unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.lenet import LeNet
+from models.mlp import MLP
+from models.resnet import ResNet20
+from models.vgg import VGG
+from mpicrossbow import ContractError, Shard
+from mpicrossbow.comm.base import Communicator
+from mpicrossbow.comm.inprocess import InProcessWorld
+from mpicrossbow.config import OptimSection
+from mpicrossbow.pool import FusedPool, SerialPool
+from mpicrossbow.pool.fuse import FusedConv2d
+from mpicrossbow.rules import BSP, SMA, Rule
+
+CPU = torch.device("cpu")
+OPTIM = OptimSection(lr=0.01, momentum=0.9, weight_decay=1e-4)
+STEPS = 3
+ATOL = 1e-5
+#: Gradients of a 20-layer BatchNorm net differ by up to ~3e-6 of their largest entry between a grouped and
+#: a plain convolution (float32 sums in another order, measured); parameters and buffers by ~5e-7.
+GRAD_TOL = 3e-5
+
+
+def pools(model: Any, m: int, batch: int = 8, rank: int = 0, size: int = 1) -> tuple[SerialPool, FusedPool]:
+    """A serial and a fused pool whose replicas start equal."""
+    torch.manual_seed(0)
+    serial = SerialPool(model, rank, size, batch, OPTIM, CPU, seed=3, learners=m)
+    torch.manual_seed(0)
+    fused = FusedPool(model, rank, size, batch, OPTIM, CPU, seed=3, learners=m)
+    return serial, fused
+
+
+def assert_rows_equal(serial: SerialPool, fused: FusedPool, attr: str, tol: float = ATOL) -> None:
+    """Learner j's flat ``attr`` equal in both engines, for every j, to ``tol`` relative to its largest entry.
+
+    Relative, because gradients reach magnitudes of tens where float32 round-off of a differently ordered
+    sum (a grouped convolution against a plain one) exceeds a fixed 1e-5.
+    """
+    for j, (a, b) in enumerate(zip(serial.learners, fused.learners, strict=True)):
+        ref, got = getattr(a, attr), getattr(b, attr)
+        if not ref.numel():
+            continue
+        diff, scale = (ref - got).abs().max().item(), max(1.0, ref.abs().max().item())
+        assert diff <= tol * scale, f"learner {j}: {attr} differ by {diff} (largest entry {scale})"
+
+
+class SmoothedAdamMLP(MLP):
+    """An MLP with its own loss and optimizer: the fused engine's per-replica loss and fused-params paths."""
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output, target, label_smoothing=0.1)
+
+    def optimizer(self, params: Any, optim: OptimSection) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=1e-3)
+
+
+MODELS = {
+    "mlp": lambda: MLP(hidden=32),
+    "lenet": lambda: LeNet(),
+    "resnet20": lambda: ResNet20(dataset="digits"),
+    "custom-loss-adam": lambda: SmoothedAdamMLP(hidden=32),
+}
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fused_equals_serial_after_k_steps(name: str, m: int) -> None:
+    serial, fused = pools(MODELS[name](), m)
+    assert_rows_equal(serial, fused, "params")
+    assert_rows_equal(serial, fused, "buffers")
+    serial.start_epoch(0)
+    fused.start_epoch(0)
+    for step in range(STEPS):
+        serial.compute(step)
+        fused.compute(step)
+        assert_rows_equal(serial, fused, "grads", GRAD_TOL)
+        serial.apply()
+        fused.apply()
+    assert_rows_equal(serial, fused, "params")
+    assert_rows_equal(serial, fused, "buffers")
+    if name == "resnet20":  # the BatchNorm running statistics really moved
+        assert not torch.equal(fused.learners[0].buffers, pools(MODELS[name](), 1)[1].learners[0].buffers)
+    s, f = serial.take_stats(), fused.take_stats()
+    assert s[2] == f[2] == STEPS * m * 8
+    assert s[1] == f[1]
+    assert f[0] == pytest.approx(s[0], rel=1e-5)
+    assert fused.take_stats() == (0.0, 0.0, 0.0)
+    assert serial.validate() == pytest.approx(fused.validate(), rel=1e-5)
+
+
+def test_vgg_fused_forward_equals_each_replica() -> None:
+    model = VGG(dataset="digits", width=0.125)
+    torch.manual_seed(0)
+    fused = FusedPool(model, 0, 1, 4, OPTIM, CPU, learners=2)
+    x = torch.randn(2, 4, 1, 8, 8)
+    fused.fused.eval()
+    with torch.no_grad():
+        out = fused.fused(x)
+        for j, learner in enumerate(fused.learners):
+            learner.module.eval()
+            torch.testing.assert_close(out[j], learner.module(x[j]), atol=1e-5, rtol=1e-4)
+
+
+def test_rows_alias_the_fused_weights() -> None:
+    model = MLP(hidden=16)
+    torch.manual_seed(0)
+    fused = FusedPool(model, 0, 1, 4, OPTIM, CPU, learners=3)
+    for j, learner in enumerate(fused.learners):
+        assert learner.params.is_contiguous() and learner.params.ndim == 1
+        assert learner.params.data_ptr() == fused.params2d[j].data_ptr()
+        assert learner.grads.data_ptr() == fused.grads2d[j].data_ptr()
+    x = torch.randn(1, 4, 1, 8, 8).expand(3, 4, 1, 8, 8)
+    with torch.no_grad():
+        before = fused.fused(x).clone()
+        fused.learners[1].params.mul_(0.5)  # a rule writes row 1 only
+        after = fused.fused(x)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
+    assert not torch.allclose(after[1], before[1])
+    with torch.no_grad():  # replica 1's own module sees the same row
+        torch.testing.assert_close(fused.learners[1].module(x[1]), after[1])
+    fused.start_epoch(0)
+    fused.compute(0)  # autograd accumulates into the rows
+    assert all(learner.grads.abs().sum() > 0 for learner in fused.learners)
+
+
+def test_state_moves_between_engines_by_rows() -> None:
+    serial, fused = pools(LeNet(), 2)
+    with torch.no_grad():
+        for a, b in zip(serial.learners, fused.learners, strict=True):
+            a.params.add_(torch.randn_like(a.params) * 0.1)
+            b.params.copy_(a.params)
+    assert serial.validate() == pytest.approx(fused.validate(), rel=1e-5)
+    centre = serial.learners[1].params.clone()
+    assert serial.validate(centre) == pytest.approx(fused.validate(centre), rel=1e-5)
+    assert torch.equal(fused.learners[0].params, serial.learners[0].params)  # restored after validate
+    digits = serial.datas[0]
+    assert serial.validate(data=digits) == pytest.approx(fused.validate(data=digits), rel=1e-5)
+
+
+def test_shards_follow_serial_semantics() -> None:
+    _, fused = pools(MLP(hidden=8), 2, rank=1, size=2)
+    assert [d.shard for d in fused.datas] == [Shard(2, 4, 8, 3), Shard(3, 4, 8, 3)]
+
+
+def test_set_lr_reaches_the_optimizer() -> None:
+    _, fused = pools(MLP(hidden=8), 2)
+    fused.set_lr(0.0, 0)
+    before = fused.params2d.clone()
+    fused.start_epoch(0)
+    fused.compute(0)
+    fused.apply()
+    assert torch.equal(fused.params2d, before)
+
+
+class SoftmaxNet(MLP):
+    """An MLP ending in a layer the fuser does not know."""
+
+    def module(self) -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 10), nn.Softmax(dim=1))
+
+
+class MyLinear(nn.Linear):
+    """A Linear subclass: its forward could differ, so it is not fused as a Linear."""
+
+
+class SubclassNet(MLP):
+    def module(self) -> nn.Module:
+        return nn.Sequential(nn.Flatten(), MyLinear(64, 10))
+
+
+@pytest.mark.parametrize(("cls", "layer"), [(SoftmaxNet, "Softmax"), (SubclassNet, "MyLinear")])
+def test_unsupported_layer_is_a_clear_error(cls: type, layer: str) -> None:
+    with pytest.raises(ContractError) as err:
+        FusedPool(cls(), 0, 1, 8, OPTIM, CPU, learners=2)
+    message = str(err.value)
+    assert f"layer type {layer};" in message
+    assert "Conv2d" in message and "BatchNorm2d" in message and "Residual" in message
+
+
+def train_with_rule(engine: type, make_rule: Any, size: int = 2, m: int = 2) -> list[torch.Tensor]:
+    """Every rank's (start, final) rows after STEPS steps of ``make_rule()`` on ``engine`` pools."""
+    built = []
+    for r in range(size):
+        torch.manual_seed(r)
+        built.append(engine(MLP(hidden=16), r, size, 8, OPTIM, CPU, seed=1, learners=m))
+
+    def body(comm: Communicator) -> torch.Tensor:
+        pool = built[comm.rank]
+        rule: Rule = make_rule().bind(comm, pool)
+        start = torch.stack([learner.params.clone() for learner in pool.learners])
+        pool.start_epoch(0)
+        for step in range(STEPS):
+            pool.compute(step)
+            rule.on_gradients(step)
+            pool.apply()
+            rule.exchange(step)
+        rule.finish()
+        return torch.stack([start, torch.stack([learner.params.clone() for learner in pool.learners])])
+
+    return InProcessWorld(size).run(body)
+
+
+@pytest.mark.parametrize("make_rule", [lambda: BSP(mode="grad"), lambda: SMA()], ids=["BSP", "SMA"])
+def test_rules_run_unchanged_on_the_fused_pool(make_rule: Any) -> None:
+    serial = train_with_rule(SerialPool, make_rule)
+    fused = train_with_rule(FusedPool, make_rule)
+    for s, f in zip(serial, fused, strict=True):
+        torch.testing.assert_close(f, s, atol=ATOL, rtol=0)
+        assert (f[1] - f[0]).abs().max() > 1e-3  # the replicas really trained
+
+
+@pytest.mark.parametrize("mode", FusedConv2d.MODES)
+def test_both_convolution_forms_match_serial(mode: str) -> None:
+    serial, fused = pools(LeNet(), 3)
+    convs = [layer for layer in fused.fused.modules() if isinstance(layer, FusedConv2d)]
+    assert len(convs) == 2
+    for conv in convs:
+        conv.mode = mode
+    serial.start_epoch(0)
+    fused.start_epoch(0)
+    for step in range(STEPS):
+        serial.compute(step)
+        fused.compute(step)
+        serial.apply()
+        fused.apply()
+    assert_rows_equal(serial, fused, "params")
+    assert all(conv.mode == mode for conv in convs)
+
+
+def test_choosing_a_convolution_form_leaves_gradients_alone() -> None:
+    _, fused = pools(LeNet(), 2)
+    conv = next(layer for layer in fused.fused.modules() if isinstance(layer, FusedConv2d))
+    fused.grads2d.fill_(0.5)
+    assert conv.choose(torch.randn(4, 2, 8, 8)) in FusedConv2d.MODES
+    assert torch.equal(fused.grads2d, torch.full_like(fused.grads2d, 0.5))
