@@ -5,7 +5,7 @@ a FusedPool from the same seed and time ``compute()`` + ``apply()`` (forward, ba
 assembly included) in alternating rounds, so machine noise hits both alike; report the median samples/s and
 the fused ÷ serial ratio. Torch threads are set explicitly (1 = one MPI rank's share of a 2-core machine when
 two ranks run; 2 = the whole machine). With CUDA present the same grid runs on the GPU too; without it that
-part is skipped with a note (the ``streams`` engine is not in this tree yet).
+part is skipped with a note (the ``streams`` engine (CUDA only) is not measured by this script yet).
 
     python benchmarks/pool.py             # full grid, 1 and 2 threads; appends to results/pool.md + PNG
     python benchmarks/pool.py --quick     # m ∈ {1, 8}, batch ∈ {4, 16}, 1 thread, short rounds

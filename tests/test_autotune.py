@@ -99,3 +99,26 @@ def test_rules_follow_a_resize() -> None:
             GOSGD().bind(comm, pool).on_resize()
 
     InProcessWorld(1).run(body)
+
+
+def test_fused_pool_resizes_with_rows_and_momentum() -> None:
+    from mpicrossbow.pool import FusedPool
+
+    optim = OptimSection(lr=0.1, momentum=0.9)
+    pool = FusedPool(MLP(hidden=8), 0, 1, 8, optim, torch.device("cpu"), learners=2)
+    pool.start_epoch(0)
+    pool.compute(0)
+    pool.apply()
+    rows = pool.params2d.clone()
+    momentum = pool.optimizer.state_dict()["state"][0]["momentum_buffer"].clone()
+    pool.resize(3)
+    assert pool.params2d.shape[0] == 3 and len(pool.learners) == 3 and len(pool.datas) == 3
+    assert torch.equal(pool.params2d[:2], rows) and torch.equal(pool.params2d[2], rows[0])
+    new_momentum = pool.optimizer.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(new_momentum[:2], momentum) and torch.equal(new_momentum[2], momentum[0])
+    assert pool.learners[2].params.data_ptr() == pool.params2d[2].data_ptr()  # rows are still the state
+    pool.start_epoch(1)
+    pool.compute(0)
+    pool.apply()
+    pool.resize(1)
+    assert pool.params2d.shape[0] == 1

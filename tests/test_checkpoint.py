@@ -168,3 +168,30 @@ def test_watchdog_names_the_rank_behind(tmp_path: Path) -> None:
     assert "waiting for rank(s) 1 on node7 (pid 4242, in compute of step 41" in messages[0]
     assert "abort_after" in messages[0]
     assert json.loads(heartbeat_file(tmp_path, 0).read_text())["phase"] == "done"
+
+
+def test_fused_pool_state_round_trip_and_nonfinite(tmp_path: Path) -> None:
+    from mpicrossbow.pool import FusedPool
+
+    optim = OptimSection(lr=0.1, momentum=0.9)
+    pools = [FusedPool(MLP(hidden=8), 0, 1, 8, optim, torch.device("cpu"), learners=3) for _ in range(2)]
+    pools[0].start_epoch(0)
+    for count in range(2):
+        pools[0].compute(count)
+        pools[0].apply()
+    atomic_save({"version": FORMAT_VERSION, "pool": pools[0].state_dict()}, tmp_path / "f.pt")
+    pools[1].load_state_dict(safe_load(tmp_path / "f.pt", "file")["pool"])
+    for pool in pools:
+        pool.start_epoch(0)
+        pool.skip(2)
+        pool.compute(2)
+        pool.apply()
+    assert torch.equal(pools[0].params2d, pools[1].params2d)
+    assert pools[0].take_stats() == pools[1].take_stats()
+    assert pools[0].nonfinite() == []
+    pools[0].learners[1].last_loss.fill_(float("nan"))  # what the [fault] nan hook does
+    assert pools[0].nonfinite() == [1]
+    with pytest.raises(CheckpointError, match="another model or learner count"):
+        FusedPool(MLP(hidden=8), 0, 1, 8, optim, torch.device("cpu"), learners=2).load_state_dict(
+            pools[0].state_dict()
+        )

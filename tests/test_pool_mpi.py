@@ -28,10 +28,11 @@ def digits(mpiexec: str, out: Path, *overrides: str) -> dict:
     ("overrides", "target"),
     [
         (("RULE=SMA", "pool.learners=4"), 0.95),
+        (("RULE=SMA", "pool.engine=fused", "pool.learners=4"), 0.95),
         (("RULE=EASGD", "rule.mode=async", "pool.learners=2"), 0.93),
         (("RULE=GOSGD", "rule.p=0.05", "pool.learners=2"), 0.93),
     ],
-    ids=["SMA-m4", "EASGD-async-m2", "GOSGD-m2"],
+    ids=["SMA-m4", "SMA-m4-fused", "EASGD-async-m2", "GOSGD-m2"],
 )
 def test_rules_with_several_learners_per_rank(
     mpiexec: str, tmp_path: Path, overrides: tuple[str, ...], target: float
@@ -45,8 +46,16 @@ def test_rules_with_several_learners_per_rank(
     assert all(mb > 0 for mb in metrics["attrs"]["rank_rss_end_mb"])
 
 
-def test_auto_tuner_settles_on_a_learner_count(mpiexec: str, tmp_path: Path) -> None:
-    metrics = digits(mpiexec, tmp_path, "pool.learners=auto", "pool.max_learners=4", "session.epochs=8")
+@pytest.mark.parametrize("engine", ["serial", "fused"])
+def test_auto_tuner_settles_on_a_learner_count(mpiexec: str, tmp_path: Path, engine: str) -> None:
+    metrics = digits(
+        mpiexec,
+        tmp_path,
+        "pool.learners=auto",
+        "pool.max_learners=4",
+        "session.epochs=8",
+        f"pool.engine={engine}",
+    )
     history = metrics["attrs"]["autotune_history"]
     per_epoch = metrics["train"]["learners"]
     assert per_epoch[0] == 1 and len(history) >= 2  # started at 1, tried at least one more

@@ -69,6 +69,11 @@ class LearnerPool(ABC):
         """After :meth:`start_epoch`, pass over the first ``count`` batches without training (resume)."""
         raise NotImplementedError(f"{type(self).__name__} cannot resume inside an epoch")
 
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer that steps this pool's replicas (one per learner, or one for all when fused)."""
+        return [learner.optimizer for learner in self.learners]  # type: ignore[attr-defined]
+
     def nonfinite(self) -> list[int]:
         """Learners whose last training loss was NaN or infinite (one host synchronisation)."""
         return []

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from ..registry import Registry
 from .base import LearnerPool
+from .fused import FusedPool
 from .serial import SerialPool
 from .streams import StreamsPool
 
 #: Engine name → LearnerPool class; unknown names get an error listing these.
 ENGINES: Registry[LearnerPool] = Registry("engine", LearnerPool)
 ENGINES.register("serial")(SerialPool)
+ENGINES.register("fused")(FusedPool)
 ENGINES.register("streams")(StreamsPool)

@@ -135,8 +135,9 @@ class FusedConv2d(nn.Module):
     computes each replica's convolution exactly, so the choice changes only speed and float round-off.
     """
 
-    #: Candidate forms, in the order tried; ``mode`` is one of them once chosen.
-    MODES = ("grouped", "split")
+    #: Candidate forms, in the order tried; ``mode`` is one of them once chosen. ``unfold`` (im2col and one
+    #: batched matmul over the m replicas) serves replicas whose own convolution is not grouped.
+    MODES = ("grouped", "split", "unfold")
 
     def __init__(self, layer: nn.Conv2d, slots: FlatSlots) -> None:
         super().__init__()
@@ -149,14 +150,17 @@ class FusedConv2d(nn.Module):
         self.bias = slots.param(layer.bias) if layer.bias is not None else None
         self.stride, self.padding, self.dilation = layer.stride, layer.padding, layer.dilation
         self.replica_groups = layer.groups
+        self.kernel_size = layer.kernel_size
         self.mode: str | None = "grouped" if self.m == 1 else None
+        plain = layer.groups == 1 and not isinstance(layer.padding, str)
+        self.modes = self.MODES if plain else ("grouped", "split")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Replica j's filters see only replica j's channels."""
         x = grouped(x, self.m)
         if self.mode is None and self.training and torch.is_grad_enabled():
             self.mode = self.choose(x)
-        return self.split(x) if self.mode == "split" else self.grouped(x)
+        return getattr(self, self.mode or "grouped")(x)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """One convolution with m × groups groups (the weight view is reshaped, one copy)."""
@@ -181,12 +185,32 @@ class FusedConv2d(nn.Module):
         ]
         return torch.cat(outs, dim=1)
 
+    def unfold(self, x: torch.Tensor) -> torch.Tensor:
+        """im2col, then one batched matmul ``(m, out, C·k²) @ (m, C·k², N·L)``: small convolutions, GEMMs."""
+        n, _, h, w = x.shape
+        m, out = self.m, self.weight.shape[1]
+        cols = F.unfold(x, self.kernel_size, self.dilation, self.padding, self.stride)  # (N, m·C·k², L)
+        length = cols.shape[-1]
+        cols = cols.view(n, m, -1, length).permute(1, 2, 0, 3).reshape(m, -1, n * length)
+        y = torch.bmm(self.weight.reshape(m, out, -1), cols)  # (m, out, N·L)
+        if self.bias is not None:
+            y = y + self.bias.reshape(m, out, 1)
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.dilation,
+        )
+        h_out = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+        w_out = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        return y.view(m, out, n, h_out, w_out).permute(2, 0, 1, 3, 4).reshape(n, m * out, h_out, w_out)
+
     def choose(self, x: torch.Tensor, repeats: int = 3) -> str:
         """The faster form on input ``x``: best of ``repeats`` timed forward + backward passes each."""
         probe = x.detach().requires_grad_(True)
         params = [p for p in (self.weight, self.bias) if p is not None]
         best: dict[str, float] = {}
-        for mode in self.MODES:
+        for mode in self.modes:
             run = getattr(self, mode)
             times = []
             for _ in range(repeats + 1):  # the first call warms up

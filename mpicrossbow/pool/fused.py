@@ -38,8 +38,9 @@ fallback: an engine that quietly ran serially would make every fused-vs-serial m
 
 from __future__ import annotations
 
+import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -47,13 +48,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import OptimSection
-from ..errors import ContractError, DataError
+from ..errors import CheckpointError, ContractError, DataError
 from ..model import TorchModel, check_data
 from ..shard import Shard
 from .base import LearnerPool
 from .flat import empty_flat, point_into
 from .fuse import FlatSlots, FusedNetwork
 from .learner import evaluate
+
+log = logging.getLogger(__name__)
 
 #: Autograd warns when a .grad's strides differ from a dense parameter's; ours are strided views by design.
 _LAYOUT_WARNING = "grad and param do not obey the gradient layout contract"
@@ -77,6 +80,8 @@ class FusedLearner:
         self.params = params
         self.grads = grads
         self.buffers = buffers
+        #: This learner's loss of the last training batch (a view into the pool's loss vector).
+        self.last_loss = torch.zeros((), device=params.device)
 
 
 def _empty_rows(m: int, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -104,6 +109,7 @@ class FusedPool(LearnerPool):
         if learners < 1:
             raise ValueError(f"learners must be >= 1, got {learners}")
         self.model, self.device, self.m = model, device, learners
+        self.rank, self.size, self.batch_size, self.optim, self.seed = rank, size, batch_size, optim, seed
         replicas = [model.module().to(device) for _ in range(learners)]
         self.datas = []
         for j in range(learners):
@@ -173,6 +179,7 @@ class FusedPool(LearnerPool):
         self._loss_sums = torch.zeros(learners, dtype=torch.float64, device=device)
         self._hit_counts = torch.zeros(learners, dtype=torch.float64, device=device)
         self._samples = 0  # per learner: every learner takes a full batch each step
+        self._last_losses = torch.zeros(learners, device=device)
 
     @property
     def n_batch_train(self) -> int:
@@ -232,13 +239,84 @@ class FusedPool(LearnerPool):
             warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
             losses.sum().backward()
         with torch.no_grad():
-            self._loss_sums.add_(losses.detach(), alpha=targets.shape[1])
-            self._hit_counts.add_(self._hits(output, targets))
-            self._samples += targets.shape[1]
+            self._last_losses = losses.detach()
+            for j, learner in enumerate(self.learners):
+                learner.last_loss = self._last_losses[j]
+            finite = torch.isfinite(self._last_losses)
+            n = targets.shape[1]
+            self._loss_sums.add_(torch.where(finite, self._last_losses.double() * n, 0.0))
+            self._hit_counts.add_(torch.where(finite, self._hits(output, targets).double(), 0.0))
+            self._samples += n
 
     def apply(self) -> None:
         """One optimizer step over the fused parameters (every replica's step)."""
         self.optimizer.step()
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The one optimizer that steps every replica."""
+        return [self.optimizer]
+
+    def nonfinite(self) -> list[int]:
+        """Learners whose last loss was not finite (one host synchronisation)."""
+        return [j for j, good in enumerate(torch.isfinite(self._last_losses).tolist()) if not good]
+
+    def skip(self, count: int) -> None:
+        """Pass over each learner's first ``count`` batches of this epoch (resuming mid-epoch)."""
+        for batches in self._iters:
+            for _ in range(count):
+                next(batches)
+
+    def state_dict(self) -> dict[str, Any]:
+        """All replicas (rows), the fused optimizer's state and the running stats."""
+        return {
+            "params2d": self.params2d,
+            "buffers2d": self.buffers2d,
+            "optimizer": self.optimizer.state_dict(),
+            "stats": torch.stack([self._loss_sums, self._hit_counts]),
+            "samples": self._samples,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s values in place (same learner count and model, else an error)."""
+        for name in ("params2d", "buffers2d"):
+            mine, theirs = getattr(self, name), state[name]
+            if theirs.shape != mine.shape:
+                raise CheckpointError(
+                    f"checkpoint {name} has shape {tuple(theirs.shape)}, this fused pool "
+                    f"{tuple(mine.shape)}: another model or learner count"
+                )
+            mine.copy_(theirs)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._loss_sums.copy_(state["stats"][0])
+        self._hit_counts.copy_(state["stats"][1])
+        self._samples = int(state["samples"])
+
+    def resize(self, learners: int) -> None:
+        """Rebuild for ``learners`` replicas between epochs (auto-tuner); rows kept, new rows copy row 0.
+
+        With the default optimizer recipe the momentum rows move along (a new learner copies learner 0's,
+        as the serial engine does); a custom optimizer restarts with fresh state, with a warning.
+        """
+        old_m, old_params, old_buffers = self.m, self.params2d.clone(), self.buffers2d.clone()
+        old_state = self.optimizer.state_dict()["state"]
+        fresh = FusedPool(
+            self.model, self.rank, self.size, self.batch_size, self.optim, self.device, self.seed, learners
+        )
+        rows = [j if j < old_m else 0 for j in range(learners)]
+        fresh.params2d.copy_(old_params[rows])
+        fresh.buffers2d.copy_(old_buffers[rows])
+        flat = len(fresh.optimizer.param_groups[0]["params"]) == 1 and 0 in old_state
+        if flat and isinstance(old_state[0].get("momentum_buffer"), torch.Tensor):
+            fresh.optimizer.state[fresh.optimizer.param_groups[0]["params"][0]] = {
+                **old_state[0],
+                "momentum_buffer": old_state[0]["momentum_buffer"][rows].clone(),
+            }
+        elif old_state:
+            log.warning("fused pool resized to %d learners: optimizer state restarts", learners)
+        for group in fresh.optimizer.param_groups:
+            group["lr"] = self.optimizer.param_groups[0]["lr"]
+        self.__dict__.update(fresh.__dict__)
 
     def set_lr(self, lr: float, epoch: int) -> None:
         """Same learning rate for every learner."""

@@ -125,8 +125,8 @@ class EASGD(Rule):
         self.on_resize()
         k = self.world_learners if self.synchronous else (self.comm.size - 1) * len(self.pool.learners)
         if self.hyper.momentum is not None:
-            for learner in self.pool.learners:
-                for group in learner.optimizer.param_groups:
+            for optimizer in self.pool.optimizers:
+                for group in optimizer.param_groups:
                     group.update(momentum=self.hyper.momentum, nesterov=self.hyper.momentum > 0, dampening=0)
         if self.synchronous:
             return
