@@ -1,10 +1,12 @@
 """Exchange rules: look one up by name in :data:`RULES`, or import one (``from mpicrossbow import BSP``)."""
 
+from .asgd import ASGD
 from .base import Rule
 from .bsp import BSP
 from .easgd import EASGD
 from .gosgd import GOSGD
 from .registry import RULES
 from .sma import SMA
+from .ssp import SSP
 
-__all__ = ["BSP", "EASGD", "GOSGD", "RULES", "SMA", "Rule"]
+__all__ = ["ASGD", "BSP", "EASGD", "GOSGD", "RULES", "SMA", "SSP", "Rule"]

@@ -1,0 +1,261 @@
+"""The parameter-server substrate: rank 0 holds the global model, workers push deltas and pull it back.
+
+Who sends what to whom, and when (SpeeDO's async mode, MXNet-G's ``dist_async``/``dist_ssync``, Ho et al.'s
+SSP): rank 0 serves and does not train; workers are ranks 1..N-1 and share the training data. Every τ local
+steps a worker sends ``Δ = x − x_pulled`` (its progress since it last pulled) with a non-blocking send and
+waits for the reply, the server's current w, which it adopts (``x ← w``, ``x_pulled ← w``). The server
+keeps **one posted receive per worker** and serves each push as it arrives: ``w ← w + scale · Δ`` and the
+worker's clock (its pushes) goes up by one. It replies at once, unless the worker is more than
+``staleness`` clocks ahead of the slowest worker still training (``c − c_min > s``): then the reply waits
+until the slow ones catch up (SSP). ``staleness = None`` never waits (asynchronous SGD).
+
+Termination as in asynchronous EASGD: a worker's last message (same channel, flag set) says done; a done
+worker no longer counts for c_min, and the server leaves :meth:`ParameterServer.serve` once every worker is
+done, no reply waits and every reply send has completed: nothing is in flight.
+
+A request is ``[Δ (n values), flag, progress]``; progress (epochs done) drives the once-per-epoch report of
+the server's model, as for asynchronous EASGD. One learner per worker rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..comm.base import Communicator, Handle
+from ..errors import ConfigError
+from .base import Rule
+
+log = logging.getLogger(__name__)
+
+PUSH_TAG, PULL_TAG = 7201, 7202
+UPDATE, DONE = 0.0, 1.0
+IDLE_MIN_S, IDLE_MAX_S = 2e-5, 1e-3
+#: Test hook: ``order(processed, ready)`` names the worker whose next push the server waits for, among the
+#: workers that may push now (not done, not waiting for a held-back reply).
+Order = Callable[[int, Sequence[int]], int]
+Report = Callable[[torch.Tensor, float], None]
+SERVER = 0
+
+
+class ParameterServer:
+    """Rank 0's loop: apply each push as it arrives, reply with w (held back while too far ahead)."""
+
+    def __init__(
+        self, comm: Communicator, w: torch.Tensor, scale: float, staleness: int | None, order: Order | None
+    ) -> None:
+        self.comm, self.w, self.scale, self.staleness, self.order = comm, w, scale, staleness, order
+        self.workers = [r for r in range(comm.size) if r != comm.rank]
+        n = w.numel()
+        self._inbox = {r: w.new_zeros(n + 2) for r in self.workers}
+        self._outbox = {r: w.new_zeros(n) for r in self.workers}
+        self._recvs: dict[int, Handle] = {}
+        self._sends: dict[int, Handle] = {}
+        self.clock = dict.fromkeys(self.workers, 0)
+        self.progress = dict.fromkeys(self.workers, 0.0)
+        self.done: set[int] = set()
+        self.held: list[int] = []
+        #: Pushes applied to w so far.
+        self.updates = 0
+        self._reported = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Posted receives, held replies and unfinished reply sends (0 after :meth:`serve`)."""
+        return len(self._recvs) + len(self._sends) + len(self.held)
+
+    def c_min(self) -> int:
+        """The slowest clock among workers still training (∞ when all are done)."""
+        active = [self.clock[r] for r in self.workers if r not in self.done]
+        return min(active) if active else math.inf  # type: ignore[return-value]
+
+    def serve(self, report: Report) -> None:
+        """Serve pushes until every worker is done and nothing is in flight."""
+        for r in self.workers:
+            self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
+        processed, idle = 0, IDLE_MIN_S
+        while self._recvs:
+            if self.order is not None:
+                ready = sorted(self._recvs)  # held workers have no receive posted: they wait
+                r = self.order(processed, ready)
+                self._recvs[r].wait()
+                arrived = [r]
+            else:
+                arrived = [r for r, handle in self._recvs.items() if handle.test()]
+            for r in arrived:
+                self._handle(r, report)
+                processed += 1
+            if arrived:
+                idle = IDLE_MIN_S
+            else:
+                time.sleep(idle)
+                idle = min(2 * idle, IDLE_MAX_S)
+        for handle in self._sends.values():
+            handle.wait()
+        self._sends.clear()
+        log.info(
+            "parameter server: %d update(s) from %d worker(s), all done", self.updates, len(self.workers)
+        )
+
+    def _handle(self, r: int, report: Report) -> None:
+        del self._recvs[r]
+        msg, n = self._inbox[r], self.w.numel()
+        self.progress[r] = float(msg[n + 1])
+        if float(msg[n]) == DONE:
+            self.done.add(r)
+        else:
+            self.w.add_(msg[:n], alpha=self.scale)
+            self.clock[r] += 1
+            self.updates += 1
+            self.held.append(r)
+        self._release()
+        epoch = sum(self.progress.values()) / len(self.workers)
+        if math.floor(epoch) > self._reported:
+            self._reported = math.floor(epoch)
+            report(self.w, epoch)
+
+    def _release(self) -> None:
+        """Reply to every held worker within the staleness bound, then re-post its receive."""
+        bound = self.c_min() + (self.staleness if self.staleness is not None else math.inf)
+        for r in [r for r in self.held if self.clock[r] <= bound]:
+            self.held.remove(r)
+            if r in self._sends:
+                self._sends.pop(r).wait()
+            self._outbox[r].copy_(self.w)
+            self._sends[r] = self.comm.isend(self._outbox[r], r, PULL_TAG)
+            self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
+
+
+class ServerRule(Rule):
+    """Base of the parameter-server rules: rank 0 serves, ranks 1..N-1 push every τ steps and pull."""
+
+    def staleness_bound(self) -> int | None:
+        """Clocks a worker may run ahead of the slowest before its reply is held (None: unbounded)."""
+        return None
+
+    def __init__(self, order: Order | None = None, **hyper: Any) -> None:
+        super().__init__(**hyper)
+        self.order = order
+        self.server: ParameterServer | None = None
+        self._steps = 0
+        self._synced = False
+
+    @property
+    def synchronous(self) -> bool:
+        """Ranks progress at their own pace until ``finish()``."""
+        return False
+
+    def _check(self, size: int) -> None:
+        if size < 2:
+            raise ConfigError(
+                f"RULE={self.name} needs at least 2 ranks (rank 0 serves the model, ranks 1..N-1 train); "
+                f"this job has {size}"
+            )
+
+    def trains(self, rank: int, size: int) -> bool:
+        """Every rank but the server trains."""
+        self._check(size)
+        return rank != SERVER
+
+    def train_shard(self, rank: int, size: int) -> tuple[int, int]:
+        """The workers share the data: shard rank − 1 of N − 1."""
+        self._check(size)
+        return rank - 1, size - 1
+
+    def scale(self) -> float:
+        """The factor a push is applied with (``[rule] scale``; 0 means 1/workers)."""
+        assert self.comm is not None
+        return self.hyper.scale or 1.0 / (self.comm.size - 1)
+
+    def on_bind(self) -> None:
+        """w on the server, x_pulled on a worker; one learner per worker."""
+        assert self.pool is not None and self.comm is not None
+        self._check(self.comm.size)
+        if len(self.pool.learners) != 1:
+            raise ConfigError(f"RULE={self.name} runs one learner per rank; set [pool] learners = 1")
+        self.w = self.pool.learners[0].params.clone()
+        if self.comm.rank == SERVER:
+            self.server = ParameterServer(self.comm, self.w, self.scale(), self.staleness_bound(), self.order)
+            return
+        x = self.pool.learners[0].params
+        self.pulled = x.clone()
+        self.request = x.new_zeros(x.numel() + 2)
+        self.requests = 0
+
+    def _progress(self) -> float:
+        assert self.pool is not None
+        return self._steps / self.pool.n_batch_train
+
+    def _push(self, flag: float) -> None:
+        assert self.pool is not None and self.comm is not None
+        x, n = self.pool.learners[0].params, self.w.numel()
+        if flag == DONE:
+            self.request[:n].zero_()
+        else:
+            torch.sub(x, self.pulled, out=self.request[:n])
+        self.request[n], self.request[n + 1] = flag, self._progress()
+        if flag == DONE:
+            self.comm.isend(self.request, SERVER, PUSH_TAG).wait()
+            return
+        recv = self.comm.irecv(self.w, SERVER, PULL_TAG)
+        send = self.comm.isend(self.request, SERVER, PUSH_TAG)
+        recv.wait()  # held back by the server while this worker is too far ahead (SSP)
+        send.wait()
+        x.copy_(self.w)
+        self.pulled.copy_(self.w)
+        self.requests += 1
+
+    def exchange(self, step: int) -> None:
+        """Every τ-th step a worker pushes Δ and adopts the server's w."""
+        self._steps = step + 1
+        if self.server is None and self._steps % self.hyper.tau == 0:
+            self._push(UPDATE)
+
+    def serve(self, report: Report) -> None:
+        """Rank 0: the parameter server's loop."""
+        if self.server is None:
+            super().serve(report)
+            return
+        self.server.serve(report)
+
+    def finish(self) -> None:
+        """A worker sends done; the server has nothing in flight once serve() returned."""
+        if self.server is None and self.comm is not None:
+            self._push(DONE)
+        elif self.server is not None and self.server.in_flight:
+            raise RuntimeError(f"parameter server finished with {self.server.in_flight} message(s) in flight")
+
+    @property
+    def in_flight(self) -> int:
+        """The server's outstanding requests (a worker waits for each reply at once: 0)."""
+        return self.server.in_flight if self.server is not None else 0
+
+    def sync_state(self) -> None:
+        """After finish: every rank gets the server's final w (a collective)."""
+        assert self.comm is not None
+        self.comm.broadcast(self.w, root=SERVER).wait()
+        self._synced = True
+
+    def eval_params(self) -> torch.Tensor | None:
+        """The server's w (on a worker: only after sync_state)."""
+        return self.w if self.server is not None or self._synced else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """w and the counters."""
+        state = {**super().state_dict(), "w": self.w.clone(), "steps": self._steps}
+        if self.server is not None:
+            state.update(updates=self.server.updates, clock=dict(self.server.clock))
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore w and the counters."""
+        self.w.copy_(state["w"])
+        self._steps = int(state.get("steps", 0))
+        if self.server is not None:
+            self.server.updates = int(state.get("updates", 0))
+            self.server.clock.update(state.get("clock", {}))
