@@ -152,8 +152,10 @@ def test_ssp_with_zero_staleness_is_bsp() -> None:
     steps = 8
     ssp = run_server(3, {1: steps, 2: steps}, lambda: SSP(staleness=0, tau=1))
 
+    pools = [make_pool(r, 2) for r in range(2)]  # built here: torch's global seed is not thread-safe
+
     def bsp_body(comm: Communicator) -> np.ndarray:
-        pool = make_pool(comm.rank, comm.size)
+        pool = pools[comm.rank]
         rule = BSP(mode="grad").bind(comm, pool)
         pool.start_epoch(0)
         for step in range(steps):

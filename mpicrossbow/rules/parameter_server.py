@@ -43,13 +43,42 @@ Report = Callable[[torch.Tensor, float], None]
 SERVER = 0
 
 
+class Policy:
+    """When the server merges a push and when it replies: asynchronous SGD's answer is always, at once.
+
+    Subclasses (SSP's staleness bound, SpeeDO's partial synchrony and weed-out) override the two questions.
+    """
+
+    def accept(self, server: ParameterServer, r: int) -> bool:
+        """Merge worker r's push (True) or discard it (False: r restarts from w)."""
+        return True
+
+    def hold(self, server: ParameterServer, r: int) -> None:
+        """Worker r's reply is about to be held: remember what releasing it will depend on."""
+
+    def releasable(self, server: ParameterServer, r: int) -> bool:
+        """Whether the reply held for worker r may go out now."""
+        return True
+
+
+class StalenessBound(Policy):
+    """SSP: hold a reply while the worker's clock exceeds the slowest training worker's by more than s."""
+
+    def __init__(self, staleness: int) -> None:
+        self.staleness = staleness
+
+    def releasable(self, server: ParameterServer, r: int) -> bool:
+        """``c_r − c_min ≤ s``."""
+        return server.clock[r] <= server.c_min() + self.staleness
+
+
 class ParameterServer:
     """Rank 0's loop: apply each push as it arrives, reply with w (held back while too far ahead)."""
 
     def __init__(
-        self, comm: Communicator, w: torch.Tensor, scale: float, staleness: int | None, order: Order | None
+        self, comm: Communicator, w: torch.Tensor, scale: float, policy: Policy, order: Order | None
     ) -> None:
-        self.comm, self.w, self.scale, self.staleness, self.order = comm, w, scale, staleness, order
+        self.comm, self.w, self.scale, self.policy, self.order = comm, w, scale, policy, order
         self.workers = [r for r in range(comm.size) if r != comm.rank]
         n = w.numel()
         self._inbox = {r: w.new_zeros(n + 2) for r in self.workers}
@@ -60,8 +89,12 @@ class ParameterServer:
         self.progress = dict.fromkeys(self.workers, 0.0)
         self.done: set[int] = set()
         self.held: list[int] = []
-        #: Pushes applied to w so far.
+        #: Pushes applied to w so far, and pushes received (applied or discarded).
         self.updates = 0
+        self.received = 0
+        #: ``received`` when each worker last pulled (weed-out's staleness measure).
+        self.pulled_at = dict.fromkeys(self.workers, 0)
+        self.discarded = 0
         self._reported = 0
 
     @property
@@ -109,9 +142,14 @@ class ParameterServer:
         if float(msg[n]) == DONE:
             self.done.add(r)
         else:
-            self.w.add_(msg[:n], alpha=self.scale)
+            self.received += 1
+            if self.policy.accept(self, r):
+                self.w.add_(msg[:n], alpha=self.scale)
+                self.updates += 1
+            else:
+                self.discarded += 1
             self.clock[r] += 1
-            self.updates += 1
+            self.policy.hold(self, r)
             self.held.append(r)
         self._release()
         epoch = sum(self.progress.values()) / len(self.workers)
@@ -121,9 +159,9 @@ class ParameterServer:
 
     def _release(self) -> None:
         """Reply to every held worker within the staleness bound, then re-post its receive."""
-        bound = self.c_min() + (self.staleness if self.staleness is not None else math.inf)
-        for r in [r for r in self.held if self.clock[r] <= bound]:
+        for r in [r for r in self.held if self.policy.releasable(self, r)]:
             self.held.remove(r)
+            self.pulled_at[r] = self.received
             if r in self._sends:
                 self._sends.pop(r).wait()
             self._outbox[r].copy_(self.w)
@@ -134,9 +172,9 @@ class ParameterServer:
 class ServerRule(Rule):
     """Base of the parameter-server rules: rank 0 serves, ranks 1..N-1 push every τ steps and pull."""
 
-    def staleness_bound(self) -> int | None:
-        """Clocks a worker may run ahead of the slowest before its reply is held (None: unbounded)."""
-        return None
+    def policy(self) -> Policy:
+        """When the server merges and replies (asynchronous SGD: always, at once)."""
+        return Policy()
 
     def __init__(self, order: Order | None = None, **hyper: Any) -> None:
         super().__init__(**hyper)
@@ -180,7 +218,7 @@ class ServerRule(Rule):
             raise ConfigError(f"RULE={self.name} runs one learner per rank; set [pool] learners = 1")
         self.w = self.pool.learners[0].params.clone()
         if self.comm.rank == SERVER:
-            self.server = ParameterServer(self.comm, self.w, self.scale(), self.staleness_bound(), self.order)
+            self.server = ParameterServer(self.comm, self.w, self.scale(), self.policy(), self.order)
             return
         x = self.pool.learners[0].params
         self.pulled = x.clone()

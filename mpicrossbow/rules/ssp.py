@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..validate import setting
-from .parameter_server import ServerRule
+from .parameter_server import ServerRule, StalenessBound
 from .registry import RULES
 
 
@@ -32,6 +32,6 @@ class SSP(ServerRule):
 
     name = "SSP"
 
-    def staleness_bound(self) -> int | None:
-        """The bound s."""
-        return self.hyper.staleness
+    def policy(self) -> StalenessBound:
+        """Hold replies beyond the bound s."""
+        return StalenessBound(self.hyper.staleness)
