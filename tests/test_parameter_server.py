@@ -28,7 +28,7 @@ from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.metrics import read_metrics
 from mpicrossbow.pool import SerialPool
-from mpicrossbow.rules import ASGD, BSP, SSP, Rule
+from mpicrossbow.rules import ASGD, BSP, PSGD, SSP, Rule, WeedOut
 
 LR, MOMENTUM = 0.05, 0.9
 Order = Callable[[int, Sequence[int]], int]
@@ -74,14 +74,27 @@ def run_server(
 
 
 def numpy_server(
-    w0: np.ndarray, grads: dict[int, list[np.ndarray]], tau: int, scale: float, s: float, order: Order
+    w0: np.ndarray,
+    grads: dict[int, list[np.ndarray]],
+    tau: int,
+    scale: float,
+    s: float,
+    order: Order,
+    kind: str = "ssp",
+    n: int = 0,
 ) -> tuple[dict[int, np.ndarray], np.ndarray, int]:
-    """ALGORITHMS.md's parameter-server SGD (staleness s; ∞ for ASGD) served in ``order``."""
+    """ALGORITHMS.md's parameter-server SGD served in ``order``.
+
+    ``kind``: ``ssp`` (hold while c − c_min > s; s = ∞ is ASGD), ``psgd`` (s = max_advance: once a push puts a
+    worker s ahead, hold it until every other training worker pushed again), ``weedout`` (merge only pushes
+    at most max(n, workers) reports old; never hold).
+    """
     x = {r: w0.astype(np.float64).copy() for r in grads}
     pulled = {r: x[r].copy() for r in grads}
     buf = {r: np.zeros_like(w0, dtype=np.float64) for r in grads}
     t, clock = dict.fromkeys(grads, 0), dict.fromkeys(grads, 0)
     w, held, done, processed, updates = w0.astype(np.float64).copy(), set(), set(), 0, 0
+    received, pulled_at, waits = 0, dict.fromkeys(grads, 0), {}
 
     def advance(r: int) -> bool:
         while t[r] < len(grads[r]):
@@ -96,23 +109,37 @@ def numpy_server(
         ready = sorted(r for r in grads if r not in done and r not in held)
         r = order(processed, ready)
         if advance(r):
-            w = w + scale * (x[r] - pulled[r])
+            received += 1
+            if kind != "weedout" or received - pulled_at[r] <= max(n, len(grads)):
+                w = w + scale * (x[r] - pulled[r])
+                updates += 1
             clock[r] += 1
-            updates += 1
+            active = [clock[q] for q in grads if q not in done]
+            if kind == "psgd" and clock[r] - min(active) >= s:
+                waits[r] = {q: clock[q] for q in grads if q != r}
             held.add(r)
         else:
             done.add(r)
         active = [clock[q] for q in grads if q not in done]
-        bound = (min(active) if active else math.inf) + s
+        c_min = min(active) if active else math.inf
         for q in sorted(held):
-            if clock[q] <= bound:
+            if kind == "ssp":
+                free = clock[q] <= c_min + s
+            elif kind == "psgd":
+                free = q not in waits or all(p in done or clock[p] > c for p, c in waits[q].items())
+            else:
+                free = True
+            if free:
                 held.discard(q)
+                waits.pop(q, None)
                 x[q], pulled[q] = w.copy(), w.copy()
+                pulled_at[q] = received
         processed += 1
     return x, w, updates
 
 
 def round_robin(n: int, ready: Sequence[int]) -> int:
+    """Serve the ready workers in turn."""
     return ready[n % len(ready)]
 
 
@@ -121,24 +148,34 @@ def last_first(n: int, ready: Sequence[int]) -> int:
     return ready[-1] if n % 3 != 1 else ready[0]
 
 
-@pytest.mark.parametrize(
-    ("size", "name", "order"),
-    [(2, "ASGD", round_robin), (4, "ASGD", last_first), (2, "SSP", round_robin), (4, "SSP", last_first)],
-)
-def test_parameter_server_rules_equal_numpy(size: int, name: str, order: Order) -> None:
-    steps = {r: 9 + 3 * r for r in range(1, size)}  # uneven lengths: the staleness bound really binds
-    tau = 2
-    make = (
-        (lambda: ASGD(tau=tau, order=order))
-        if name == "ASGD"
-        else (lambda: SSP(tau=tau, staleness=1, order=order))
-    )
-    out = run_server(size, steps, make)
-    scale = 1.0 if name == "ASGD" else 1.0 / (size - 1)
-    s = math.inf if name == "ASGD" else 1
-    x, w, updates = numpy_server(out["start"], out["grads"], tau, scale, s, order)
+def skewed(n: int, ready: Sequence[int]) -> int:
+    """Serve the last ready worker three times for each other one: it runs ahead, the rest fall behind."""
+    return ready[-1] if n % 4 else ready[0]
+
+
+TAU = 2
+RULE_CASES = {  # name: (factory, numpy kind, bound, n, scale as a function of the worker count)
+    "ASGD": (lambda o: ASGD(tau=TAU, order=o), "ssp", math.inf, 0, lambda k: 1.0),
+    "SSP": (lambda o: SSP(tau=TAU, staleness=1, order=o), "ssp", 1, 0, lambda k: 1.0 / k),
+    "PSGD": (lambda o: PSGD(tau=TAU, max_advance=2, order=o), "psgd", 2, 0, lambda k: 1.0 / k),
+    "WEEDOUT": (lambda o: WeedOut(tau=TAU, n=0, order=o), "weedout", 0, 0, lambda k: 1.0 / k),
+}
+
+
+@pytest.mark.parametrize("order", [round_robin, last_first, skewed])
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("name", list(RULE_CASES))
+def test_parameter_server_rules_equal_numpy(name: str, size: int, order: Order) -> None:
+    steps = {r: 9 + 3 * r for r in range(1, size)}  # uneven lengths: bounds and weed-out really act
+    make, kind, bound, n, scale = RULE_CASES[name]
+    out = run_server(size, steps, lambda: make(order))
+    x, w, updates = numpy_server(out["start"], out["grads"], TAU, scale(size - 1), bound, order, kind, n)
     server = out["rules"][0].server
-    assert server.updates == updates == sum(n // tau for n in steps.values())
+    assert server.updates == updates
+    assert server.updates + server.discarded == sum(k // TAU for k in steps.values())
+    if size == 4 and order is skewed:  # the fast worker runs ahead: each rule's mechanism really acted
+        assert (server.holds > 0) == (name in ("SSP", "PSGD"))
+        assert (server.discarded > 0) == (name == "WEEDOUT")
     assert server.in_flight == 0
     np.testing.assert_allclose(out["rules"][0].w.numpy(), w, rtol=1e-4, atol=1e-6)
     for r in range(1, size):
@@ -197,7 +234,11 @@ def test_one_rank_is_not_enough() -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("rule", [("RULE=ASGD",), ("RULE=SSP", "rule.staleness=2")], ids=["ASGD", "SSP"])
+@pytest.mark.parametrize(
+    "rule",
+    [("RULE=ASGD",), ("RULE=SSP", "rule.staleness=2"), ("RULE=PSGD",), ("RULE=WEEDOUT",)],
+    ids=["ASGD", "SSP", "PSGD", "WEEDOUT"],
+)
 def test_digits_job_reaches_93_percent(mpiexec: str, tmp_path: Path, rule: tuple[str, ...]) -> None:
     args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}", *rule]
     proc = run_mpi(mpiexec, 4, args, timeout=180)

@@ -5,8 +5,10 @@ from .base import Rule
 from .bsp import BSP
 from .easgd import EASGD
 from .gosgd import GOSGD
+from .psgd import PSGD
 from .registry import RULES
 from .sma import SMA
 from .ssp import SSP
+from .weedout import WeedOut
 
-__all__ = ["ASGD", "BSP", "EASGD", "GOSGD", "RULES", "SMA", "SSP", "Rule"]
+__all__ = ["ASGD", "BSP", "EASGD", "GOSGD", "PSGD", "RULES", "SMA", "SSP", "Rule", "WeedOut"]

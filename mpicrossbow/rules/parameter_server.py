@@ -95,6 +95,8 @@ class ParameterServer:
         #: ``received`` when each worker last pulled (weed-out's staleness measure).
         self.pulled_at = dict.fromkeys(self.workers, 0)
         self.discarded = 0
+        #: Replies that had to wait (staleness bound, partial synchrony).
+        self.holds = 0
         self._reported = 0
 
     @property
@@ -152,6 +154,8 @@ class ParameterServer:
             self.policy.hold(self, r)
             self.held.append(r)
         self._release()
+        if r in self.held:
+            self.holds += 1
         epoch = sum(self.progress.values()) / len(self.workers)
         if math.floor(epoch) > self._reported:
             self._reported = math.floor(epoch)
