@@ -19,8 +19,8 @@ from tests.conftest import REPO, mpi_env, run_mpi
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "comm_check.py"
 COMMON = (
-    "allreduce async_allreduce broadcast ring tags barrier split zero_copy scalars non_contiguous".split()
-)
+    "allreduce async_allreduce broadcast ring tags barrier split split_node zero_copy scalars non_contiguous"
+).split()
 CPU_CHECKS = [f"{b}.{c}" for b in ("mpi", "gloo") for c in COMMON] + ["mpi.buffers", "mpi.factory"]
 
 

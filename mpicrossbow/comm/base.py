@@ -97,6 +97,14 @@ class Communicator(ABC):
         """Partition the group: ranks with equal ``color`` form a new communicator, ordered by ``key``
         (default: current rank). Collective over the whole group."""
 
+    def split_node(self) -> Communicator:
+        """The ranks of this group that share this rank's node (shared memory), ordered by rank.
+
+        Collective over the whole group. Implementations that cannot tell nodes apart raise
+        NotImplementedError (the default), so a caller never mistakes a guess for the machine's layout.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot tell which ranks share a node")
+
     def allreduce_scalars(self, values: list[float], op: ReduceOp = ReduceOp.SUM) -> list[float]:
         """Allreduce a short list of Python floats (metrics, counters) in float64; blocking."""
         t = torch.tensor(values, dtype=torch.float64)

@@ -115,10 +115,11 @@ class InProcessCommunicator(Communicator):
 
     name = "inprocess"
 
-    def __init__(self, group: _Group, rank: int, label: str | None = None) -> None:
+    def __init__(self, group: _Group, rank: int, label: str | None = None, node: int = 0) -> None:
         self._group, self._shared, self._rank = group, group.shared, rank
         self._label = label or f"rank {rank}"
         self._splits_done = 0
+        self._node = node
 
     @property
     def rank(self) -> int:
@@ -206,17 +207,27 @@ class InProcessCommunicator(Communicator):
                 self._group.splits[(self._splits_done, color)] = _Group(self._shared, len(members))
             group = self._group.splits[(self._splits_done, color)]
         self._splits_done += 1
-        return InProcessCommunicator(group, new_rank, f"{self._label} (rank {new_rank} of split {color})")
+        label = f"{self._label} (rank {new_rank} of split {color})"
+        return InProcessCommunicator(group, new_rank, label, node=self._node)
+
+    def split_node(self) -> InProcessCommunicator:
+        """The ranks of the same simulated node (:class:`InProcessWorld`'s ``ranks_per_node``)."""
+        return self.split(self._node)
 
 
 class InProcessWorld:
     """``size`` ranks as threads; :meth:`run` gives each an :class:`InProcessCommunicator`."""
 
-    def __init__(self, size: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, size: int, timeout_s: float = 30.0, ranks_per_node: int | None = None) -> None:
         if size < 1:
             raise ValueError(f"world size must be at least 1, got {size}")
+        if ranks_per_node is not None and ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}")
         self.size = size
         self.timeout_s = timeout_s
+        #: Simulated nodes for :meth:`InProcessCommunicator.split_node`: ranks r // ranks_per_node share
+        #: one (None: every rank on one node).
+        self.ranks_per_node = ranks_per_node or size
 
     def run(self, fn: Callable[[Communicator], T]) -> list[T]:
         """Run ``fn(comm)`` on every rank; return the results in rank order or re-raise the first error."""
@@ -227,7 +238,7 @@ class InProcessWorld:
 
         def body(rank: int) -> None:
             try:
-                results[rank] = fn(InProcessCommunicator(root, rank))
+                results[rank] = fn(InProcessCommunicator(root, rank, node=rank // self.ranks_per_node))
             except BaseException as exc:
                 with shared.cond:
                     errors.append((rank, exc))

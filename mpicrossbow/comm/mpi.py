@@ -198,6 +198,12 @@ class MPICommunicator(Communicator):
         self._children.append(child)
         return child
 
+    def split_node(self) -> MPICommunicator:
+        """``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``: the ranks sharing this node's memory."""
+        child = MPICommunicator(self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank), _owned=True)
+        self._children.append(child)
+        return child
+
     def close(self) -> None:
         """Free the communicators made by :meth:`split` (never ``COMM_WORLD``) and the staging buffers."""
         if self._closed:

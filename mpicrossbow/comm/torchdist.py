@@ -171,6 +171,15 @@ class TorchDistCommunicator(Communicator):
         """``dist.irecv`` from communicator rank ``src``."""
         return self._handle(dist.irecv(self._flat(tensor), self._members[src], group=self._group, tag=tag))
 
+    def split_node(self) -> TorchDistCommunicator:
+        """Colour every rank by the lowest rank of its MPI shared-memory group, then :meth:`split`."""
+        local = self._mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
+        try:
+            color = local.bcast(self._rank, root=0)
+        finally:
+            local.Free()
+        return self.split(color)
+
     def barrier(self) -> None:
         """``dist.barrier`` over the group (on the current device for NCCL)."""
         if self.name == "nccl":

@@ -3,12 +3,27 @@
 from .asgd import ASGD
 from .base import Rule
 from .bsp import BSP
+from .diloco import DiLoCo
 from .easgd import EASGD
 from .gosgd import GOSGD
+from .localsgd import LocalSGD
 from .psgd import PSGD
 from .registry import RULES
 from .sma import SMA
 from .ssp import SSP
 from .weedout import WeedOut
 
-__all__ = ["ASGD", "BSP", "EASGD", "GOSGD", "PSGD", "RULES", "SMA", "SSP", "Rule", "WeedOut"]
+__all__ = [
+    "ASGD",
+    "BSP",
+    "EASGD",
+    "GOSGD",
+    "PSGD",
+    "RULES",
+    "SMA",
+    "SSP",
+    "DiLoCo",
+    "LocalSGD",
+    "Rule",
+    "WeedOut",
+]

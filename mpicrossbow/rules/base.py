@@ -132,20 +132,22 @@ class Rule:
         assert self.comm is not None and self.pool is not None, "bind() first"
         return self.comm.size * len(self.pool.learners)
 
-    def average(self, attr: str) -> None:
+    def average(self, attr: str, comm: Communicator | None = None) -> None:
         """Set ``attr`` (``params``, ``grads`` or ``buffers``) of every learner to the mean over all k.
 
-        Learners of this rank are summed locally first, then one allreduce crosses ranks.
+        Learners of this rank are summed locally first, then one allreduce crosses ranks. ``comm`` (a
+        sub-communicator of the rule's, e.g. one node's ranks) narrows the mean to its ranks' learners.
         """
         assert self.comm is not None and self.pool is not None, "bind() first"
+        comm = comm or self.comm
         flats = [getattr(learner, attr) for learner in self.pool.learners]
         if not flats[0].numel():
             return
         total = flats[0]
         for other in flats[1:]:
             total.add_(other)
-        self.comm.allreduce(total).wait()
-        total.div_(self.world_learners)
+        comm.allreduce(total).wait()
+        total.div_(comm.size * len(flats))
         for other in flats[1:]:
             other.copy_(total)
 

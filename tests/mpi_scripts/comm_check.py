@@ -147,6 +147,15 @@ def check_split(c: Communicator, dev: torch.device) -> None:
     sub.close()  # idempotent, and closes the nested split too
 
 
+def check_split_node(c: Communicator, dev: torch.device) -> None:
+    node = c.split_node()  # every rank of a one-machine job shares the node, in rank order
+    assert (node.rank, node.size) == (c.rank, c.size), f"got {node!r}"
+    t = data(c.rank, 1000, dev=dev)
+    node.allreduce(t)
+    expect(t, ref(list(range(c.size)), 1000), "split_node allreduce")
+    node.close()
+
+
 def check_zero_copy(c: Communicator, dev: torch.device) -> None:
     t = data(c.rank, N, dev=dev)
     ptr, window = t.data_ptr(), t[10:20]  # a view taken before: it must see the result
@@ -204,7 +213,9 @@ def check_factory(c: Communicator, dev: torch.device) -> None:
     del os.environ["MPICROSSBOW_CUDA_AWARE"]
 
 
-COMMON_NAMES = "allreduce async_allreduce broadcast ring tags barrier split zero_copy scalars non_contiguous"
+COMMON_NAMES = (
+    "allreduce async_allreduce broadcast ring tags barrier split split_node zero_copy scalars non_contiguous"
+)
 COMMON: list[tuple[str, Check]] = [(name, globals()[f"check_{name}"]) for name in COMMON_NAMES.split()]
 
 
