@@ -57,6 +57,11 @@ class SessionSection:
     )
     slow_ranks: tuple[int, ...] = setting((), "test/benchmark hook: ranks that sleep after every step", ge=0)
     slow_seconds: float = setting(0.0, "test/benchmark hook: seconds each step of slow_ranks sleeps", ge=0)
+    slow_factor: float = setting(
+        1.0,
+        "straggler hook: slow_ranks take this many times as long per step (sleeping the difference)",
+        ge=1,
+    )
     on_nan: Literal["stop", "skip"] = setting(
         "stop", "a learner's loss is NaN or infinite: stop the job with a message, or skip that batch"
     )

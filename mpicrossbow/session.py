@@ -102,6 +102,8 @@ class Session:
         self._signal: int | None = None
         self._pending_signal: list[Any] = []
         self._rss_warm = math.nan
+        #: Seconds of straggler sleep injected on this rank ([session] slow_*).
+        self.injected_seconds = 0.0
         #: True when a SIGTERM/SIGUSR1 ended training early (after a checkpoint).
         self.stopped = False
         self.binding: Binding | None = None  # set by the launcher before prepare_local
@@ -409,7 +411,9 @@ class Session:
         budget = cfg.session.steps
         # With a step budget the epoch count follows from it; the auto-tuner may change steps per epoch.
         epochs = math.ceil(budget / pool.n_batch_train) if budget else cfg.session.epochs
-        delay = cfg.session.slow_seconds if self.world.rank in cfg.session.slow_ranks else 0.0
+        slowed = self.world.rank in cfg.session.slow_ranks
+        delay = cfg.session.slow_seconds if slowed else 0.0
+        stretch = cfg.session.slow_factor - 1.0 if slowed else 0.0
         position = self.resume[2]["position"] if self.resume is not None else {}
         epoch, step, skip = (
             int(position.get("epoch", 0)),
@@ -429,6 +433,7 @@ class Session:
                 pool.skip(skip)
             epoch_start = time.perf_counter()
             for count in range(skip, min(per_epoch, skip + budget - step) if budget else per_epoch):
+                step_start = time.perf_counter()
                 if self.watchdog is not None:
                     self.watchdog.beat(step, "compute")
                 self.faults.at_step(step)
@@ -452,8 +457,10 @@ class Session:
                 step += 1
                 if step == RSS_WARM_STEPS:
                     self._rss_warm = resident_mb()
-                if delay:
-                    time.sleep(delay)
+                if delay or stretch:  # straggler injection: a fixed sleep, or (factor − 1) × this step
+                    pause = delay + stretch * (time.perf_counter() - step_start)
+                    time.sleep(pause)
+                    self.injected_seconds += pause
                 if bar is not None:
                     bar.update(1)
                 here = {"step": step, "epoch": epoch, "count": count + 1, "lr": lr}
@@ -584,10 +591,16 @@ class Session:
     def _record_rank_health(self, rss_start: float) -> None:
         """Every rank's resident memory (start, after RSS_WARM_STEPS steps, end) and requests in flight."""
         assert self.rule is not None
-        mine = (rss_start, self._rss_warm, resident_mb(), self.rule.in_flight)
+        mine = (rss_start, self._rss_warm, resident_mb(), self.rule.in_flight, self.injected_seconds)
         mpi = self.world.mpi
         rows = mpi.allgather(mine) if mpi is not None else [mine]
-        names = ("rank_rss_start_mb", "rank_rss_warm_mb", "rank_rss_end_mb", "rank_in_flight")
+        names = (
+            "rank_rss_start_mb",
+            "rank_rss_warm_mb",
+            "rank_rss_end_mb",
+            "rank_in_flight",
+            "rank_slowed_s",
+        )
         if self.metrics is not None:
             for i, name in enumerate(names):
                 self.metrics.file.attrs[name] = [row[i] for row in rows]

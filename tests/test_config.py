@@ -64,7 +64,11 @@ def test_resolved_config_round_trips() -> None:
             r"backend: 'tcp' is not valid; choose one of auto, mpi, gloo, nccl",
         ),
         (BASE.replace("MODELCLASS=MLP\n", ""), [], r"missing required key MODELCLASS"),
-        (BASE.replace("RULE=BSP", "RULE=BPS"), [], r"unknown rule 'BPS'; valid: BSP"),
+        (
+            BASE.replace("RULE=BSP", "RULE=BPS"),
+            [],
+            r"unknown rule 'BPS'; valid: ASGD, BSP, \S.*, or module:Class for your own",
+        ),
         (
             BASE + "[rule]\nmode=sum\n",
             [],

@@ -65,3 +65,16 @@ def test_auto_tuner_settles_on_a_learner_count(mpiexec: str, tmp_path: Path, eng
     assert 1 <= settled <= 4 and per_epoch[-1] == settled
     assert settled == len(tried) - 1 or settled == 4  # the last one added was dropped, or the ceiling
     assert metrics["val"]["accuracy"][-1] >= 0.93
+
+
+def test_straggler_factor_stretches_the_slowed_rank_only(mpiexec: str, tmp_path: Path) -> None:
+    """``slow_factor = 3`` on rank 1 of an asynchronous job: it sleeps twice each step's own time."""
+    metrics = digits(
+        mpiexec, tmp_path, "RULE=GOSGD", "session.slow_ranks=1", "session.slow_factor=3", "session.epochs=5"
+    )
+    slowed = list(metrics["attrs"]["rank_slowed_s"])
+    rates = list(metrics["attrs"]["rank_steps_per_second"])
+    steps = int(metrics["train"]["step"][-1])
+    assert slowed[0] == 0 and slowed[1] > 0
+    share = slowed[1] / (steps / rates[1])  # injected sleep ÷ the slowed rank's busy time
+    assert 0.45 < share <= 2 / 3 + 0.01, share
