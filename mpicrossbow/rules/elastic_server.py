@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ..comm.base import Communicator, Handle
+from .request_loop import Order, serve_requests
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +41,7 @@ REQUEST_TAG = 7101
 REPLY_TAG = 7102
 #: Values of a request's flag element.
 UPDATE, DONE = 0.0, 1.0
-#: The server's idle back-off between sweeps that found nothing (seconds): it must not starve the workers
-#: of CPU on an oversubscribed node, yet answer quickly.
-IDLE_MIN_S, IDLE_MAX_S = 2e-5, 1e-3
 
-#: Test hook: ``order(processed, active)`` names the worker whose next message the server waits for
-#: (blocking), given the number of messages processed so far and the sorted ranks of the workers not done.
-Order = Callable[[int, Sequence[int]], int]
 #: ``report(centre, epoch)``: validate and log the centre after ``epoch`` epoch-equivalents.
 Report = Callable[[torch.Tensor, float], None]
 
@@ -131,22 +125,7 @@ class ElasticServer:
         """Answer requests until every worker is done and every reply has been delivered."""
         for w in self.workers:
             self._post(w)
-        processed, idle = 0, IDLE_MIN_S
-        while self._recvs:
-            if self.order is not None:
-                w = self.order(processed, sorted(self._recvs))
-                self._recvs[w].wait()
-                ready = [w]
-            else:
-                ready = [w for w, handle in self._recvs.items() if handle.test()]
-            for w in ready:
-                self._handle(w, report)
-                processed += 1
-            if ready:
-                idle = IDLE_MIN_S
-            else:
-                time.sleep(idle)
-                idle = min(2 * idle, IDLE_MAX_S)
+        serve_requests(self._recvs, lambda w: self._handle(w, report), self.order)
         for handle in self._sends.values():
             handle.wait()
         self._sends.clear()

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,15 +29,12 @@ import torch
 from ..comm.base import Communicator, Handle
 from ..errors import ConfigError
 from .base import Rule
+from .request_loop import Order, serve_requests
 
 log = logging.getLogger(__name__)
 
 PUSH_TAG, PULL_TAG = 7201, 7202
 UPDATE, DONE = 0.0, 1.0
-IDLE_MIN_S, IDLE_MAX_S = 2e-5, 1e-3
-#: Test hook: ``order(processed, ready)`` names the worker whose next push the server waits for, among the
-#: workers that may push now (not done, not waiting for a held-back reply).
-Order = Callable[[int, Sequence[int]], int]
 Report = Callable[[torch.Tensor, float], None]
 SERVER = 0
 
@@ -113,23 +109,7 @@ class ParameterServer:
         """Serve pushes until every worker is done and nothing is in flight."""
         for r in self.workers:
             self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
-        processed, idle = 0, IDLE_MIN_S
-        while self._recvs:
-            if self.order is not None:
-                ready = sorted(self._recvs)  # held workers have no receive posted: they wait
-                r = self.order(processed, ready)
-                self._recvs[r].wait()
-                arrived = [r]
-            else:
-                arrived = [r for r, handle in self._recvs.items() if handle.test()]
-            for r in arrived:
-                self._handle(r, report)
-                processed += 1
-            if arrived:
-                idle = IDLE_MIN_S
-            else:
-                time.sleep(idle)
-                idle = min(2 * idle, IDLE_MAX_S)
+        serve_requests(self._recvs, lambda r: self._handle(r, report), self.order)
         for handle in self._sends.values():
             handle.wait()
         self._sends.clear()

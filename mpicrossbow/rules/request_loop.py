@@ -1,0 +1,42 @@
+"""The polling loop of a serving rank: answer workers' requests as they arrive, never blocking on one.
+
+Shared by asynchronous EASGD's centre server and the parameter server. Each worker has at most one receive
+posted (``recvs``); the loop tests them all, hands every arrived one to ``handle`` (which may re-post it) and
+backs off between empty sweeps so an oversubscribed node's workers keep their CPU. The ``order`` test hook
+names the worker whose next message to wait for (blocking), which makes the arrival order deterministic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from ..comm.base import Handle
+
+#: The idle back-off between sweeps that found nothing (seconds): short enough to answer quickly, long
+#: enough not to starve the workers of CPU on an oversubscribed node.
+IDLE_MIN_S, IDLE_MAX_S = 2e-5, 1e-3
+
+#: ``order(processed, waiting)``: the worker whose next message the server waits for, among those with a
+#: receive posted.
+Order = Callable[[int, Sequence[int]], int]
+
+
+def serve_requests(recvs: Mapping[int, Handle], handle: Callable[[int], None], order: Order | None) -> None:
+    """Call ``handle(worker)`` for each arrived request until no receive is posted in ``recvs``."""
+    processed, idle = 0, IDLE_MIN_S
+    while recvs:
+        if order is not None:
+            worker = order(processed, sorted(recvs))
+            recvs[worker].wait()
+            arrived = [worker]
+        else:
+            arrived = [w for w, h in recvs.items() if h.test()]
+        for worker in arrived:
+            handle(worker)
+            processed += 1
+        if arrived:
+            idle = IDLE_MIN_S
+        else:
+            time.sleep(idle)
+            idle = min(2 * idle, IDLE_MAX_S)
