@@ -49,12 +49,12 @@ from torch import nn
 
 from ..config import OptimSection
 from ..errors import CheckpointError, ContractError, DataError
-from ..model import TorchModel, check_data
-from ..shard import Shard
+from ..model import TorchModel
 from .base import LearnerPool
 from .flat import empty_flat, point_into
 from .fuse import FlatSlots, FusedNetwork
 from .learner import evaluate
+from .serial import learner_data
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +111,7 @@ class FusedPool(LearnerPool):
         self.model, self.device, self.m = model, device, learners
         self.rank, self.size, self.batch_size, self.optim, self.seed = rank, size, batch_size, optim, seed
         replicas = [model.module().to(device) for _ in range(learners)]
-        self.datas = []
-        for j in range(learners):
-            data = model.data(Shard(rank * learners + j, size * learners, batch_size, seed))
-            check_data(data, owner, torch_form=True)
-            self.datas.append(data)
-        counts = {d.n_batch_train for d in self.datas}
-        if min(counts) == 0:
-            raise DataError(f"{owner}: this rank's training shard holds less than one batch of {batch_size}")
-        self._n_batch_train = min(counts)
+        self.datas, self._n_batch_train = learner_data(model, rank, size, batch_size, seed, learners)
         self._iters: list[Iterator[Any]] = []
 
         param_lists, buffer_lists = [], []

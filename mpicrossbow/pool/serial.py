@@ -15,6 +15,29 @@ from .base import LearnerPool
 from .learner import Learner
 
 
+def learner_data(
+    model: Any, rank: int, size: int, batch_size: int, seed: int, learners: int
+) -> tuple[list[Any], int]:
+    """(DataClass per learner, steps per epoch): learner j of rank r reads shard ``r·m + j`` of ``size·m``.
+
+    So no two learners share a batch; the smallest shard sets the steps per epoch. Every engine loads its
+    learners' data through this, so engines given the same arguments train on the same batches.
+    """
+    owner = type(model).__name__
+    datas = []
+    for j in range(learners):
+        data = model.data(Shard(rank * learners + j, size * learners, batch_size, seed))
+        check_data(data, owner, torch_form=True)
+        datas.append(data)
+    steps = min(d.n_batch_train for d in datas)
+    if steps == 0:
+        raise DataError(
+            f"{owner}: a learner's training shard holds less than one batch of {batch_size} "
+            f"({size} rank(s) × {learners} learner(s) share the data)"
+        )
+    return datas, steps
+
+
 class SerialPool(LearnerPool):
     """Learners of a torch-native model; learner j of rank r reads shard ``r * m + j`` of ``size * m``."""
 
@@ -36,20 +59,10 @@ class SerialPool(LearnerPool):
         self._iters: list[Iterator[Any]] = []
 
     def _load_data(self) -> None:
-        """Learner j of rank r reads shard ``r * m + j`` of ``size * m``: no two learners share a batch."""
-        owner, m = type(self.model).__name__, len(self.learners)
-        self.datas = []
-        for j in range(m):
-            data = self.model.data(Shard(self.rank * m + j, self.size * m, self.batch_size, self.seed))
-            check_data(data, owner, torch_form=True)
-            self.datas.append(data)
-        counts = {d.n_batch_train for d in self.datas}
-        if min(counts) == 0:
-            raise DataError(
-                f"{owner}: a learner's training shard holds less than one batch of {self.batch_size} "
-                f"({self.size} rank(s) × {m} learner(s) share the data)"
-            )
-        self._n_batch_train = min(counts)
+        """Every learner's shard (see :func:`learner_data`)."""
+        self.datas, self._n_batch_train = learner_data(
+            self.model, self.rank, self.size, self.batch_size, self.seed, len(self.learners)
+        )
 
     def resize(self, learners: int) -> None:
         """Keep the first ``learners`` replicas, or add copies of learner 0; reshard the data.
