@@ -141,10 +141,19 @@ class Session:
         if form == "torch":
             model = _construct(cls, call_kwargs(cls, cfg.model_params, "model"))
             index, count = self.rule.train_shard(world.rank, world.size) if self.trains else (0, 1)
+            span = self.rule.train_span(world.rank, world.size) if self.trains else None
             batch = cfg.data.batch_size
             engine = ENGINES.get(cfg.pool.engine)
             self.pool = engine(
-                model, index, count, batch, cfg.optim, self.device, seed=cfg.session.seed, learners=learners
+                model,
+                index,
+                count,
+                batch,
+                cfg.optim,
+                self.device,
+                seed=cfg.session.seed,
+                learners=learners,
+                span=span,
             )
             if not self.rule.synchronous:  # ranks validate alone, on the whole validation set
                 whole = count == 1 and learners == 1  # learner 0 already holds the whole set

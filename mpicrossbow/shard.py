@@ -11,6 +11,7 @@ hand the arrays to :class:`ShardedArrays`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -30,12 +31,15 @@ class Shard:
     """Which part of the data this learner holds: ``rank`` of ``size``, and its per-learner batch size.
 
     ``seed`` is the session seed; it drives the per-epoch reshuffle, never which rows a rank holds.
+    ``span`` (``(start, end)`` fractions, 0 ≤ start < end ≤ 1) replaces the equal share by that part of the
+    training set (GSP's data-sharding file gives fast workers more rows); validation shards ignore it.
     """
 
     rank: int
     size: int
     batch_size: int
     seed: int = 0
+    span: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         """Reject impossible shards early, before any file is read."""
@@ -45,6 +49,8 @@ class Shard:
             raise ValueError(f"Shard needs batch_size >= 1, got {self.batch_size}")
         if self.seed < 0:
             raise ValueError(f"Shard needs seed >= 0, got {self.seed}")
+        if self.span is not None and not 0.0 <= self.span[0] < self.span[1] <= 1.0:
+            raise ValueError(f"Shard needs a span 0 <= start < end <= 1, got {self.span}")
 
 
 def train_indices(n_total: int, shard: Shard, split_seed: int) -> np.ndarray:
@@ -53,8 +59,13 @@ def train_indices(n_total: int, shard: Shard, split_seed: int) -> np.ndarray:
     A permutation seeded by ``split_seed`` (the same on every rank) is dealt round-robin and cut to
     ``n_total // size`` rows, so every rank holds the same number of distinct rows; at most ``size - 1``
     samples are left out. Sorted, because HDF5 fancy indexing and memmap reads want increasing rows.
+    With a ``span`` the shard is instead rows ``[⌊start·n⌋, ⌊end·n⌋)`` of the same permutation, so spans
+    that tile [0, 1] give every row to exactly one shard.
     """
     perm = np.random.default_rng(split_seed).permutation(n_total)
+    if shard.span is not None:
+        start, end = (math.floor(f * n_total + 1e-9) for f in shard.span)
+        return np.sort(perm[start:end])
     return np.sort(perm[shard.rank :: shard.size][: n_total // shard.size])
 
 

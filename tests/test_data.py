@@ -16,7 +16,9 @@ from data.digits import DEFAULT_PATH, Digits
 from data.hdf5 import hdf5_length, read_hdf5_rows, write_hdf5
 from data.idx import MNIST, read_idx, write_idx
 from data.synthetic import Synthetic
+from models.mlp import MLP
 from mpicrossbow.errors import DataError
+from mpicrossbow.pool.serial import learner_data
 from mpicrossbow.shard import Shard, ShardedArrays, train_indices, val_indices
 
 
@@ -46,6 +48,20 @@ def test_shard_math(size: int, n_total: int) -> None:
     val = [val_indices(n_total, Shard(r, size, 1)) for r in range(size)]
     assert np.array_equal(np.concatenate(val), np.arange(n_total))
     assert max(map(len, val)) - min(map(len, val)) <= 1
+
+
+def test_spans_split_the_training_set_by_fractions() -> None:
+    """A data-sharding file's spans: rows [⌊start·n⌋, ⌊end·n⌋) of the shuffled set; spans that tile [0, 1]
+    give every row to exactly one shard, and a rank's learners split its span (GSP's shares)."""
+    spans = [(0.0, 0.5), (0.5, 0.8), (0.8, 1.0)]
+    parts = [train_indices(103, Shard(r, 3, 1, span=span), split_seed=7) for r, span in enumerate(spans)]
+    assert [len(p) for p in parts] == [51, 31, 21]
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(103))
+    datas, steps = learner_data(MLP(hidden=8), 1, 3, 8, 0, 2, span=(0.5, 0.9))
+    shares = [d.shard.span for d in datas]
+    assert shares == [(0.5, 0.7), (0.7, 0.9)] and steps == min(d.n_batch_train for d in datas)
+    with pytest.raises(ValueError, match="span 0 <= start < end <= 1"):
+        Shard(0, 1, 1, span=(0.5, 0.5))
 
 
 @pytest.mark.parametrize("kwargs", [{"rank": 2, "size": 2}, {"rank": -1, "size": 2}, {"batch_size": 0}])

@@ -28,30 +28,41 @@ from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.metrics import read_metrics
 from mpicrossbow.pool import SerialPool
-from mpicrossbow.rules import ASGD, BSP, PSGD, SSP, Rule, WeedOut
+from mpicrossbow.rules import ASGD, BSP, GSP, PSGD, SSP, Rule, WeedOut
+from mpicrossbow.rules.grouping import group_by_speed, group_of, read_groups, read_shares
 
 LR, MOMENTUM = 0.05, 0.9
 Order = Callable[[int, Sequence[int]], int]
 
 
-def make_pool(index: int, count: int) -> SerialPool:
+def make_pool(index: int, count: int, learners: int = 1) -> SerialPool:
     torch.manual_seed(0)  # the same initial replica everywhere (the server's is broadcast anyway)
     optim = OptimSection(lr=LR, momentum=MOMENTUM)
-    return SerialPool(MLP(hidden=16), index, count, 8, optim, torch.device("cpu"), seed=1)
+    return SerialPool(MLP(hidden=16), index, count, 8, optim, torch.device("cpu"), seed=1, learners=learners)
 
 
 def run_server(
-    size: int, steps: dict[int, int], make_rule: Callable[[], Rule], delay: dict[int, float] | None = None
+    size: int,
+    steps: dict[int, int],
+    make_rule: Callable[[], Rule],
+    delay: dict[int, float] | None = None,
+    servers: int = 1,
+    learners: int = 1,
 ) -> dict[str, Any]:
-    """Server and workers as threads; record each worker's gradients and everyone's final weights."""
-    pools = [make_pool(0, 1) if r == 0 else make_pool(r - 1, size - 1) for r in range(size)]
-    grads: dict[int, list[np.ndarray]] = {r: [] for r in range(1, size)}
+    """Servers and workers as threads; record each worker's gradients (learners × P per step) and everyone's
+    final weights."""
+    workers = size - servers
+    pools = [
+        make_pool(0, 1, learners) if r < servers else make_pool(r - servers, workers, learners)
+        for r in range(size)
+    ]
+    grads: dict[int, list[np.ndarray]] = {r: [] for r in range(servers, size)}
     out: dict[str, Any] = {"rules": [None] * size, "start": pools[0].learners[0].params.numpy().copy()}
 
     def body(comm: Communicator) -> np.ndarray:
         pool = pools[comm.rank]
         rule = out["rules"][comm.rank] = make_rule().bind(comm, pool)
-        if comm.rank == 0:
+        if comm.rank < servers:
             rule.serve(lambda w, epoch: None)
         else:
             per_epoch = pool.n_batch_train
@@ -59,14 +70,14 @@ def run_server(
                 if step % per_epoch == 0:
                     pool.start_epoch(step // per_epoch)
                 pool.compute(step % per_epoch)
-                grads[comm.rank].append(pool.learners[0].grads.numpy().copy())
+                grads[comm.rank].append(np.stack([learner.grads.numpy().copy() for learner in pool.learners]))
                 rule.on_gradients(step)
                 pool.apply()
                 rule.exchange(step)
                 time.sleep((delay or {}).get(comm.rank, 0.0))
         rule.finish()
         rule.sync_state()
-        return pool.learners[0].params.numpy().copy()
+        return np.stack([learner.params.numpy().copy() for learner in pool.learners])
 
     out["final"] = InProcessWorld(size, timeout_s=60).run(body)
     out["grads"] = grads
@@ -89,9 +100,10 @@ def numpy_server(
     worker s ahead, hold it until every other training worker pushed again), ``weedout`` (merge only pushes
     at most max(n, workers) reports old; never hold).
     """
-    x = {r: w0.astype(np.float64).copy() for r in grads}
-    pulled = {r: x[r].copy() for r in grads}
-    buf = {r: np.zeros_like(w0, dtype=np.float64) for r in grads}
+    m = {r: len(g[0]) for r, g in grads.items()}  # learners per worker: rows of x, buf and each gradient
+    x = {r: np.tile(w0.astype(np.float64), (m[r], 1)) for r in grads}
+    pulled = {r: w0.astype(np.float64).copy() for r in grads}
+    buf = {r: np.zeros_like(x[r]) for r in grads}
     t, clock = dict.fromkeys(grads, 0), dict.fromkeys(grads, 0)
     w, held, done, processed, updates = w0.astype(np.float64).copy(), set(), set(), 0, 0
     received, pulled_at, waits = 0, dict.fromkeys(grads, 0), {}
@@ -111,7 +123,7 @@ def numpy_server(
         if advance(r):
             received += 1
             if kind != "weedout" or received - pulled_at[r] <= max(n, len(grads)):
-                w = w + scale * (x[r] - pulled[r])
+                w = w + scale * (x[r] - pulled[r]).sum(axis=0)
                 updates += 1
             clock[r] += 1
             active = [clock[q] for q in grads if q not in done]
@@ -132,7 +144,7 @@ def numpy_server(
             if free:
                 held.discard(q)
                 waits.pop(q, None)
-                x[q], pulled[q] = w.copy(), w.copy()
+                x[q], pulled[q] = np.tile(w, (m[q], 1)), w.copy()
                 pulled_at[q] = received
         processed += 1
     return x, w, updates
@@ -155,10 +167,10 @@ def skewed(n: int, ready: Sequence[int]) -> int:
 
 TAU = 2
 RULE_CASES = {  # name: (factory, numpy kind, bound, n, scale as a function of the worker count)
-    "ASGD": (lambda o: ASGD(tau=TAU, order=o), "ssp", math.inf, 0, lambda k: 1.0),
-    "SSP": (lambda o: SSP(tau=TAU, staleness=1, order=o), "ssp", 1, 0, lambda k: 1.0 / k),
-    "PSGD": (lambda o: PSGD(tau=TAU, max_advance=2, order=o), "psgd", 2, 0, lambda k: 1.0 / k),
-    "WEEDOUT": (lambda o: WeedOut(tau=TAU, n=0, order=o), "weedout", 0, 0, lambda k: 1.0 / k),
+    "ASGD": (lambda o, **kw: ASGD(tau=TAU, order=o, **kw), "ssp", math.inf, 0, lambda k: 1.0),
+    "SSP": (lambda o, **kw: SSP(tau=TAU, staleness=1, order=o, **kw), "ssp", 1, 0, lambda k: 1.0 / k),
+    "PSGD": (lambda o, **kw: PSGD(tau=TAU, max_advance=2, order=o, **kw), "psgd", 2, 0, lambda k: 1.0 / k),
+    "WEEDOUT": (lambda o, **kw: WeedOut(tau=TAU, n=0, order=o, **kw), "weedout", 0, 0, lambda k: 1.0 / k),
 }
 
 
@@ -203,8 +215,8 @@ def test_ssp_with_zero_staleness_is_bsp() -> None:
         return pool.learners[0].params.numpy().copy()
 
     bsp = InProcessWorld(2).run(bsp_body)
-    np.testing.assert_allclose(ssp["final"][1], bsp[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(ssp["final"][2], bsp[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ssp["final"][1][0], bsp[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ssp["final"][2][0], bsp[1], rtol=1e-5, atol=1e-6)
     assert not np.allclose(bsp[0], ssp["start"])
 
 
@@ -236,13 +248,170 @@ def test_one_rank_is_not_enough() -> None:
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "rule",
-    [("RULE=ASGD",), ("RULE=SSP", "rule.staleness=2"), ("RULE=PSGD",), ("RULE=WEEDOUT",)],
-    ids=["ASGD", "SSP", "PSGD", "WEEDOUT"],
+    [
+        ("RULE=ASGD",),
+        ("RULE=SSP", "rule.staleness=2"),
+        ("RULE=PSGD",),
+        ("RULE=WEEDOUT",),
+        ("RULE=GSP", "rule.groups={groups}", "rule.shares={shares}"),
+        ("RULE=ASGD", "rule.servers=2", "pool.learners=2"),
+    ],
+    ids=["ASGD", "SSP", "PSGD", "WEEDOUT", "GSP-groups-shares", "ASGD-2servers-2learners"],
 )
 def test_digits_job_reaches_93_percent(mpiexec: str, tmp_path: Path, rule: tuple[str, ...]) -> None:
+    groups, shares = tmp_path / "groups.txt", tmp_path / "shares.txt"
+    groups.write_text("1 2\n3\n")  # the slow rank 3 alone, with a smaller share of the data
+    shares.write_text("0 0\n0 0.4\n0.4 0.8\n0.8 1\n")
+    rule = tuple(r.format(groups=groups, shares=shares) for r in rule)
     args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}", *rule]
+    if "RULE=GSP" in rule:
+        args += ["session.slow_ranks=3", "session.slow_factor=2"]
     proc = run_mpi(mpiexec, 4, args, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(only_run(tmp_path) / "metrics.h5")
     assert metrics["val"]["accuracy"][-1] >= 0.93, metrics["val"]["accuracy"]
     assert list(metrics["attrs"]["rank_in_flight"]) == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("name", "servers", "learners"), [("ASGD", 2, 1), ("SSP", 1, 2), ("WEEDOUT", 2, 2), ("PSGD", 3, 1)]
+)
+def test_sharded_servers_and_several_learners_equal_numpy(name: str, servers: int, learners: int) -> None:
+    """S servers each apply their slice; a worker pushes the sum of its m learners' Δ: same equations."""
+    size = 4
+    steps = {r: 9 + 3 * r for r in range(servers, size)}
+    make, kind, bound, n, scale = RULE_CASES[name]
+    out = run_server(size, steps, lambda: make(skewed, servers=servers), servers=servers, learners=learners)
+    workers = size - servers
+    x, w, updates = numpy_server(
+        out["start"], out["grads"], TAU, scale(workers * learners), bound, skewed, kind, n
+    )
+    for j in range(servers):
+        server = out["rules"][j].server
+        assert server.updates == updates and server.in_flight == 0
+        lo, hi = out["rules"][j].bounds[j]
+        assert hi - lo in (len(w) // servers, len(w) // servers + 1)
+    for rank, rule in enumerate(out["rules"]):
+        np.testing.assert_allclose(rule.eval_params().numpy(), w, rtol=1e-4, atol=1e-6)
+        if rank >= servers:
+            np.testing.assert_allclose(out["final"][rank], x[rank], rtol=1e-4, atol=1e-6)
+
+
+def numpy_gsp(
+    w0: np.ndarray, grads: dict[int, list[np.ndarray]], groups: list[list[int]], scale: float, order: Order
+) -> tuple[dict[int, np.ndarray], np.ndarray, list[float]]:
+    """ALGORITHMS.md's GSP: a group steps on its members' mean gradient; its leader's pushes are served in
+    ``order`` and applied with weight 1/Y, Y = 1 + updates since the group last pulled."""
+    k = len(groups)
+    x = [w0.astype(np.float64).copy() for _ in range(k)]
+    pulled = [v.copy() for v in x]
+    buf = [np.zeros_like(v) for v in x]
+    t, seen, done = [0] * k, [0] * k, set()
+    w, updates, processed, weights = w0.astype(np.float64).copy(), 0, 0, []
+    while len(done) < k:
+        ready = sorted(groups[i][0] for i in range(k) if i not in done)
+        i = next(i for i in range(k) if groups[i][0] == order(processed, ready))
+        pushed = False
+        while t[i] < len(grads[groups[i][0]]):
+            g = np.mean([grads[r][t[i]][0] for r in groups[i]], axis=0)
+            buf[i] = MOMENTUM * buf[i] + g
+            x[i] = x[i] - LR * buf[i]
+            t[i] += 1
+            if t[i] % TAU == 0:
+                pushed = True
+                break
+        if pushed:
+            y = 1 + updates - seen[i]
+            w = w + scale / y * (x[i] - pulled[i])
+            updates += 1
+            weights.append(1.0 / y)
+            x[i], pulled[i], seen[i] = w.copy(), w.copy(), updates
+        else:
+            done.add(i)
+        processed += 1
+    return {r: x[i] for i, g in enumerate(groups) for r in g}, w, weights
+
+
+@pytest.mark.parametrize("order", [round_robin, skewed])
+@pytest.mark.parametrize(("size", "groups"), [(2, [[1]]), (4, [[1, 2], [3]]), (4, [[2], [1, 3]])])
+def test_gsp_equals_numpy(size: int, groups: list[list[int]], order: Order, tmp_path: Path) -> None:
+    path = tmp_path / "groups.txt"
+    path.write_text("# one group per line\n" + "\n".join(", ".join(map(str, g)) for g in groups) + "\n")
+    leaders = {g[0] for g in groups}
+
+    def leader_order(n: int, ready: Sequence[int]) -> int:  # a group's pushes come from its leader
+        return order(n, [r for r in ready if r in leaders] or ready)
+
+    steps = {r: 12 if len(g) > 1 else 8 for g in groups for r in g}
+    out = run_server(size, steps, lambda: GSP(groups=str(path), tau=TAU, order=leader_order))
+    x, w, weights = numpy_gsp(out["start"], out["grads"], groups, 1.0, leader_order)
+    server = out["rules"][0].server
+    np.testing.assert_allclose(server.weights, weights)
+    if len(groups) > 1:  # groups overtook each other: the staleness weight really acted
+        assert min(weights) < 1.0
+    assert server.in_flight == 0 and server.updates == len(weights)
+    for r in range(1, size):
+        np.testing.assert_allclose(out["final"][r][0], x[r], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(out["rules"][0].w.numpy(), w, rtol=1e-4, atol=1e-6)
+
+
+def test_gsp_auto_groups_put_the_straggler_alone() -> None:
+    """groups = auto: after the probe the slowed worker trains in a group of its own, the others together."""
+    rule = lambda: GSP(groups="auto", probe_steps=6)  # noqa: E731
+    out = run_server(4, dict.fromkeys((1, 2, 3), 14), rule, delay={3: 0.05})
+    for r in (1, 2, 3):
+        assert out["rules"][r].group_ranks == [[1, 2], [3]]
+    assert out["rules"][0].server.in_flight == 0
+    np.testing.assert_allclose(out["final"][1], out["final"][2])  # one group: identical replicas
+
+
+def test_group_files_and_speeds(tmp_path: Path) -> None:
+    groups = tmp_path / "groups"
+    groups.write_text("1 2  # fast\nnode-b\n")
+    lines = read_groups(str(groups), 4, 1)
+    assert group_of(lines, 2, {"node-a"}, str(groups)) == 0
+    assert group_of(lines, 3, {"node-b"}, str(groups)) == 1
+    with pytest.raises(ConfigError, match=r"rank 3 .* is in no group"):
+        group_of(lines, 3, {"node-a"}, str(groups))
+    with pytest.raises(ConfigError, match=r"rank 2 .* is in groups on lines 1 and 2"):
+        group_of(lines, 2, {"node-b"}, str(groups))
+    groups.write_text("0 1\n2 3\n")
+    with pytest.raises(ConfigError, match="line 1: rank 0 is not a worker"):
+        read_groups(str(groups), 4, 1)
+    groups.write_text("1 2\n2 3\n")
+    with pytest.raises(ConfigError, match="rank 2 is on lines 1 and 2"):
+        read_groups(str(groups), 4, 1)
+    with pytest.raises(ConfigError, match="cannot read it"):
+        read_groups(str(tmp_path / "missing"), 4, 1)
+    assert group_by_speed([1.0, 1.1, 2.5], 1.5) == [0, 0, 1]
+    assert group_by_speed([2.5, 1.0, 1.6], 1.5) == [2, 0, 1]
+    shares = tmp_path / "shares"
+    shares.write_text("0 0\n0 0.5\n0.5 1\n")
+    assert read_shares(str(shares), 3, 1) == [(0.0, 0.0), (0.0, 0.5), (0.5, 1.0)]
+    with pytest.raises(ConfigError, match=r"3 line\(s\) for a 2-rank job"):
+        read_shares(str(shares), 2, 1)
+    shares.write_text("0 0\n0.5 0.2\nx y\n")
+    with pytest.raises(ConfigError, match=r"line 2: need 0 <= start < end <= 1"):
+        read_shares(str(shares), 3, 1)
+    with pytest.raises(ConfigError, match="shares needs a groups file"):
+        GSP(groups="auto", shares=str(shares))
+
+
+def test_gsp_group_with_unequal_shares_is_refused(tmp_path: Path) -> None:
+    groups, shares = tmp_path / "groups", tmp_path / "shares"
+    groups.write_text("1 2\n")
+    shares.write_text("0 0\n0 0.2\n0.2 1\n")
+    pools = [make_pool(0, 1)] + [
+        SerialPool(MLP(hidden=16), r - 1, 2, 8, OptimSection(), torch.device("cpu"), span=span)
+        for r, span in ((1, (0.0, 0.2)), (2, (0.2, 1.0)))
+    ]
+
+    def body(comm: Communicator) -> str:
+        try:
+            GSP(groups=str(groups), shares=str(shares)).bind(comm, pools[comm.rank])
+        except ConfigError as exc:
+            return str(exc)
+        return ""
+
+    errors = InProcessWorld(3, timeout_s=30).run(body)
+    assert errors[0] == "" and all("batches per epoch" in e for e in errors[1:]), errors

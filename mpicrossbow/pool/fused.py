@@ -104,14 +104,16 @@ class FusedPool(LearnerPool):
         device: torch.device,
         seed: int = 0,
         learners: int = 1,
+        span: tuple[float, float] | None = None,
     ) -> None:
         owner = type(model).__name__
         if learners < 1:
             raise ValueError(f"learners must be >= 1, got {learners}")
         self.model, self.device, self.m = model, device, learners
         self.rank, self.size, self.batch_size, self.optim, self.seed = rank, size, batch_size, optim, seed
+        self.span = span
         replicas = [model.module().to(device) for _ in range(learners)]
-        self.datas, self._n_batch_train = learner_data(model, rank, size, batch_size, seed, learners)
+        self.datas, self._n_batch_train = learner_data(model, rank, size, batch_size, seed, learners, span)
         self._iters: list[Iterator[Any]] = []
 
         param_lists, buffer_lists = [], []
@@ -293,7 +295,15 @@ class FusedPool(LearnerPool):
         old_m, old_params, old_buffers = self.m, self.params2d.clone(), self.buffers2d.clone()
         old_state = self.optimizer.state_dict()["state"]
         fresh = FusedPool(
-            self.model, self.rank, self.size, self.batch_size, self.optim, self.device, self.seed, learners
+            self.model,
+            self.rank,
+            self.size,
+            self.batch_size,
+            self.optim,
+            self.device,
+            self.seed,
+            learners,
+            self.span,
         )
         rows = [j if j < old_m else 0 for j in range(learners)]
         fresh.params2d.copy_(old_params[rows])

@@ -16,17 +16,29 @@ from .learner import Learner
 
 
 def learner_data(
-    model: Any, rank: int, size: int, batch_size: int, seed: int, learners: int
+    model: Any,
+    rank: int,
+    size: int,
+    batch_size: int,
+    seed: int,
+    learners: int,
+    span: tuple[float, float] | None = None,
 ) -> tuple[list[Any], int]:
     """(DataClass per learner, steps per epoch): learner j of rank r reads shard ``r·m + j`` of ``size·m``.
 
     So no two learners share a batch; the smallest shard sets the steps per epoch. Every engine loads its
-    learners' data through this, so engines given the same arguments train on the same batches.
+    learners' data through this, so engines given the same arguments train on the same batches. With a
+    ``span`` (the rank's fraction of the training set, see :class:`~mpicrossbow.shard.Shard`) learner j
+    reads the j-th of m equal parts of that span instead.
     """
     owner = type(model).__name__
     datas = []
     for j in range(learners):
-        data = model.data(Shard(rank * learners + j, size * learners, batch_size, seed))
+        part = None
+        if span is not None:
+            width = (span[1] - span[0]) / learners
+            part = (span[0] + j * width, span[1] if j == learners - 1 else span[0] + (j + 1) * width)
+        data = model.data(Shard(rank * learners + j, size * learners, batch_size, seed, span=part))
         check_data(data, owner, torch_form=True)
         datas.append(data)
     steps = min(d.n_batch_train for d in datas)
@@ -51,8 +63,9 @@ class SerialPool(LearnerPool):
         device: torch.device,
         seed: int = 0,
         learners: int = 1,
+        span: tuple[float, float] | None = None,
     ) -> None:
-        self.model, self.rank, self.size, self.batch_size = model, rank, size, batch_size
+        self.model, self.rank, self.size, self.batch_size, self.span = model, rank, size, batch_size, span
         self.optim, self.device, self.seed = optim, device, seed
         self.learners = [Learner(model.module(), model, optim, device) for _ in range(learners)]
         self._load_data()
@@ -61,7 +74,7 @@ class SerialPool(LearnerPool):
     def _load_data(self) -> None:
         """Every learner's shard (see :func:`learner_data`)."""
         self.datas, self._n_batch_train = learner_data(
-            self.model, self.rank, self.size, self.batch_size, self.seed, len(self.learners)
+            self.model, self.rank, self.size, self.batch_size, self.seed, len(self.learners), self.span
         )
 
     def resize(self, learners: int) -> None:

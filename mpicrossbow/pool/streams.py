@@ -38,13 +38,14 @@ class StreamsPool(SerialPool):
         device: torch.device,
         seed: int = 0,
         learners: int = 1,
+        span: tuple[float, float] | None = None,
     ) -> None:
         if device.type != "cuda" or not torch.cuda.is_available():
             raise ConfigError(
                 f"[pool] engine = streams needs a CUDA device (DEVICES=cudaN), this rank has {device}; "
                 "use engine = serial or fused"
             )
-        super().__init__(model, rank, size, batch_size, optim, device, seed, learners)
+        super().__init__(model, rank, size, batch_size, optim, device, seed, learners, span)
         self._make_streams()
 
     def _make_streams(self) -> None:

@@ -6,6 +6,7 @@ from .bsp import BSP
 from .diloco import DiLoCo
 from .easgd import EASGD
 from .gosgd import GOSGD
+from .gsp import GSP
 from .localsgd import LocalSGD
 from .psgd import PSGD
 from .registry import RULES
@@ -18,6 +19,7 @@ __all__ = [
     "BSP",
     "EASGD",
     "GOSGD",
+    "GSP",
     "PSGD",
     "RULES",
     "SMA",

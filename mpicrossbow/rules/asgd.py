@@ -1,8 +1,9 @@
 """ASGD — asynchronous SGD through a parameter server (Dean et al. 2012 "Downpour"; SpeeDO async; MXNet-G
 ``dist_async``).
 
-Who sends what to whom, and when: rank 0 holds w and does not train; every τ local steps a worker pushes its
-progress ``Δ = x − x_pulled`` and adopts the w the server replies with; the server applies
+Who sends what to whom, and when: rank 0 (ranks 0..S-1 with ``servers = S``, each a shard) holds w and does
+not train; every τ local steps a worker pushes its progress ``Δ = x − x_pulled`` (summed over its learners)
+and adopts the w the server replies with; the server applies
 ``w ← w + scale · Δ`` as each push arrives, with no barrier and no staleness bound: a slow worker never
 holds the others (its late pushes are applied as they come). The protocol is
 :mod:`mpicrossbow.rules.parameter_server`. ``scale`` defaults to 1 (each worker's steps count in full, as
@@ -27,6 +28,7 @@ class ASGD(ServerRule):
         """ASGD hyper-parameters."""
 
         tau: int = setting(1, "push Δ and pull w every τ local steps", ge=1)
-        scale: float = setting(1.0, "the server applies w ← w + scale·Δ (0: 1/workers)", ge=0)
+        scale: float = setting(1.0, "the server applies w ← w + scale·Δ (0: 1 / all workers' learners)", ge=0)
+        servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
 
     name = "ASGD"

@@ -55,6 +55,11 @@ class Rule:
         """(index, count) of the training shard ``rank`` reads, among the ranks that train."""
         return rank, size
 
+    def train_span(self, rank: int, size: int) -> tuple[float, float] | None:
+        """The ``(start, end)`` fraction of the training set ``rank`` reads instead of its equal shard, or
+        None (the default: equal shards from :meth:`train_shard`)."""
+        return None
+
     def serve(self, report: Callable[[torch.Tensor, float], None]) -> None:
         """The loop of a rank that does not train; ``report(params, epoch)`` validates and logs a model."""
         raise NotImplementedError(f"{type(self).__name__} keeps no rank out of training")

@@ -1,24 +1,32 @@
-"""The parameter-server substrate: rank 0 holds the global model, workers push deltas and pull it back.
+"""The parameter-server substrate: server ranks hold the global model, workers push deltas and pull it back.
 
 Who sends what to whom, and when (SpeeDO's async mode, MXNet-G's ``dist_async``/``dist_ssync``, Ho et al.'s
-SSP): rank 0 serves and does not train; workers are ranks 1..N-1 and share the training data. Every τ local
-steps a worker sends ``Δ = x − x_pulled`` (its progress since it last pulled) with a non-blocking send and
-waits for the reply, the server's current w, which it adopts (``x ← w``, ``x_pulled ← w``). The server
-keeps **one posted receive per worker** and serves each push as it arrives: ``w ← w + scale · Δ`` and the
-worker's clock (its pushes) goes up by one. It replies at once, unless the worker is more than
-``staleness`` clocks ahead of the slowest worker still training (``c − c_min > s``): then the reply waits
-until the slow ones catch up (SSP). ``staleness = None`` never waits (asynchronous SGD).
+SSP): ranks ``0..S-1`` serve (``[rule] servers = S``, default 1) and do not train; workers are ranks
+``S..N-1`` and share the training data. With several servers the model is **sharded by parameter ranges**:
+server j holds the j-th of S near-equal contiguous slices of the flat parameters (``numpy.array_split``
+bounds) and a worker talks to every server. Every τ local steps a worker sends each server its slice of
+``Δ = Σ_i (x_i − x_pulled)`` (the progress of its m learners since it last pulled: one message, as m
+workers would send) with a non-blocking send, and waits for the replies, the servers' current w, which every
+learner adopts (``x_i ← w``, ``x_pulled ← w``).
 
-Termination as in asynchronous EASGD: a worker's last message (same channel, flag set) says done; a done
-worker no longer counts for c_min, and the server leaves :meth:`ParameterServer.serve` once every worker is
-done, no reply waits and every reply send has completed: nothing is in flight.
+A server keeps **one posted receive per worker** and serves each push as it arrives: ``w ← w + scale ·
+weight · Δ`` (weight is 1 except for GSP's staleness weight) and the worker's clock (its pushes) goes up by
+one. It replies at once unless its policy holds the reply (SSP's staleness bound, SpeeDO's partial
+synchrony) or discards the push (weed-out). Every server applies the policy to its own shard with its own
+counters; a worker pushes to all servers at every push, so their clocks agree.
 
-A request is ``[Δ (n values), flag, progress]``; progress (epochs done) drives the once-per-epoch report of
-the server's model, as for asynchronous EASGD. One learner per worker rank.
+Messages: a push is ``[Δ slice, flag, progress, seen]`` — flag UPDATE or DONE, progress in epochs (drives
+the once-per-epoch report of the served model, S = 1 only), seen = the server's update count in the reply the
+worker last adopted (GSP's staleness). A reply is ``[w slice, updates]``.
+
+Termination as in asynchronous EASGD: a worker's last message (flag DONE) says done; a done worker no longer
+counts for c_min, and a server leaves :meth:`ParameterServer.serve` once every worker is done, no reply waits
+and every reply send has completed: nothing is in flight.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -35,19 +43,33 @@ log = logging.getLogger(__name__)
 
 PUSH_TAG, PULL_TAG = 7201, 7202
 UPDATE, DONE = 0.0, 1.0
+#: Values after the Δ slice in a push (flag, progress, seen) and after the w slice in a reply (updates).
+PUSH_HEADER, REPLY_HEADER = 3, 1
 Report = Callable[[torch.Tensor, float], None]
-SERVER = 0
+
+
+def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each server's slice of ``numel`` values: contiguous, near-equal, the first
+    ``numel mod servers`` slices one longer (``numpy.array_split``'s convention)."""
+    base, extra = divmod(numel, servers)
+    edges = [j * base + min(j, extra) for j in range(servers + 1)]
+    return list(itertools.pairwise(edges))
 
 
 class Policy:
-    """When the server merges a push and when it replies: asynchronous SGD's answer is always, at once.
+    """When the server merges a push, with what weight, and when it replies: ASGD's answer is always, 1, now.
 
-    Subclasses (SSP's staleness bound, SpeeDO's partial synchrony and weed-out) override the two questions.
+    Subclasses (SSP's staleness bound, SpeeDO's partial synchrony and weed-out, GSP's staleness weight)
+    override the questions they answer differently.
     """
 
     def accept(self, server: ParameterServer, r: int) -> bool:
         """Merge worker r's push (True) or discard it (False: r restarts from w)."""
         return True
+
+    def weight(self, server: ParameterServer, r: int) -> float:
+        """Factor on worker r's push, on top of ``scale`` (``server.seen[r]`` holds the push's seen count)."""
+        return 1.0
 
     def hold(self, server: ParameterServer, r: int) -> None:
         """Worker r's reply is about to be held: remember what releasing it will depend on."""
@@ -69,20 +91,28 @@ class StalenessBound(Policy):
 
 
 class ParameterServer:
-    """Rank 0's loop: apply each push as it arrives, reply with w (held back while too far ahead)."""
+    """A server rank's loop over its slice ``w``: apply each push as it arrives, reply (unless held)."""
 
     def __init__(
-        self, comm: Communicator, w: torch.Tensor, scale: float, policy: Policy, order: Order | None
+        self,
+        comm: Communicator,
+        w: torch.Tensor,
+        scale: float,
+        policy: Policy,
+        order: Order | None,
+        workers: list[int],
     ) -> None:
         self.comm, self.w, self.scale, self.policy, self.order = comm, w, scale, policy, order
-        self.workers = [r for r in range(comm.size) if r != comm.rank]
+        self.workers = workers
         n = w.numel()
-        self._inbox = {r: w.new_zeros(n + 2) for r in self.workers}
-        self._outbox = {r: w.new_zeros(n) for r in self.workers}
+        self._inbox = {r: w.new_zeros(n + PUSH_HEADER) for r in self.workers}
+        self._outbox = {r: w.new_zeros(n + REPLY_HEADER) for r in self.workers}
         self._recvs: dict[int, Handle] = {}
         self._sends: dict[int, Handle] = {}
         self.clock = dict.fromkeys(self.workers, 0)
-        self.progress = dict.fromkeys(self.workers, 0.0)
+        self.progress: dict[int, float] = {}
+        #: The update count each worker's latest push was computed from (GSP's staleness).
+        self.seen = dict.fromkeys(self.workers, 0)
         self.done: set[int] = set()
         self.held: list[int] = []
         #: Pushes applied to w so far, and pushes received (applied or discarded).
@@ -93,6 +123,8 @@ class ParameterServer:
         self.discarded = 0
         #: Replies that had to wait (staleness bound, partial synchrony).
         self.holds = 0
+        #: The weights pushes were applied with (GSP's 1/Y), in order.
+        self.weights: list[float] = []
         self._reported = 0
 
     @property
@@ -105,8 +137,8 @@ class ParameterServer:
         active = [self.clock[r] for r in self.workers if r not in self.done]
         return min(active) if active else math.inf  # type: ignore[return-value]
 
-    def serve(self, report: Report) -> None:
-        """Serve pushes until every worker is done and nothing is in flight."""
+    def serve(self, report: Report | None) -> None:
+        """Serve pushes until every worker is done and nothing is in flight; ``report`` once per epoch."""
         for r in self.workers:
             self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
         serve_requests(self._recvs, lambda r: self._handle(r, report), self.order)
@@ -117,16 +149,19 @@ class ParameterServer:
             "parameter server: %d update(s) from %d worker(s), all done", self.updates, len(self.workers)
         )
 
-    def _handle(self, r: int, report: Report) -> None:
+    def _handle(self, r: int, report: Report | None) -> None:
         del self._recvs[r]
         msg, n = self._inbox[r], self.w.numel()
         self.progress[r] = float(msg[n + 1])
+        self.seen[r] = int(msg[n + 2])
         if float(msg[n]) == DONE:
             self.done.add(r)
         else:
             self.received += 1
             if self.policy.accept(self, r):
-                self.w.add_(msg[:n], alpha=self.scale)
+                weight = self.policy.weight(self, r)
+                self.w.add_(msg[:n], alpha=self.scale * weight)
+                self.weights.append(weight)
                 self.updates += 1
             else:
                 self.discarded += 1
@@ -136,25 +171,31 @@ class ParameterServer:
         self._release()
         if r in self.held:
             self.holds += 1
-        epoch = sum(self.progress.values()) / len(self.workers)
-        if math.floor(epoch) > self._reported:
+        # Mean progress of the workers heard from (GSP: only group leaders push before the end).
+        epoch = sum(self.progress.values()) / len(self.progress)
+        if report is not None and math.floor(epoch) > self._reported:
             self._reported = math.floor(epoch)
             report(self.w, epoch)
 
     def _release(self) -> None:
         """Reply to every held worker within the staleness bound, then re-post its receive."""
+        n = self.w.numel()
         for r in [r for r in self.held if self.policy.releasable(self, r)]:
             self.held.remove(r)
             self.pulled_at[r] = self.received
             if r in self._sends:
                 self._sends.pop(r).wait()
-            self._outbox[r].copy_(self.w)
+            self._outbox[r][:n].copy_(self.w)
+            self._outbox[r][n] = self.updates
             self._sends[r] = self.comm.isend(self._outbox[r], r, PULL_TAG)
             self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
 
 
 class ServerRule(Rule):
-    """Base of the parameter-server rules: rank 0 serves, ranks 1..N-1 push every τ steps and pull."""
+    """Base of the parameter-server rules: ranks 0..S-1 serve, the others push every τ steps and pull.
+
+    Subclass ``Config`` dataclasses carry ``tau``, ``scale`` and ``servers``.
+    """
 
     def policy(self) -> Policy:
         """When the server merges and replies (asynchronous SGD: always, at once)."""
@@ -172,65 +213,105 @@ class ServerRule(Rule):
         """Ranks progress at their own pace until ``finish()``."""
         return False
 
+    @property
+    def servers(self) -> int:
+        """S: the ranks that serve a shard of the model each."""
+        return int(self.hyper.servers)
+
     def _check(self, size: int) -> None:
-        if size < 2:
+        if size < self.servers + 1:
             raise ConfigError(
-                f"RULE={self.name} needs at least 2 ranks (rank 0 serves the model, ranks 1..N-1 train); "
-                f"this job has {size}"
+                f"RULE={self.name} needs at least {self.servers + 1} ranks ([rule] servers = {self.servers} "
+                f"serve the model, at least one more rank trains); this job has {size}"
             )
 
     def trains(self, rank: int, size: int) -> bool:
-        """Every rank but the server trains."""
+        """Every rank but the servers trains."""
         self._check(size)
-        return rank != SERVER
+        return rank >= self.servers
 
     def train_shard(self, rank: int, size: int) -> tuple[int, int]:
-        """The workers share the data: shard rank − 1 of N − 1."""
+        """The workers share the data: shard rank − S of N − S."""
         self._check(size)
-        return rank - 1, size - 1
+        return rank - self.servers, size - self.servers
+
+    @property
+    def workers(self) -> list[int]:
+        """The training ranks S..N-1."""
+        assert self.comm is not None
+        return list(range(self.servers, self.comm.size))
 
     def scale(self) -> float:
-        """The factor a push is applied with (``[rule] scale``; 0 means 1/workers)."""
-        assert self.comm is not None
-        return self.hyper.scale or 1.0 / (self.comm.size - 1)
+        """The factor a push is applied with (``[rule] scale``; 0 means 1 / learners over all workers)."""
+        assert self.pool is not None
+        return self.hyper.scale or 1.0 / (len(self.workers) * len(self.pool.learners))
 
     def on_bind(self) -> None:
-        """w on the server, x_pulled on a worker; one learner per worker."""
+        """Server j: its slice of w. Worker: w, x_pulled and one push/reply buffer per server."""
         assert self.pool is not None and self.comm is not None
         self._check(self.comm.size)
-        if len(self.pool.learners) != 1:
-            raise ConfigError(f"RULE={self.name} runs one learner per rank; set [pool] learners = 1")
         self.w = self.pool.learners[0].params.clone()
-        if self.comm.rank == SERVER:
-            self.server = ParameterServer(self.comm, self.w, self.scale(), self.policy(), self.order)
+        self.bounds = shard_bounds(self.w.numel(), self.servers)
+        rank = self.comm.rank
+        if rank < self.servers:
+            lo, hi = self.bounds[rank]
+            self.server = ParameterServer(
+                self.comm, self.w[lo:hi], self.scale(), self.policy(), self.order, self.workers
+            )
             return
-        x = self.pool.learners[0].params
-        self.pulled = x.clone()
-        self.request = x.new_zeros(x.numel() + 2)
+        self.pulled = self.w.clone()
+        self.delta = torch.zeros_like(self.w)
+        self.seen = [0] * self.servers
+        self.pushes = [self.w.new_zeros(hi - lo + PUSH_HEADER) for lo, hi in self.bounds]
+        self.replies = [self.w.new_zeros(hi - lo + REPLY_HEADER) for lo, hi in self.bounds]
         self.requests = 0
 
     def _progress(self) -> float:
         assert self.pool is not None
         return self._steps / self.pool.n_batch_train
 
+    def _compute_delta(self) -> None:
+        """``delta ← Σ_i (x_i − x_pulled)`` over this rank's learners."""
+        assert self.pool is not None
+        learners = self.pool.learners
+        torch.sub(learners[0].params, self.pulled, out=self.delta)
+        for learner in learners[1:]:
+            self.delta.add_(learner.params).sub_(self.pulled)
+
     def _push(self, flag: float) -> None:
+        """Send every server its slice of Δ (or DONE); on UPDATE wait for the replies and adopt w."""
         assert self.pool is not None and self.comm is not None
-        x, n = self.pool.learners[0].params, self.w.numel()
+        if flag == UPDATE:
+            self._compute_delta()
+        for j, (lo, hi) in enumerate(self.bounds):
+            n = hi - lo
+            if flag == DONE:
+                self.pushes[j][:n].zero_()
+            else:
+                self.pushes[j][:n].copy_(self.delta[lo:hi])
+            self.pushes[j][n:] = torch.tensor([flag, self._progress(), self.seen[j]], dtype=self.w.dtype)
         if flag == DONE:
-            self.request[:n].zero_()
-        else:
-            torch.sub(x, self.pulled, out=self.request[:n])
-        self.request[n], self.request[n + 1] = flag, self._progress()
-        if flag == DONE:
-            self.comm.isend(self.request, SERVER, PUSH_TAG).wait()
+            for handle in [self.comm.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.servers)]:
+                handle.wait()
             return
-        recv = self.comm.irecv(self.w, SERVER, PULL_TAG)
-        send = self.comm.isend(self.request, SERVER, PUSH_TAG)
-        recv.wait()  # held back by the server while this worker is too far ahead (SSP)
-        send.wait()
-        x.copy_(self.w)
-        self.pulled.copy_(self.w)
+        recvs = [self.comm.irecv(self.replies[j], j, PULL_TAG) for j in range(self.servers)]
+        sends = [self.comm.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.servers)]
+        for handle in recvs:  # held back by a server while this worker is too far ahead (SSP)
+            handle.wait()
+        for handle in sends:
+            handle.wait()
+        for j, (lo, hi) in enumerate(self.bounds):
+            self.w[lo:hi].copy_(self.replies[j][: hi - lo])
+            self.seen[j] = int(self.replies[j][hi - lo])
+        self._adopt()
         self.requests += 1
+
+    def _adopt(self) -> None:
+        """Every learner and x_pulled become w."""
+        assert self.pool is not None
+        for learner in self.pool.learners:
+            learner.params.copy_(self.w)
+        self.pulled.copy_(self.w)
 
     def exchange(self, step: int) -> None:
         """Every τ-th step a worker pushes Δ and adopts the server's w."""
@@ -239,14 +320,16 @@ class ServerRule(Rule):
             self._push(UPDATE)
 
     def serve(self, report: Report) -> None:
-        """Rank 0: the parameter server's loop."""
+        """A server rank's loop (the served model is reported once per epoch when one server holds it all)."""
         if self.server is None:
             super().serve(report)
             return
-        self.server.serve(report)
+        if self.servers > 1:
+            log.info("%d servers hold shards of the model: it is validated at the end only", self.servers)
+        self.server.serve(report if self.servers == 1 else None)
 
     def finish(self) -> None:
-        """A worker sends done; the server has nothing in flight once serve() returned."""
+        """A worker sends done; a server has nothing in flight once serve() returned."""
         if self.server is None and self.comm is not None:
             self._push(DONE)
         elif self.server is not None and self.server.in_flight:
@@ -258,14 +341,15 @@ class ServerRule(Rule):
         return self.server.in_flight if self.server is not None else 0
 
     def sync_state(self) -> None:
-        """After finish: every rank gets the server's final w (a collective)."""
+        """After finish: every rank gets the servers' final w, slice j from server j (collective)."""
         assert self.comm is not None
-        self.comm.broadcast(self.w, root=SERVER).wait()
+        for j, (lo, hi) in enumerate(self.bounds):
+            self.comm.broadcast(self.w[lo:hi], root=j).wait()
         self._synced = True
 
     def eval_params(self) -> torch.Tensor | None:
-        """The server's w (on a worker: only after sync_state)."""
-        return self.w if self.server is not None or self._synced else None
+        """The servers' w (on a single server at any time; elsewhere only after sync_state)."""
+        return self.w if (self.server is not None and self.servers == 1) or self._synced else None
 
     def state_dict(self) -> dict[str, Any]:
         """w and the counters."""

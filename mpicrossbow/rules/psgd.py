@@ -1,10 +1,10 @@
 """PSGD — partially synchronous SGD (SpeeDO ``--maxAdvance``).
 
-Who sends what to whom, and when: ASGD through the parameter server (rank 0 holds w; every τ steps a worker
-pushes ``Δ = x − x_pulled``, the server merges ``w ← w + scale·Δ`` on arrival and replies with w), except
-that when a worker's push puts it ``max_advance`` or more pushes ahead of the slowest worker still training,
-its reply is held **until every other training worker has pushed once more** (SpeeDO's rule: the fast
-worker stops until everyone else has reported again), instead of SSP's "until the slowest is within s".
+Who sends what to whom, and when: ASGD through the parameter server (ranks 0..S-1 hold w; every τ steps a
+worker pushes ``Δ = x − x_pulled``, the server merges ``w ← w + scale·Δ`` on arrival and replies with w),
+except that when a worker's push puts it ``max_advance`` or more pushes ahead of the slowest worker still
+training, its reply is held **until every other training worker has pushed once more** (SpeeDO's rule: the
+fast worker stops until everyone else has reported again), instead of SSP's "until the slowest is within s".
 Protocol: :mod:`mpicrossbow.rules.parameter_server`.
 """
 
@@ -50,7 +50,8 @@ class PSGD(ServerRule):
 
         max_advance: int = setting(4, "pushes ahead of the slowest that make a worker wait for all", ge=1)
         tau: int = setting(1, "push Δ and pull w every τ local steps", ge=1)
-        scale: float = setting(0.0, "the server applies w ← w + scale·Δ (0: 1/workers)", ge=0)
+        scale: float = setting(0.0, "the server applies w ← w + scale·Δ (0: 1 / all workers' learners)", ge=0)
+        servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
 
     name = "PSGD"
 

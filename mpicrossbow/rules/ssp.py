@@ -1,7 +1,7 @@
 """SSP — stale synchronous parallel (Ho et al., NIPS 2013; MXNet-G ``dist_ssync``, SpeeDO --maxAdvance).
 
-Who sends what to whom, and when: as asynchronous SGD through the parameter server (rank 0 holds w; every τ
-steps a worker pushes ``Δ = x − x_pulled`` and adopts the w in the reply), plus a clock per worker (its
+Who sends what to whom, and when: as asynchronous SGD through the parameter server (ranks 0..S-1 hold w; every
+τ steps a worker pushes ``Δ = x − x_pulled`` and adopts the w in the reply), plus a clock per worker (its
 pushes): the server holds a worker's reply while its clock c exceeds the slowest training worker's by more
 than ``staleness`` s (``c − c_min > s``), so no worker runs more than s pushes ahead. s = 0 is bulk
 synchronous: with τ = 1 and ``scale`` = 1/workers (the default) every worker's step is the mean of all
@@ -28,7 +28,8 @@ class SSP(ServerRule):
 
         staleness: int = setting(2, "s: pushes a worker may run ahead of the slowest (0: BSP)", ge=0)
         tau: int = setting(1, "push Δ and pull w every τ local steps", ge=1)
-        scale: float = setting(0.0, "the server applies w ← w + scale·Δ (0: 1/workers)", ge=0)
+        scale: float = setting(0.0, "the server applies w ← w + scale·Δ (0: 1 / all workers' learners)", ge=0)
+        servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
 
     name = "SSP"
 

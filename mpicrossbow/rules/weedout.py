@@ -1,8 +1,8 @@
 """WEEDOUT — weed-out SGD (SpeeDO ``--weedout n``).
 
-Who sends what to whom, and when: ASGD through the parameter server (rank 0 holds w; every τ steps a worker
-pushes ``Δ = x − x_pulled`` and adopts the w in the reply), but a push is merged only if it is fresh: if more
-than ``K = max(n, workers)`` pushes reached the server since this worker last pulled (its result was
+Who sends what to whom, and when: ASGD through the parameter server (ranks 0..S-1 hold w; every τ steps a
+worker pushes ``Δ = x − x_pulled`` and adopts the w in the reply), but a push is merged only if it is fresh:
+if more than ``K = max(n, workers)`` pushes reached the server since this worker last pulled (its result was
 computed from weights K or more reports old — the sender is not among the last K reporters), the server
 **discards** it and the worker restarts from the current w, which the reply carries either way. With
 every worker equally fast each is exactly ``workers`` reports old, so nothing is discarded; a straggler's
@@ -39,7 +39,8 @@ class WeedOut(ServerRule):
 
         n: int = setting(0, "merge only pushes at most max(n, workers) reports old", ge=0)
         tau: int = setting(1, "push Δ and pull w every τ local steps", ge=1)
-        scale: float = setting(0.0, "the server applies w ← w + scale·Δ (0: 1/workers)", ge=0)
+        scale: float = setting(0.0, "the server applies w ← w + scale·Δ (0: 1 / all workers' learners)", ge=0)
+        servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
 
     name = "WEEDOUT"
 

@@ -1,0 +1,213 @@
+"""GSP — grouping synchronous parallel (MXNet-G's Grouping-SGD).
+
+Who sends what to whom, and when: ranks 0..S-1 serve the model as for ASGD
+(:mod:`mpicrossbow.rules.parameter_server`); the workers are split into **groups** (a groups file, or
+``groups = auto``: by speed, see :mod:`mpicrossbow.rules.grouping`; empty: one group of all workers).
+Inside a group every step is synchronous: one allreduce over the group's ranks averages the gradients of all
+its learners (BSP gradient mode), so a group's replicas stay identical. Across groups it is asynchronous:
+every τ steps the group's first rank (its leader) pushes the group's progress ``Δ = x − x_pulled`` to the
+servers and broadcasts the reply, the current w, to its group. The server applies the push with a staleness
+weight: ``w ← w + scale · Δ / Y_G``, ``Y_G = 1 + (updates the server applied since the w this group last
+pulled)`` — 1 for a group nobody overtook, larger for a group whose progress was computed from older
+weights. A slow rank in a group of its own therefore never holds the fast groups, and its stale work
+counts less.
+
+``groups = auto``: the workers first train as one group for ``probe_steps`` steps, timing their own work
+per step (waits for the group excluded); then they agree on everyone's median, form groups by
+:func:`~mpicrossbow.rules.grouping.group_by_speed` and go on from the same pulled w. ``shares``: a
+data-sharding file (one ``start end`` fraction per rank) that replaces the equal shards; ranks of one group
+must hold the same number of batches per epoch (checked at the start).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..comm.base import Communicator, ReduceOp
+from ..errors import ConfigError
+from ..validate import setting
+from .grouping import group_by_speed, group_of, read_groups, read_shares
+from .parameter_server import UPDATE, ParameterServer, Policy, ServerRule
+from .registry import RULES
+
+log = logging.getLogger(__name__)
+
+
+class GroupStaleness(Policy):
+    """Weight a push by ``1/Y``, Y = 1 + updates applied since the w its group last pulled."""
+
+    def weight(self, server: ParameterServer, r: int) -> float:
+        """``1 / (1 + updates − seen_r)``."""
+        return 1.0 / (1 + server.updates - server.seen[r])
+
+
+def hostnames() -> set[str]:
+    """This host's names as a groups file may write them (full and short)."""
+    name = socket.gethostname()
+    return {name, name.split(".")[0]}
+
+
+@RULES.register("GSP")
+class GSP(ServerRule):
+    """Synchronous groups of workers, asynchronous across groups with MXNet-G's 1/Y staleness weight."""
+
+    @dataclass(frozen=True)
+    class Config:
+        """GSP hyper-parameters."""
+
+        groups: str = setting(
+            "", "groups file (a group per line: ranks or host names), auto (by measured speed), or empty: one"
+        )
+        shares: str = setting("", "data-sharding file: one 'start end' fraction pair per rank, or empty")
+        tau: int = setting(1, "a group's leader pushes Δ and pulls w every τ steps", ge=1)
+        scale: float = setting(
+            1.0, "the server applies w ← w + scale·Δ/Y (0: 1 / all workers' learners)", ge=0
+        )
+        servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
+        probe_steps: int = setting(
+            20, "groups = auto: steps timed (as one group) before the groups form", ge=1
+        )
+        speed_ratio: float = setting(
+            1.5, "groups = auto: a worker this much slower than its group's fastest starts a new group", gt=1
+        )
+
+    name = "GSP"
+
+    def __init__(self, **hyper: Any) -> None:
+        super().__init__(**hyper)
+        if self.hyper.groups == "auto" and self.hyper.shares:
+            raise ConfigError(
+                "[rule] shares needs a groups file: with groups = auto the groups are not known when the "
+                "data is sharded"
+            )
+        self.group: Communicator | None = None
+        #: World ranks of every group, once known on this rank (auto: after the probe; file: own group).
+        self.group_ranks: list[list[int]] = []
+        self._busy: list[float] = []
+        self._inside = 0.0
+        self._last_end: float | None = None
+
+    # ------------------------------------------------------------------ set-up (no communication)
+    def _file_group(self, rank: int, size: int) -> int:
+        path = self.hyper.groups
+        return group_of(read_groups(path, size, self.servers), rank, hostnames(), path)
+
+    def trains(self, rank: int, size: int) -> bool:
+        """Servers serve; a worker checks the groups and shares files name it properly."""
+        if not super().trains(rank, size):
+            return False
+        if self.hyper.groups not in ("", "auto"):
+            self._file_group(rank, size)
+        self.train_span(rank, size)
+        return True
+
+    def train_span(self, rank: int, size: int) -> tuple[float, float] | None:
+        """This rank's line of the shares file (None without one: equal shards)."""
+        return read_shares(self.hyper.shares, size, self.servers)[rank] if self.hyper.shares else None
+
+    # ------------------------------------------------------------------ binding
+    def on_bind(self) -> None:
+        """Split the workers into their groups and check a group's ranks take equally many steps."""
+        super().on_bind()
+        assert self.comm is not None and self.pool is not None
+        rank, size = self.comm.rank, self.comm.size
+        workers = self.comm.split(0 if self.server is not None else 1)
+        if self.server is not None:
+            return
+        self.workers_comm = workers
+        n, s = self.w.numel(), self.servers
+        self._state = self.w.new_zeros(n + s)  # w and the update counts seen, as the leader broadcasts them
+        if self.hyper.groups == "auto":
+            self.group = workers
+            self._probing = True
+        else:
+            index = self._file_group(rank, size) if self.hyper.groups else 0
+            self.group = workers.split(index)
+            self._probing = False
+        self._check_batches()
+
+    def _check_batches(self) -> None:
+        assert self.group is not None and self.pool is not None
+        mine = float(self.pool.n_batch_train)
+        most, fewest = self.group.allreduce_scalars([mine, -mine], op=ReduceOp.MAX)
+        if most != -fewest:
+            raise ConfigError(
+                f"RULE=GSP: the ranks of one group hold {int(-fewest)} to {int(most)} batches per epoch; a "
+                "group trains in lock-step, so give its ranks equal shares ([rule] shares)"
+            )
+
+    def _compute_delta(self) -> None:
+        """The group's progress: learner 0's (every replica of a group is the same)."""
+        assert self.pool is not None
+        torch.sub(self.pool.learners[0].params, self.pulled, out=self.delta)
+
+    # ------------------------------------------------------------------ hooks
+    def on_gradients(self, step: int) -> None:
+        """Average gradients over the group's learners (a barrier inside the group)."""
+        if self.server is not None:
+            return
+        start = time.perf_counter()
+        self.average("grads", comm=self.group)
+        self._inside += time.perf_counter() - start
+
+    def exchange(self, step: int) -> None:
+        """Every τ steps the leader pushes, the group adopts the reply; auto groups form after the probe."""
+        self._steps = step + 1
+        if self.server is not None:
+            return
+        start = time.perf_counter()
+        probe_ends = self._probing and self._steps == self.hyper.probe_steps
+        if self._steps % self.hyper.tau == 0 or probe_ends:
+            self._group_pull()
+        if probe_ends:
+            self._form_groups()
+        end = time.perf_counter()
+        self._inside += end - start
+        if self._last_end is not None and self._probing:
+            self._busy.append(end - self._last_end - self._inside)
+        self._last_end, self._inside = end, 0.0
+
+    def _group_pull(self) -> None:
+        """The leader pushes Δ and pulls w; the group receives w (and the counts seen) by broadcast."""
+        assert self.group is not None
+        n = self.w.numel()
+        if self.group.rank == 0:
+            self._push(UPDATE)
+            self._state[:n].copy_(self.w)
+            self._state[n:] = torch.tensor(self.seen, dtype=self._state.dtype)
+        if self.group.size > 1:
+            self.group.broadcast(self._state, root=0).wait()
+            if self.group.rank != 0:
+                self.w.copy_(self._state[:n])
+                self.seen = [int(v) for v in self._state[n:].tolist()]
+                self._adopt()
+
+    def _form_groups(self) -> None:
+        """Agree on every worker's median seconds per step and split into groups by speed."""
+        assert self.comm is not None
+        workers = self.workers_comm
+        seconds = torch.zeros(workers.size, dtype=torch.float64)
+        seconds[workers.rank] = statistics.median(self._busy) if self._busy else 0.0
+        workers.allreduce(seconds).wait()
+        index = group_by_speed(seconds.tolist(), self.hyper.speed_ratio)
+        world = self.workers
+        self.group_ranks = [[world[i] for i, g in enumerate(index) if g == k] for k in range(max(index) + 1)]
+        self.group = workers.split(index[workers.rank])
+        self._probing = False
+        if workers.rank == 0:
+            log.info(
+                "GSP groups by speed: %s (median s/step %s)",
+                self.group_ranks,
+                ", ".join(f"{s:.4f}" for s in seconds.tolist()),
+            )
+
+    def policy(self) -> GroupStaleness:
+        """MXNet-G's staleness weight."""
+        return GroupStaleness()
