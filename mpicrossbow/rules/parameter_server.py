@@ -258,9 +258,9 @@ class ServerRule(Rule):
         return self.server.in_flight if self.server is not None else 0
 
     def sync_state(self) -> None:
-        """After finish: every rank gets the server's final w (a collective)."""
+        """After finish: every rank gets the server's final w (a collective; exact, never compressed)."""
         assert self.comm is not None
-        self.comm.broadcast(self.w, root=SERVER).wait()
+        self.comm.exact.broadcast(self.w, root=SERVER).wait()
         self._synced = True
 
     def eval_params(self) -> torch.Tensor | None:
