@@ -24,6 +24,7 @@ from mpicrossbow.comm import (
     make_communicator,
 )
 from mpicrossbow.comm.base import Communicator, Handle
+from mpicrossbow.comm.compressed import EXACT_TAIL
 from mpicrossbow.config import OptimSection, load_config
 from mpicrossbow.errors import ConfigError, UsageError
 from mpicrossbow.pool import SerialPool
@@ -45,6 +46,13 @@ def values(rank: int, numel: int = N, dtype: torch.dtype = torch.float32) -> tor
 def rounded(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
     """``t`` through the wire type and back to float32."""
     return t.to(wire).to(torch.float32)
+
+
+def message(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """What a point-to-point message of ``t`` delivers: rounded values, the last EXACT_TAIL bit-exact."""
+    out = rounded(t, wire)
+    out[-EXACT_TAIL:] = t[-EXACT_TAIL:]
+    return out
 
 
 def compressed(wire: torch.dtype, min_numel: int = 1024) -> Callable[[Communicator], CompressedCommunicator]:
@@ -125,7 +133,8 @@ def test_isend_irecv_deliver_rounded_values_widened_at_completion(wire: torch.dt
     for result in InProcessWorld(3).run(body):
         assert result["done"]
         assert torch.equal(result["before"], torch.zeros(N))  # nothing lands before the handle completes
-        assert torch.equal(result["into"], rounded(values(result["left"]), wire))
+        assert torch.equal(result["into"], message(values(result["left"]), wire))
+        assert not torch.equal(result["into"], rounded(values(result["left"]), wire))  # the tail is exact
 
 
 class DeferredHandle(Handle):
@@ -201,7 +210,7 @@ def test_handles_keep_the_16_bit_buffers_alive_until_completion(wire: torch.dtyp
     pointers = {send.buffer.data_ptr(), recv.buffer.data_ptr()}  # type: ignore[attr-defined]
     send.wait()
     recv.wait()
-    assert torch.equal(into, rounded(values(0), wire))
+    assert torch.equal(into, message(values(0), wire))
     assert send.buffer is None and recv.buffer is None  # type: ignore[attr-defined]
     again = comm.isend(values(1), 0)  # completed buffers are reused, not reallocated
     assert again.buffer.data_ptr() in pointers  # type: ignore[attr-defined]
@@ -292,12 +301,12 @@ def test_parameter_server_keeps_w_in_float32(wire: torch.dtype) -> None:
         if c.rank == 0:
             server = ParameterServer(c, w0.clone(), 1.0, Policy(), None)
             server.serve(lambda w, epoch: None)
-            return server.w
+            return server.w, server.progress[1]
         replies = []
         for i, delta in enumerate([*deltas, None]):
             request = torch.zeros(N + 2)
             request[N] = 1.0 if delta is None else 0.0
-            request[N + 1] = 0.25 * (i + 1)
+            request[N + 1] = 0.1 * i + 1 / 3  # progress: not representable in 16 bits
             if delta is not None:
                 request[:N] = delta
                 reply = torch.zeros(N)
@@ -308,11 +317,12 @@ def test_parameter_server_keeps_w_in_float32(wire: torch.dtype) -> None:
                 replies.append(reply)
         return replies
 
-    w, replies = InProcessWorld(2).run(body)
+    (w, progress), replies = InProcessWorld(2).run(body)
+    assert progress == float(torch.tensor(0.2 + 1 / 3))  # the done message's progress arrived bit-exact
     want = w0.clone()
     for i, delta in enumerate(deltas):
-        want += rounded(delta, wire)
-        assert torch.equal(replies[i], rounded(want, wire))
+        want += message(torch.cat([delta, torch.zeros(2)]), wire)[:N]  # Δ's last 2 values in the exact tail
+        assert torch.equal(replies[i], message(want, wire))
     assert w.dtype == torch.float32 and torch.equal(w, want)
     assert not torch.equal(w, rounded(w, wire))  # w itself was never rounded
 
@@ -337,8 +347,9 @@ def test_elastic_server_keeps_the_centre_in_float32(wire: torch.dtype) -> None:
         return reply
 
     centre, reply = InProcessWorld(2).run(body)
-    e = (rounded(x, wire) - centre0) * alpha
-    assert torch.equal(centre, centre0 + e) and torch.equal(reply, rounded(e, wire))
+    sent = message(torch.cat([x, torch.tensor([0.0, 0.0])]), wire)[:N]  # x's last 2 values are in the tail
+    e = (sent - centre0) * alpha
+    assert torch.equal(centre, centre0 + e) and torch.equal(reply, message(e, wire))
     assert not torch.equal(centre, rounded(centre, wire))
 
 

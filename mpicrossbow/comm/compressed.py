@@ -7,7 +7,9 @@ change to the rule:
 * ``allreduce``: the tensor is rounded to the wire type, the inner communicator reduces the 16-bit copy (MPI
   and the in-process double accumulate 16-bit sums in float32 and round once; NCCL reduces bf16/fp16
   natively), and the result is widened back into the caller's full-precision tensor.
-* ``isend``: a 16-bit copy is sent and kept alive by the handle until the send completes.
+* ``isend``: a 16-bit copy is sent and kept alive by the handle until the send completes. Its last
+  :data:`EXACT_TAIL` (4) values travel bit-exact, ahead of the 16-bit body: the asynchronous rules'
+  requests and replies end in control fields (flag, progress, counters) that must not be rounded.
 * ``irecv``: the message lands in a 16-bit scratch buffer and is widened into the caller's tensor when the
   handle completes (``wait()``, or the ``test()`` that first returns True).
 * ``broadcast``: the root's tensor is rounded, sent, and widened on every rank — the root's own tensor too,
@@ -44,6 +46,10 @@ COMPRESSIONS: dict[str, torch.dtype | None] = {"none": None, "fp16": torch.float
 COMPRESSIBLE_DTYPES = frozenset({torch.float32, torch.float64})
 #: Tensors with fewer elements travel exactly (metrics, counters, flags; no bandwidth to save there).
 MIN_NUMEL = 1024
+#: Point-to-point messages keep their last values bit-exact: the request/reply protocols of the
+#: asynchronous rules put their control fields there (a flag, the sender's progress, counters), which
+#: rounding would corrupt (bf16 holds integers exactly only up to 256).
+EXACT_TAIL = 4
 
 
 def wire_dtype(compression: str) -> torch.dtype | None:
@@ -127,14 +133,15 @@ class CompressedCommunicator(Communicator):
         """Whether ``tensor`` travels 16-bit: float32/float64 with at least ``min_numel`` elements."""
         return tensor.dtype in COMPRESSIBLE_DTYPES and tensor.numel() >= self.min_numel
 
-    def _take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A free 16-bit buffer with ``tensor``'s element count and device (reused, else allocated)."""
+    def _take(self, tensor: torch.Tensor, numel: int | None = None) -> torch.Tensor:
+        """A free 16-bit buffer of ``numel`` (default: ``tensor``'s count) on ``tensor``'s device."""
         if not tensor.is_contiguous():
             raise ValueError("CompressedCommunicator needs a contiguous tensor; call .contiguous() first")
-        free = self._free.get((tensor.numel(), tensor.device))
+        numel = tensor.numel() if numel is None else numel
+        free = self._free.get((numel, tensor.device))
         if free:
             return free.pop()
-        return torch.empty(tensor.numel(), dtype=self.wire, device=tensor.device)
+        return torch.empty(numel, dtype=self.wire, device=tensor.device)
 
     def _give(self, wire: torch.Tensor) -> None:
         """Hand a buffer back once no transfer uses it any more."""
@@ -179,19 +186,37 @@ class CompressedCommunicator(Communicator):
         handle = self._inner.broadcast(wire, root, async_op)
         return self._result(handle, wire, tensor, block=not async_op)
 
+    def _message(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """A free buffer for a point-to-point message of ``tensor``: the exact tail's raw bits first (so its
+        view as ``tensor``'s dtype starts aligned), then the 16-bit body; and (tail words, body length)."""
+        words = EXACT_TAIL * tensor.element_size() // 2
+        body = tensor.numel() - EXACT_TAIL
+        return self._take(tensor, words + body), words, body
+
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
-        """Send a 16-bit copy (``tensor`` itself may change at once; the copy lives until completion)."""
-        if not self.compresses(tensor):
+        """Send a 16-bit copy, its last :data:`EXACT_TAIL` values bit-exact (``tensor`` may change at once;
+        the copy lives until completion)."""
+        if not self.compresses(tensor) or tensor.numel() <= EXACT_TAIL:
             return self._inner.isend(tensor, dst, tag)
-        wire = self._narrow(tensor)
+        wire, words, body = self._message(tensor)
+        flat = tensor.detach().reshape(-1)
+        wire[:words].view(tensor.dtype).copy_(flat[body:])
+        wire[words:].copy_(flat[:body])
         return self._result(self._inner.isend(wire, dst, tag), wire, None, block=False)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
-        """Receive 16-bit values into scratch; they are widened into ``tensor`` when the handle completes."""
-        if not self.compresses(tensor):
+        """Receive into 16-bit scratch; widened into ``tensor`` (its exact tail copied) at completion."""
+        if not self.compresses(tensor) or tensor.numel() <= EXACT_TAIL:
             return self._inner.irecv(tensor, src, tag)
-        wire = self._take(tensor)
-        return self._result(self._inner.irecv(wire, src, tag), wire, tensor, block=False)
+        wire, words, body = self._message(tensor)
+
+        def unpack() -> None:
+            flat = tensor.detach().view(-1)
+            flat[:body].copy_(wire[words:])
+            flat[body:].copy_(wire[:words].view(tensor.dtype))
+            self._give(wire)
+
+        return CompressedHandle(self._inner.irecv(wire, src, tag), wire, unpack)
 
     def barrier(self) -> None:
         """The inner barrier."""
