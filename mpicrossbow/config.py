@@ -170,6 +170,9 @@ class CommSection:
     backend: Literal["auto", "mpi", "gloo", "nccl"] = setting(
         "auto", "auto: mpi4py on CPU devices, NCCL on CUDA devices"
     )
+    compression: Literal["none", "fp16", "bf16"] = setting(
+        "none", "exchange large float buffers as fp16 or bf16 (metrics, initial and final models stay exact)"
+    )
 
 
 @dataclass(frozen=True)

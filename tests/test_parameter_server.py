@@ -23,6 +23,7 @@ import torch
 from conftest import launcher, only_run, run_mpi
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
+from mpicrossbow.comm.compressed import EXACT_TAIL
 from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
@@ -30,6 +31,7 @@ from mpicrossbow.metrics import read_metrics
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.rules import ASGD, BSP, GSP, PSGD, SSP, Rule, WeedOut
 from mpicrossbow.rules.grouping import group_by_speed, group_of, read_groups, read_shares
+from mpicrossbow.rules.parameter_server import PUSH_HEADER, REPLY_HEADER
 
 LR, MOMENTUM = 0.05, 0.9
 Order = Callable[[int, Sequence[int]], int]
@@ -415,3 +417,9 @@ def test_gsp_group_with_unequal_shares_is_refused(tmp_path: Path) -> None:
 
     errors = InProcessWorld(3, timeout_s=30).run(body)
     assert errors[0] == "" and all("batches per epoch" in e for e in errors[1:]), errors
+
+
+def test_message_headers_travel_exactly_under_compression() -> None:
+    """Flags, progress and counters ride at the end of push and reply messages: within the compressed
+    communicator's bit-exact tail, so bf16 never rounds a count."""
+    assert max(PUSH_HEADER, REPLY_HEADER) <= EXACT_TAIL

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mpicrossbow.comm.base import Communicator, DoneHandle, Handle, ReduceOp
+from mpicrossbow.comm.compressed import COMPRESSIONS, CompressedCommunicator, wire_dtype
 from mpicrossbow.comm.inprocess import InProcessCommunicator, InProcessWorld, WorldAborted
 from mpicrossbow.errors import ConfigError
 
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKENDS",
+    "COMPRESSIONS",
     "Communicator",
+    "CompressedCommunicator",
     "DoneHandle",
     "Handle",
     "InProcessCommunicator",
@@ -66,15 +69,19 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 
 def make_communicator(
-    backend: str, device: torch.device | str, mpi_comm: MPI.Comm | None = None
+    backend: str, device: torch.device | str, mpi_comm: MPI.Comm | None = None, compression: str = "none"
 ) -> Communicator:
     """Build the communicator for ``backend`` (one of :data:`BACKENDS`) and ``device`` over ``mpi_comm``
-    (default ``COMM_WORLD``); collective over its ranks."""
+    (default ``COMM_WORLD``); collective over its ranks. ``compression`` (``[comm] compression``: none,
+    fp16, bf16) wraps it in a :class:`CompressedCommunicator` that exchanges large float buffers 16-bit."""
     resolved = resolve_backend(backend, device)
+    wire = wire_dtype(compression)  # checked before any rank starts communicating
     if resolved == "mpi":
         from mpicrossbow.comm.mpi import MPICommunicator
 
-        return MPICommunicator(mpi_comm)
-    from mpicrossbow.comm.torchdist import TorchDistCommunicator
+        comm: Communicator = MPICommunicator(mpi_comm)
+    else:
+        from mpicrossbow.comm.torchdist import TorchDistCommunicator
 
-    return TorchDistCommunicator.from_mpi(mpi_comm, backend=resolved)
+        comm = TorchDistCommunicator.from_mpi(mpi_comm, backend=resolved)
+    return comm if wire is None else CompressedCommunicator(comm, wire)

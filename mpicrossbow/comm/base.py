@@ -105,6 +105,12 @@ class Communicator(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot tell which ranks share a node")
 
+    @property
+    def exact(self) -> Communicator:
+        """This group without lossy compression: ``self``, unless this is a compressing wrapper
+        (:mod:`mpicrossbow.comm.compressed`). Rules use it for transfers that must arrive bit for bit."""
+        return self
+
     def allreduce_scalars(self, values: list[float], op: ReduceOp = ReduceOp.SUM) -> list[float]:
         """Allreduce a short list of Python floats (metrics, counters) in float64; blocking."""
         t = torch.tensor(values, dtype=torch.float64)

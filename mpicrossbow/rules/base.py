@@ -72,12 +72,13 @@ class Rule:
 
     # ----------------------------------------------------------------- binding
     def bind(self, comm: Communicator, pool: LearnerPool) -> Rule:
-        """Attach to the communicator and pool; every learner starts from rank 0's learner 0."""
+        """Attach to the communicator and pool; every learner starts from rank 0's learner 0, bit for bit
+        (the broadcast bypasses ``[comm] compression``)."""
         self.comm, self.pool = comm, pool
         first = pool.learners[0]
         for flat in (first.params, first.buffers):
             if flat.numel():
-                comm.broadcast(flat, root=0).wait()
+                comm.exact.broadcast(flat, root=0).wait()
         for learner in pool.learners[1:]:
             learner.params.copy_(first.params)
             learner.buffers.copy_(first.buffers)

@@ -72,6 +72,7 @@ class BSP(Rule):
             self.average("buffers")
 
     def sync_state(self) -> None:
-        """Average BatchNorm running statistics so every rank validates the same model."""
+        """Average BatchNorm running statistics so every rank validates the same model (exactly)."""
+        assert self.comm is not None
         if self.mode == "grad":
-            self.average("buffers")
+            self.average("buffers", self.comm.exact)

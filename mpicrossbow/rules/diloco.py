@@ -83,8 +83,9 @@ class DiLoCo(Rule):
             learner.params.copy_(self.z)
 
     def sync_state(self) -> None:
-        """Average BatchNorm running statistics so every rank validates the same model."""
-        self.average("buffers")
+        """Average BatchNorm running statistics so every rank validates the same model (exactly)."""
+        assert self.comm is not None
+        self.average("buffers", self.comm.exact)
 
     def eval_params(self) -> torch.Tensor:
         """Validate (and save) the outer model z."""

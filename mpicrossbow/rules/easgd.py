@@ -208,7 +208,7 @@ class EASGD(Rule):
         if self.synchronous:
             return
         assert self.comm is not None
-        self.comm.broadcast(self.centre, root=SERVER).wait()
+        self.comm.exact.broadcast(self.centre, root=SERVER).wait()  # the fp32 centre, never compressed
         self._synced = True
 
     def eval_params(self) -> torch.Tensor | None:

@@ -255,7 +255,7 @@ class GOSGD(Rule):
         total = torch.zeros_like(self.xs[0])
         for x, mass in zip(self.xs, self.masses, strict=True):
             total.add_(x, alpha=mass / UNIT)
-        self.comm.allreduce(total).wait()
+        self.comm.exact.allreduce(total).wait()  # the model to validate: never compressed
         self.average_params = total
 
     def eval_params(self) -> torch.Tensor | None:

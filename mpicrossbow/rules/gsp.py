@@ -122,8 +122,7 @@ class GSP(ServerRule):
         if self.server is not None:
             return
         self.workers_comm = workers
-        n, s = self.w.numel(), self.servers
-        self._state = self.w.new_zeros(n + s)  # w and the update counts seen, as the leader broadcasts them
+        self._seen = torch.zeros(self.servers, dtype=torch.float64)  # the counts the leader broadcasts
         if self.hyper.groups == "auto":
             self.group = workers
             self._probing = True
@@ -175,18 +174,17 @@ class GSP(ServerRule):
         self._last_end, self._inside = end, 0.0
 
     def _group_pull(self) -> None:
-        """The leader pushes Δ and pulls w; the group receives w (and the counts seen) by broadcast."""
+        """The leader pushes Δ and pulls w; the group receives w and the update counts seen by broadcast
+        (the counts exactly: a compressed exchange must not round them)."""
         assert self.group is not None
-        n = self.w.numel()
         if self.group.rank == 0:
             self._push(UPDATE)
-            self._state[:n].copy_(self.w)
-            self._state[n:] = torch.tensor(self.seen, dtype=self._state.dtype)
+            self._seen.copy_(torch.tensor(self.seen, dtype=self._seen.dtype))
         if self.group.size > 1:
-            self.group.broadcast(self._state, root=0).wait()
+            self.group.broadcast(self.w, root=0).wait()
+            self.group.exact.broadcast(self._seen, root=0).wait()
             if self.group.rank != 0:
-                self.w.copy_(self._state[:n])
-                self.seen = [int(v) for v in self._state[n:].tolist()]
+                self.seen = [int(v) for v in self._seen.tolist()]
                 self._adopt()
 
     def _form_groups(self) -> None:

@@ -91,15 +91,16 @@ class LocalSGD(Rule):
             self.average("buffers", self.node)
 
     def sync_state(self) -> None:
-        """The mean over all k learners into a separate buffer; BatchNorm buffers averaged in place."""
+        """The mean over all k learners into a separate buffer; BatchNorm buffers averaged in place (both
+        exact: ``[comm] compression`` applies to the training exchanges only)."""
         assert self.comm is not None and self.pool is not None
         learners = self.pool.learners
         mean = learners[0].params.clone()
         for learner in learners[1:]:
             mean.add_(learner.params)
-        self.comm.allreduce(mean).wait()
+        self.comm.exact.allreduce(mean).wait()
         self._mean = mean.div_(self.world_learners)
-        self.average("buffers")
+        self.average("buffers", self.comm.exact)
 
     def eval_params(self) -> torch.Tensor | None:
         """The mean model from the last ``sync_state`` (None once a step has run since)."""

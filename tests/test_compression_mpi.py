@@ -1,0 +1,76 @@
+"""``[comm] compression`` under real ``mpiexec``: the wrapper's exact expectations over MPI (one 2-rank
+launch), and bf16 exchange reaching every rule's digits accuracy target (one launch per world size, the jobs
+run one after another inside it: tests/mpi_scripts/digits_runs.py).
+
+Targets and settings are the existing per-rule digits tests': ≥ 95 % for the synchronous rules at 2 ranks
+(test_launch_mpi), ≥ 93 % at 4 ranks for asynchronous EASGD, GOSGD (p = 0.05), the parameter-server rules
+(SSP with staleness 2), hierarchical LOCALSGD (2 learners per rank) and DILOCO.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import only_run, run_mpi
+from mpicrossbow.metrics import read_metrics
+
+pytestmark = [pytest.mark.mpi]
+
+SCRIPTS = Path(__file__).parent / "mpi_scripts"
+CHECKS = [f"{wire}.{name}" for wire in ("bf16", "fp16")
+          for name in ("allreduce", "broadcast", "point_to_point", "exact_paths", "split")]  # fmt: skip
+
+#: ranks: {label: overrides}, with the accuracy target of each world size's existing tests.
+DIGITS = {
+    2: {"BSP": "RULE=BSP", "SMA": "RULE=SMA", "EASGD-sync": "RULE=EASGD"},
+    4: {
+        "EASGD-async": "RULE=EASGD,rule.mode=async",
+        "GOSGD": "RULE=GOSGD,rule.p=0.05",
+        "ASGD": "RULE=ASGD",
+        "SSP": "RULE=SSP,rule.staleness=2",
+        "PSGD": "RULE=PSGD",
+        "WEEDOUT": "RULE=WEEDOUT",
+        "LOCALSGD-hier-m2": "RULE=LOCALSGD,rule.inner_period=2,pool.learners=2",
+        "DILOCO": "RULE=DILOCO",
+        "GSP-auto": "RULE=GSP,rule.groups=auto,rule.probe_steps=10",
+    },
+}
+TARGET = {2: 0.95, 4: 0.93}
+
+
+def test_compressed_communicator_under_mpiexec(mpiexec: str) -> None:
+    """bf16 and fp16: allreduce, broadcast, isend/irecv equal the rounded float32 results; exact paths."""
+    proc = run_mpi(mpiexec, 2, [sys.executable, str(SCRIPTS / "compression_check.py")], timeout=120)
+    found = dict(line.split(" ", 2)[1:] for line in proc.stdout.splitlines() if line.startswith("CHECK "))
+    failed = {k: v for k, v in found.items() if v != "OK"}
+    assert not failed, failed
+    assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]
+    assert sorted(found) == sorted(CHECKS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_bf16_exchange_reaches_every_rules_digits_target(mpiexec: str, tmp_path: Path, ranks: int) -> None:
+    runs = [f"{label}={overrides}" for label, overrides in DIGITS[ranks].items()]
+    args = [
+        sys.executable,
+        str(SCRIPTS / "digits_runs.py"),
+        str(tmp_path),
+        *runs,
+        "--",
+        "comm.compression=bf16",
+    ]
+    proc = run_mpi(mpiexec, ranks, args, timeout=150 * len(runs))
+    assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]
+    final = {}
+    for label in DIGITS[ranks]:
+        run = only_run(tmp_path / label)
+        assert "compression = bf16" in (run / "session.cfg").read_text()
+        metrics = read_metrics(run / "metrics.h5")
+        final[label] = float(metrics["val"]["accuracy"][-1])
+        assert list(metrics["attrs"]["rank_in_flight"]) == [0] * ranks, label
+    assert proc.stderr.count("+bf16") >= len(runs)  # "comm mpi+bf16" in every run's start line
+    assert all(acc >= TARGET[ranks] for acc in final.values()), final
