@@ -1,5 +1,7 @@
-"""BSP against references: gradient mode equals one process on the union of the ranks' batches; parameter
-mode equals independent local steps followed by a plain numpy mean. World sizes 1, 2 and 4 run in-process."""
+"""BSP against references: gradient mode equals one process on the union of the ranks' batches, with the
+bucketed, overlapped allreduce (``bucket_mb`` > 0) bitwise equal to the one-allreduce path (``bucket_mb = 0``);
+parameter mode equals independent local steps followed by a plain numpy mean. World sizes 1, 2 and 4 run
+in-process."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from models.mlp import MLP
 from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
-from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool import FusedPool, SerialPool
 from mpicrossbow.rules import BSP
 
 STEPS = 6
@@ -20,27 +22,50 @@ BATCH = 8
 OPTIM = OptimSection(lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
-def make_pool(rank: int, size: int, learners: int = 1) -> SerialPool:
+#: bucket_mb values: 0 = one allreduce after backward; MLP(hidden=32)'s largest parameter is 64×32 floats
+#: (8 KiB): 0.004 MiB cuts buckets smaller than it (several small parameters share one, large ones are
+#: alone), 1e-5 gives every parameter its own bucket, 100 puts everything in one.
+BUCKETS = (0.0, 0.004, 1e-5, 100.0)
+
+
+def make_pool(rank: int, size: int, learners: int = 1, engine: type = SerialPool) -> SerialPool:
     torch.manual_seed(rank + 100)  # different initial replicas: bind() must broadcast rank 0's
-    return SerialPool(
-        MLP(hidden=32), rank, size, BATCH, OPTIM, torch.device("cpu"), seed=5, learners=learners
-    )
+    return engine(MLP(hidden=32), rank, size, BATCH, OPTIM, torch.device("cpu"), seed=5, learners=learners)
 
 
-def train_bsp(size: int, mode: str, learners: int = 1) -> list[np.ndarray]:
-    """Final flat parameters of every learner of every rank after STEPS steps of BSP in ``mode``."""
-    pools = [make_pool(r, size, learners) for r in range(size)]
+def train_bsp(
+    size: int,
+    mode: str,
+    learners: int = 1,
+    bucket_mb: float = 0.0,
+    engine: type = SerialPool,
+    skip: tuple[int, int] | None = None,
+) -> list[np.ndarray]:
+    """Final flat parameters of every learner of every rank after STEPS steps of BSP in ``mode``.
+
+    ``skip = (rank, step)``: that rank's learner 0 gets a NaN loss at that step and its gradient is zeroed
+    after backward, as the session does with ``[session] on_nan = skip``.
+    """
+    pools = [make_pool(r, size, learners, engine) for r in range(size)]
     initial = pools[0].learners[0].params.clone()
 
     def body(comm):
         pool = pools[comm.rank]
-        rule = BSP(mode=mode).bind(comm, pool)
+        rule = BSP(mode=mode, bucket_mb=bucket_mb).bind(comm, pool)
+        buckets = rule.buckets if mode == "grad" else None
+        assert (buckets is not None) == (mode == "grad" and bucket_mb > 0)
         pool.start_epoch(0)
         for step in range(STEPS):
             pool.compute(step)
+            if buckets is not None:  # every bucket but the last (it carries the NaN flag) left in backward
+                assert buckets._next == len(buckets.buckets) - 1
+            if skip == (comm.rank, step):
+                pool.learners[0].last_loss = torch.tensor(float("nan"))
+                pool.learners[0].grads.zero_()
             rule.on_gradients(step)
             pool.apply()
             rule.exchange(step)
+        rule.finish()
         return [learner.params.numpy().copy() for learner in pool.learners]
 
     final = [params for per_rank in InProcessWorld(size).run(body) for params in per_rank]
@@ -66,14 +91,48 @@ def union_reference(size: int, learners: int = 1) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy()
 
 
-@pytest.mark.parametrize(("size", "learners"), [(1, 1), (2, 1), (4, 1), (1, 3), (2, 2)])
+@pytest.mark.parametrize(("size", "learners"), [(1, 1), (2, 1), (4, 1), (1, 3), (2, 2), (4, 2)])
 def test_grad_mode_equals_one_process_on_the_union_of_batches(size: int, learners: int) -> None:
-    """k = ranks × learners: the mean gradient over every learner of every rank, replicas identical."""
-    final = train_bsp(size, "grad", learners)
-    assert len(final) == size * learners
-    for params in final[1:]:
-        np.testing.assert_array_equal(params, final[0])  # replicas stay identical
-    np.testing.assert_allclose(final[0], union_reference(size, learners), rtol=1e-5, atol=1e-6)
+    """k = ranks × learners: the mean gradient over every learner of every rank, replicas identical; every
+    bucket size gives bitwise the same weights as the one allreduce after backward."""
+    plain = train_bsp(size, "grad", learners)
+    assert len(plain) == size * learners
+    for params in plain[1:]:
+        np.testing.assert_array_equal(params, plain[0])  # replicas stay identical
+    np.testing.assert_allclose(plain[0], union_reference(size, learners), rtol=1e-5, atol=1e-6)
+    for bucket_mb in BUCKETS[1:]:
+        for params in train_bsp(size, "grad", learners, bucket_mb):
+            np.testing.assert_array_equal(params, plain[0], err_msg=f"bucket_mb = {bucket_mb}")
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_fused_engine_buckets_equal_its_one_allreduce(size: int) -> None:
+    """The fused engine reports each fused parameter once for all m rows; results as without buckets."""
+    plain = train_bsp(size, "grad", 3, engine=FusedPool)
+    np.testing.assert_allclose(plain[0], union_reference(size, 3), rtol=1e-5, atol=1e-6)
+    for bucket_mb in BUCKETS[1:]:
+        for params in train_bsp(size, "grad", 3, bucket_mb, engine=FusedPool):
+            np.testing.assert_array_equal(params, plain[0], err_msg=f"bucket_mb = {bucket_mb}")
+
+
+def test_a_skipped_nonfinite_learner_is_left_out_with_overlap_too() -> None:
+    """on_nan = skip zeroes a gradient after its buckets left: the step is redone without it, as without
+    buckets (the NaN flag of the last bucket tells every rank)."""
+    plain = train_bsp(2, "grad", 2, skip=(1, 3))
+    assert np.isfinite(plain[0]).all()
+    np.testing.assert_array_equal(train_bsp(2, "grad", 2, 0.004, skip=(1, 3))[0], plain[0])
+    assert not np.array_equal(train_bsp(2, "grad", 2, 0.004)[0], plain[0])  # the skip changed something
+
+
+def test_plan_buckets_cuts_whole_parameters_from_the_last() -> None:
+    from mpicrossbow.rules.grad_buckets import contiguous, plan_buckets
+
+    layout = [(0, 10), (10, 3), (13, 40), (53, 2), (55, 2)]
+    assert contiguous(layout, 57) and not contiguous(layout, 58) and not contiguous([(0, 2), (3, 1)], 4)
+    cut = [(b.start, b.end, b.params) for b in plan_buckets(layout, 13)]
+    assert cut == [(53, 57, [3, 4]), (13, 53, [2]), (0, 13, [0, 1])]
+    assert [(b.start, b.end) for b in plan_buckets(layout, 1000)] == [(0, 57)]
+    assert len(plan_buckets(layout, 1)) == 5
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -96,8 +155,10 @@ def test_avg_mode_equals_local_steps_then_numpy_mean(size: int) -> None:
         np.testing.assert_array_equal(params, final[0])
 
 
-def test_bsp_rejects_unknown_mode() -> None:
+def test_bsp_rejects_unknown_mode_and_negative_buckets() -> None:
     from mpicrossbow.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"mode.*grad"):
         BSP(mode="sum")
+    with pytest.raises(ConfigError, match=r"bucket_mb"):
+        BSP(bucket_mb=-1)
