@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_mpi
+from conftest import launcher, only_run, run_mpi
 from models.mlp import MLP
 from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
+from mpicrossbow.metrics import read_metrics
 from mpicrossbow.pool import FusedPool, SerialPool
 from mpicrossbow.rules import BSP
 
@@ -188,3 +189,14 @@ def test_buckets_under_mpiexec_equal_the_one_allreduce_and_the_union(
         assert row["replicas_identical"], row
         assert row["equal_to_plain"] if ranks == 2 else row["max_diff_to_plain"] <= 1e-6, row
         assert row["max_diff_to_union"] <= 1e-5, row
+
+
+@pytest.mark.mpi
+def test_digits_job_with_overlapping_buckets_reaches_95_percent(mpiexec: str, tmp_path: Path) -> None:
+    """The default job with buckets small enough that the MLP gradient leaves in 4 pieces during backward."""
+    args = [*launcher(), "-cfg", "launch/digits.cfg", "rule.bucket_mb=0.01", f"session.output={tmp_path}"]
+    proc = run_mpi(mpiexec, 2, args, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "BSP overlap: 4 bucket(s) of ≤ 0.01 MiB over 6 parameter tensor(s), 1 learner(s)" in proc.stderr
+    accuracy = read_metrics(only_run(tmp_path) / "metrics.h5")["val"]["accuracy"]
+    assert accuracy[-1] >= 0.95, accuracy
