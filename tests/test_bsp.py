@@ -129,6 +129,36 @@ def test_a_skipped_nonfinite_learner_is_left_out_with_overlap_too() -> None:
     assert not np.array_equal(train_bsp(2, "grad", 2, 0.004)[0], plain[0])  # the skip changed something
 
 
+@pytest.mark.parametrize("engine", [SerialPool, FusedPool])
+def test_buckets_follow_a_resized_pool(engine: type) -> None:
+    """[pool] learners = auto: after resize() and on_resize() the hooks watch the new learners."""
+
+    def run(bucket_mb: float) -> list[np.ndarray]:
+        pools = [make_pool(r, 2, 1, engine) for r in range(2)]
+
+        def body(comm):
+            pool = pools[comm.rank]
+            rule = BSP(mode="grad", bucket_mb=bucket_mb).bind(comm, pool)
+            for epoch, learners in enumerate((1, 2)):
+                if learners != len(pool.learners):
+                    pool.resize(learners)
+                    rule.on_resize()
+                pool.start_epoch(epoch)
+                for step in range(3):
+                    pool.compute(step)
+                    rule.on_gradients(step)
+                    pool.apply()
+            rule.finish()
+            return [learner.params.numpy().copy() for learner in pool.learners]
+
+        return [p for part in InProcessWorld(2).run(body) for p in part]
+
+    plain = run(0.0)
+    assert len(plain) == 4
+    for params in run(0.004):
+        np.testing.assert_array_equal(params, plain[0])
+
+
 def test_plan_buckets_cuts_whole_parameters_from_the_last() -> None:
     from mpicrossbow.rules.grad_buckets import contiguous, plan_buckets
 

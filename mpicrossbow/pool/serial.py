@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -80,7 +81,9 @@ class SerialPool(LearnerPool):
             learner = Learner(self.model.module(), self.model, self.optim, self.device)
             learner.params.copy_(first.params)
             learner.buffers.copy_(first.buffers)
-            learner.optimizer.load_state_dict(first.optimizer.state_dict())
+            # A deep copy: load_state_dict keeps the very tensors it is given, and a momentum buffer
+            # shared with learner 0 would be stepped twice per step.
+            learner.optimizer.load_state_dict(copy.deepcopy(first.optimizer.state_dict()))
             self.learners.append(learner)
         self._load_data()
         self._iters = []

@@ -68,6 +68,8 @@ class BSP(Rule):
                 "weights in train_iter, use mode = avg (or auto)"
             )
         log.info("BSP in %s mode over %d learner(s)", self.mode, self.world_learners)
+        if getattr(self, "_unwatch", None) is not None:  # bound again: drop the hooks of the last binding
+            self._stop_watching()
         self.buckets: GradBuckets | None = None
         self._unwatch: Callable[[], None] | None = None
         self._watch()
