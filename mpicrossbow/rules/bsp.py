@@ -48,7 +48,7 @@ class BSP(Rule):
             "grad: average gradients; avg: average parameters after local steps; auto: grad if possible",
         )
         bucket_mb: float = setting(
-            25.0,
+            5.0,
             "grad mode: MiB per gradient bucket whose allreduce starts during backward (0: one allreduce "
             "after backward)",
             ge=0,
