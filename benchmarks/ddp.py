@@ -1,24 +1,78 @@
-"""BSP (gradient mode, one flat MPI allreduce per step) against torch DistributedDataParallel (Gloo).
+"""BSP gradient mode (with and without bucket overlap) against torch DistributedDataParallel (Gloo).
 
-Same model, same initial weights, same batches, same SGD; the two loops alternate round by round in one run
-so machine noise hits both alike. Reports samples/s per rank-set (median over rounds) and the ratio.
+BSP runs through the framework's own code path: a Config, a Session (``prepare_local`` builds the pool from
+the engine registry, ``prepare_collective`` the communicator through ``make_communicator`` and binds the
+rule) and ``Session.run()`` for a step budget, so whatever communicator the session builds is what is
+measured. DDP trains the same model class (same initial weights, same synthetic CIFAR-shaped batches, SGD
+with the same momentum) with its default 25 MiB buckets over a Gloo process group bootstrapped from MPI.
+Every variant is built fresh for every round, outside the timed region; the rounds rotate the order of the
+variants, so machine noise and warm-up hit all alike. Reports samples/s summed over ranks (median over
+rounds) and the ratios.
 
-    python benchmarks/ddp.py                 # re-launches itself with mpiexec -n 2
-    mpiexec -n 2 python benchmarks/ddp.py --rounds 7 --steps 30
+    python benchmarks/ddp.py                         # re-launches itself with mpiexec -n 2
+    python benchmarks/ddp.py --ranks 4 --models vgg16 --rounds 3
+    python benchmarks/ddp.py --bucket-mb 1,5,25      # one BSP column per bucket size, plus 0 (no overlap)
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import append_result, relaunch, under_mpi
+from data.synthetic import Synthetic
+from models.lenet import LeNet
+from models.resnet import ResNet
+from models.vgg import VGG
+from mpicrossbow.shard import Shard
+
+#: Validation samples of the benchmark models: Session.run() validates once at the end; keep it negligible.
+N_VAL = 16
+
+
+class BenchLeNet(LeNet):
+    """LeNet-5 on synthetic CIFAR-shaped data (3×32×32, 10 classes)."""
+
+    def __init__(self) -> None:
+        super().__init__(dataset="mnist", channels=3, image_size=32)
+
+    def data(self, shard: Shard) -> Synthetic:
+        """Synthetic CIFAR-shaped samples, a tiny validation set."""
+        return Synthetic(shard, (3, 32, 32), 10, n_train=1024, n_val=N_VAL, seed=shard.seed)
+
+
+class BenchResNet20(ResNet):
+    """ResNet-20 (CIFAR, 0.27M parameters) on synthetic CIFAR-shaped data."""
+
+    def __init__(self) -> None:
+        super().__init__(depth=20)
+
+    def data(self, shard: Shard) -> Synthetic:
+        """Synthetic CIFAR-shaped samples, a tiny validation set."""
+        return Synthetic(shard, (3, 32, 32), 10, n_train=1024, n_val=N_VAL, seed=shard.seed)
+
+
+class BenchVGG16(VGG):
+    """VGG-16 with BatchNorm at CIFAR width (14.7M parameters) on synthetic CIFAR-shaped data."""
+
+    def data(self, shard: Shard) -> Synthetic:
+        """Synthetic CIFAR-shaped samples, a tiny validation set."""
+        return Synthetic(shard, (3, 32, 32), 10, n_train=1024, n_val=N_VAL, seed=shard.seed)
+
+
+#: --models name → (model class in this file, batch per rank, steps per round).
+MODELS = {
+    "lenet": (BenchLeNet, 32, 30),
+    "resnet20": (BenchResNet20, 32, 12),
+    "vgg16": (BenchVGG16, 16, 6),
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -26,110 +80,168 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ranks", type=int, default=2, help="ranks when re-launching under mpiexec")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating timed rounds per method")
-    parser.add_argument("--steps", type=int, default=20, help="training steps per round")
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--rounds", type=int, default=4, help="timed rounds per variant (plus one warm-up)")
+    parser.add_argument("--models", default="lenet,resnet20,vgg16", help=f"comma list of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--bucket-mb", default="", help="comma list of BSP bucket sizes in MiB (default: BSP's default)"
+    )
+    parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply every model's steps/round")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
     return parser.parse_args(argv)
 
 
-def models() -> dict[str, tuple[object, tuple[int, ...]]]:
-    """Benchmark models: name → (model-file object, input shape)."""
-    from models.lenet import LeNet
-    from models.mlp import MLP
+def bsp_round(
+    world: Any, name: str, bucket_mb: float, steps: int, batch: int, out: str
+) -> tuple[float, float]:
+    """Build a BSP session for ``name`` (untimed), then time ``Session.run()`` for ``steps`` steps: (seconds,
+    the seconds the session spent in the rule's hooks, i.e. waiting for gradients after backward)."""
+    from mpicrossbow.config import load_config
+    from mpicrossbow.session import Session
 
-    return {
-        "LeNet (28x28)": (LeNet(dataset="mnist", image_size=28), (1, 28, 28)),
-        "MLP 784-1024x3-10": (MLP(hidden=1024, layers=3, inputs=784), (1, 28, 28)),
+    top = {
+        "rule": "BSP",
+        "modelfile": "benchmarks.ddp",
+        "modelclass": MODELS[name][0].__name__,
+        "devices": "cpu",
     }
+    extra = {
+        "__top__": top,
+        "session": {
+            "steps": steps,
+            "seed": 0,
+            "output": out,
+            "progress": "off",
+            "validate_every": 0,
+            "log_level": "warning",
+        },
+        "optim": {"lr": 0.01, "momentum": 0.9},
+        "data": {"batch_size": batch},
+        "rule": {"mode": "grad", "bucket_mb": bucket_mb},
+    }
+    config = load_config(extra=extra)
+    session = Session(config, world)
+    session.prepare_local()
+    session.prepare_collective()
+    world.mpi.Barrier()
+    t0 = time.perf_counter()
+    result = session.run()
+    world.mpi.Barrier()
+    seconds = time.perf_counter() - t0
+    session.close()
+    return seconds, result.exchange_seconds
 
 
-def measure(
-    model: Any, shape: tuple[int, ...], args: argparse.Namespace, comm: Any
-) -> tuple[float, float, int]:
-    """Samples/s of BSP and of DDP (median over alternating rounds) and the parameter count."""
+def ddp_round(world: Any, name: str, steps: int, batch: int) -> float:
+    """Build DDP over the default (Gloo) process group (untimed), then time ``steps`` training steps."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from mpicrossbow.config import OptimSection
-    from mpicrossbow.pool.learner import Learner
-    from mpicrossbow.rules import BSP
-
-    world = comm.mpi
-    optim = OptimSection(lr=0.01, momentum=0.9)
-    gen = torch.Generator().manual_seed(world.rank)
-    batches = [
-        (torch.randn(args.batch, *shape, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen))
-        for _ in range(args.steps)
-    ]
+    model = MODELS[name][0]()
     torch.manual_seed(0)
-    learner = Learner(model.module(), model, optim, torch.device("cpu"))
-    pool = SimpleNamespace(learners=[learner], has_gradients=True)  # the pool face BSP needs
-    rule = BSP(mode="grad").bind(comm, pool)  # type: ignore[arg-type]
-    torch.manual_seed(0)
-    ddp_module = DistributedDataParallel(model.module())
-    ddp_opt = torch.optim.SGD(ddp_module.parameters(), lr=optim.lr, momentum=optim.momentum)
+    module = DistributedDataParallel(model.module())
+    opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
+    data = model.data(Shard(world.rank, world.size, batch, 0))
+    batches = []
+    while len(batches) < steps:
+        batches += list(data.train_batches(len(batches)))
+    batches = batches[:steps]
+    module.train()
+    world.mpi.Barrier()
+    t0 = time.perf_counter()
+    for x, y in batches:
+        opt.zero_grad(set_to_none=False)
+        model.loss(module(x), y).backward()
+        opt.step()
+    world.mpi.Barrier()
+    return time.perf_counter() - t0
 
-    def bsp_round() -> None:
-        for step, (x, y) in enumerate(batches):
-            learner.forward_backward(x, y)
-            rule.on_gradients(step)
-            learner.step()
 
-    def ddp_round() -> None:
-        for x, y in batches:
-            ddp_opt.zero_grad(set_to_none=False)
-            model.loss(ddp_module(x), y).backward()
-            ddp_opt.step()
-
-    times: dict[str, list[float]] = {"bsp": [], "ddp": []}
-    order = [("bsp", bsp_round), ("ddp", ddp_round)]
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for key, fn in order if r % 2 == 0 else order[::-1]:
-            world.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            world.Barrier()
-            if r:
-                times[key].append(time.perf_counter() - t0)
-    n = args.steps * args.batch * world.size
-    return n / statistics.median(times["bsp"]), n / statistics.median(times["ddp"]), learner.params.numel()
+def measure(
+    world: Any, name: str, buckets: list[float], args: argparse.Namespace
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Samples/s over all ranks (median of the timed rounds) of every variant, ``bsp:<MiB>`` and ``ddp``, and
+    each BSP variant's median share of its run spent waiting in the rule after backward (rank 0's)."""
+    _, batch, steps = MODELS[name]
+    steps = max(2, round(steps * args.steps_scale))
+    variants = [f"bsp:{mb:g}" for mb in buckets] + ["ddp"]
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    waits: dict[str, list[float]] = {v: [] for v in variants if v != "ddp"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = world.mpi.bcast(tmp, root=0)  # one run folder tree, made by rank 0
+        for r in range(args.rounds + 1):  # round 0 warms up
+            shift = r % len(variants)
+            for variant in variants[shift:] + variants[:shift]:
+                if variant == "ddp":
+                    seconds = ddp_round(world, name, steps, batch)
+                else:
+                    seconds, waited = bsp_round(world, name, float(variant[4:]), steps, batch, out)
+                    if r:
+                        waits[variant].append(waited / seconds)
+                if r:
+                    times[variant].append(seconds)
+    samples = steps * batch * world.size
+    rates = {v: samples / statistics.median(t) for v, t in times.items()}
+    return rates, {v: statistics.median(w) for v, w in waits.items()}
 
 
 def main() -> int:
     args = parse_args(sys.argv[1:])
     if not under_mpi():
         return relaunch(__file__, args.ranks, sys.argv[1:])
+    from mpicrossbow.env import detect_world
+    from mpicrossbow.log import setup_logging
+
+    world = detect_world()  # MPI initialised as the launcher does it
+    setup_logging(world.rank, world.size, logging.WARNING)
     import torch
-    from mpi4py import MPI
 
-    from mpicrossbow.comm.mpi import MPICommunicator
     from mpicrossbow.comm.torchdist import TorchDistCommunicator
+    from mpicrossbow.rules import BSP
 
-    torch.set_num_threads(1)
-    world = MPI.COMM_WORLD
-    comm = MPICommunicator(world)
-    gloo = TorchDistCommunicator.from_mpi(world, backend="gloo")  # initialises the default process group
+    default_mb = BSP.Config().bucket_mb
+    buckets = [float(b) for b in args.bucket_mb.split(",") if b.strip()] or [default_mb]
+    buckets = [*buckets, 0.0] if 0.0 not in buckets else buckets
+    torch.set_num_threads(1)  # what the session gives each of 2+ ranks on 2 cores; DDP gets the same
+    gloo = TorchDistCommunicator.from_mpi(world.mpi, backend="gloo")  # the default process group for DDP
     rows = []
-    for name, (model, shape) in models().items():
-        bsp, ddp, params = measure(model, shape, args, comm)
-        rows.append(f"| {name} | {params:,} | {args.batch} | {bsp:,.0f} | {ddp:,.0f} | {bsp / ddp:.2f} |")
+    for name in [n.strip() for n in args.models.split(",") if n.strip()]:
+        rate, wait = measure(world, name, buckets, args)
+        params = sum(p.numel() for p in MODELS[name][0]().module().parameters())
+        cells = [f"{rate[f'bsp:{mb:g}']:,.0f}" for mb in buckets] + [f"{rate['ddp']:,.0f}"]
+        ratios = [f"{rate[f'bsp:{mb:g}'] / rate['ddp']:.2f}" for mb in buckets]
+        on_off = [f"{rate[f'bsp:{mb:g}'] / rate['bsp:0']:.2f}" for mb in buckets if mb]
+        waited = [f"{wait[f'bsp:{mb:g}']:.0%}" for mb in buckets]
+        cells = cells + ratios + on_off + waited
+        rows.append(f"| {name} | {params:,} | {MODELS[name][1]} | " + " | ".join(cells) + " |")
+        if world.rank == 0:
+            print(rows[-1], flush=True)
     gloo.close()
     if world.rank == 0:
-        head = f"{world.size} ranks, {args.rounds} alternating rounds of {args.steps} steps (median)"
+        label = [f"bucket_mb {mb:g}" if mb else "no overlap" for mb in buckets]
+        head = (
+            f"{world.size} ranks, {args.rounds} rotating rounds (median), 1 thread per rank; samples/s "
+            "summed over ranks; BSP through Session.run() with [rule] bucket_mb as named (0: one allreduce "
+            "after backward), DDP with 25 MiB buckets"
+        )
         table = "\n".join(
             [
-                head + "; samples/s summed over ranks",
+                head,
                 "",
-                "| model | parameters | batch/rank | BSP (mpi4py) samples/s | DDP (Gloo) samples/s "
-                "| BSP ÷ DDP |",
-                "|---|---:|---:|---:|---:|---:|",
+                "| model | parameters | batch/rank | "
+                + " | ".join(f"BSP {lb}" for lb in label)
+                + " | DDP (Gloo) | "
+                + " | ".join(f"BSP {lb} ÷ DDP" for lb in label)
+                + "".join(f" | {lb} ÷ no overlap" for lb, mb in zip(label, buckets, strict=True) if mb)
+                + "".join(f" | wait after backward, {lb}" for lb in label)
+                + " |",
+                "|---|" + "---:|" * (2 + 3 * len(buckets) + 1 + sum(1 for mb in buckets if mb)),
                 *rows,
             ]
         )
         print(table)
         if not args.no_write:
-            print("appended to", append_result("ddp", "BSP vs DistributedDataParallel (Gloo)", table))
+            title = "BSP (bucketed overlap and one allreduce) vs DistributedDataParallel (Gloo)"
+            print("appended to", append_result("ddp", title, table))
     return 0
 
 

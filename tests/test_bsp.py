@@ -1,18 +1,25 @@
-"""BSP against references: gradient mode equals one process on the union of the ranks' batches; parameter
-mode equals independent local steps followed by a plain numpy mean. World sizes 1, 2 and 4 run in-process."""
+"""BSP against references: gradient mode equals one process on the union of the ranks' batches, with the
+bucketed, overlapped allreduce (``bucket_mb`` > 0) bitwise equal to the one-allreduce path
+(``bucket_mb = 0``); parameter mode equals independent local steps followed by a plain numpy mean. World
+sizes 1, 2 and 4 run in-process, and the buckets also under mpiexec -n 2 and -n 4."""
 
 from __future__ import annotations
 
 import copy
+import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import launcher, only_run, run_mpi
 from models.mlp import MLP
 from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
-from mpicrossbow.pool import SerialPool
+from mpicrossbow.metrics import read_metrics
+from mpicrossbow.pool import FusedPool, SerialPool
 from mpicrossbow.rules import BSP
 
 STEPS = 6
@@ -20,27 +27,50 @@ BATCH = 8
 OPTIM = OptimSection(lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
-def make_pool(rank: int, size: int, learners: int = 1) -> SerialPool:
+#: bucket_mb values: 0 = one allreduce after backward; MLP(hidden=32)'s largest parameter is 64×32 floats
+#: (8 KiB): 0.004 MiB cuts buckets smaller than it (several small parameters share one, large ones are
+#: alone), 1e-5 gives every parameter its own bucket, 100 puts everything in one.
+BUCKETS = (0.0, 0.004, 1e-5, 100.0)
+
+
+def make_pool(rank: int, size: int, learners: int = 1, engine: type = SerialPool) -> SerialPool:
     torch.manual_seed(rank + 100)  # different initial replicas: bind() must broadcast rank 0's
-    return SerialPool(
-        MLP(hidden=32), rank, size, BATCH, OPTIM, torch.device("cpu"), seed=5, learners=learners
-    )
+    return engine(MLP(hidden=32), rank, size, BATCH, OPTIM, torch.device("cpu"), seed=5, learners=learners)
 
 
-def train_bsp(size: int, mode: str, learners: int = 1) -> list[np.ndarray]:
-    """Final flat parameters of every learner of every rank after STEPS steps of BSP in ``mode``."""
-    pools = [make_pool(r, size, learners) for r in range(size)]
+def train_bsp(
+    size: int,
+    mode: str,
+    learners: int = 1,
+    bucket_mb: float = 0.0,
+    engine: type = SerialPool,
+    skip: tuple[int, int] | None = None,
+) -> list[np.ndarray]:
+    """Final flat parameters of every learner of every rank after STEPS steps of BSP in ``mode``.
+
+    ``skip = (rank, step)``: that rank's learner 0 gets a NaN loss at that step and its gradient is zeroed
+    after backward, as the session does with ``[session] on_nan = skip``.
+    """
+    pools = [make_pool(r, size, learners, engine) for r in range(size)]
     initial = pools[0].learners[0].params.clone()
 
     def body(comm):
         pool = pools[comm.rank]
-        rule = BSP(mode=mode).bind(comm, pool)
+        rule = BSP(mode=mode, bucket_mb=bucket_mb).bind(comm, pool)
+        buckets = rule.buckets if mode == "grad" else None
+        assert (buckets is not None) == (mode == "grad" and bucket_mb > 0)
         pool.start_epoch(0)
         for step in range(STEPS):
             pool.compute(step)
+            if buckets is not None:  # every bucket but the last (it carries the NaN flag) left in backward
+                assert buckets._next == len(buckets.buckets) - 1
+            if skip == (comm.rank, step):
+                pool.learners[0].last_loss = torch.tensor(float("nan"))
+                pool.learners[0].grads.zero_()
             rule.on_gradients(step)
             pool.apply()
             rule.exchange(step)
+        rule.finish()
         return [learner.params.numpy().copy() for learner in pool.learners]
 
     final = [params for per_rank in InProcessWorld(size).run(body) for params in per_rank]
@@ -66,14 +96,78 @@ def union_reference(size: int, learners: int = 1) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy()
 
 
-@pytest.mark.parametrize(("size", "learners"), [(1, 1), (2, 1), (4, 1), (1, 3), (2, 2)])
+@pytest.mark.parametrize(("size", "learners"), [(1, 1), (2, 1), (4, 1), (1, 3), (2, 2), (4, 2)])
 def test_grad_mode_equals_one_process_on_the_union_of_batches(size: int, learners: int) -> None:
-    """k = ranks × learners: the mean gradient over every learner of every rank, replicas identical."""
-    final = train_bsp(size, "grad", learners)
-    assert len(final) == size * learners
-    for params in final[1:]:
-        np.testing.assert_array_equal(params, final[0])  # replicas stay identical
-    np.testing.assert_allclose(final[0], union_reference(size, learners), rtol=1e-5, atol=1e-6)
+    """k = ranks × learners: the mean gradient over every learner of every rank, replicas identical; every
+    bucket size gives bitwise the same weights as the one allreduce after backward."""
+    plain = train_bsp(size, "grad", learners)
+    assert len(plain) == size * learners
+    for params in plain[1:]:
+        np.testing.assert_array_equal(params, plain[0])  # replicas stay identical
+    np.testing.assert_allclose(plain[0], union_reference(size, learners), rtol=1e-5, atol=1e-6)
+    for bucket_mb in BUCKETS[1:]:
+        for params in train_bsp(size, "grad", learners, bucket_mb):
+            np.testing.assert_array_equal(params, plain[0], err_msg=f"bucket_mb = {bucket_mb}")
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_fused_engine_buckets_equal_its_one_allreduce(size: int) -> None:
+    """The fused engine reports each fused parameter once for all m rows; results as without buckets."""
+    plain = train_bsp(size, "grad", 3, engine=FusedPool)
+    np.testing.assert_allclose(plain[0], union_reference(size, 3), rtol=1e-5, atol=1e-6)
+    for bucket_mb in BUCKETS[1:]:
+        for params in train_bsp(size, "grad", 3, bucket_mb, engine=FusedPool):
+            np.testing.assert_array_equal(params, plain[0], err_msg=f"bucket_mb = {bucket_mb}")
+
+
+def test_a_skipped_nonfinite_learner_is_left_out_with_overlap_too() -> None:
+    """on_nan = skip zeroes a gradient after its buckets left: the step is redone without it, as without
+    buckets (the NaN flag of the last bucket tells every rank)."""
+    plain = train_bsp(2, "grad", 2, skip=(1, 3))
+    assert np.isfinite(plain[0]).all()
+    np.testing.assert_array_equal(train_bsp(2, "grad", 2, 0.004, skip=(1, 3))[0], plain[0])
+    assert not np.array_equal(train_bsp(2, "grad", 2, 0.004)[0], plain[0])  # the skip changed something
+
+
+@pytest.mark.parametrize("engine", [SerialPool, FusedPool])
+def test_buckets_follow_a_resized_pool(engine: type) -> None:
+    """[pool] learners = auto: after resize() and on_resize() the hooks watch the new learners."""
+
+    def run(bucket_mb: float) -> list[np.ndarray]:
+        pools = [make_pool(r, 2, 1, engine) for r in range(2)]
+
+        def body(comm):
+            pool = pools[comm.rank]
+            rule = BSP(mode="grad", bucket_mb=bucket_mb).bind(comm, pool)
+            for epoch, learners in enumerate((1, 2)):
+                if learners != len(pool.learners):
+                    pool.resize(learners)
+                    rule.on_resize()
+                pool.start_epoch(epoch)
+                for step in range(3):
+                    pool.compute(step)
+                    rule.on_gradients(step)
+                    pool.apply()
+            rule.finish()
+            return [learner.params.numpy().copy() for learner in pool.learners]
+
+        return [p for part in InProcessWorld(2).run(body) for p in part]
+
+    plain = run(0.0)
+    assert len(plain) == 4
+    for params in run(0.004):
+        np.testing.assert_array_equal(params, plain[0])
+
+
+def test_plan_buckets_cuts_whole_parameters_from_the_last() -> None:
+    from mpicrossbow.rules.grad_buckets import contiguous, plan_buckets
+
+    layout = [(0, 10), (10, 3), (13, 40), (53, 2), (55, 2)]
+    assert contiguous(layout, 57) and not contiguous(layout, 58) and not contiguous([(0, 2), (3, 1)], 4)
+    cut = [(b.start, b.end, b.params) for b in plan_buckets(layout, 13)]
+    assert cut == [(53, 57, [3, 4]), (13, 53, [2]), (0, 13, [0, 1])]
+    assert [(b.start, b.end) for b in plan_buckets(layout, 1000)] == [(0, 57)]
+    assert len(plan_buckets(layout, 1)) == 5
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -96,8 +190,43 @@ def test_avg_mode_equals_local_steps_then_numpy_mean(size: int) -> None:
         np.testing.assert_array_equal(params, final[0])
 
 
-def test_bsp_rejects_unknown_mode() -> None:
+def test_bsp_rejects_unknown_mode_and_negative_buckets() -> None:
     from mpicrossbow.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"mode.*grad"):
         BSP(mode="sum")
+    with pytest.raises(ConfigError, match=r"bucket_mb"):
+        BSP(bucket_mb=-1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_buckets_under_mpiexec_equal_the_one_allreduce_and_the_union(
+    mpiexec: str, tmp_path: Path, ranks: int
+) -> None:
+    """The real MPI communicator (MPICH's Iallreduce per bucket, progressed from the hooks), 1 and 2 learners
+    per rank, each bucket size: replicas identical, equal to the one-allreduce run (bitwise on 2 ranks, where
+    any summation order gives a + b; on 4 ranks MPI may pick another algorithm, so another order, for a
+    bucket than for the whole buffer), and to one process on the union of batches."""
+    out = tmp_path / "report.json"
+    proc = run_mpi(
+        mpiexec, ranks, [sys.executable, "tests/mpi_scripts/bsp_overlap.py", str(out)], timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {(r["learners"], r["bucket_mb"]) for r in rows} == {(m, mb) for m in (1, 2) for mb in BUCKETS}
+    for row in rows:
+        assert row["replicas_identical"], row
+        assert row["equal_to_plain"] if ranks == 2 else row["max_diff_to_plain"] <= 1e-6, row
+        assert row["max_diff_to_union"] <= 1e-5, row
+
+
+@pytest.mark.mpi
+def test_digits_job_with_overlapping_buckets_reaches_95_percent(mpiexec: str, tmp_path: Path) -> None:
+    """The default job with buckets small enough that the MLP gradient leaves in 4 pieces during backward."""
+    args = [*launcher(), "-cfg", "launch/digits.cfg", "rule.bucket_mb=0.01", f"session.output={tmp_path}"]
+    proc = run_mpi(mpiexec, 2, args, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "BSP overlap: 4 bucket(s) of ≤ 0.01 MiB over 6 parameter tensor(s), 1 learner(s)" in proc.stderr
+    accuracy = read_metrics(only_run(tmp_path) / "metrics.h5")["val"]["accuracy"]
+    assert accuracy[-1] >= 0.95, accuracy

@@ -18,7 +18,8 @@ def test_theano_mpi_bare_keys_and_defaults() -> None:
     cfg = load_config(text=BASE)
     assert (cfg.rule, cfg.modelfile, cfg.modelclass) == ("BSP", "models.mlp", "MLP")
     assert cfg.devices == (DeviceSpec("cpu", 0), DeviceSpec("cpu", 1))
-    assert cfg.optim.lr == 0.1 and cfg.session.epochs == 10 and cfg.rule_params == {"mode": "auto"}
+    assert cfg.optim.lr == 0.1 and cfg.session.epochs == 10
+    assert cfg.rule_params == {"mode": "auto", "bucket_mb": 5.0}
 
 
 def test_sections_types_and_overrides() -> None:

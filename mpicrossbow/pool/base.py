@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -77,6 +77,19 @@ class LearnerPool(ABC):
     def nonfinite(self) -> list[int]:
         """Learners whose last training loss was NaN or infinite (one host synchronisation)."""
         return []
+
+    def grad_layout(self) -> list[tuple[int, int]] | None:
+        """(offset, numel) of every parameter in a learner's flat gradient, in flat order; None when this
+        engine cannot report gradients as backward produces them (then :meth:`watch_gradients` is unused)."""
+        return None
+
+    def watch_gradients(self, ready: Callable[[int, int], None]) -> Callable[[], None]:
+        """Call ``ready(i, n)`` each time backward has finished parameter i's gradient (i indexes
+        :meth:`grad_layout`) for n of the learners; returns a function that stops watching.
+
+        Lets a rule start exchanging gradients while backward still runs (BSP's buckets).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot report gradients during backward")
 
     def resize(self, learners: int) -> None:
         """Change the number of learners between epochs (the auto-tuner); engines that can override this."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -158,6 +158,8 @@ class FusedPool(LearnerPool):
         )
         self.fused = FusedNetwork(replicas[0], slots)
         self.fused_params = slots.ordered_params()
+        #: Column offset of each fused parameter in a row, in the order of ``fused_params``.
+        self.fused_offsets = sorted(slots.fused_params)
         if len(self.fused_params) != len(first_params):
             raise ContractError(f"{owner}: some parameters are not used by any fusable layer")
         if getattr(type(model), "optimizer", None) is TorchModel.optimizer:
@@ -241,6 +243,23 @@ class FusedPool(LearnerPool):
             self._loss_sums.add_(torch.where(finite, self._last_losses.double() * n, 0.0))
             self._hit_counts.add_(torch.where(finite, self._hits(output, targets).double(), 0.0))
             self._samples += n
+
+    def grad_layout(self) -> list[tuple[int, int]] | None:
+        """Each fused parameter's (column offset, numel of one replica's slice) in a row of ``grads2d``."""
+        return [(o, p.numel() // self.m) for o, p in zip(self.fused_offsets, self.fused_params, strict=True)]
+
+    def watch_gradients(self, ready: Callable[[int, int], None]) -> Callable[[], None]:
+        """A post-accumulate-grad hook on every fused parameter: ``ready(i, m)``, all replicas at once."""
+        handles = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i, self.m))
+            for i, p in enumerate(self.fused_params)
+        ]
+
+        def unwatch() -> None:
+            for handle in handles:
+                handle.remove()
+
+        return unwatch
 
     def apply(self) -> None:
         """One optimizer step over the fused parameters (every replica's step)."""

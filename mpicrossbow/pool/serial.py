@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import copy
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -93,7 +94,9 @@ class SerialPool(LearnerPool):
             learner = Learner(self.model.module(), self.model, self.optim, self.device)
             learner.params.copy_(first.params)
             learner.buffers.copy_(first.buffers)
-            learner.optimizer.load_state_dict(first.optimizer.state_dict())
+            # A deep copy: load_state_dict keeps the very tensors it is given, and a momentum buffer
+            # shared with learner 0 would be stepped twice per step.
+            learner.optimizer.load_state_dict(copy.deepcopy(first.optimizer.state_dict()))
             self.learners.append(learner)
         self._load_data()
         self._iters = []
@@ -128,6 +131,28 @@ class SerialPool(LearnerPool):
         """Learners whose last loss was not finite; one host synchronisation for all of them."""
         ok = torch.isfinite(torch.stack([learner.last_loss for learner in self.learners])).tolist()
         return [j for j, good in enumerate(ok) if not good]
+
+    def grad_layout(self) -> list[tuple[int, int]] | None:
+        """Each trainable parameter's (offset, numel) in a learner's flat gradient (``param_list`` order)."""
+        layout, offset = [], 0
+        for p in self.learners[0].param_list:
+            layout.append((offset, p.numel()))
+            offset += p.numel()
+        return layout
+
+    def watch_gradients(self, ready: Callable[[int, int], None]) -> Callable[[], None]:
+        """A post-accumulate-grad hook on every parameter of every learner: ``ready(i, 1)``."""
+        handles = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i, 1))
+            for learner in self.learners
+            for i, p in enumerate(learner.param_list)
+        ]
+
+        def unwatch() -> None:
+            for handle in handles:
+                handle.remove()
+
+        return unwatch
 
     def state_dict(self) -> dict[str, Any]:
         """Every learner's state, in learner order."""

@@ -58,6 +58,11 @@ class StreamsPool(SerialPool):
         super().resize(learners)
         self._make_streams()
 
+    def grad_layout(self) -> list[tuple[int, int]] | None:
+        """None: gradients come from m streams whose order a host-side hook cannot see, so BSP keeps its
+        one allreduce after the current stream has waited for every learner."""
+        return None
+
     def compute(self, count: int) -> None:
         """Every learner's forward and backward on its own stream; the current stream waits for all."""
         main = torch.cuda.current_stream(self.learners[0].device)

@@ -5,6 +5,11 @@ Who sends what to whom, and when:
 * ``mode = grad`` (default for torch-native models): every step, after backward, every rank sums its
   learners' flat gradients and one allreduce sums them across ranks; each learner then applies its optimizer
   (momentum, weight decay) to ``G = (1/k) Σ_j g_j``. Replicas stay identical.
+  With ``bucket_mb > 0`` the allreduce is split into buckets of that many MiB that start during backward,
+  as each bucket's gradients are complete on every learner of the rank, and overlap the rest of backward
+  (DDP's scheme; :mod:`mpicrossbow.rules.grad_buckets` says how, and why the results are the same).
+  ``bucket_mb = 0``, or an engine that cannot report gradients during backward (``streams``), keeps one
+  allreduce of the whole buffer after backward.
 * ``mode = avg`` (Theano-MPI ``avg``, SpeeDO sync): each learner takes its local step, then one allreduce
   sets every replica to ``(1/k) Σ_j w_j``. Momentum buffers stay local.
 * ``mode = auto``: ``grad`` when the pool exposes gradients, ``avg`` for Theano-MPI-form models, which
@@ -17,12 +22,14 @@ path divided. BatchNorm running statistics are averaged (not summed) before vali
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import ConfigError
 from ..validate import setting
 from .base import Rule
+from .grad_buckets import GradBuckets, contiguous
 from .registry import RULES
 
 log = logging.getLogger(__name__)
@@ -40,6 +47,12 @@ class BSP(Rule):
             "auto",
             "grad: average gradients; avg: average parameters after local steps; auto: grad if possible",
         )
+        bucket_mb: float = setting(
+            5.0,
+            "grad mode: MiB per gradient bucket whose allreduce starts during backward (0: one allreduce "
+            "after backward)",
+            ge=0,
+        )
 
     name = "BSP"
 
@@ -55,15 +68,61 @@ class BSP(Rule):
                 "weights in train_iter, use mode = avg (or auto)"
             )
         log.info("BSP in %s mode over %d learner(s)", self.mode, self.world_learners)
+        if getattr(self, "_unwatch", None) is not None:  # bound again: drop the hooks of the last binding
+            self._stop_watching()
+        self.buckets: GradBuckets | None = None
+        self._unwatch: Callable[[], None] | None = None
+        self._watch()
+
+    def _watch(self) -> None:
+        """Gradient mode with buckets: plan them and hook them to the pool's backward (or say why not)."""
+        assert self.pool is not None and self.comm is not None
+        if self.mode != "grad" or not self.hyper.bucket_mb:
+            return
+        pool = self.pool
+        layout = pool.grad_layout()
+        grads = [learner.grads for learner in pool.learners]
+        if layout is None:
+            name = type(pool).__name__
+            log.info("BSP: %s reports no gradients during backward; one allreduce after it", name)
+            return
+        if not contiguous(layout, grads[0].numel()):
+            log.warning("BSP: the parameters do not tile the flat gradient; one allreduce after backward")
+            return
+        self.buckets = GradBuckets(
+            self.comm,
+            grads,
+            layout,
+            round(self.hyper.bucket_mb * 2**20),
+            pool.nonfinite,
+            lambda: self.average("grads"),
+        )
+        self._unwatch = pool.watch_gradients(self.buckets.ready)
+
+    def _stop_watching(self) -> None:
+        """Remove the pool hooks (the learners changed, or training is over)."""
+        if self._unwatch is not None:
+            self._unwatch()
+        self._unwatch, self.buckets = None, None
 
     def on_resize(self) -> None:
-        """Nothing per learner: k is read from the pool at every average."""
+        """k is read from the pool at every average; buckets are re-hooked to the new learners."""
         log.info("BSP now over %d learner(s)", self.world_learners)
+        self._stop_watching()
+        self._watch()
 
     def on_gradients(self, step: int) -> None:
         """Gradient mode: G = mean of every learner's gradient, before the optimizer step."""
-        if self.mode == "grad":
+        if self.mode != "grad":
+            return
+        if self.buckets is not None:
+            self.buckets.finish_step()
+        else:
             self.average("grads")
+
+    def finish(self) -> None:
+        """Stop watching the pool's backward (nothing is in flight between steps)."""
+        self._stop_watching()
 
     def exchange(self, step: int) -> None:
         """Parameter mode: every replica becomes the mean replica after the local step."""
