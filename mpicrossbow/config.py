@@ -170,6 +170,15 @@ class CommSection:
     backend: Literal["auto", "mpi", "gloo", "nccl"] = setting(
         "auto", "auto: mpi4py on CPU devices, NCCL on CUDA devices"
     )
+    shared_memory: Literal["auto", "on", "off"] = setting(
+        "auto",
+        "float sum allreduce through node-shared memory (hierarchical across nodes); auto: on when the "
+        "backend is mpi on CPU and some node runs more than one rank",
+    )
+    shm_window_mb: float = setting(
+        4.0, "MB of each rank's input per shared-memory chunk (larger buffers go in chunks)", gt=0
+    )
+    shm_min_kb: float = setting(64.0, "allreduces smaller than this many KB go through MPI instead", ge=0)
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,12 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
     from mpicrossbow.comm.mpi import MPICommunicator
+    from mpicrossbow.comm.shm import SharedMemoryCommunicator
     from mpicrossbow.comm.torchdist import TorchDistCommunicator
 
 __all__ = [
     "BACKENDS",
+    "SHARED_MEMORY",
     "Communicator",
     "DoneHandle",
     "Handle",
@@ -30,6 +32,7 @@ __all__ = [
     "InProcessWorld",
     "MPICommunicator",
     "ReduceOp",
+    "SharedMemoryCommunicator",
     "TorchDistCommunicator",
     "WorldAborted",
     "make_communicator",
@@ -37,9 +40,12 @@ __all__ = [
 
 #: Valid values of ``[comm] backend``.
 BACKENDS = ("auto", "mpi", "gloo", "nccl")
+#: Valid values of ``[comm] shared_memory``.
+SHARED_MEMORY = ("auto", "on", "off")
 
 _LAZY = {
     "MPICommunicator": "mpicrossbow.comm.mpi",
+    "SharedMemoryCommunicator": "mpicrossbow.comm.shm",
     "TorchDistCommunicator": "mpicrossbow.comm.torchdist",
 }
 
@@ -66,15 +72,49 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 
 def make_communicator(
-    backend: str, device: torch.device | str, mpi_comm: MPI.Comm | None = None
+    backend: str,
+    device: torch.device | str,
+    mpi_comm: MPI.Comm | None = None,
+    shared_memory: str = "auto",
+    window_bytes: int | None = None,
+    min_bytes: int | None = None,
 ) -> Communicator:
     """Build the communicator for ``backend`` (one of :data:`BACKENDS`) and ``device`` over ``mpi_comm``
-    (default ``COMM_WORLD``); collective over its ranks."""
+    (default ``COMM_WORLD``); collective over its ranks.
+
+    ``shared_memory`` (one of :data:`SHARED_MEMORY`) picks :class:`SharedMemoryCommunicator` for the mpi
+    backend on CPU: ``on`` always, ``auto`` when some node runs more than one rank of the job, ``off`` never.
+    ``window_bytes`` and ``min_bytes`` tune it (defaults: its module's).
+    """
     resolved = resolve_backend(backend, device)
+    if shared_memory not in SHARED_MEMORY:
+        raise ConfigError(
+            f"[comm] shared_memory = {shared_memory!r} is unknown; valid: {', '.join(SHARED_MEMORY)}"
+        )
+    cpu = torch.device(device).type == "cpu"
+    if shared_memory == "on" and not (resolved == "mpi" and cpu):
+        raise ConfigError(
+            f"[comm] shared_memory = on needs backend mpi on a CPU device, got {resolved} on {device}"
+        )
     if resolved == "mpi":
+        from mpi4py import MPI
+
         from mpicrossbow.comm.mpi import MPICommunicator
 
-        return MPICommunicator(mpi_comm)
+        comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if shared_memory == "auto" and cpu:
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+            shared_memory = "on" if comm.allreduce(node.Get_size(), op=MPI.MAX) > 1 else "off"
+            node.Free()
+        if shared_memory == "on":
+            from mpicrossbow.comm.shm import DEFAULT_MIN_BYTES, DEFAULT_WINDOW_BYTES, SharedMemoryCommunicator
+
+            return SharedMemoryCommunicator(
+                comm,
+                window_bytes=DEFAULT_WINDOW_BYTES if window_bytes is None else window_bytes,
+                min_bytes=DEFAULT_MIN_BYTES if min_bytes is None else min_bytes,
+            )
+        return MPICommunicator(comm)
     from mpicrossbow.comm.torchdist import TorchDistCommunicator
 
     return TorchDistCommunicator.from_mpi(mpi_comm, backend=resolved)

@@ -1,0 +1,216 @@
+"""Hierarchical allreduce through node-shared memory: faster than MPI's own allreduce inside a node.
+
+Inside a node the ranks share one MPI-3 window (``MPI_Win_allocate_shared`` on the node communicator from
+``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``). A float SUM allreduce of ``n`` elements runs, per chunk of at
+most ``window_bytes`` of input per rank:
+
+1. **copy in**: every rank copies its chunk into its own slot of the window;
+2. **reduce-scatter by slices**: node rank ``r`` owns slice ``[n*r//p, n*(r+1)//p)`` (``p`` ranks on the
+   node; sizes need not be multiples of ``p``) and sums that slice of every slot into the window's result
+   area, **in node-rank order** ``((x_0 + x_1) + x_2) + ...``, in the accumulation dtype;
+3. **across nodes** (only when the job spans several): the node leaders (node rank 0) run ``MPI_Allreduce``
+   in place on the result area, among one leader per node;
+4. **read back**: every rank copies the whole result into its tensor (bfloat16/float16 are rounded here,
+   once).
+
+Between steps the ranks synchronise with the MPI-3 idiom for the unified memory model: the window stays in
+one passive-target epoch (``MPI_Win_lock_all``) and every step ends with ``MPI_Win_sync``, a barrier on the
+node communicator, ``MPI_Win_sync``. The window is double-buffered (chunks alternate between two halves), so
+a chunk needs only the two barriers above, not a third before the slots are reused.
+
+Summation order, bit for bit: the sum is ``S = Σ_nodes N_k`` with ``N_k = ((x_0 + x_1) + x_2) + ...`` over
+node k's ranks in node-rank order, each addition rounded in the accumulation dtype (float32 for float32,
+bfloat16 and float16; float64 for float64). On one node ``S = N_0``: exactly reproducible, independent of
+chunking and of the MPI library. Across nodes the node sums are combined by the library's ``MPI_Allreduce``
+among the leaders (for two nodes ``N_0 + N_1``, commutative and so exact; beyond, MPI's order, which MPICH
+and Open MPI keep fixed for a fixed number of leaders). bfloat16/float16 inputs are accumulated in float32
+(also across nodes) and rounded once, when read back.
+
+Everything else — MAX/MIN, integer dtypes, CUDA tensors, broadcast, point-to-point, split — is the plain
+:class:`~mpicrossbow.comm.mpi.MPICommunicator`'s, as are SUMs smaller than ``min_bytes`` (MPI's latency is
+lower there). ``allreduce(..., async_op=True)`` on the shared-memory path completes before it returns and
+hands back a :class:`~mpicrossbow.comm.base.DoneHandle`: the reduction is memory-bound and the machine's
+cores are busy with backward anyway, so a background thread would only compete for them.
+
+The window is freed by :meth:`SharedMemoryCommunicator.close` (collective, as ``MPI_Win_free`` is). MPICH
+and Open MPI unlink the segment's file as soon as every rank has mapped it, so a rank that dies (an
+exception followed by ``MPI_Abort``) leaves no segment behind in ``/dev/shm`` either.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpicrossbow.comm.base import DoneHandle, Handle, ReduceOp
+from mpicrossbow.comm.mpi import MPICommunicator
+
+log = logging.getLogger(__name__)
+
+#: Dtypes summed through the window, and the dtype each is accumulated in.
+ACCUMULATE = {
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+    torch.bfloat16: torch.float32,
+    torch.float16: torch.float32,
+}
+#: Bytes of input per rank per chunk, by default (benchmarks/results/exchange.md: 4 MB chunks were as fast
+#: as or faster than larger ones at 100 MB; the window then takes about (2p + 4) x 4 MB of shared memory).
+DEFAULT_WINDOW_BYTES = 4 << 20
+#: SUMs below this many bytes go to MPI_Allreduce (lower latency; measured crossover in exchange.md).
+DEFAULT_MIN_BYTES = 64 << 10
+_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Window:
+    """One shared window on a node: per rank two input slots of ``slot_bytes``; on node rank 0 also two
+    result areas of ``2 * slot_bytes`` (room for float32 accumulators of a 16-bit input)."""
+
+    def __init__(self, node: MPI.Comm, slot_bytes: int) -> None:
+        self.slot_bytes = _align(slot_bytes)
+        self.result_bytes = 2 * self.slot_bytes
+        mine = 2 * self.slot_bytes + (2 * self.result_bytes if node.Get_rank() == 0 else 0)
+        self.win = MPI.Win.Allocate_shared(mine, 1, comm=node)
+        try:
+            self.win.Lock_all(MPI.MODE_NOCHECK)
+            self.segments = [self._segment(q) for q in range(node.Get_size())]
+        except BaseException:
+            self.win.Free()
+            raise
+        base = self.segments[0]
+        self.results = [
+            base[2 * self.slot_bytes + i * self.result_bytes :][: self.result_bytes] for i in (0, 1)
+        ]
+        self.slots = [
+            [seg[i * self.slot_bytes :][: self.slot_bytes] for seg in self.segments] for i in (0, 1)
+        ]
+
+    def _segment(self, rank: int) -> torch.Tensor:
+        buf, _ = self.win.Shared_query(rank)
+        return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
+
+    def free(self) -> None:
+        """End the epoch and free the window (collective over the node)."""
+        self.segments, self.slots, self.results = [], [], []
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+class SharedMemoryCommunicator(MPICommunicator):
+    """An :class:`MPICommunicator` whose float SUM allreduce goes through node-shared memory (see module doc).
+
+    ``node`` overrides the node communicator (default: ``Split_type(COMM_TYPE_SHARED)`` of ``comm``); its
+    ranks must share memory. Tests pass a split of one machine's ranks to run the multi-node path.
+    """
+
+    name = "mpi+shm"
+
+    def __init__(
+        self,
+        comm: MPI.Comm | None = None,
+        *,
+        node: MPI.Comm | None = None,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        _owned: bool = False,
+    ) -> None:
+        super().__init__(comm, _owned=_owned)
+        if window_bytes < _ALIGN:
+            raise ValueError(f"window_bytes must be at least {_ALIGN}, got {window_bytes}")
+        world = self._comm
+        self._node = (node if node is not None else world).Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+        if node is not None and self._node.Get_size() != node.Get_size():
+            size = self._node.Get_size()
+            self._node.Free()
+            raise ValueError(f"the ranks of the given node communicator do not all share memory ({size})")
+        leader = self._node.Get_rank() == 0
+        self._leaders = world.Split(0 if leader else MPI.UNDEFINED, key=world.rank)
+        self.nodes = world.allreduce(int(leader))
+        self.window_bytes = window_bytes
+        self.min_bytes = min_bytes
+        self._window: _Window | None = None
+        self._parity = 0
+
+    @property
+    def node_size(self) -> int:
+        """Ranks on this rank's node."""
+        return self._node.Get_size()
+
+    def _sync(self) -> None:
+        """Make this rank's stores to the window visible to the node, and wait for every rank's."""
+        assert self._window is not None
+        self._window.win.Sync()
+        self._node.Barrier()
+        self._window.win.Sync()
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
+        """SUM of a float CPU tensor through the shared window (blocking even when ``async_op``: the handle
+        returned is already complete); anything else through :class:`MPICommunicator`."""
+        if (
+            op is not ReduceOp.SUM
+            or tensor.dtype not in ACCUMULATE
+            or tensor.device.type != "cpu"
+            or tensor.numel() * tensor.element_size() < self.min_bytes
+            or self._closed
+        ):
+            return super().allreduce(tensor, op, async_op)
+        if not tensor.is_contiguous():
+            raise ValueError("SharedMemoryCommunicator needs a contiguous tensor; call .contiguous() first")
+        if self._window is None:
+            self._window = _Window(self._node, self.window_bytes)
+            log.debug(
+                "shared window: %d B per slot, %d rank(s) on this node", self.window_bytes, self.node_size
+            )
+        flat = tensor.detach().view(-1)
+        chunk = self._window.slot_bytes // flat.element_size()
+        for start in range(0, flat.numel(), chunk):
+            self._reduce_chunk(flat[start : start + chunk])
+        return DoneHandle()
+
+    def _reduce_chunk(self, part: torch.Tensor) -> None:
+        """Steps 1-4 of the module doc on one chunk, in the window half of the current parity."""
+        window = self._window
+        assert window is not None
+        dtype, acc = part.dtype, ACCUMULATE[part.dtype]
+        n, p, me = part.numel(), self.node_size, self._node.Get_rank()
+        slots = [s[: n * part.element_size()].view(dtype) for s in window.slots[self._parity]]
+        result = window.results[self._parity][: n * acc.itemsize].view(acc)
+        self._parity ^= 1
+        slots[me].copy_(part)
+        self._sync()
+        lo, hi = n * me // p, n * (me + 1) // p
+        out = result[lo:hi]
+        if p > 1 and dtype == acc:
+            torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
+        else:
+            out.copy_(slots[0][lo:hi])
+            if p > 1:
+                out.add_(slots[1][lo:hi])
+        for q in range(2, p):
+            out.add_(slots[q][lo:hi])
+        self._sync()
+        if self.nodes > 1:
+            if self._leaders != MPI.COMM_NULL:
+                self._leaders.Allreduce(MPI.IN_PLACE, result.numpy(), MPI.SUM)
+            self._sync()
+        part.copy_(result)
+
+    def close(self) -> None:
+        """Free the window and the node and leader communicators (collective), then what
+        :meth:`MPICommunicator.close` frees. Idempotent."""
+        if self._closed:
+            return
+        if self._window is not None:
+            self._window.free()
+            self._window = None
+        if self._leaders != MPI.COMM_NULL:
+            self._leaders.Free()
+        self._node.Free()
+        super().close()
