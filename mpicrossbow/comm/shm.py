@@ -40,6 +40,8 @@ exception followed by ``MPI_Abort``) leaves no segment behind in ``/dev/shm`` ei
 from __future__ import annotations
 
 import logging
+import os
+from typing import Literal
 
 import numpy as np
 import torch
@@ -62,6 +64,8 @@ ACCUMULATE = {
 DEFAULT_WINDOW_BYTES = 4 << 20
 #: SUMs below this many bytes go to MPI_Allreduce (lower latency; measured crossover in exchange.md).
 DEFAULT_MIN_BYTES = 64 << 10
+#: Polls of the other ranks' flags before each further poll yields the core (sched_yield).
+SPINS = 100
 _ALIGN = 64
 
 
@@ -70,13 +74,14 @@ def _align(n: int) -> int:
 
 
 class _Window:
-    """One shared window on a node: per rank two input slots of ``slot_bytes``; on node rank 0 also two
-    result areas of ``2 * slot_bytes`` (room for float32 accumulators of a 16-bit input)."""
+    """One shared window on a node. Each rank's segment: a 64-byte flag (its sync epoch, int64), then two
+    input slots of ``slot_bytes``; node rank 0's also holds two result areas of ``2 * slot_bytes`` (room for
+    float32 accumulators of a 16-bit input)."""
 
     def __init__(self, node: MPI.Comm, slot_bytes: int) -> None:
         self.slot_bytes = _align(slot_bytes)
         self.result_bytes = 2 * self.slot_bytes
-        mine = 2 * self.slot_bytes + (2 * self.result_bytes if node.Get_rank() == 0 else 0)
+        mine = _ALIGN + 2 * self.slot_bytes + (2 * self.result_bytes if node.Get_rank() == 0 else 0)
         self.win = MPI.Win.Allocate_shared(mine, 1, comm=node)
         try:
             self.win.Lock_all(MPI.MODE_NOCHECK)
@@ -84,13 +89,16 @@ class _Window:
         except BaseException:
             self.win.Free()
             raise
-        base = self.segments[0]
-        self.results = [
-            base[2 * self.slot_bytes + i * self.result_bytes :][: self.result_bytes] for i in (0, 1)
-        ]
+        self.flags = [seg[:8].numpy().view(np.int64) for seg in self.segments]
+        self.flags[node.Get_rank()][0] = 0
+        base = _ALIGN + 2 * self.slot_bytes
+        self.results = [self.segments[0][base + i * self.result_bytes :][: self.result_bytes] for i in (0, 1)]
         self.slots = [
-            [seg[i * self.slot_bytes :][: self.slot_bytes] for seg in self.segments] for i in (0, 1)
+            [seg[_ALIGN + i * self.slot_bytes :][: self.slot_bytes] for seg in self.segments] for i in (0, 1)
         ]
+        self.win.Sync()
+        node.Barrier()  # every flag is initialised before anyone waits on it
+        self.win.Sync()
 
     def _segment(self, rank: int) -> torch.Tensor:
         buf, _ = self.win.Shared_query(rank)
@@ -98,7 +106,7 @@ class _Window:
 
     def free(self) -> None:
         """End the epoch and free the window (collective over the node)."""
-        self.segments, self.slots, self.results = [], [], []
+        self.segments, self.slots, self.results, self.flags = [], [], [], []
         self.win.Unlock_all()
         self.win.Free()
 
@@ -119,9 +127,14 @@ class SharedMemoryCommunicator(MPICommunicator):
         node: MPI.Comm | None = None,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         min_bytes: int = DEFAULT_MIN_BYTES,
+        sync: Literal["flags", "barrier"] = "flags",
         _owned: bool = False,
     ) -> None:
         super().__init__(comm, _owned=_owned)
+        if sync not in ("flags", "barrier"):
+            raise ValueError(f"sync must be flags or barrier, got {sync!r}")
+        self.sync = sync
+        self._epoch = 0
         if window_bytes < _ALIGN:
             raise ValueError(f"window_bytes must be at least {_ALIGN}, got {window_bytes}")
         world = self._comm
@@ -144,11 +157,31 @@ class SharedMemoryCommunicator(MPICommunicator):
         return self._node.Get_size()
 
     def _sync(self) -> None:
-        """Make this rank's stores to the window visible to the node, and wait for every rank's."""
-        assert self._window is not None
-        self._window.win.Sync()
-        self._node.Barrier()
-        self._window.win.Sync()
+        """Make this rank's stores to the window visible to the node, and wait for every rank's.
+
+        ``flags`` (default): the MPI-3 shared-memory polling idiom — ``MPI_Win_sync``, publish this rank's
+        epoch in its flag, poll the other ranks' flags (yielding the core after :data:`SPINS` polls, which
+        matters when ranks outnumber free cores), ``MPI_Win_sync``. ``barrier``: ``MPI_Win_sync``, a barrier
+        on the node communicator, ``MPI_Win_sync``.
+        """
+        window = self._window
+        assert window is not None
+        window.win.Sync()
+        if self.sync == "barrier":
+            self._node.Barrier()
+        else:
+            self._epoch += 1
+            epoch, me = self._epoch, self._node.Get_rank()
+            window.flags[me][0] = epoch
+            window.win.Sync()
+            polls = 0
+            for q, flag in enumerate(window.flags):
+                while q != me and flag[0] < epoch:
+                    polls += 1
+                    if polls > SPINS:
+                        os.sched_yield()
+                    window.win.Sync()
+        window.win.Sync()
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
         """SUM of a float CPU tensor through the shared window (blocking even when ``async_op``: the handle
@@ -169,13 +202,18 @@ class SharedMemoryCommunicator(MPICommunicator):
                 "shared window: %d B per slot, %d rank(s) on this node", self.window_bytes, self.node_size
             )
         flat = tensor.detach().view(-1)
-        chunk = self._window.slot_bytes // flat.element_size()
-        for start in range(0, flat.numel(), chunk):
-            self._reduce_chunk(flat[start : start + chunk])
+        step = self._window.slot_bytes // flat.element_size()
+        chunks = [flat[start : start + step] for start in range(0, flat.numel(), step)]
+        if self.nodes == 1:
+            self._pipeline(chunks)
+        else:
+            for part in chunks:
+                self._hierarchical(part)
         return DoneHandle()
 
-    def _reduce_chunk(self, part: torch.Tensor) -> None:
-        """Steps 1-4 of the module doc on one chunk, in the window half of the current parity."""
+    def _views(self, part: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
+        """For the next chunk: every rank's slot and the result area (window half of the current parity),
+        and this rank's slice bounds."""
         window = self._window
         assert window is not None
         dtype, acc = part.dtype, ACCUMULATE[part.dtype]
@@ -183,23 +221,64 @@ class SharedMemoryCommunicator(MPICommunicator):
         slots = [s[: n * part.element_size()].view(dtype) for s in window.slots[self._parity]]
         result = window.results[self._parity][: n * acc.itemsize].view(acc)
         self._parity ^= 1
-        slots[me].copy_(part)
-        self._sync()
-        lo, hi = n * me // p, n * (me + 1) // p
+        return slots, result, n * me // p, n * (me + 1) // p
+
+    def _copy_in(self, part: torch.Tensor, slots: list[torch.Tensor], lo: int, hi: int) -> None:
+        """Step 1, without this rank's own slice: only this rank reads it, straight from ``part``."""
+        mine = slots[self._node.Get_rank()]
+        mine[:lo].copy_(part[:lo])
+        mine[hi:].copy_(part[hi:])
+
+    def _reduce(
+        self, part: torch.Tensor, slots: list[torch.Tensor], result: torch.Tensor, lo: int, hi: int
+    ) -> None:
+        """Step 2: ``result[lo:hi] = ((x_0 + x_1) + x_2) + ...`` over node ranks, in accumulation dtype."""
+        me = self._node.Get_rank()
+        terms = [part[lo:hi] if q == me else slot[lo:hi] for q, slot in enumerate(slots)]
         out = result[lo:hi]
-        if p > 1 and dtype == acc:
-            torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
+        if len(terms) > 1 and part.dtype == out.dtype:
+            torch.add(terms[0], terms[1], out=out)
         else:
-            out.copy_(slots[0][lo:hi])
-            if p > 1:
-                out.add_(slots[1][lo:hi])
-        for q in range(2, p):
-            out.add_(slots[q][lo:hi])
+            out.copy_(terms[0])
+            if len(terms) > 1:
+                out.add_(terms[1])
+        for term in terms[2:]:
+            out.add_(term)
+
+    def _pipeline(self, chunks: list[torch.Tensor]) -> None:
+        """One node: phase j copies chunk j-2 out, reduces chunk j-1 and copies chunk j in, then one sync.
+
+        A chunk's slots are written in phase j and read in j+1, its result written in j+1 and read in j+2;
+        the two window halves alternate, so a half is rewritten only after a sync that follows every read
+        of it (also across calls: the parity carries on). Own slices go straight into the tensor.
+        """
+        views = [self._views(part) for part in chunks]
+        for phase in range(len(chunks) + 2):
+            if phase >= 2:
+                part, (_, result, lo, hi) = chunks[phase - 2], views[phase - 2]
+                part[:lo].copy_(result[:lo])
+                part[hi:].copy_(result[hi:])
+            if 1 <= phase <= len(chunks):
+                part, (slots, result, lo, hi) = chunks[phase - 1], views[phase - 1]
+                self._reduce(part, slots, result, lo, hi)
+                part[lo:hi].copy_(result[lo:hi])
+            if phase < len(chunks):
+                part, (slots, _, lo, hi) = chunks[phase], views[phase]
+                self._copy_in(part, slots, lo, hi)
+            if phase <= len(chunks):
+                self._sync()
+
+    def _hierarchical(self, part: torch.Tensor) -> None:
+        """Several nodes, one chunk: copy in, sync, reduce the slice, sync, leaders allreduce the node sums,
+        sync, copy the whole result out."""
+        slots, result, lo, hi = self._views(part)
+        self._copy_in(part, slots, lo, hi)
         self._sync()
-        if self.nodes > 1:
-            if self._leaders != MPI.COMM_NULL:
-                self._leaders.Allreduce(MPI.IN_PLACE, result.numpy(), MPI.SUM)
-            self._sync()
+        self._reduce(part, slots, result, lo, hi)
+        self._sync()
+        if self._leaders != MPI.COMM_NULL:
+            self._leaders.Allreduce(MPI.IN_PLACE, result.numpy(), MPI.SUM)
+        self._sync()
         part.copy_(result)
 
     def close(self) -> None:
