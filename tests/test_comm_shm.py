@@ -16,7 +16,16 @@ from tests.conftest import run_mpi
 from tests.test_comm_mpi import verdicts
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "shm_check.py"
-CHECKS = ["one_node", "chunks", "two_nodes", "every_rank_a_node", "delegated", "factory"]
+CHECKS = [
+    "one_node",
+    "chunks",
+    "two_nodes",
+    "every_rank_a_node",
+    "shared_buffer",
+    "mismatch",
+    "delegated",
+    "factory",
+]
 SHM = Path("/dev/shm")
 #: MPICH's own intra-node segment (``mpich_shm_<id>_0``), which MPI_Abort leaves behind whether or not the
 #: job allocated a window (measured with a job that only calls Allreduce and Abort); windows are

@@ -13,10 +13,22 @@ most ``window_bytes`` of input per rank:
 4. **read back**: every rank copies the whole result into its tensor (bfloat16/float16 are rounded here,
    once).
 
-Between steps the ranks synchronise with the MPI-3 idiom for the unified memory model: the window stays in
-one passive-target epoch (``MPI_Win_lock_all``) and every step ends with ``MPI_Win_sync``, a barrier on the
-node communicator, ``MPI_Win_sync``. The window is double-buffered (chunks alternate between two halves), so
-a chunk needs only the two barriers above, not a third before the slots are reused.
+A rank reads its own slice straight from its tensor and writes its own slice of the result straight into
+it, so only the other slices are copied in and out. On one node the chunks are pipelined: phase j copies
+chunk j-2 out, reduces chunk j-1 and copies chunk j in, so a chunk costs one synchronisation, and the window
+is double-buffered (chunks alternate between two halves) so nothing is overwritten before it has been read.
+
+Synchronisation follows the MPI-3 idiom for the unified memory model: the window stays in one passive-target
+epoch (``MPI_Win_lock_all``); a sync is ``MPI_Win_sync``, then each rank publishes an epoch counter in its
+header and polls the others' (``MPI_Win_sync`` between polls, the core yielded after a few polls), then
+``MPI_Win_sync`` (``sync="barrier"`` uses ``MPI_Barrier`` on the node communicator instead). After the first
+sync of every allreduce the ranks compare what they are reducing (size, dtype, path) and all raise the same
+``ValueError`` if they differ, instead of summing unrelated memory.
+
+**No copy at all**: :meth:`SharedMemoryCommunicator.shared_buffer` hands out a tensor that lives in its own
+shared window. An allreduce of it (or of a slice at the same offset on every rank) skips steps 1 and 4:
+node rank r sums slice r of every rank's buffer (same order) and writes the sum into all of them — one read
+and one write of the buffer per rank, the traffic of one memcpy.
 
 Summation order, bit for bit: the sum is ``S = Σ_nodes N_k`` with ``N_k = ((x_0 + x_1) + x_2) + ...`` over
 node k's ranks in node-rank order, each addition rounded in the accumulation dtype (float32 for float32,
@@ -64,6 +76,10 @@ ACCUMULATE = {
 DEFAULT_WINDOW_BYTES = 4 << 20
 #: SUMs below this many bytes go to MPI_Allreduce (lower latency; measured crossover in exchange.md).
 DEFAULT_MIN_BYTES = 64 << 10
+_DTYPE_CODES = {dtype: i for i, dtype in enumerate(ACCUMULATE)}
+_DTYPE_NAMES = {i: str(dtype) for dtype, i in _DTYPE_CODES.items()}
+#: Elements per tile of the zero-copy path's accumulator (1 MB of float32: stays in L2).
+TILE = 1 << 18
 #: Polls of the other ranks' flags before each further poll yields the core (sched_yield).
 SPINS = 100
 _ALIGN = 64
@@ -74,7 +90,8 @@ def _align(n: int) -> int:
 
 
 class _Window:
-    """One shared window on a node. Each rank's segment: a 64-byte flag (its sync epoch, int64), then two
+    """One shared window on a node. Each rank's segment: a 64-byte header (its sync epoch and what its current
+    allreduce is, int64), then two
     input slots of ``slot_bytes``; node rank 0's also holds two result areas of ``2 * slot_bytes`` (room for
     float32 accumulators of a 16-bit input)."""
 
@@ -89,8 +106,9 @@ class _Window:
         except BaseException:
             self.win.Free()
             raise
-        self.flags = [seg[:8].numpy().view(np.int64) for seg in self.segments]
-        self.flags[node.Get_rank()][0] = 0
+        # per rank: [sync epoch, path, byte offset, bytes, dtype] — see SharedMemoryCommunicator._agree
+        self.headers = [seg[:40].numpy().view(np.int64) for seg in self.segments]
+        self.headers[node.Get_rank()][:] = 0
         base = _ALIGN + 2 * self.slot_bytes
         self.results = [self.segments[0][base + i * self.result_bytes :][: self.result_bytes] for i in (0, 1)]
         self.slots = [
@@ -106,7 +124,27 @@ class _Window:
 
     def free(self) -> None:
         """End the epoch and free the window (collective over the node)."""
-        self.segments, self.slots, self.results, self.flags = [], [], [], []
+        self.segments, self.slots, self.results, self.headers = [], [], [], []
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+class _Buffer:
+    """A window of ``nbytes`` per rank handed out by :meth:`SharedMemoryCommunicator.shared_buffer`."""
+
+    def __init__(self, node: MPI.Comm, nbytes: int) -> None:
+        self.win = MPI.Win.Allocate_shared(_align(max(nbytes, 1)), 1, comm=node)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.segments = [
+            torch.from_numpy(np.frombuffer(self.win.Shared_query(q)[0], dtype=np.uint8))
+            for q in range(node.Get_size())
+        ]
+        mine = self.segments[node.Get_rank()]
+        self.start, self.stop = mine.data_ptr(), mine.data_ptr() + mine.numel()
+
+    def free(self) -> None:
+        """End the epoch and free the window (collective over the node)."""
+        self.segments = []
         self.win.Unlock_all()
         self.win.Free()
 
@@ -149,6 +187,8 @@ class SharedMemoryCommunicator(MPICommunicator):
         self.window_bytes = window_bytes
         self.min_bytes = min_bytes
         self._window: _Window | None = None
+        self._buffers: list[_Buffer] = []
+        self._tiles: dict[torch.dtype, torch.Tensor] = {}
         self._parity = 0
 
     @property
@@ -172,11 +212,11 @@ class SharedMemoryCommunicator(MPICommunicator):
         else:
             self._epoch += 1
             epoch, me = self._epoch, self._node.Get_rank()
-            window.flags[me][0] = epoch
+            window.headers[me][0] = epoch
             window.win.Sync()
             polls = 0
-            for q, flag in enumerate(window.flags):
-                while q != me and flag[0] < epoch:
+            for q, header in enumerate(window.headers):
+                while q != me and header[0] < epoch:
                     polls += 1
                     if polls > SPINS:
                         os.sched_yield()
@@ -196,20 +236,105 @@ class SharedMemoryCommunicator(MPICommunicator):
             return super().allreduce(tensor, op, async_op)
         if not tensor.is_contiguous():
             raise ValueError("SharedMemoryCommunicator needs a contiguous tensor; call .contiguous() first")
-        if self._window is None:
-            self._window = _Window(self._node, self.window_bytes)
-            log.debug(
-                "shared window: %d B per slot, %d rank(s) on this node", self.window_bytes, self.node_size
-            )
+        self._ensure_window()
         flat = tensor.detach().view(-1)
+        nbytes = flat.numel() * flat.element_size()
+        buffer = next((b for b in self._buffers if b.start <= flat.data_ptr() < b.stop), None)
+        if buffer is not None and self.nodes == 1:
+            self._in_place(flat, buffer, flat.data_ptr() - buffer.start)
+            return DoneHandle()
+        self._publish(0, 0, nbytes, flat.dtype)
+        assert self._window is not None
         step = self._window.slot_bytes // flat.element_size()
         chunks = [flat[start : start + step] for start in range(0, flat.numel(), step)]
         if self.nodes == 1:
             self._pipeline(chunks)
         else:
-            for part in chunks:
-                self._hierarchical(part)
+            for i, part in enumerate(chunks):
+                self._hierarchical(part, check=i == 0)
         return DoneHandle()
+
+    def _ensure_window(self) -> None:
+        if self._window is None:
+            self._window = _Window(self._node, self.window_bytes)
+            log.debug(
+                "shared window: %d B per slot, %d rank(s) on this node", self.window_bytes, self.node_size
+            )
+
+    def shared_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zeroed 1-D CPU tensor that lives in node-shared memory (collective over the node; every rank
+        asks for the same ``numel`` and ``dtype``). An allreduce of it (or of a slice of it at the same
+        offset on every rank) needs no copy in or out: node rank r sums slice r of every rank's buffer, in
+        the same order as the copying path, and writes the sum into every rank's buffer. Use it as a flat
+        buffer (``pool.flat.point_into``); it is valid until :meth:`close`, which frees it.
+        """
+        if dtype not in ACCUMULATE:
+            raise TypeError(f"shared buffers hold {', '.join(map(str, ACCUMULATE))}, not {dtype}")
+        self._ensure_window()
+        buffer = _Buffer(self._node, numel * dtype.itemsize)
+        self._buffers.append(buffer)
+        mine = buffer.segments[self._node.Get_rank()][: numel * dtype.itemsize].view(dtype)
+        mine.zero_()
+        return mine
+
+    def _publish(self, path: int, offset: int, nbytes: int, dtype: torch.dtype) -> None:
+        """Write what this rank's allreduce is into its header, for :meth:`_agree` after the first sync."""
+        assert self._window is not None
+        header = self._window.headers[self._node.Get_rank()]
+        header[1:5] = (path, offset, nbytes, _DTYPE_CODES[dtype])
+
+    def _agree(self) -> None:
+        """After the first sync of an allreduce: every rank of the node must be running the same one (path,
+        offset into a shared buffer, size, dtype). Each rank reads the same headers and so raises alike."""
+        assert self._window is not None
+        seen = [tuple(int(v) for v in header[1:5]) for header in self._window.headers]
+        if len(set(seen)) > 1:
+            self._parity = 0  # every rank stops at the same point: start the next call in step
+            described = "; ".join(
+                f"node rank {q}: {'shared buffer' if path else 'copy'} path, offset {off} B, {n} B, "
+                f"{_DTYPE_NAMES[code]}"
+                for q, (path, off, n, code) in enumerate(seen)
+            )
+            raise ValueError(f"ranks called allreduce on different buffers: {described}")
+
+    def _in_place(self, flat: torch.Tensor, buffer: _Buffer, offset: int) -> None:
+        """Zero-copy allreduce of a slice of a shared buffer: sync; node rank r sums slice r of every
+        rank's buffer, tile by tile (the accumulator stays in cache), and writes it into all of them; sync."""
+        dtype, acc = flat.dtype, ACCUMULATE[flat.dtype]
+        n, p, me, nbytes = (
+            flat.numel(),
+            self.node_size,
+            self._node.Get_rank(),
+            flat.numel() * flat.element_size(),
+        )
+        self._publish(1, offset, nbytes, dtype)
+        self._sync()
+        self._agree()
+        views = [seg[offset : offset + nbytes].view(dtype) for seg in buffer.segments]
+        lo, hi = n * me // p, n * (me + 1) // p
+        scratch = self._scratch(acc)
+        for start in range(lo, hi, TILE):
+            stop = min(start + TILE, hi)
+            out = scratch[: stop - start]
+            terms = [view[start:stop] for view in views]
+            if p > 1 and dtype == acc:
+                torch.add(terms[0], terms[1], out=out)
+            else:
+                out.copy_(terms[0])
+                if p > 1:
+                    out.add_(terms[1])
+            for term in terms[2:]:
+                out.add_(term)
+            for term in terms:
+                term.copy_(out)
+        self._sync()
+
+    def _scratch(self, acc: torch.dtype) -> torch.Tensor:
+        """A private accumulator tile per accumulation dtype."""
+        tile = self._tiles.get(acc)
+        if tile is None:
+            tile = self._tiles[acc] = torch.empty(TILE, dtype=acc)
+        return tile
 
     def _views(self, part: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
         """For the next chunk: every rank's slot and the result area (window half of the current parity),
@@ -267,13 +392,17 @@ class SharedMemoryCommunicator(MPICommunicator):
                 self._copy_in(part, slots, lo, hi)
             if phase <= len(chunks):
                 self._sync()
+            if phase == 0:
+                self._agree()
 
-    def _hierarchical(self, part: torch.Tensor) -> None:
+    def _hierarchical(self, part: torch.Tensor, check: bool) -> None:
         """Several nodes, one chunk: copy in, sync, reduce the slice, sync, leaders allreduce the node sums,
         sync, copy the whole result out."""
         slots, result, lo, hi = self._views(part)
         self._copy_in(part, slots, lo, hi)
         self._sync()
+        if check:
+            self._agree()
         self._reduce(part, slots, result, lo, hi)
         self._sync()
         if self._leaders != MPI.COMM_NULL:
@@ -286,6 +415,9 @@ class SharedMemoryCommunicator(MPICommunicator):
         :meth:`MPICommunicator.close` frees. Idempotent."""
         if self._closed:
             return
+        for buffer in self._buffers:
+            buffer.free()
+        self._buffers.clear()
         if self._window is not None:
             self._window.free()
             self._window = None

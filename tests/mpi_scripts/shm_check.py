@@ -109,6 +109,57 @@ def check_every_rank_a_node(_: object) -> None:
     node.Free()
 
 
+def check_shared_buffer(_: object) -> None:
+    """Window-backed buffers: zero-copy on one node (whole buffer and a slice at the same offset), the copy
+    path across fake nodes; equal to the documented order either way."""
+    half = WORLD.size // 2
+    node = WORLD.Split(int(WORLD.rank >= half), key=WORLD.rank)
+    for comm, nodes in (
+        (SharedMemoryCommunicator(WORLD, min_bytes=0), [list(range(WORLD.size))]),
+        (
+            SharedMemoryCommunicator(WORLD, node=node, min_bytes=0),
+            [m for m in (list(range(half)), list(range(half, WORLD.size))) if m],
+        ),
+    ):
+        case = 40_000
+        for dtype in DTYPES:
+            buf = comm.shared_buffer(100_003, dtype)
+            assert buf.eq(0).all() and buf.dtype == dtype and buf.numel() == 100_003
+            for lo, hi in ((0, 100_003), (5, 1006), (99_000, 100_003)):
+                case += 1
+                buf[lo:hi] = data(WORLD.rank, hi - lo, dtype, case)
+                ptr = buf.data_ptr()
+                comm.allreduce(buf[lo:hi], async_op=True).wait()
+                assert buf.data_ptr() == ptr
+                want = reference(nodes, hi - lo, dtype, case)
+                assert torch.equal(buf[lo:hi], want), f"shared {dtype} [{lo}:{hi}] nodes={nodes}"
+        comm.close()
+    node.Free()
+
+
+def check_mismatch(_: object) -> None:
+    """Ranks allreducing different sizes, or a shared buffer at different offsets, all get one ValueError,
+    and the next allreduce works."""
+    comm = SharedMemoryCommunicator(WORLD, min_bytes=0)
+    buf = comm.shared_buffer(10_000)
+    for make in (
+        lambda: torch.ones(1000 + (WORLD.rank == WORLD.size - 1)),
+        lambda: buf[(WORLD.rank == WORLD.size - 1) : 1000],
+        lambda: buf[:1000] if WORLD.rank else torch.ones(1000),
+    ):
+        try:
+            comm.allreduce(make())
+            raised = ""
+        except ValueError as exc:
+            raised = str(exc)
+        if WORLD.size > 1:
+            assert "different buffers" in raised, f"no error: {raised!r}"
+        t = torch.ones(5000)
+        comm.allreduce(t)
+        assert t.eq(WORLD.size).all(), "the allreduce after a mismatch is wrong"
+    comm.close()
+
+
 def check_delegated(_: object) -> None:
     """MAX/MIN, integers, small sums and non-contiguous input behave as MPICommunicator's."""
     comm = SharedMemoryCommunicator(WORLD)
