@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -70,6 +71,25 @@ def check_sums(comm: SharedMemoryCommunicator, nodes: list[list[int]], exact_ord
                 assert close <= TOLERANCE[dtype] * WORLD.size, f"{what}: off the float64 sum by {close}"
                 digest = hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
                 assert len(set(WORLD.allgather(digest))) == 1, f"{what}: ranks disagree"
+
+
+def mapped_segments() -> set[str]:
+    """The /dev/shm files this process has mapped (``path`` or ``path (deleted)``)."""
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        fields = (line.split(None, 5) for line in maps)
+        return {f[5].strip() for f in fields if len(f) == 6 and f[5].startswith("/dev/shm/")}
+
+
+BEFORE = mapped_segments() if os.path.exists("/proc/self/maps") else set()
+
+
+def report_segments() -> None:
+    """Rank 0 prints ``SEGMENT mpi|window <path>``: what the job mapped before any window and since
+    (collective)."""
+    now = mapped_segments() if os.path.exists("/proc/self/maps") else set()
+    for kind, paths in (("mpi", BEFORE), ("window", now - BEFORE)):
+        for path in sorted(set().union(*WORLD.allgather(sorted(paths)))):
+            say(f"SEGMENT {kind} {path}")
 
 
 def check_one_node(_: object) -> None:
@@ -133,6 +153,7 @@ def check_shared_buffer(_: object) -> None:
                 assert buf.data_ptr() == ptr
                 want = reference(nodes, hi - lo, dtype, case)
                 assert torch.equal(buf[lo:hi], want), f"shared {dtype} [{lo}:{hi}] nodes={nodes}"
+        report_segments()
         comm.close()
     node.Free()
 
@@ -197,7 +218,7 @@ def check_factory(_: object) -> None:
 
 
 CHECKS: list[tuple[str, Callable[[object], None]]] = [
-    (name[len("check_") :], fn)
+    (name[len("check_") :], fn)  # (report_segments is not a check)
     for name, fn in list(globals().items())
     if name.startswith("check_") and name != "check_sums"
 ]
@@ -216,6 +237,8 @@ def main() -> int:
         comm = SharedMemoryCommunicator(WORLD, min_bytes=0)
         t = torch.ones(1000)
         comm.allreduce(t)
+        comm.shared_buffer(1000)
+        report_segments()
         if WORLD.rank == WORLD.size - 1:
             raise RuntimeError("injected failure with the window allocated")
         comm.allreduce(t)  # the others wait here until MPI_Abort ends them
