@@ -176,7 +176,7 @@ class CommSection:
         "backend is mpi on CPU and some node runs more than one rank",
     )
     shm_window_mb: float = setting(
-        4.0, "MB of each rank's input per shared-memory chunk (larger buffers go in chunks)", gt=0
+        16.0, "MB of each rank's input per shared-memory chunk (larger buffers go in chunks)", gt=0
     )
     shm_min_kb: float = setting(64.0, "allreduces smaller than this many KB go through MPI instead", ge=0)
 

@@ -71,9 +71,10 @@ ACCUMULATE = {
     torch.bfloat16: torch.float32,
     torch.float16: torch.float32,
 }
-#: Bytes of input per rank per chunk, by default (benchmarks/results/exchange.md: 4 MB chunks were as fast
-#: as or faster than larger ones at 100 MB; the window then takes about (2p + 4) x 4 MB of shared memory).
-DEFAULT_WINDOW_BYTES = 4 << 20
+#: Bytes of input per rank per chunk, by default. Measured at 100 MB, 2 ranks (results/exchange.md):
+#: on a loaded machine 16 and 64 MB chunks took 0.43 and 0.41 x raw MPI's time, 4 MB 0.53 and 1 MB 1.2 (each
+#: sync waits for a descheduled rank). The window then takes (2p + 4) x 16 MB of shared memory.
+DEFAULT_WINDOW_BYTES = 16 << 20
 #: SUMs below this many bytes go to MPI_Allreduce (lower latency; measured crossover in exchange.md).
 DEFAULT_MIN_BYTES = 64 << 10
 _DTYPE_CODES = {dtype: i for i, dtype in enumerate(ACCUMULATE)}
@@ -99,7 +100,13 @@ class _Window:
         self.slot_bytes = _align(slot_bytes)
         self.result_bytes = 2 * self.slot_bytes
         mine = _ALIGN + 2 * self.slot_bytes + (2 * self.result_bytes if node.Get_rank() == 0 else 0)
-        self.win = MPI.Win.Allocate_shared(mine, 1, comm=node)
+        try:
+            self.win = MPI.Win.Allocate_shared(mine, 1, comm=node)
+        except MPI.Exception as exc:
+            raise RuntimeError(
+                f"could not allocate a {mine} B shared window ({exc}); is /dev/shm big enough? A smaller "
+                "[comm] shm_window_mb, or shared_memory = off, needs less"
+            ) from exc
         try:
             self.win.Lock_all(MPI.MODE_NOCHECK)
             self.segments = [self._segment(q) for q in range(node.Get_size())]
