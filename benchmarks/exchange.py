@@ -39,6 +39,8 @@ RAW = "raw mpi4py Allreduce"
 GLOO = "torch.distributed gloo all_reduce"
 MEMCPY = "memcpy of the same bytes (1 thread)"
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+#: Untimed rounds per size before the timed ones.
+WARMUP = 3
 
 
 def parse_size(text: str) -> int:
@@ -132,7 +134,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         calls = max(1, min(100, int(1e6 // size)))  # batch tiny calls so one sample is not all timer noise
         names = list(methods)
         samples: dict[str, list[float]] = {name: [] for name in names}
-        for round_ in range(1 + rounds_for(size, args)):
+        for round_ in range(WARMUP + rounds_for(size, args)):
             shift = round_ % len(names)
             for name in names[shift:] + names[:shift]:
                 buf.zero_()
@@ -142,7 +144,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(calls):
                     methods[name]()
                 elapsed = world.allreduce((time.perf_counter() - start) / calls, op=MPI.MAX)
-                if round_ > 0:
+                if round_ >= WARMUP:
                     samples[name].append(elapsed)
         zero_copy.close()
         return samples
