@@ -34,9 +34,9 @@ Summation order, bit for bit: the sum is ``S = Σ_nodes N_k`` with ``N_k = ((x_0
 node k's ranks in node-rank order, each addition rounded in the accumulation dtype (float32 for float32,
 bfloat16 and float16; float64 for float64). On one node ``S = N_0``: exactly reproducible, independent of
 chunking and of the MPI library. Across nodes the node sums are combined by the library's ``MPI_Allreduce``
-among the leaders (for two nodes ``N_0 + N_1``, commutative and so exact; beyond, MPI's order, which MPICH
-and Open MPI keep fixed for a fixed number of leaders). bfloat16/float16 inputs are accumulated in float32
-(also across nodes) and rounded once, when read back.
+among the leaders (for two nodes ``N_0 + N_1``, commutative and so exact; beyond, the order of the library's
+algorithm, which the MPI standard recommends give the same result for the same arguments on the same ranks).
+bfloat16/float16 inputs are accumulated in float32 (also across nodes) and rounded once, when read back.
 
 Everything else — MAX/MIN, integer dtypes, CUDA tensors, broadcast, point-to-point, split — is the plain
 :class:`~mpicrossbow.comm.mpi.MPICommunicator`'s, as are SUMs smaller than ``min_bytes`` (MPI's latency is
