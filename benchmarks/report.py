@@ -69,7 +69,7 @@ def versions() -> str:
     import torch
     from mpi4py import MPI
 
-    mpi = MPI.Get_library_version().splitlines()[0].strip()
+    mpi = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()  # Open MPI ends in a NUL
     return (
         f"Python {platform.python_version()}, torch {torch.__version__}, mpi4py {mpi4py.__version__}, {mpi}"
     )

@@ -173,6 +173,15 @@ class CommSection:
     compression: Literal["none", "fp16", "bf16"] = setting(
         "none", "exchange large float buffers as fp16 or bf16 (metrics, initial and final models stay exact)"
     )
+    shared_memory: Literal["auto", "on", "off"] = setting(
+        "auto",
+        "float sum allreduce through node-shared memory (hierarchical across nodes); auto: on when the "
+        "backend is mpi on CPU and some node runs more than one rank",
+    )
+    shm_window_mb: float = setting(
+        16.0, "MB of each rank's input per shared-memory chunk (larger buffers go in chunks)", gt=0
+    )
+    shm_min_kb: float = setting(64.0, "allreduces smaller than this many KB go through MPI instead", ge=0)
 
 
 @dataclass(frozen=True)

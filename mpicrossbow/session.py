@@ -257,7 +257,15 @@ class Session:
         assert self.pool is not None and self.rule is not None
         cfg, world = self.config, self.world
         mpi = world.mpi
-        self.comm = make_communicator(cfg.comm.backend, self.device, mpi, cfg.comm.compression)
+        self.comm = make_communicator(
+            cfg.comm.backend,
+            self.device,
+            mpi,
+            compression=cfg.comm.compression,
+            shared_memory=cfg.comm.shared_memory,
+            window_bytes=int(cfg.comm.shm_window_mb * 2**20),
+            min_bytes=int(cfg.comm.shm_min_kb * 2**10),
+        )
         resume_step = None if self.resume is None else int(self.resume[1]["step"])
         if world.rank == 0:
             run_dir = self._resumed_run_dir() or self._make_run_dir()

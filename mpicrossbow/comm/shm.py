@@ -1,0 +1,434 @@
+"""Hierarchical allreduce through node-shared memory: faster than MPI's own allreduce inside a node.
+
+Inside a node the ranks share one MPI-3 window (``MPI_Win_allocate_shared`` on the node communicator from
+``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``). A float SUM allreduce of ``n`` elements runs, per chunk of at
+most ``window_bytes`` of input per rank:
+
+1. **copy in**: every rank copies its chunk into its own slot of the window;
+2. **reduce-scatter by slices**: node rank ``r`` owns slice ``[n*r//p, n*(r+1)//p)`` (``p`` ranks on the
+   node; sizes need not be multiples of ``p``) and sums that slice of every slot into the window's result
+   area, **in node-rank order** ``((x_0 + x_1) + x_2) + ...``, in the accumulation dtype;
+3. **across nodes** (only when the job spans several): the node leaders (node rank 0) run ``MPI_Allreduce``
+   in place on the result area, among one leader per node;
+4. **read back**: every rank copies the whole result into its tensor (bfloat16/float16 are rounded here,
+   once).
+
+A rank reads its own slice straight from its tensor and writes its own slice of the result straight into
+it, so only the other slices are copied in and out. On one node the chunks are pipelined: phase j copies
+chunk j-2 out, reduces chunk j-1 and copies chunk j in, so a chunk costs one synchronisation, and the window
+is double-buffered (chunks alternate between two halves) so nothing is overwritten before it has been read.
+
+Synchronisation follows the MPI-3 idiom for the unified memory model: the window stays in one passive-target
+epoch (``MPI_Win_lock_all``); a sync is ``MPI_Win_sync``, then each rank publishes an epoch counter in its
+header and polls the others' (``MPI_Win_sync`` between polls, the core yielded after a few polls), then
+``MPI_Win_sync`` (``sync="barrier"`` uses ``MPI_Barrier`` on the node communicator instead). After the first
+sync of every allreduce the ranks compare what they are reducing (size, dtype, path) and all raise the same
+``ValueError`` if they differ, instead of summing unrelated memory.
+
+**No copy at all**: :meth:`SharedMemoryCommunicator.shared_buffer` hands out a tensor that lives in its own
+shared window. An allreduce of it (or of a slice at the same offset on every rank) skips steps 1 and 4:
+node rank r sums slice r of every rank's buffer (same order) and writes the sum into all of them — one read
+and one write of the buffer per rank, the traffic of one memcpy.
+
+Summation order, bit for bit: the sum is ``S = Σ_nodes N_k`` with ``N_k = ((x_0 + x_1) + x_2) + ...`` over
+node k's ranks in node-rank order, each addition rounded in the accumulation dtype (float32 for float32,
+bfloat16 and float16; float64 for float64). On one node ``S = N_0``: exactly reproducible, independent of
+chunking and of the MPI library. Across nodes the node sums are combined by the library's ``MPI_Allreduce``
+among the leaders (for two nodes ``N_0 + N_1``, commutative and so exact; beyond, the order of the library's
+algorithm, which the MPI standard recommends give the same result for the same arguments on the same ranks).
+bfloat16/float16 inputs are accumulated in float32 (also across nodes) and rounded once, when read back.
+
+Everything else — MAX/MIN, integer dtypes, CUDA tensors, broadcast, point-to-point, split — is the plain
+:class:`~mpicrossbow.comm.mpi.MPICommunicator`'s, as are SUMs smaller than ``min_bytes`` (MPI's latency is
+lower there). ``allreduce(..., async_op=True)`` on the shared-memory path completes before it returns and
+hands back a :class:`~mpicrossbow.comm.base.DoneHandle`: the reduction is memory-bound and the machine's
+cores are busy with backward anyway, so a background thread would only compete for them.
+
+The window is freed by :meth:`SharedMemoryCommunicator.close` (collective, as ``MPI_Win_free`` is). MPICH
+and Open MPI unlink the segment's file as soon as every rank has mapped it, so a rank that dies (an
+exception followed by ``MPI_Abort``) leaves no segment behind in ``/dev/shm`` either.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Literal
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpicrossbow.comm.base import DoneHandle, Handle, ReduceOp
+from mpicrossbow.comm.mpi import MPICommunicator
+
+log = logging.getLogger(__name__)
+
+#: Dtypes summed through the window, and the dtype each is accumulated in.
+ACCUMULATE = {
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+    torch.bfloat16: torch.float32,
+    torch.float16: torch.float32,
+}
+#: Bytes of input per rank per chunk, by default. Measured at 100 MB, 2 ranks (results/exchange.md):
+#: on a loaded machine 16 and 64 MB chunks took 0.43 and 0.41 x raw MPI's time, 4 MB 0.53 and 1 MB 1.2 (each
+#: sync waits for a descheduled rank). The window then takes (2p + 4) x 16 MB of shared memory.
+DEFAULT_WINDOW_BYTES = 16 << 20
+#: SUMs below this many bytes go to MPI_Allreduce (lower latency; measured crossover in exchange.md).
+DEFAULT_MIN_BYTES = 64 << 10
+_DTYPE_CODES = {dtype: i for i, dtype in enumerate(ACCUMULATE)}
+_DTYPE_NAMES = {i: str(dtype) for dtype, i in _DTYPE_CODES.items()}
+#: Elements per tile of the zero-copy path's accumulator (1 MB of float32: stays in L2).
+TILE = 1 << 18
+#: Polls of the other ranks' flags before each further poll yields the core (sched_yield).
+SPINS = 100
+_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Window:
+    """One shared window on a node. Each rank's segment: a 64-byte header (its sync epoch and what its current
+    allreduce is, int64), then two
+    input slots of ``slot_bytes``; node rank 0's also holds two result areas of ``2 * slot_bytes`` (room for
+    float32 accumulators of a 16-bit input)."""
+
+    def __init__(self, node: MPI.Comm, slot_bytes: int) -> None:
+        self.slot_bytes = _align(slot_bytes)
+        self.result_bytes = 2 * self.slot_bytes
+        mine = _ALIGN + 2 * self.slot_bytes + (2 * self.result_bytes if node.Get_rank() == 0 else 0)
+        try:
+            self.win = MPI.Win.Allocate_shared(mine, 1, comm=node)
+        except MPI.Exception as exc:
+            raise RuntimeError(
+                f"could not allocate a {mine} B shared window ({exc}); is /dev/shm big enough? A smaller "
+                "[comm] shm_window_mb, or shared_memory = off, needs less"
+            ) from exc
+        try:
+            self.win.Lock_all(MPI.MODE_NOCHECK)
+            self.segments = [self._segment(q) for q in range(node.Get_size())]
+        except BaseException:
+            self.win.Free()
+            raise
+        # per rank: [sync epoch, path, byte offset, bytes, dtype] — see SharedMemoryCommunicator._agree
+        self.headers = [seg[:40].numpy().view(np.int64) for seg in self.segments]
+        self.headers[node.Get_rank()][:] = 0
+        base = _ALIGN + 2 * self.slot_bytes
+        self.results = [self.segments[0][base + i * self.result_bytes :][: self.result_bytes] for i in (0, 1)]
+        self.slots = [
+            [seg[_ALIGN + i * self.slot_bytes :][: self.slot_bytes] for seg in self.segments] for i in (0, 1)
+        ]
+        self.win.Sync()
+        node.Barrier()  # every flag is initialised before anyone waits on it
+        self.win.Sync()
+
+    def _segment(self, rank: int) -> torch.Tensor:
+        buf, _ = self.win.Shared_query(rank)
+        return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
+
+    def free(self) -> None:
+        """End the epoch and free the window (collective over the node)."""
+        self.segments, self.slots, self.results, self.headers = [], [], [], []
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+class _Buffer:
+    """A window of ``nbytes`` per rank handed out by :meth:`SharedMemoryCommunicator.shared_buffer`."""
+
+    def __init__(self, node: MPI.Comm, nbytes: int) -> None:
+        self.win = MPI.Win.Allocate_shared(_align(max(nbytes, 1)), 1, comm=node)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.segments = [
+            torch.from_numpy(np.frombuffer(self.win.Shared_query(q)[0], dtype=np.uint8))
+            for q in range(node.Get_size())
+        ]
+        mine = self.segments[node.Get_rank()]
+        self.start, self.stop = mine.data_ptr(), mine.data_ptr() + mine.numel()
+
+    def free(self) -> None:
+        """End the epoch and free the window (collective over the node)."""
+        self.segments = []
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+class SharedMemoryCommunicator(MPICommunicator):
+    """An :class:`MPICommunicator` whose float SUM allreduce goes through node-shared memory (see module doc).
+
+    ``node`` overrides the node communicator (default: ``Split_type(COMM_TYPE_SHARED)`` of ``comm``); its
+    ranks must share memory. Tests pass a split of one machine's ranks to run the multi-node path.
+    """
+
+    name = "mpi+shm"
+
+    def __init__(
+        self,
+        comm: MPI.Comm | None = None,
+        *,
+        node: MPI.Comm | None = None,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        sync: Literal["flags", "barrier"] = "flags",
+        _owned: bool = False,
+    ) -> None:
+        super().__init__(comm, _owned=_owned)
+        if sync not in ("flags", "barrier"):
+            raise ValueError(f"sync must be flags or barrier, got {sync!r}")
+        self.sync = sync
+        self._epoch = 0
+        if window_bytes < _ALIGN:
+            raise ValueError(f"window_bytes must be at least {_ALIGN}, got {window_bytes}")
+        world = self._comm
+        self._node = (node if node is not None else world).Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+        if node is not None and self._node.Get_size() != node.Get_size():
+            size = self._node.Get_size()
+            self._node.Free()
+            raise ValueError(f"the ranks of the given node communicator do not all share memory ({size})")
+        leader = self._node.Get_rank() == 0
+        self._leaders = world.Split(0 if leader else MPI.UNDEFINED, key=world.rank)
+        self.nodes = world.allreduce(int(leader))
+        self.window_bytes = window_bytes
+        self.min_bytes = min_bytes
+        self._window: _Window | None = None
+        self._buffers: list[_Buffer] = []
+        self._tiles: dict[torch.dtype, torch.Tensor] = {}
+        self._parity = 0
+
+    @property
+    def node_size(self) -> int:
+        """Ranks on this rank's node."""
+        return self._node.Get_size()
+
+    def _sync(self) -> None:
+        """Make this rank's stores to the window visible to the node, and wait for every rank's.
+
+        ``flags`` (default): the MPI-3 shared-memory polling idiom — ``MPI_Win_sync``, publish this rank's
+        epoch in its flag, poll the other ranks' flags (yielding the core after :data:`SPINS` polls, which
+        matters when ranks outnumber free cores), ``MPI_Win_sync``. ``barrier``: ``MPI_Win_sync``, a barrier
+        on the node communicator, ``MPI_Win_sync``.
+        """
+        window = self._window
+        assert window is not None
+        window.win.Sync()
+        if self.sync == "barrier":
+            self._node.Barrier()
+        else:
+            self._epoch += 1
+            epoch, me = self._epoch, self._node.Get_rank()
+            window.headers[me][0] = epoch
+            window.win.Sync()
+            polls = 0
+            for q, header in enumerate(window.headers):
+                while q != me and header[0] < epoch:
+                    polls += 1
+                    if polls > SPINS:
+                        os.sched_yield()
+                    window.win.Sync()
+        window.win.Sync()
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
+        """SUM of a float CPU tensor through the shared window (blocking even when ``async_op``: the handle
+        returned is already complete); anything else through :class:`MPICommunicator`."""
+        if (
+            op is not ReduceOp.SUM
+            or tensor.dtype not in ACCUMULATE
+            or tensor.device.type != "cpu"
+            or tensor.numel() * tensor.element_size() < self.min_bytes
+            or self._closed
+        ):
+            return super().allreduce(tensor, op, async_op)
+        if not tensor.is_contiguous():
+            raise ValueError("SharedMemoryCommunicator needs a contiguous tensor; call .contiguous() first")
+        self._ensure_window()
+        flat = tensor.detach().view(-1)
+        nbytes = flat.numel() * flat.element_size()
+        buffer = next((b for b in self._buffers if b.start <= flat.data_ptr() < b.stop), None)
+        if buffer is not None and self.nodes == 1:
+            self._in_place(flat, buffer, flat.data_ptr() - buffer.start)
+            return DoneHandle()
+        self._publish(0, 0, nbytes, flat.dtype)
+        assert self._window is not None
+        step = self._window.slot_bytes // flat.element_size()
+        chunks = [flat[start : start + step] for start in range(0, flat.numel(), step)]
+        if self.nodes == 1:
+            self._pipeline(chunks)
+        else:
+            for i, part in enumerate(chunks):
+                self._hierarchical(part, check=i == 0)
+        return DoneHandle()
+
+    def _ensure_window(self) -> None:
+        if self._window is None:
+            self._window = _Window(self._node, self.window_bytes)
+            log.debug(
+                "shared window: %d B per slot, %d rank(s) on this node", self.window_bytes, self.node_size
+            )
+
+    def shared_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zeroed 1-D CPU tensor that lives in node-shared memory (collective over the node; every rank
+        asks for the same ``numel`` and ``dtype``). An allreduce of it (or of a slice of it at the same
+        offset on every rank) needs no copy in or out: node rank r sums slice r of every rank's buffer, in
+        the same order as the copying path, and writes the sum into every rank's buffer. Use it as a flat
+        buffer (``pool.flat.point_into``); it is valid until :meth:`close`, which frees it.
+        """
+        if dtype not in ACCUMULATE:
+            raise TypeError(f"shared buffers hold {', '.join(map(str, ACCUMULATE))}, not {dtype}")
+        self._ensure_window()
+        buffer = _Buffer(self._node, numel * dtype.itemsize)
+        self._buffers.append(buffer)
+        mine = buffer.segments[self._node.Get_rank()][: numel * dtype.itemsize].view(dtype)
+        mine.zero_()
+        return mine
+
+    def _publish(self, path: int, offset: int, nbytes: int, dtype: torch.dtype) -> None:
+        """Write what this rank's allreduce is into its header, for :meth:`_agree` after the first sync."""
+        assert self._window is not None
+        header = self._window.headers[self._node.Get_rank()]
+        header[1:5] = (path, offset, nbytes, _DTYPE_CODES[dtype])
+
+    def _agree(self) -> None:
+        """After the first sync of an allreduce: every rank of the node must be running the same one (path,
+        offset into a shared buffer, size, dtype). Each rank reads the same headers and so raises alike."""
+        assert self._window is not None
+        seen = [tuple(int(v) for v in header[1:5]) for header in self._window.headers]
+        if len(set(seen)) > 1:
+            self._parity = 0  # every rank stops at the same point: start the next call in step
+            described = "; ".join(
+                f"node rank {q}: {'shared buffer' if path else 'copy'} path, offset {off} B, {n} B, "
+                f"{_DTYPE_NAMES[code]}"
+                for q, (path, off, n, code) in enumerate(seen)
+            )
+            raise ValueError(f"ranks called allreduce on different buffers: {described}")
+
+    def _in_place(self, flat: torch.Tensor, buffer: _Buffer, offset: int) -> None:
+        """Zero-copy allreduce of a slice of a shared buffer: sync; node rank r sums slice r of every
+        rank's buffer, tile by tile (the accumulator stays in cache), and writes it into all of them; sync."""
+        dtype, acc = flat.dtype, ACCUMULATE[flat.dtype]
+        n, p, me, nbytes = (
+            flat.numel(),
+            self.node_size,
+            self._node.Get_rank(),
+            flat.numel() * flat.element_size(),
+        )
+        self._publish(1, offset, nbytes, dtype)
+        self._sync()
+        self._agree()
+        views = [seg[offset : offset + nbytes].view(dtype) for seg in buffer.segments]
+        lo, hi = n * me // p, n * (me + 1) // p
+        scratch = self._scratch(acc)
+        for start in range(lo, hi, TILE):
+            stop = min(start + TILE, hi)
+            out = scratch[: stop - start]
+            terms = [view[start:stop] for view in views]
+            if p > 1 and dtype == acc:
+                torch.add(terms[0], terms[1], out=out)
+            else:
+                out.copy_(terms[0])
+                if p > 1:
+                    out.add_(terms[1])
+            for term in terms[2:]:
+                out.add_(term)
+            for term in terms:
+                term.copy_(out)
+        self._sync()
+
+    def _scratch(self, acc: torch.dtype) -> torch.Tensor:
+        """A private accumulator tile per accumulation dtype."""
+        tile = self._tiles.get(acc)
+        if tile is None:
+            tile = self._tiles[acc] = torch.empty(TILE, dtype=acc)
+        return tile
+
+    def _views(self, part: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
+        """For the next chunk: every rank's slot and the result area (window half of the current parity),
+        and this rank's slice bounds."""
+        window = self._window
+        assert window is not None
+        dtype, acc = part.dtype, ACCUMULATE[part.dtype]
+        n, p, me = part.numel(), self.node_size, self._node.Get_rank()
+        slots = [s[: n * part.element_size()].view(dtype) for s in window.slots[self._parity]]
+        result = window.results[self._parity][: n * acc.itemsize].view(acc)
+        self._parity ^= 1
+        return slots, result, n * me // p, n * (me + 1) // p
+
+    def _copy_in(self, part: torch.Tensor, slots: list[torch.Tensor], lo: int, hi: int) -> None:
+        """Step 1, without this rank's own slice: only this rank reads it, straight from ``part``."""
+        mine = slots[self._node.Get_rank()]
+        mine[:lo].copy_(part[:lo])
+        mine[hi:].copy_(part[hi:])
+
+    def _reduce(
+        self, part: torch.Tensor, slots: list[torch.Tensor], result: torch.Tensor, lo: int, hi: int
+    ) -> None:
+        """Step 2: ``result[lo:hi] = ((x_0 + x_1) + x_2) + ...`` over node ranks, in accumulation dtype."""
+        me = self._node.Get_rank()
+        terms = [part[lo:hi] if q == me else slot[lo:hi] for q, slot in enumerate(slots)]
+        out = result[lo:hi]
+        if len(terms) > 1 and part.dtype == out.dtype:
+            torch.add(terms[0], terms[1], out=out)
+        else:
+            out.copy_(terms[0])
+            if len(terms) > 1:
+                out.add_(terms[1])
+        for term in terms[2:]:
+            out.add_(term)
+
+    def _pipeline(self, chunks: list[torch.Tensor]) -> None:
+        """One node: phase j copies chunk j-2 out, reduces chunk j-1 and copies chunk j in, then one sync.
+
+        A chunk's slots are written in phase j and read in j+1, its result written in j+1 and read in j+2;
+        the two window halves alternate, so a half is rewritten only after a sync that follows every read
+        of it (also across calls: the parity carries on). Own slices go straight into the tensor.
+        """
+        views = [self._views(part) for part in chunks]
+        for phase in range(len(chunks) + 2):
+            if phase >= 2:
+                part, (_, result, lo, hi) = chunks[phase - 2], views[phase - 2]
+                part[:lo].copy_(result[:lo])
+                part[hi:].copy_(result[hi:])
+            if 1 <= phase <= len(chunks):
+                part, (slots, result, lo, hi) = chunks[phase - 1], views[phase - 1]
+                self._reduce(part, slots, result, lo, hi)
+                part[lo:hi].copy_(result[lo:hi])
+            if phase < len(chunks):
+                part, (slots, _, lo, hi) = chunks[phase], views[phase]
+                self._copy_in(part, slots, lo, hi)
+            if phase <= len(chunks):
+                self._sync()
+            if phase == 0:
+                self._agree()
+
+    def _hierarchical(self, part: torch.Tensor, check: bool) -> None:
+        """Several nodes, one chunk: copy in, sync, reduce the slice, sync, leaders allreduce the node sums,
+        sync, copy the whole result out."""
+        slots, result, lo, hi = self._views(part)
+        self._copy_in(part, slots, lo, hi)
+        self._sync()
+        if check:
+            self._agree()
+        self._reduce(part, slots, result, lo, hi)
+        self._sync()
+        if self._leaders != MPI.COMM_NULL:
+            self._leaders.Allreduce(MPI.IN_PLACE, result.numpy(), MPI.SUM)
+        self._sync()
+        part.copy_(result)
+
+    def close(self) -> None:
+        """Free the window and the node and leader communicators (collective), then what
+        :meth:`MPICommunicator.close` frees. Idempotent."""
+        if self._closed:
+            return
+        for buffer in self._buffers:
+            buffer.free()
+        self._buffers.clear()
+        if self._window is not None:
+            self._window.free()
+            self._window = None
+        if self._leaders != MPI.COMM_NULL:
+            self._leaders.Free()
+        self._node.Free()
+        super().close()

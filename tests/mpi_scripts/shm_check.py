@@ -1,0 +1,270 @@
+"""Checks of SharedMemoryCommunicator under a real ``mpiexec``, every case in one launch per world size.
+
+Data are random floats (seeded per rank and case), so a different summation order gives different bits: the
+result must equal the documented order exactly — per node ``((x_0 + x_1) + x_2) + ...`` in node-rank order in
+the accumulation dtype, node sums added in node order — and be close to the float64 sum. Rank 0 prints
+``CHECK <name> OK|FAIL <why>`` per check, then ``DONE``. ``--fail`` instead makes the last rank raise after
+the window is in use, and the job ends as the launcher ends it, with ``MPI_Abort``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+from mpi4py import MPI
+
+from mpicrossbow.comm import ReduceOp, make_communicator
+from mpicrossbow.comm.mpi import MPICommunicator
+from mpicrossbow.comm.shm import ACCUMULATE, SharedMemoryCommunicator
+
+WORLD = MPI.COMM_WORLD
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+SIZES = (1, 7, 1001, 100_003)  # none a multiple of 2, 3 or 4 (except 1 with 1 rank)
+TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-14, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def data(rank: int, numel: int, dtype: torch.dtype, case: int) -> torch.Tensor:
+    """Rank- and case-specific random floats in [-1, 1)."""
+    gen = torch.Generator().manual_seed(1000 * case + rank)
+    return (torch.rand(numel, generator=gen, dtype=torch.float64) * 2 - 1).to(dtype)
+
+
+def reference(nodes: list[list[int]], numel: int, dtype: torch.dtype, case: int) -> torch.Tensor:
+    """The documented order: each node's ranks summed in order, node sums added in order, rounded once."""
+    acc = ACCUMULATE[dtype]
+    total: torch.Tensor | None = None
+    for members in nodes:
+        node_sum = data(members[0], numel, dtype, case).to(acc)
+        for r in members[1:]:
+            node_sum = node_sum + data(r, numel, dtype, case).to(acc)
+        total = node_sum if total is None else total + node_sum
+    assert total is not None
+    return total.to(dtype)
+
+
+def exact_sum(numel: int, dtype: torch.dtype, case: int) -> torch.Tensor:
+    return sum(data(r, numel, dtype, case).double() for r in range(WORLD.size))  # type: ignore[return-value]
+
+
+def check_sums(comm: SharedMemoryCommunicator, nodes: list[list[int]], exact_order: bool, tag: int) -> None:
+    """Every dtype and size, default chunking and tiny chunks, sync and async; results equal on all ranks."""
+    case = tag
+    for dtype in DTYPES:
+        for numel in SIZES:
+            for async_op in (False, True):
+                case += 1
+                t = data(WORLD.rank, numel, dtype, case)
+                handle = comm.allreduce(t, async_op=async_op)
+                handle.wait()
+                assert handle.test()
+                what = f"{dtype} x {numel} async={async_op} nodes={nodes}"
+                if exact_order:
+                    want = reference(nodes, numel, dtype, case)
+                    assert torch.equal(t, want), f"{what}: differs from the documented order"
+                close = (t.double() - exact_sum(numel, dtype, case)).abs().max().item()
+                assert close <= TOLERANCE[dtype] * WORLD.size, f"{what}: off the float64 sum by {close}"
+                digest = hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+                assert len(set(WORLD.allgather(digest))) == 1, f"{what}: ranks disagree"
+
+
+def mapped_segments() -> set[str]:
+    """The /dev/shm files this process has mapped (``path`` or ``path (deleted)``)."""
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        fields = (line.split(None, 5) for line in maps)
+        return {f[5].strip() for f in fields if len(f) == 6 and f[5].startswith("/dev/shm/")}
+
+
+BEFORE = mapped_segments() if os.path.exists("/proc/self/maps") else set()
+
+
+def report_segments() -> None:
+    """Rank 0 prints ``SEGMENT mpi|window <path>``: what the job mapped before any window and since
+    (collective)."""
+    now = mapped_segments() if os.path.exists("/proc/self/maps") else set()
+    for kind, paths in (("mpi", BEFORE), ("window", now - BEFORE)):
+        for path in sorted(set().union(*WORLD.allgather(sorted(paths)))):
+            say(f"SEGMENT {kind} {path}")
+
+
+def check_one_node(_: object) -> None:
+    comm = SharedMemoryCommunicator(WORLD, min_bytes=0)
+    assert comm.nodes == 1 and comm.node_size == WORLD.size, f"{comm.nodes} node(s) of {comm.node_size}"
+    check_sums(comm, [list(range(WORLD.size))], True, 0)
+    comm.close()
+    comm.close()  # idempotent
+
+
+def check_chunks(_: object) -> None:
+    """A 4 KB window: 100_003 float32 go in 98 chunks (and bf16 accumulators in twice the slot's bytes)."""
+    comm = SharedMemoryCommunicator(WORLD, window_bytes=4096, min_bytes=0)
+    check_sums(comm, [list(range(WORLD.size))], True, 10_000)
+    comm.close()
+
+
+def check_two_nodes(_: object) -> None:
+    """The world split into two fake nodes (first half, second half): leader allreduce + node broadcast."""
+    half = WORLD.size // 2
+    node = WORLD.Split(int(WORLD.rank >= half), key=WORLD.rank)
+    comm = SharedMemoryCommunicator(WORLD, node=node, window_bytes=8192, min_bytes=0)
+    nodes = [m for m in (list(range(half)), list(range(half, WORLD.size))) if m]
+    assert comm.nodes == min(2, WORLD.size), f"{comm.nodes} nodes"
+    check_sums(comm, nodes, True, 20_000)
+    comm.close()
+    node.Free()
+
+
+def check_every_rank_a_node(_: object) -> None:
+    """One fake node per rank: the whole sum is MPI's among leaders (its order: compared closely)."""
+    node = WORLD.Split(WORLD.rank, key=0)
+    comm = SharedMemoryCommunicator(WORLD, node=node, min_bytes=0)
+    assert comm.nodes == WORLD.size and comm.node_size == 1
+    check_sums(comm, [[r] for r in range(WORLD.size)], WORLD.size <= 2, 30_000)
+    comm.close()
+    node.Free()
+
+
+def check_shared_buffer(_: object) -> None:
+    """Window-backed buffers: zero-copy on one node (whole buffer and a slice at the same offset), the copy
+    path across fake nodes; equal to the documented order either way."""
+    half = WORLD.size // 2
+    node = WORLD.Split(int(WORLD.rank >= half), key=WORLD.rank)
+    for comm, nodes in (
+        (SharedMemoryCommunicator(WORLD, min_bytes=0), [list(range(WORLD.size))]),
+        (
+            SharedMemoryCommunicator(WORLD, node=node, min_bytes=0),
+            [m for m in (list(range(half)), list(range(half, WORLD.size))) if m],
+        ),
+    ):
+        case = 40_000
+        for dtype in DTYPES:
+            buf = comm.shared_buffer(100_003, dtype)
+            assert buf.eq(0).all() and buf.dtype == dtype and buf.numel() == 100_003
+            for lo, hi in ((0, 100_003), (5, 1006), (99_000, 100_003)):
+                case += 1
+                buf[lo:hi] = data(WORLD.rank, hi - lo, dtype, case)
+                ptr = buf.data_ptr()
+                comm.allreduce(buf[lo:hi], async_op=True).wait()
+                assert buf.data_ptr() == ptr
+                want = reference(nodes, hi - lo, dtype, case)
+                assert torch.equal(buf[lo:hi], want), f"shared {dtype} [{lo}:{hi}] nodes={nodes}"
+        report_segments()
+        comm.close()
+    node.Free()
+
+
+def check_mismatch(_: object) -> None:
+    """Ranks allreducing different sizes, or a shared buffer at different offsets, all get one ValueError,
+    and the next allreduce works."""
+    comm = SharedMemoryCommunicator(WORLD, min_bytes=0)
+    buf = comm.shared_buffer(10_000)
+    for make in (
+        lambda: torch.ones(1000 + (WORLD.rank == WORLD.size - 1)),
+        lambda: buf[(WORLD.rank == WORLD.size - 1) : 1000],
+        lambda: buf[:1000] if WORLD.rank else torch.ones(1000),
+    ):
+        try:
+            comm.allreduce(make())
+            raised = ""
+        except ValueError as exc:
+            raised = str(exc)
+        if WORLD.size > 1:
+            assert "different buffers" in raised, f"no error: {raised!r}"
+        t = torch.ones(5000)
+        comm.allreduce(t)
+        assert t.eq(WORLD.size).all(), "the allreduce after a mismatch is wrong"
+    comm.close()
+
+
+def check_delegated(_: object) -> None:
+    """MAX/MIN, integers, small sums and non-contiguous input behave as MPICommunicator's."""
+    comm = SharedMemoryCommunicator(WORLD)
+    for op, fn in ((ReduceOp.MAX, max), (ReduceOp.MIN, min)):
+        for dtype in (torch.float32, torch.bfloat16):
+            t = torch.full((1001,), float(WORLD.rank), dtype=dtype)
+            comm.allreduce(t, op, async_op=True).wait()
+            assert t.eq(fn(range(WORLD.size))).all(), f"{op} {dtype}"
+    t = torch.full((100_003,), WORLD.rank + 1, dtype=torch.int64)
+    comm.allreduce(t)
+    assert t.eq(WORLD.size * (WORLD.size + 1) // 2).all(), "int64 sum"
+    assert comm.allreduce_scalars([1.0, float(WORLD.rank)]) == [
+        float(WORLD.size),
+        float(sum(range(WORLD.size))),
+    ]
+    try:
+        comm.allreduce(torch.zeros(300, 300).t())
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a transposed tensor was accepted")
+    comm.close()
+
+
+def check_factory(_: object) -> None:
+    """``auto`` takes the shared-memory path exactly when a node holds more than one rank."""
+    comm = make_communicator("mpi", "cpu", shared_memory="auto")
+    assert isinstance(comm, SharedMemoryCommunicator) == (WORLD.size > 1), type(comm).__name__
+    comm.close()
+    off = make_communicator("auto", "cpu", shared_memory="off")
+    assert type(off) is MPICommunicator
+    on = make_communicator("mpi", "cpu", shared_memory="on", window_bytes=1 << 16, min_bytes=0)
+    assert isinstance(on, SharedMemoryCommunicator) and on.window_bytes == 1 << 16
+    on.close()
+
+
+CHECKS: list[tuple[str, Callable[[object], None]]] = [
+    (name[len("check_") :], fn)  # (report_segments is not a check)
+    for name, fn in list(globals().items())
+    if name.startswith("check_") and name != "check_sums"
+]
+
+
+def say(line: str) -> None:
+    if WORLD.rank == 0:
+        print(line, flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--fail", action="store_true", help="the last rank raises once the window is in use")
+    args = parser.parse_args()
+    if args.fail:
+        comm = SharedMemoryCommunicator(WORLD, min_bytes=0)
+        t = torch.ones(1000)
+        comm.allreduce(t)
+        comm.shared_buffer(1000)
+        report_segments()
+        if WORLD.rank == WORLD.size - 1:
+            raise RuntimeError("injected failure with the window allocated")
+        comm.allreduce(t)  # the others wait here until MPI_Abort ends them
+        return 0
+    ok = True
+    for name, fn in CHECKS:
+        try:
+            fn(None)
+            why = ""
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        failures = [(r, w) for r, w in enumerate(WORLD.allgather(why)) if w]
+        ok = ok and not failures
+        say(
+            f"CHECK {name} "
+            + ("OK" if not failures else "FAIL " + "; ".join(f"rank {r}: {w}" for r, w in failures))
+        )
+    say("DONE")
+    return 0 if WORLD.allreduce(int(not ok)) == 0 else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        WORLD.Abort(3)
