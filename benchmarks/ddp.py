@@ -91,7 +91,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def bsp_round(
-    world: Any, name: str, bucket_mb: float, steps: int, batch: int, out: str
+    world: Any, name: str, bucket_mb: float, steps: int, batch: int, out: str, shared_memory: str = "auto"
 ) -> tuple[float, float]:
     """Build a BSP session for ``name`` (untimed), then time ``Session.run()`` for ``steps`` steps: (seconds,
     the seconds the session spent in the rule's hooks, i.e. waiting for gradients after backward)."""
@@ -117,6 +117,7 @@ def bsp_round(
         "optim": {"lr": 0.01, "momentum": 0.9},
         "data": {"batch_size": batch},
         "rule": {"mode": "grad", "bucket_mb": bucket_mb},
+        "comm": {"shared_memory": shared_memory},
     }
     config = load_config(extra=extra)
     session = Session(config, world)
@@ -159,11 +160,13 @@ def ddp_round(world: Any, name: str, steps: int, batch: int) -> float:
 def measure(
     world: Any, name: str, buckets: list[float], args: argparse.Namespace
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Samples/s over all ranks (median of the timed rounds) of every variant, ``bsp:<MiB>`` and ``ddp``, and
-    each BSP variant's median share of its run spent waiting in the rule after backward (rank 0's)."""
+    """Samples/s over all ranks (median of the timed rounds) of every variant — ``bsp:<MiB>`` (the session's
+    communicator: shared memory where ranks share a node), ``mpi:<MiB>`` (the first bucket size with
+    ``shared_memory = off``: plain MPI) and ``ddp`` — and each BSP variant's median share of its run spent
+    waiting in the rule after backward (rank 0's)."""
     _, batch, steps = MODELS[name]
     steps = max(2, round(steps * args.steps_scale))
-    variants = [f"bsp:{mb:g}" for mb in buckets] + ["ddp"]
+    variants = [f"bsp:{mb:g}" for mb in buckets] + [f"mpi:{buckets[0]:g}", "ddp"]
     times: dict[str, list[float]] = {v: [] for v in variants}
     waits: dict[str, list[float]] = {v: [] for v in variants if v != "ddp"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -174,7 +177,8 @@ def measure(
                 if variant == "ddp":
                     seconds = ddp_round(world, name, steps, batch)
                 else:
-                    seconds, waited = bsp_round(world, name, float(variant[4:]), steps, batch, out)
+                    memory = "off" if variant.startswith("mpi:") else "auto"
+                    seconds, waited = bsp_round(world, name, float(variant[4:]), steps, batch, out, memory)
                     if r:
                         waits[variant].append(waited / seconds)
                 if r:
@@ -207,8 +211,12 @@ def main() -> int:
     for name in [n.strip() for n in args.models.split(",") if n.strip()]:
         rate, wait = measure(world, name, buckets, args)
         params = sum(p.numel() for p in MODELS[name][0]().module().parameters())
-        cells = [f"{rate[f'bsp:{mb:g}']:,.0f}" for mb in buckets] + [f"{rate['ddp']:,.0f}"]
-        ratios = [f"{rate[f'bsp:{mb:g}'] / rate['ddp']:.2f}" for mb in buckets]
+        plain = f"mpi:{buckets[0]:g}"
+        cells = [f"{rate[f'bsp:{mb:g}']:,.0f}" for mb in buckets]
+        cells += [f"{rate[plain]:,.0f}", f"{rate['ddp']:,.0f}"]
+        ratios = [f"{rate[f'bsp:{mb:g}'] / rate['ddp']:.2f}" for mb in buckets] + [
+            f"{rate[plain] / rate['ddp']:.2f}"
+        ]
         on_off = [f"{rate[f'bsp:{mb:g}'] / rate['bsp:0']:.2f}" for mb in buckets if mb]
         waited = [f"{wait[f'bsp:{mb:g}']:.0%}" for mb in buckets]
         cells = cells + ratios + on_off + waited
@@ -221,7 +229,8 @@ def main() -> int:
         head = (
             f"{world.size} ranks, {args.rounds} rotating rounds (median), 1 thread per rank; samples/s "
             "summed over ranks; BSP through Session.run() with [rule] bucket_mb as named (0: one allreduce "
-            "after backward), DDP with 25 MiB buckets"
+            "after backward) over the session's communicator ([comm] shared_memory = auto: the node-shared "
+            "window here), and once more with shared_memory = off (plain MPI); DDP with 25 MiB buckets"
         )
         table = "\n".join(
             [
@@ -229,12 +238,13 @@ def main() -> int:
                 "",
                 "| model | parameters | batch/rank | "
                 + " | ".join(f"BSP {lb}" for lb in label)
-                + " | DDP (Gloo) | "
+                + f" | BSP {label[0]}, plain MPI | DDP (Gloo) | "
                 + " | ".join(f"BSP {lb} ÷ DDP" for lb in label)
+                + f" | BSP {label[0]}, plain MPI ÷ DDP"
                 + "".join(f" | {lb} ÷ no overlap" for lb, mb in zip(label, buckets, strict=True) if mb)
                 + "".join(f" | wait after backward, {lb}" for lb in label)
                 + " |",
-                "|---|" + "---:|" * (2 + 3 * len(buckets) + 1 + sum(1 for mb in buckets if mb)),
+                "|---|" + "---:|" * (2 + 3 * len(buckets) + 3 + sum(1 for mb in buckets if mb)),
                 *rows,
             ]
         )
