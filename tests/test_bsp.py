@@ -16,6 +16,7 @@ import torch
 
 from conftest import launcher, only_run, run_mpi
 from models.mlp import MLP
+from mpicrossbow.comm.compressed import CompressedCommunicator
 from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.metrics import read_metrics
@@ -225,8 +226,41 @@ def test_buckets_under_mpiexec_equal_the_one_allreduce_and_the_union(
 def test_digits_job_with_overlapping_buckets_reaches_95_percent(mpiexec: str, tmp_path: Path) -> None:
     """The default job with buckets small enough that the MLP gradient leaves in 4 pieces during backward."""
     args = [*launcher(), "-cfg", "launch/digits.cfg", "rule.bucket_mb=0.01", f"session.output={tmp_path}"]
+    args.append("comm.shared_memory=off")  # plain MPI: its non-blocking allreduce overlaps, so buckets run
     proc = run_mpi(mpiexec, 2, args, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "BSP overlap: 4 bucket(s) of ≤ 0.01 MiB over 6 parameter tensor(s), 1 learner(s)" in proc.stderr
     accuracy = read_metrics(only_run(tmp_path) / "metrics.h5")["val"]["accuracy"]
     assert accuracy[-1] >= 0.95, accuracy
+
+
+class _Blocking(CompressedCommunicator):
+    """A communicator whose async allreduce completes before returning (as the shared-memory one's)."""
+
+    @property
+    def overlaps(self) -> bool:
+        return False
+
+
+def test_buckets_are_skipped_when_the_communicator_cannot_overlap() -> None:
+    """Buckets only add synchronisations where allreduce(async_op=True) blocks: BSP keeps one allreduce,
+    with the same result."""
+    pools = [make_pool(r, 2) for r in range(2)]
+    reference = train_bsp(2, "grad")
+
+    def body(comm):
+        rule = BSP(mode="grad", bucket_mb=0.004).bind(
+            _Blocking(comm, torch.bfloat16, min_numel=1 << 30), pools[comm.rank]
+        )
+        assert rule.buckets is None
+        pools[comm.rank].start_epoch(0)
+        for step in range(STEPS):
+            pools[comm.rank].compute(step)
+            rule.on_gradients(step)
+            pools[comm.rank].apply()
+            rule.exchange(step)
+        return [learner.params.numpy().copy() for learner in pools[comm.rank].learners]
+
+    final = [params for per_rank in InProcessWorld(2).run(body) for params in per_rank]
+    for got, want in zip(final, reference, strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -106,6 +106,14 @@ class Communicator(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot tell which ranks share a node")
 
     @property
+    def overlaps(self) -> bool:
+        """Whether ``allreduce(..., async_op=True)`` proceeds while the caller computes: True for MPI's
+        non-blocking collectives, torch.distributed's work objects and the in-process double. An
+        implementation that completes the operation before returning says False, and BSP then skips gradient
+        buckets (they would only add synchronisations)."""
+        return True
+
+    @property
     def exact(self) -> Communicator:
         """This group without lossy compression: ``self``, unless this is a compressing wrapper
         (:mod:`mpicrossbow.comm.compressed`). Rules use it for transfers that must arrive bit for bit."""

@@ -120,6 +120,11 @@ class CompressedCommunicator(Communicator):
         return self._inner
 
     @property
+    def overlaps(self) -> bool:
+        """As the wrapped communicator."""
+        return self._inner.overlaps
+
+    @property
     def rank(self) -> int:
         """The inner communicator's rank."""
         return self._inner.rank

@@ -165,6 +165,11 @@ class SharedMemoryCommunicator(MPICommunicator):
 
     name = "mpi+shm"
 
+    @property
+    def overlaps(self) -> bool:
+        """False: a shared-memory sum completes before ``allreduce`` returns, even with ``async_op``."""
+        return False
+
     def __init__(
         self,
         comm: MPI.Comm | None = None,

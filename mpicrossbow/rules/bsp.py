@@ -49,8 +49,8 @@ class BSP(Rule):
         )
         bucket_mb: float = setting(
             5.0,
-            "grad mode: MiB per gradient bucket whose allreduce starts during backward (0: one allreduce "
-            "after backward)",
+            "grad mode: MiB per gradient bucket whose allreduce starts during backward (0, or a communicator "
+            "that does not overlap, e.g. the shared-memory one: one allreduce after backward)",
             ge=0,
         )
 
@@ -78,6 +78,13 @@ class BSP(Rule):
         """Gradient mode with buckets: plan them and hook them to the pool's backward (or say why not)."""
         assert self.pool is not None and self.comm is not None
         if self.mode != "grad" or not self.hyper.bucket_mb:
+            return
+        if not self.comm.overlaps:
+            log.info(
+                "BSP: %s completes an allreduce before returning; one allreduce after backward (buckets "
+                "would only add synchronisations)",
+                type(self.comm).__name__,
+            )
             return
         pool = self.pool
         layout = pool.grad_layout()
