@@ -4,8 +4,11 @@ Every rule runs two tasks on 4 ranks three times each: no rank slowed, rank 3 sl
 (``session.slow_ranks=3 session.slow_factor=F``: rank 3 sleeps (F − 1) × each of its own steps). The tasks:
 the digits job (launch/digits.cfg, MLP, 20 epochs) and a CIFAR-sized ResNet-20 on synthetic 3×32×32 data
 (launch/resnet20_synthetic.cfg, 3 epochs). For the parameter-server rules (ASGD, SSP, PSGD, WEEDOUT, GSP) and
-async EASGD rank 0 serves, so the slowed rank is one of three workers; GSP runs twice: with a groups file
-that puts the slow rank 3 in a group of its own (ranks 1 and 2 together), and with ``groups = auto``.
+async EASGD rank 0 serves, so the slowed rank is one of three workers; GSP runs three times: with a groups
+file that puts the slow rank 3 in a group of its own (ranks 1 and 2 together); with that file and a
+data-sharding file giving each worker a share of the data proportional to its speed (rank 3 slowed F×:
+shares 1 : 1 : 1/F, so both groups finish their epochs together, as MXNet-G intends); and with
+``groups = auto``.
 Reports the aggregate training throughput (each training rank's own steps/s while it trained × its batch,
 summed: an asynchronous job's wall time is set by its slowest worker finishing its epochs, so whole-job
 samples/s would hide what the fast ranks do), the ratio to BSP under the same slowdown, epochs and seconds
@@ -43,6 +46,7 @@ RULES: list[tuple[str, list[str]]] = [
     ("PSGD", ["RULE=PSGD"]),
     ("WEEDOUT", ["RULE=WEEDOUT"]),
     ("GSP (file)", ["RULE=GSP", "rule.groups={groups}"]),
+    ("GSP (file, shares)", ["RULE=GSP", "rule.groups={groups}", "rule.shares={shares}"]),
     ("GSP (auto)", ["RULE=GSP", "rule.groups=auto"]),
     ("LOCALSGD", ["RULE=LOCALSGD"]),
     ("DILOCO", ["RULE=DILOCO"]),
@@ -56,7 +60,7 @@ TASKS = {
     "resnet20": ("launch/resnet20_synthetic.cfg", 16, 0.90),
 }
 #: The rules the issue's criterion names.
-CRITERION = ("ASGD", "SSP (s = 2)", "GSP (file)")
+CRITERION = ("ASGD", "SSP (s = 2)", "GSP (file)", "GSP (file, shares)")
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,6 +88,12 @@ def launch(cfg: str, overrides: list[str], out: Path) -> dict:
     return read_metrics(run / "metrics.h5")
 
 
+def shares_file(factor: float) -> str:
+    """A data-sharding file for ranks 0..3: the server's placeholder line, then shares 1 : 1 : 1/factor."""
+    fast = 1.0 / (2.0 + 1.0 / factor)
+    return f"0 0\n0 {fast:.6f}\n{fast:.6f} {2 * fast:.6f}\n{2 * fast:.6f} 1\n"
+
+
 def to_target(metrics: dict, target: float) -> tuple[float, float]:
     """(epoch, seconds) of the first validation at or above ``target``; NaN if never."""
     val = metrics["val"]
@@ -103,11 +113,12 @@ def run_task(task: str, factors: list[float], wanted: list[tuple[str, list[str]]
                 [f"session.slow_ranks={SLOW_RANK}", f"session.slow_factor={factor:g}"] if factor > 1 else []
             )
             with tempfile.TemporaryDirectory() as tmp:
-                groups = Path(tmp) / "groups.txt"
+                groups, shares = Path(tmp) / "groups.txt", Path(tmp) / "shares.txt"
                 groups.write_text(GROUPS)
+                shares.write_text(shares_file(factor))
                 out = Path(tmp) / "runs"
                 out.mkdir()
-                metrics = launch(cfg, [o.format(groups=groups) for o in overrides] + slow, out)
+                metrics = launch(cfg, [o.format(groups=groups, shares=shares) for o in overrides] + slow, out)
             epoch, seconds = to_target(metrics, TASKS[task][2])
             rates = [r for r in metrics["attrs"]["rank_steps_per_second"] if r == r]  # NaN: a server rank
             results[label, factor] = {

@@ -423,3 +423,39 @@ def test_message_headers_travel_exactly_under_compression() -> None:
     """Flags, progress and counters ride at the end of push and reply messages: within the compressed
     communicator's bit-exact tail, so bf16 never rounds a count."""
     assert max(PUSH_HEADER, REPLY_HEADER) <= EXACT_TAIL
+
+
+def test_servers_validate_with_the_workers_batchnorm_statistics() -> None:
+    """A server never runs forward: after sync_state its model carries the workers' mean BatchNorm buffers,
+    not the statistics it was initialised with."""
+    from models.resnet import ResNet20
+
+    def bn_pool(index: int, count: int) -> SerialPool:
+        torch.manual_seed(0)
+        model = ResNet20(dataset="digits", width=4)
+        return SerialPool(model, index, count, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1)
+
+    pools = [bn_pool(0, 1), bn_pool(0, 2), bn_pool(1, 2)]
+    initial = pools[0].learners[0].buffers.clone()
+
+    def body(comm: Communicator) -> torch.Tensor:
+        pool = pools[comm.rank]
+        rule = ASGD().bind(comm, pool)
+        if comm.rank == 0:
+            rule.serve(lambda w, epoch: None)
+        else:
+            pool.start_epoch(0)
+            for step in range(3):
+                pool.compute(step)
+                rule.on_gradients(step)
+                pool.apply()
+                rule.exchange(step)
+        trained = pool.learners[0].buffers.clone()
+        rule.finish()
+        rule.sync_state()
+        return trained if comm.rank else pool.learners[0].buffers.clone()
+
+    server, *workers = InProcessWorld(3, timeout_s=60).run(body)
+    assert not torch.equal(workers[0], initial)
+    torch.testing.assert_close(pools[0].learners[0].buffers, (workers[0] + workers[1]) / 2)
+    torch.testing.assert_close(server, (workers[0] + workers[1]) / 2)

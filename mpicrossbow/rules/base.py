@@ -157,6 +157,24 @@ class Rule:
         for other in flats[1:]:
             other.copy_(total)
 
+    def share_trained_buffers(self, trains: bool) -> None:
+        """Every learner's buffers (BatchNorm running statistics) become the mean over the learners of the
+        ranks that train; collective and exact. A serving rank (parameter server, EASGD centre) never runs a
+        forward pass, so without this it would validate the served weights with its initial statistics."""
+        assert self.comm is not None and self.pool is not None
+        flats = [learner.buffers for learner in self.pool.learners]
+        if not flats[0].numel():
+            return
+        total = torch.zeros_like(flats[0], dtype=torch.float64)
+        if trains:
+            for flat in flats:
+                total.add_(flat)
+        self.comm.exact.allreduce(total).wait()
+        (count,) = self.comm.allreduce_scalars([float(len(flats)) if trains else 0.0])
+        mean = (total / count).to(flats[0].dtype)
+        for flat in flats:
+            flat.copy_(mean)
+
     # ----------------------------------------------------- Theano-MPI facade
     def init(
         self,

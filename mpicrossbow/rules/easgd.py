@@ -204,11 +204,13 @@ class EASGD(Rule):
         return self._server.in_flight if self._server is not None else 0
 
     def sync_state(self) -> None:
-        """``async``: broadcast the server's centre to every rank (a collective: only after ``finish``)."""
+        """``async``: broadcast the server's centre to every rank and share the workers' mean BatchNorm
+        statistics (a collective: only after ``finish``)."""
         if self.synchronous:
             return
         assert self.comm is not None
         self.comm.exact.broadcast(self.centre, root=SERVER).wait()  # the fp32 centre, never compressed
+        self.share_trained_buffers(self._worker is not None)  # the centre has no BatchNorm statistics
         self._synced = True
 
     def eval_params(self) -> torch.Tensor | None:

@@ -341,11 +341,12 @@ class ServerRule(Rule):
         return self.server.in_flight if self.server is not None else 0
 
     def sync_state(self) -> None:
-        """After finish: every rank gets the servers' final w, slice j from server j (a collective; exact,
-        never compressed)."""
+        """After finish: every rank gets the servers' final w, slice j from server j, and the workers' mean
+        BatchNorm statistics (a collective; exact, never compressed)."""
         assert self.comm is not None
         for j, (lo, hi) in enumerate(self.bounds):
             self.comm.exact.broadcast(self.w[lo:hi], root=j).wait()
+        self.share_trained_buffers(self.server is None)
         self._synced = True
 
     def eval_params(self) -> torch.Tensor | None:
