@@ -148,6 +148,13 @@ def exchange(args: argparse.Namespace) -> int:
 
     ops = (("allreduce", allreduce), ("isend/irecv", send_recv))
     methods = {f"{op} {name}": make(comm) for op, make in ops for name, comm in comms.items()}
+    # The same over the node-shared-memory allreduce ([comm] shared_memory = auto on one node), whose bf16
+    # sum is accumulated in float32 inside the window instead of through a float32 copy.
+    from mpicrossbow.comm.shm import SharedMemoryCommunicator
+
+    shm = SharedMemoryCommunicator(world)
+    for name, comm in (("fp32", shm), ("bf16", CompressedCommunicator(shm, torch.bfloat16))):
+        methods[f"shared-memory allreduce {name}"] = allreduce(comm)
     # For reference: raw mpi4py on the same bytes, float32 with MPI.SUM against bf16 words reduced by a
     # user-defined op that adds each pair in float32 and rounds once (torch's bf16 add) -- what a native
     # 16-bit reduction in the MPI backend would cost; the framework's MPI backend reduces 16-bit tensors
@@ -178,6 +185,7 @@ def exchange(args: argparse.Namespace) -> int:
             if round_ >= args.warmup:
                 samples[name].append(elapsed)
     sum_bf16.Free()
+    shm.close()
     if rank == 0 and args.exchange_json:
         Path(args.exchange_json).write_text(
             json.dumps({"samples": samples, "threads": torch.get_num_threads()}), encoding="utf-8"
