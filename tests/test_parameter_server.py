@@ -459,3 +459,43 @@ def test_servers_validate_with_the_workers_batchnorm_statistics() -> None:
     assert not torch.equal(workers[0], initial)
     torch.testing.assert_close(pools[0].learners[0].buffers, (workers[0] + workers[1]) / 2)
     torch.testing.assert_close(server, (workers[0] + workers[1]) / 2)
+
+
+@pytest.mark.parametrize("rule_name", ["ASGD", "EASGD async"])
+def test_the_served_model_is_reported_with_the_workers_batchnorm_statistics(rule_name: str) -> None:
+    """The once-per-epoch report of the served model (ASGD's server, async EASGD's centre) validates it
+    with the workers' latest BatchNorm statistics, which ride on their pushes: with the server's own initial
+    statistics a ResNet's served model reads as chance until the run ends."""
+    from models.resnet import ResNet20
+    from mpicrossbow.rules import EASGD
+
+    def bn_pool(index: int, count: int) -> SerialPool:
+        torch.manual_seed(0)
+        model = ResNet20(dataset="digits", width=4)
+        return SerialPool(model, index, count, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1)
+
+    pools = [bn_pool(0, 1), bn_pool(0, 2), bn_pool(1, 2)]
+    initial = pools[0].learners[0].buffers.clone()
+    reported: list[tuple[float, torch.Tensor]] = []
+
+    def body(comm: Communicator) -> torch.Tensor:
+        pool = pools[comm.rank]
+        rule = (ASGD() if rule_name == "ASGD" else EASGD(mode="async")).bind(comm, pool)
+        if comm.rank == 0:
+            rule.serve(lambda w, epoch: reported.append((epoch, pool.learners[0].buffers.clone())))
+        else:
+            pool.start_epoch(0)
+            for step in range(pool.n_batch_train):  # exactly one epoch: the report comes at its end
+                pool.compute(step)
+                rule.on_gradients(step)
+                pool.apply()
+                rule.exchange(step)
+        trained = pool.learners[0].buffers.clone()
+        rule.finish()
+        return trained
+
+    _, *workers = InProcessWorld(3, timeout_s=120).run(body)
+    ((epoch, stats),) = reported
+    assert epoch == 1.0
+    assert not torch.equal(stats, initial)
+    torch.testing.assert_close(stats, (workers[0] + workers[1]) / 2)

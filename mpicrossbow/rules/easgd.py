@@ -38,6 +38,7 @@ from ..validate import setting
 from .base import Rule
 from .elastic_server import ElasticServer, ElasticWorker, Order
 from .registry import RULES
+from .served_stats import learners_mean_buffers
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +133,20 @@ class EASGD(Rule):
             return
         if self.comm.rank == SERVER:
             self._server = ElasticServer(
-                self.comm, self.centre, self.alpha, self.order, learners=len(self.pool.learners)
+                self.comm,
+                self.centre,
+                self.alpha,
+                self.order,
+                learners=len(self.pool.learners),
+                stats_size=self.pool.learners[0].buffers.numel(),
             )
         else:
+            pool = self.pool
             self._worker = ElasticWorker(
-                self.comm, [learner.params for learner in self.pool.learners], SERVER
+                self.comm,
+                [learner.params for learner in pool.learners],
+                SERVER,
+                stats=lambda: learners_mean_buffers(pool),
             )
         log.info(
             "EASGD async: rank %d %s; %d worker learner(s), α = %g, τ = %d",
@@ -189,7 +199,14 @@ class EASGD(Rule):
         if self._server is None:
             super().serve(report)
             return
-        self._server.serve(report)
+        server, pool = self._server, self.pool
+        assert pool is not None
+
+        def report_with_stats(centre: torch.Tensor, epoch: float) -> None:
+            server.stats.adopt(pool)  # validate with the workers' BatchNorm statistics, not the initial ones
+            report(centre, epoch)
+
+        server.serve(report_with_stats)
 
     def finish(self) -> None:
         """A worker sends its done message; the server has nothing in flight once ``serve`` returned."""

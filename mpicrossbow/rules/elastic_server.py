@@ -17,10 +17,12 @@ Theano-MPI style: the centre x~ lives on a server rank that does not train. Who 
   left dangling nor needs cancelling. The server leaves :meth:`ElasticServer.serve` once every worker is
   done and every reply send has completed: nothing is in flight on either side.
 
-A request is ``[x_1 .. x_m (m·n values), flag, progress]``: flag 0 asks for an update, 1 says done;
-progress is the worker's epochs completed (steps / steps per epoch). The server reports the centre once
-per epoch-equivalent: whenever the mean progress over workers crosses an integer (with equal shards that
-is every ``(n_batch_train / τ) · (N − 1) · m`` updates, n_batch_train being a worker's steps per epoch).
+A request is ``[x_1 .. x_m (m·n values), stats, flag, progress]``: stats the mean of the worker's learners'
+BatchNorm buffers (the centre is validated with them: :mod:`~mpicrossbow.rules.served_stats`), flag 0 asks
+for an update, 1 says done; progress is the worker's epochs completed (steps / steps per epoch). The
+server reports the centre once per epoch-equivalent: whenever the mean progress over workers crosses an
+integer (with equal shards that is every ``(n_batch_train / τ) · (N − 1) · m`` updates, n_batch_train
+being a worker's steps per epoch).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 from ..comm.base import Communicator, Handle
 from .request_loop import Order, serve_requests
+from .served_stats import ServedStats
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +52,19 @@ Report = Callable[[torch.Tensor, float], None]
 class ElasticWorker:
     """A training rank's side: every τ steps, send all x_j at once, apply the replies ``x_j ← x_j − e_j``."""
 
-    def __init__(self, comm: Communicator, params: Sequence[torch.Tensor], server: int = 0) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        params: Sequence[torch.Tensor],
+        server: int = 0,
+        stats: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
         self.comm, self.params, self.server = comm, list(params), server
+        #: The worker's current BatchNorm statistics (flat), sent along with every request.
+        self.stats = stats
         n = len(self.params) * self.params[0].numel()
-        self.request = self.params[0].new_zeros(n + 2)
+        self._head = n + (stats().numel() if stats is not None else 0)
+        self.request = self.params[0].new_zeros(self._head + 2)
         self.reply = self.params[0].new_zeros(n)
         #: Elastic updates answered so far (one per learner per exchange).
         self.requests = 0
@@ -64,8 +76,7 @@ class ElasticWorker:
         n = self.reply.numel()
         for x, slot in zip(self.params, self.request[:n].view(len(self.params), -1), strict=True):
             slot.copy_(x)
-        self.request[n] = UPDATE
-        self.request[n + 1] = progress
+        self._tail(UPDATE, progress)
         recv = self.comm.irecv(self.reply, self.server, REPLY_TAG)
         send = self.comm.isend(self.request, self.server, REQUEST_TAG)
         recv.wait()  # our own reply, right away: each e_j lands on the weights we sent
@@ -74,14 +85,20 @@ class ElasticWorker:
             x.sub_(e)
         self.requests += len(self.params)
 
+    def _tail(self, flag: float, progress: float) -> None:
+        """Write the statistics, the flag and the progress after the weights."""
+        n, head = self.reply.numel(), self._head
+        if self.stats is not None and head > n:
+            self.request[n:head].copy_(self.stats())
+        self.request[head] = flag
+        self.request[head + 1] = progress
+
     def finish(self, progress: float) -> None:
         """Send the done message (consuming the server's posted receive) and wait until it has left."""
         if self.done:
             return
-        n = self.reply.numel()
-        self.request[:n].zero_()
-        self.request[n] = DONE
-        self.request[n + 1] = progress
+        self.request[: self.reply.numel()].zero_()
+        self._tail(DONE, progress)
         self.comm.isend(self.request, self.server, REQUEST_TAG).wait()
         self.done = True
 
@@ -96,12 +113,15 @@ class ElasticServer:
         alpha: float,
         order: Order | None = None,
         learners: int = 1,
+        stats_size: int = 0,
     ) -> None:
         self.comm, self.centre, self.alpha, self.order = comm, centre, alpha, order
         self.learners = learners
         self.workers = [r for r in range(comm.size) if r != comm.rank]
+        #: The workers' latest BatchNorm buffers (``stats_size`` values each), carried by their requests.
+        self.stats = ServedStats(stats_size)
         n = learners * centre.numel()
-        self._inbox = {w: centre.new_zeros(n + 2) for w in self.workers}
+        self._inbox = {w: centre.new_zeros(n + stats_size + 2) for w in self.workers}
         self._outbox = {w: centre.new_zeros(n) for w in self.workers}
         self._recvs: dict[int, Handle] = {}
         self._sends: dict[int, Handle] = {}
@@ -141,8 +161,10 @@ class ElasticServer:
         del self._recvs[w]
         msg = self._inbox[w]
         n = self.learners * self.centre.numel()
-        self.progress[w] = float(msg[n + 1])
-        if float(msg[n]) == DONE:
+        head = n + self.stats.size
+        self.progress[w] = float(msg[head + 1])
+        self.stats.record(w, msg[n:head])
+        if float(msg[head]) == DONE:
             log.debug("EASGD server: worker %d done after %.2f epoch(s)", w, self.progress[w])
         else:
             if w in self._sends:  # the previous reply to w was received before w could ask again

@@ -15,9 +15,11 @@ one. It replies at once unless its policy holds the reply (SSP's staleness bound
 synchrony) or discards the push (weed-out). Every server applies the policy to its own shard with its own
 counters; a worker pushes to all servers at every push, so their clocks agree.
 
-Messages: a push is ``[Δ slice, flag, progress, seen]`` — flag UPDATE or DONE, progress in epochs (drives
-the once-per-epoch report of the served model, S = 1 only), seen = the server's update count in the reply the
-worker last adopted (GSP's staleness). A reply is ``[w slice, updates]``.
+Messages: a push is ``[Δ slice, stats, flag, progress, seen]`` — stats the mean of the worker's learners'
+BatchNorm buffers (S = 1 only, :mod:`~mpicrossbow.rules.served_stats`: the served model is validated with
+them), flag UPDATE or DONE, progress in epochs (drives the once-per-epoch report of the served model, S = 1
+only), seen = the server's update count in the reply the worker last adopted (GSP's staleness). A reply is
+``[w slice, updates]``.
 
 Termination as in asynchronous EASGD: a worker's last message (flag DONE) says done; a done worker no longer
 counts for c_min, and a server leaves :meth:`ParameterServer.serve` once every worker is done, no reply waits
@@ -38,6 +40,7 @@ from ..comm.base import Communicator, Handle
 from ..errors import ConfigError
 from .base import Rule
 from .request_loop import Order, serve_requests
+from .served_stats import ServedStats, learners_mean_buffers
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +104,14 @@ class ParameterServer:
         policy: Policy,
         order: Order | None,
         workers: list[int],
+        stats_size: int = 0,
     ) -> None:
         self.comm, self.w, self.scale, self.policy, self.order = comm, w, scale, policy, order
         self.workers = workers
+        #: The workers' latest BatchNorm buffers, carried by their pushes (``stats_size`` values each).
+        self.stats = ServedStats(stats_size)
         n = w.numel()
-        self._inbox = {r: w.new_zeros(n + PUSH_HEADER) for r in self.workers}
+        self._inbox = {r: w.new_zeros(n + stats_size + PUSH_HEADER) for r in self.workers}
         self._outbox = {r: w.new_zeros(n + REPLY_HEADER) for r in self.workers}
         self._recvs: dict[int, Handle] = {}
         self._sends: dict[int, Handle] = {}
@@ -152,9 +158,11 @@ class ParameterServer:
     def _handle(self, r: int, report: Report | None) -> None:
         del self._recvs[r]
         msg, n = self._inbox[r], self.w.numel()
-        self.progress[r] = float(msg[n + 1])
-        self.seen[r] = int(msg[n + 2])
-        if float(msg[n]) == DONE:
+        head = n + self.stats.size
+        self.progress[r] = float(msg[head + 1])
+        self.seen[r] = int(msg[head + 2])
+        self.stats.record(r, msg[n:head])
+        if float(msg[head]) == DONE:
             self.done.add(r)
         else:
             self.received += 1
@@ -256,15 +264,25 @@ class ServerRule(Rule):
         if rank < self.servers:
             lo, hi = self.bounds[rank]
             self.server = ParameterServer(
-                self.comm, self.w[lo:hi], self.scale(), self.policy(), self.order, self.workers
-            )
+                self.comm, self.w[lo:hi], self.scale(), self.policy(), self.order, self.workers,
+                self._stats_size(rank),
+            )  # fmt: skip
             return
         self.pulled = self.w.clone()
         self.delta = torch.zeros_like(self.w)
         self.seen = [0] * self.servers
-        self.pushes = [self.w.new_zeros(hi - lo + PUSH_HEADER) for lo, hi in self.bounds]
+        self.pushes = [
+            self.w.new_zeros(hi - lo + self._stats_size(j) + PUSH_HEADER)
+            for j, (lo, hi) in enumerate(self.bounds)
+        ]
         self.replies = [self.w.new_zeros(hi - lo + REPLY_HEADER) for lo, hi in self.bounds]
         self.requests = 0
+
+    def _stats_size(self, server: int) -> int:
+        """BatchNorm values a push to ``server`` carries: the float buffers' count for the one server that
+        reports the served model mid-run (S = 1), else 0."""
+        assert self.pool is not None
+        return self.pool.learners[0].buffers.numel() if self.servers == 1 and server == 0 else 0
 
     def _progress(self) -> float:
         assert self.pool is not None
@@ -284,12 +302,14 @@ class ServerRule(Rule):
         if flag == UPDATE:
             self._compute_delta()
         for j, (lo, hi) in enumerate(self.bounds):
-            n = hi - lo
+            n, head = hi - lo, hi - lo + self._stats_size(j)
             if flag == DONE:
                 self.pushes[j][:n].zero_()
             else:
                 self.pushes[j][:n].copy_(self.delta[lo:hi])
-            self.pushes[j][n:] = torch.tensor([flag, self._progress(), self.seen[j]], dtype=self.w.dtype)
+            if head > n:
+                self.pushes[j][n:head].copy_(learners_mean_buffers(self.pool))
+            self.pushes[j][head:] = torch.tensor([flag, self._progress(), self.seen[j]], dtype=self.w.dtype)
         if flag == DONE:
             for handle in [self.comm.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.servers)]:
                 handle.wait()
@@ -326,7 +346,16 @@ class ServerRule(Rule):
             return
         if self.servers > 1:
             log.info("%d servers hold shards of the model: it is validated at the end only", self.servers)
-        self.server.serve(report if self.servers == 1 else None)
+            self.server.serve(None)
+            return
+        server, pool = self.server, self.pool
+        assert pool is not None
+
+        def report_with_stats(w: torch.Tensor, epoch: float) -> None:
+            server.stats.adopt(pool)  # validate with the workers' BatchNorm statistics, not the initial ones
+            report(w, epoch)
+
+        server.serve(report_with_stats)
 
     def finish(self) -> None:
         """A worker sends done; a server has nothing in flight once serve() returned."""
