@@ -132,14 +132,18 @@ def bsp_round(
     return seconds, result.exchange_seconds
 
 
-def ddp_round(world: Any, name: str, steps: int, batch: int) -> float:
-    """Build DDP over the default (Gloo) process group (untimed), then time ``steps`` training steps."""
+def ddp_round(world: Any, name: str, steps: int, batch: int, exchange: bool = True) -> float:
+    """Build DDP over the default (Gloo) process group (untimed), then time ``steps`` training steps.
+
+    ``exchange=False`` times the same loop on the bare module, no DDP and no exchange at all: every rank
+    trains alone. That is the compute floor of these ranks on this machine, so its ratio to DDP is the most
+    any exchange engine (with the same forward, backward and optimizer) could reach."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
     model = MODELS[name][0]()
     torch.manual_seed(0)
-    module = DistributedDataParallel(model.module())
+    module = DistributedDataParallel(model.module()) if exchange else model.module()
     opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
     data = model.data(Shard(world.rank, world.size, batch, 0))
     batches = []
@@ -162,20 +166,20 @@ def measure(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Samples/s over all ranks (median of the timed rounds) of every variant — ``bsp:<MiB>`` (the session's
     communicator: shared memory where ranks share a node), ``mpi:<MiB>`` (the first bucket size with
-    ``shared_memory = off``: plain MPI) and ``ddp`` — and each BSP variant's median share of its run spent
-    waiting in the rule after backward (rank 0's)."""
+    ``shared_memory = off``: plain MPI), ``ddp`` and ``alone`` (no exchange: the upper bound) — and each BSP
+    variant's median share of its run spent waiting in the rule after backward (rank 0's)."""
     _, batch, steps = MODELS[name]
     steps = max(2, round(steps * args.steps_scale))
-    variants = [f"bsp:{mb:g}" for mb in buckets] + [f"mpi:{buckets[0]:g}", "ddp"]
+    variants = [f"bsp:{mb:g}" for mb in buckets] + [f"mpi:{buckets[0]:g}", "ddp", "alone"]
     times: dict[str, list[float]] = {v: [] for v in variants}
-    waits: dict[str, list[float]] = {v: [] for v in variants if v != "ddp"}
+    waits: dict[str, list[float]] = {v: [] for v in variants if v not in ("ddp", "alone")}
     with tempfile.TemporaryDirectory() as tmp:
         out = world.mpi.bcast(tmp, root=0)  # one run folder tree, made by rank 0
         for r in range(args.rounds + 1):  # round 0 warms up
             shift = r % len(variants)
             for variant in variants[shift:] + variants[:shift]:
-                if variant == "ddp":
-                    seconds = ddp_round(world, name, steps, batch)
+                if variant in ("ddp", "alone"):
+                    seconds = ddp_round(world, name, steps, batch, exchange=variant == "ddp")
                 else:
                     memory = "off" if variant.startswith("mpi:") else "auto"
                     seconds, waited = bsp_round(world, name, float(variant[4:]), steps, batch, out, memory)
@@ -213,9 +217,10 @@ def main() -> int:
         params = sum(p.numel() for p in MODELS[name][0]().module().parameters())
         plain = f"mpi:{buckets[0]:g}"
         cells = [f"{rate[f'bsp:{mb:g}']:,.0f}" for mb in buckets]
-        cells += [f"{rate[plain]:,.0f}", f"{rate['ddp']:,.0f}"]
+        cells += [f"{rate[plain]:,.0f}", f"{rate['ddp']:,.0f}", f"{rate['alone']:,.0f}"]
         ratios = [f"{rate[f'bsp:{mb:g}'] / rate['ddp']:.2f}" for mb in buckets] + [
-            f"{rate[plain] / rate['ddp']:.2f}"
+            f"{rate[plain] / rate['ddp']:.2f}",
+            f"{rate['alone'] / rate['ddp']:.2f}",
         ]
         on_off = [f"{rate[f'bsp:{mb:g}'] / rate['bsp:0']:.2f}" for mb in buckets if mb]
         waited = [f"{wait[f'bsp:{mb:g}']:.0%}" for mb in buckets]
@@ -230,7 +235,9 @@ def main() -> int:
             f"{world.size} ranks, {args.rounds} rotating rounds (median), 1 thread per rank; samples/s "
             "summed over ranks; BSP through Session.run() with [rule] bucket_mb as named (0: one allreduce "
             "after backward) over the session's communicator ([comm] shared_memory = auto: the node-shared "
-            "window here), and once more with shared_memory = off (plain MPI); DDP with 25 MiB buckets"
+            "window here), and once more with shared_memory = off (plain MPI); DDP with 25 MiB buckets; "
+            "'no exchange' is the same loop as DDP's on the bare module, each rank alone (the compute floor),"
+            " so 'no exchange ÷ DDP' is the most any exchange engine could reach here"
         )
         table = "\n".join(
             [
@@ -238,13 +245,13 @@ def main() -> int:
                 "",
                 "| model | parameters | batch/rank | "
                 + " | ".join(f"BSP {lb}" for lb in label)
-                + f" | BSP {label[0]}, plain MPI | DDP (Gloo) | "
+                + f" | BSP {label[0]}, plain MPI | DDP (Gloo) | no exchange | "
                 + " | ".join(f"BSP {lb} ÷ DDP" for lb in label)
-                + f" | BSP {label[0]}, plain MPI ÷ DDP"
+                + f" | BSP {label[0]}, plain MPI ÷ DDP | no exchange ÷ DDP"
                 + "".join(f" | {lb} ÷ no overlap" for lb, mb in zip(label, buckets, strict=True) if mb)
                 + "".join(f" | wait after backward, {lb}" for lb in label)
                 + " |",
-                "|---|" + "---:|" * (2 + 3 * len(buckets) + 3 + sum(1 for mb in buckets if mb)),
+                "|---|" + "---:|" * (2 + 3 * len(buckets) + 5 + sum(1 for mb in buckets if mb)),
                 *rows,
             ]
         )

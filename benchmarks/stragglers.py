@@ -3,9 +3,11 @@
 Every rule runs two tasks on 4 ranks three times each: no rank slowed, rank 3 slowed 2× and 4×
 (``session.slow_ranks=3 session.slow_factor=F``: rank 3 sleeps (F − 1) × each of its own steps). The tasks:
 the digits job (launch/digits.cfg, MLP, 20 epochs) and a CIFAR-sized ResNet-20 on synthetic 3×32×32 data
-(launch/resnet20_synthetic.cfg, 3 epochs). For the parameter-server rules (ASGD, SSP, PSGD, WEEDOUT, GSP) and
-async EASGD rank 0 serves, so the slowed rank is one of three workers; GSP runs three times: with a groups
-file that puts the slow rank 3 in a group of its own (ranks 1 and 2 together); with that file and a
+(launch/resnet20_synthetic.cfg, 8 epochs, lr divided by 10 after 6). For the parameter-server rules (ASGD,
+SSP, PSGD, WEEDOUT, GSP) and async EASGD rank 0 serves, so the slowed rank is one of three workers. SSP
+runs twice: with its default clock of one push per step (τ = 1) and with a clock of 8 local steps (τ = 8,
+Ho et al.'s clock as a unit of work: s = 2 then bounds the advance to 2 clocks). GSP runs three times: with
+a groups file that puts the slow rank 3 in a group of its own (ranks 1 and 2 together); with that file and a
 data-sharding file giving each worker a share of the data proportional to its speed (rank 3 slowed F×:
 shares 1 : 1 : 1/F, so both groups finish their epochs together, as MXNet-G intends); and with
 ``groups = auto``.
@@ -43,6 +45,7 @@ RULES: list[tuple[str, list[str]]] = [
     ("GOSGD", ["RULE=GOSGD", "rule.p=0.05"]),
     ("ASGD", ["RULE=ASGD"]),
     ("SSP (s = 2)", ["RULE=SSP", "rule.staleness=2"]),
+    ("SSP (s = 2, τ = 8)", ["RULE=SSP", "rule.staleness=2", "rule.tau=8"]),
     ("PSGD", ["RULE=PSGD"]),
     ("WEEDOUT", ["RULE=WEEDOUT"]),
     ("GSP (file)", ["RULE=GSP", "rule.groups={groups}"]),
@@ -60,7 +63,7 @@ TASKS = {
     "resnet20": ("launch/resnet20_synthetic.cfg", 16, 0.90),
 }
 #: The rules the issue's criterion names.
-CRITERION = ("ASGD", "SSP (s = 2)", "GSP (file)", "GSP (file, shares)")
+CRITERION = ("ASGD", "SSP (s = 2)", "SSP (s = 2, τ = 8)", "GSP (file)", "GSP (file, shares)")
 
 
 def parse_args() -> argparse.Namespace:
