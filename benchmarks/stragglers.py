@@ -6,11 +6,12 @@ the digits job (launch/digits.cfg, MLP, 20 epochs) and a CIFAR-sized ResNet-20 o
 (launch/resnet20_synthetic.cfg, 8 epochs, lr divided by 10 after 6). For the parameter-server rules (ASGD,
 SSP, PSGD, WEEDOUT, GSP) and async EASGD rank 0 serves, so the slowed rank is one of three workers. SSP
 runs twice: with its default clock of one push per step (τ = 1) and with a clock of 8 local steps (τ = 8,
-Ho et al.'s clock as a unit of work: s = 2 then bounds the advance to 2 clocks). GSP runs three times: with
+Ho et al.'s clock as a unit of work: s = 2 then bounds the advance to 2 clocks). GSP runs four ways: with
 a groups file that puts the slow rank 3 in a group of its own (ranks 1 and 2 together); with that file and a
 data-sharding file giving each worker a share of the data proportional to its speed (rank 3 slowed F×:
 shares 1 : 1 : 1/F, so both groups finish their epochs together, as MXNet-G intends); and with
-``groups = auto``.
+``groups = auto``; the shares run once more with τ = 8 (the group's leader pushes every 8 steps; the group
+still sums its gradients every step).
 Reports the aggregate training throughput (each training rank's own steps/s while it trained × its batch,
 summed: an asynchronous job's wall time is set by its slowest worker finishing its epochs, so whole-job
 samples/s would hide what the fast ranks do), the ratio to BSP under the same slowdown, epochs and seconds
@@ -20,6 +21,7 @@ samples/s with final accuracy within one point of BSP's; the table records wheth
 ``benchmarks/results/stragglers.md`` and one PNG per task.
 
     python benchmarks/stragglers.py [--tasks digits resnet20] [--factors 1 2 4] [--rules BSP ASGD ...]
+                                    [--repeats 3]   # medians of 3 runs (one run's ratio varies ±20 % here)
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ RULES: list[tuple[str, list[str]]] = [
     ("WEEDOUT", ["RULE=WEEDOUT"]),
     ("GSP (file)", ["RULE=GSP", "rule.groups={groups}"]),
     ("GSP (file, shares)", ["RULE=GSP", "rule.groups={groups}", "rule.shares={shares}"]),
+    ("GSP (file, shares, τ = 8)", ["RULE=GSP", "rule.groups={groups}", "rule.shares={shares}", "rule.tau=8"]),
     ("GSP (auto)", ["RULE=GSP", "rule.groups=auto"]),
     ("LOCALSGD", ["RULE=LOCALSGD"]),
     ("DILOCO", ["RULE=DILOCO"]),
@@ -63,7 +66,14 @@ TASKS = {
     "resnet20": ("launch/resnet20_synthetic.cfg", 16, 0.90),
 }
 #: The rules the issue's criterion names.
-CRITERION = ("ASGD", "SSP (s = 2)", "SSP (s = 2, τ = 8)", "GSP (file)", "GSP (file, shares)")
+CRITERION = (
+    "ASGD",
+    "SSP (s = 2)",
+    "SSP (s = 2, τ = 8)",
+    "GSP (file)",
+    "GSP (file, shares)",
+    "GSP (file, shares, τ = 8)",
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,6 +83,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS), help="tasks to run")
     parser.add_argument("--factors", type=float, nargs="+", default=[1, 2, 4], help="slowdowns of rank 3")
     parser.add_argument("--rules", nargs="+", help="labels to run (default all)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of every (rule, slowdown); the table shows their medians"
+    )
     parser.add_argument("--no-write", action="store_true", help="print only; do not write results/")
     return parser.parse_args()
 
@@ -106,33 +119,45 @@ def to_target(metrics: dict, target: float) -> tuple[float, float]:
     return float(val["epoch"][hits[0]]), float(val["time"][hits[0]])
 
 
-def run_task(task: str, factors: list[float], wanted: list[tuple[str, list[str]]]) -> dict:
-    """Every wanted rule at every slowdown on ``task``: results keyed by (label, factor)."""
-    cfg, batch, _ = TASKS[task]
+def run_once(task: str, factor: float, overrides: list[str]) -> dict:
+    """One run of a rule on ``task`` with rank 3 slowed ``factor``×: its figures and validation curve."""
+    cfg, batch, target = TASKS[task]
+    slow = [f"session.slow_ranks={SLOW_RANK}", f"session.slow_factor={factor:g}"] if factor > 1 else []
+    with tempfile.TemporaryDirectory() as tmp:
+        groups, shares = Path(tmp) / "groups.txt", Path(tmp) / "shares.txt"
+        groups.write_text(GROUPS)
+        shares.write_text(shares_file(factor))
+        out = Path(tmp) / "runs"
+        out.mkdir()
+        metrics = launch(cfg, [o.format(groups=groups, shares=shares) for o in overrides] + slow, out)
+    epoch, seconds = to_target(metrics, target)
+    rates = [r for r in metrics["attrs"]["rank_steps_per_second"] if r == r]  # NaN: a server rank
+    return {
+        "rate": batch * float(sum(rates)),
+        "epoch": epoch,
+        "seconds": seconds,
+        "final": float(metrics["val"]["accuracy"][-1]),
+        "curve": (metrics["val"]["time"], metrics["val"]["accuracy"]),
+    }
+
+
+def run_task(task: str, factors: list[float], wanted: list[tuple[str, list[str]]], repeats: int) -> dict:
+    """Every wanted rule at every slowdown on ``task``, ``repeats`` times (rounds in turn, so machine noise
+    hits every rule alike): the medians, keyed by (label, factor), with the spread of samples/s."""
+    runs: dict[tuple[str, float], list[dict]] = {}
+    for _ in range(repeats):
+        for factor in factors:
+            for label, overrides in wanted:
+                run = run_once(task, factor, overrides)
+                runs.setdefault((label, factor), []).append(run)
+                shown = {k: v for k, v in run.items() if k != "curve"}
+                print(task, label, factor, shown, flush=True)
     results: dict[tuple[str, float], dict] = {}
-    for factor in factors:
-        for label, overrides in wanted:
-            slow = (
-                [f"session.slow_ranks={SLOW_RANK}", f"session.slow_factor={factor:g}"] if factor > 1 else []
-            )
-            with tempfile.TemporaryDirectory() as tmp:
-                groups, shares = Path(tmp) / "groups.txt", Path(tmp) / "shares.txt"
-                groups.write_text(GROUPS)
-                shares.write_text(shares_file(factor))
-                out = Path(tmp) / "runs"
-                out.mkdir()
-                metrics = launch(cfg, [o.format(groups=groups, shares=shares) for o in overrides] + slow, out)
-            epoch, seconds = to_target(metrics, TASKS[task][2])
-            rates = [r for r in metrics["attrs"]["rank_steps_per_second"] if r == r]  # NaN: a server rank
-            results[label, factor] = {
-                "rate": batch * float(sum(rates)),
-                "epoch": epoch,
-                "seconds": seconds,
-                "final": float(metrics["val"]["accuracy"][-1]),
-                "curve": (metrics["val"]["time"], metrics["val"]["accuracy"]),
-            }
-            shown = {k: v for k, v in results[label, factor].items() if k != "curve"}
-            print(task, label, factor, shown, flush=True)
+    for key, done in runs.items():
+        median = {k: float(np.median([r[k] for r in done])) for k in ("rate", "epoch", "seconds", "final")}
+        rates = [r["rate"] for r in done]
+        median.update(low=min(rates), high=max(rates), repeats=len(done), curve=done[0]["curve"])
+        results[key] = median
     return results
 
 
@@ -149,8 +174,10 @@ def table(task: str, results: dict, factors: list[float], labels: list[str]) -> 
         for label in labels:
             r = results[label, factor]
             ratio = r["rate"] / bsp["rate"] if bsp else math.nan
+            spread = f" ({r['low']:,.0f}–{r['high']:,.0f})" if r["repeats"] > 1 else ""
             rows.append(
-                f"| {label} | {'none' if factor == 1 else f'{factor:g}×'} | {r['rate']:,.0f} | {ratio:.2f} | "
+                f"| {label} | {'none' if factor == 1 else f'{factor:g}×'} | {r['rate']:,.0f}{spread} | "
+                f"{ratio:.2f} | "
                 f"{r['epoch']:.3g} | {r['seconds']:.2f} | {r['final']:.4f} |"
             )
     checks = []
@@ -161,9 +188,10 @@ def table(task: str, results: dict, factors: list[float], labels: list[str]) -> 
                 r = results[label, 2.0]
                 ratio, gap = r["rate"] / bsp["rate"], (bsp["final"] - r["final"]) * 100
                 holds = ratio >= 1.6 and gap <= 1.0
+                runs = f" (medians of {r['repeats']} runs)" if r["repeats"] > 1 else ""
                 checks.append(
-                    f"- {task}, {label}, rank {SLOW_RANK} slowed 2×: {ratio:.2f}× BSP's samples/s, final "
-                    f"accuracy {gap:+.1f} points below BSP → criterion (≥ 1.6×, within 1 point) "
+                    f"- {task}, {label}, rank {SLOW_RANK} slowed 2×{runs}: {ratio:.2f}× BSP's samples/s, "
+                    f"final accuracy {gap:+.1f} points below BSP → criterion (≥ 1.6×, within 1 point) "
                     f"{'holds' if holds else 'does not hold'}"
                 )
     return "\n".join(rows) + "\n\n" + "\n".join(checks)
@@ -174,7 +202,7 @@ def main() -> None:
     wanted = [r for r in RULES if args.rules is None or r[0] in args.rules]
     labels = [label for label, _ in wanted]
     for task in args.tasks:
-        results = run_task(task, args.factors, wanted)
+        results = run_task(task, args.factors, wanted, args.repeats)
         text = table(task, results, args.factors, labels)
         print(text)
         if args.no_write:
@@ -185,7 +213,9 @@ def main() -> None:
         notes = (
             f"Task {task} ({cfg}), 4 ranks on 2 shared cores (oversubscribed), batch {batch} per learner; "
             "the asynchronous rules' ranks stop at their own pace. samples/s is Σ over training ranks of "
-            f"(own steps/s × {batch}). ![]({png})"
+            f"(own steps/s × {batch})"
+            + (f", the median of {args.repeats} runs (min–max)" if args.repeats > 1 else "")
+            + f". ![]({png})"
         )
         print(append_result("stragglers", f"Every rule with one rank slowed: {task}", text, notes))
 

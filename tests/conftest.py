@@ -1,4 +1,5 @@
-"""Shared test fixtures: the environment's own MPI launcher and a bounded way to run MPI jobs."""
+"""Shared test fixtures: the environment's own MPI launcher, a bounded way to run MPI jobs, and the step loop
+of in-process rule tests."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +77,28 @@ def only_run(out: Path) -> Path:
     runs = [p for p in out.iterdir() if p.is_dir()]
     assert len(runs) == 1, runs
     return runs[0]
+
+
+def train_steps(
+    pool: Any,
+    rule: Any,
+    steps: int,
+    after_compute: Callable[[int], None] | None = None,
+    after_step: Callable[[int], None] | None = None,
+) -> None:
+    """The session's step loop without the session, for in-process rule tests: each epoch started as it
+    begins, then per step compute → ``rule.on_gradients`` → apply → ``rule.exchange``. ``after_compute(step)``
+    sees the gradients before the rule does (differential tests record them there); ``after_step(step)``
+    ends each step (a test's straggler sleeps there)."""
+    per_epoch = pool.n_batch_train
+    for step in range(steps):
+        if step % per_epoch == 0:
+            pool.start_epoch(step // per_epoch)
+        pool.compute(step % per_epoch)
+        if after_compute is not None:
+            after_compute(step)
+        rule.on_gradients(step)
+        pool.apply()
+        rule.exchange(step)
+        if after_step is not None:
+            after_step(step)

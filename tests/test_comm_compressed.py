@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import train_steps
 from models.mlp import MLP
 from mpicrossbow.comm import (
     CompressedCommunicator,
@@ -445,12 +446,7 @@ def test_every_rule_exchanges_16_bit_while_training_and_exactly_otherwise(name: 
         rule.bind(c, pool)
         phase[0] = "train"
         if rule.trains(comm.rank, size):
-            pool.start_epoch(0)
-            for step in range(steps):
-                pool.compute(step)
-                rule.on_gradients(step)
-                pool.apply()
-                rule.exchange(step)
+            train_steps(pool, rule, steps)
         else:
             rule.serve(lambda w, epoch: None)
         rule.finish()

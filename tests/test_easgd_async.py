@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_mpi
+from conftest import run_mpi, train_steps
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.inprocess import InProcessCommunicator, InProcessWorld
@@ -81,16 +81,15 @@ def run_async(
             out["start"] = pool.learners[0].params.numpy().copy()
             rule.serve(report)
         else:
-            per_epoch = pool.n_batch_train
-            for step in range(steps[comm.rank]):
-                if step % per_epoch == 0:
-                    pool.start_epoch(step // per_epoch)
-                pool.compute(step % per_epoch)
-                grads[comm.rank].append(np.stack([learner.grads.numpy().copy() for learner in pool.learners]))
-                rule.on_gradients(step)
-                pool.apply()
-                rule.exchange(step)
-                time.sleep((delay or {}).get(comm.rank, 0.0))
+            train_steps(
+                pool,
+                rule,
+                steps[comm.rank],
+                after_compute=lambda _: grads[comm.rank].append(
+                    np.stack([learner.grads.numpy().copy() for learner in pool.learners])
+                ),
+                after_step=lambda _: time.sleep((delay or {}).get(comm.rank, 0.0)),
+            )
         rule.finish()
         out["finished"][comm.rank] = time.monotonic()
         before_sync = rule.eval_params()

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import train_steps
 from models.lenet import LeNet
 from models.mlp import MLP
 from models.resnet import ResNet20
@@ -206,12 +207,7 @@ def train_with_rule(engine: type, make_rule: Any, size: int = 2, m: int = 2) -> 
         pool = built[comm.rank]
         rule: Rule = make_rule().bind(comm, pool)
         start = torch.stack([learner.params.clone() for learner in pool.learners])
-        pool.start_epoch(0)
-        for step in range(STEPS):
-            pool.compute(step)
-            rule.on_gradients(step)
-            pool.apply()
-            rule.exchange(step)
+        train_steps(pool, rule, STEPS)
         rule.finish()
         return torch.stack([start, torch.stack([learner.params.clone() for learner in pool.learners])])
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import train_steps
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.inprocess import InProcessWorld
@@ -56,14 +57,12 @@ def run(
         pool = pools[comm.rank]
         rule = rules[comm.rank] = make_rule().bind(comm, pool)
         start[comm.rank] = pool.learners[0].params.numpy().copy()
-        pool.start_epoch(0)
-        for step in range(STEPS):
-            pool.compute(step)
+
+        def record(step: int) -> None:
             for j, learner in enumerate(pool.learners):
                 grads[comm.rank * learners + j].append(learner.grads.numpy().copy())
-            rule.on_gradients(step)
-            pool.apply()
-            rule.exchange(step)
+
+        train_steps(pool, rule, STEPS, after_compute=record)
         rule.finish()
         final = [learner.params.numpy().copy() for learner in pool.learners]
         rule.sync_state()

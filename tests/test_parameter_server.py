@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import launcher, only_run, run_mpi
+from conftest import launcher, only_run, run_mpi, train_steps
 from models.mlp import MLP
+from models.resnet import ResNet20
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.compressed import EXACT_TAIL
 from mpicrossbow.comm.inprocess import InProcessWorld
@@ -29,12 +30,19 @@ from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.metrics import read_metrics
 from mpicrossbow.pool import SerialPool
-from mpicrossbow.rules import ASGD, BSP, GSP, PSGD, SSP, Rule, WeedOut
+from mpicrossbow.rules import ASGD, BSP, EASGD, GSP, PSGD, SSP, Rule, WeedOut
 from mpicrossbow.rules.grouping import group_by_speed, group_of, read_groups, read_shares
 from mpicrossbow.rules.parameter_server import PUSH_HEADER, REPLY_HEADER
 
 LR, MOMENTUM = 0.05, 0.9
 Order = Callable[[int, Sequence[int]], int]
+
+
+def bn_pool(index: int, count: int) -> SerialPool:
+    """A small ResNet-20 (BatchNorm running statistics among its buffers) on the digits."""
+    torch.manual_seed(0)
+    model = ResNet20(dataset="digits", width=4)
+    return SerialPool(model, index, count, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1)
 
 
 def make_pool(index: int, count: int, learners: int = 1) -> SerialPool:
@@ -67,16 +75,15 @@ def run_server(
         if comm.rank < servers:
             rule.serve(lambda w, epoch: None)
         else:
-            per_epoch = pool.n_batch_train
-            for step in range(steps[comm.rank]):
-                if step % per_epoch == 0:
-                    pool.start_epoch(step // per_epoch)
-                pool.compute(step % per_epoch)
-                grads[comm.rank].append(np.stack([learner.grads.numpy().copy() for learner in pool.learners]))
-                rule.on_gradients(step)
-                pool.apply()
-                rule.exchange(step)
-                time.sleep((delay or {}).get(comm.rank, 0.0))
+            train_steps(
+                pool,
+                rule,
+                steps[comm.rank],
+                after_compute=lambda _: grads[comm.rank].append(
+                    np.stack([learner.grads.numpy().copy() for learner in pool.learners])
+                ),
+                after_step=lambda _: time.sleep((delay or {}).get(comm.rank, 0.0)),
+            )
         rule.finish()
         rule.sync_state()
         return np.stack([learner.params.numpy().copy() for learner in pool.learners])
@@ -208,12 +215,7 @@ def test_ssp_with_zero_staleness_is_bsp() -> None:
     def bsp_body(comm: Communicator) -> np.ndarray:
         pool = pools[comm.rank]
         rule = BSP(mode="grad").bind(comm, pool)
-        pool.start_epoch(0)
-        for step in range(steps):
-            pool.compute(step)
-            rule.on_gradients(step)
-            pool.apply()
-            rule.exchange(step)
+        train_steps(pool, rule, steps)
         return pool.learners[0].params.numpy().copy()
 
     bsp = InProcessWorld(2).run(bsp_body)
@@ -428,13 +430,6 @@ def test_message_headers_travel_exactly_under_compression() -> None:
 def test_servers_validate_with_the_workers_batchnorm_statistics() -> None:
     """A server never runs forward: after sync_state its model carries the workers' mean BatchNorm buffers,
     not the statistics it was initialised with."""
-    from models.resnet import ResNet20
-
-    def bn_pool(index: int, count: int) -> SerialPool:
-        torch.manual_seed(0)
-        model = ResNet20(dataset="digits", width=4)
-        return SerialPool(model, index, count, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1)
-
     pools = [bn_pool(0, 1), bn_pool(0, 2), bn_pool(1, 2)]
     initial = pools[0].learners[0].buffers.clone()
 
@@ -444,12 +439,7 @@ def test_servers_validate_with_the_workers_batchnorm_statistics() -> None:
         if comm.rank == 0:
             rule.serve(lambda w, epoch: None)
         else:
-            pool.start_epoch(0)
-            for step in range(3):
-                pool.compute(step)
-                rule.on_gradients(step)
-                pool.apply()
-                rule.exchange(step)
+            train_steps(pool, rule, 3)
         trained = pool.learners[0].buffers.clone()
         rule.finish()
         rule.sync_state()
@@ -466,14 +456,6 @@ def test_the_served_model_is_reported_with_the_workers_batchnorm_statistics(rule
     """The once-per-epoch report of the served model (ASGD's server, async EASGD's centre) validates it
     with the workers' latest BatchNorm statistics, which ride on their pushes: with the server's own initial
     statistics a ResNet's served model reads as chance until the run ends."""
-    from models.resnet import ResNet20
-    from mpicrossbow.rules import EASGD
-
-    def bn_pool(index: int, count: int) -> SerialPool:
-        torch.manual_seed(0)
-        model = ResNet20(dataset="digits", width=4)
-        return SerialPool(model, index, count, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1)
-
     pools = [bn_pool(0, 1), bn_pool(0, 2), bn_pool(1, 2)]
     initial = pools[0].learners[0].buffers.clone()
     reported: list[tuple[float, torch.Tensor]] = []
@@ -484,12 +466,7 @@ def test_the_served_model_is_reported_with_the_workers_batchnorm_statistics(rule
         if comm.rank == 0:
             rule.serve(lambda w, epoch: reported.append((epoch, pool.learners[0].buffers.clone())))
         else:
-            pool.start_epoch(0)
-            for step in range(pool.n_batch_train):  # exactly one epoch: the report comes at its end
-                pool.compute(step)
-                rule.on_gradients(step)
-                pool.apply()
-                rule.exchange(step)
+            train_steps(pool, rule, pool.n_batch_train)  # exactly one epoch: the report comes at its end
         trained = pool.learners[0].buffers.clone()
         rule.finish()
         return trained

@@ -199,14 +199,9 @@ class EASGD(Rule):
         if self._server is None:
             super().serve(report)
             return
-        server, pool = self._server, self.pool
-        assert pool is not None
-
-        def report_with_stats(centre: torch.Tensor, epoch: float) -> None:
-            server.stats.adopt(pool)  # validate with the workers' BatchNorm statistics, not the initial ones
-            report(centre, epoch)
-
-        server.serve(report_with_stats)
+        assert self.pool is not None
+        # validate the centre with the workers' BatchNorm statistics, not the server's initial ones
+        self._server.serve(self._server.stats.reporting(self.pool, report))
 
     def finish(self) -> None:
         """A worker sends its done message; the server has nothing in flight once ``serve`` returned."""

@@ -348,14 +348,9 @@ class ServerRule(Rule):
             log.info("%d servers hold shards of the model: it is validated at the end only", self.servers)
             self.server.serve(None)
             return
-        server, pool = self.server, self.pool
-        assert pool is not None
-
-        def report_with_stats(w: torch.Tensor, epoch: float) -> None:
-            server.stats.adopt(pool)  # validate with the workers' BatchNorm statistics, not the initial ones
-            report(w, epoch)
-
-        server.serve(report_with_stats)
+        assert self.pool is not None
+        # validate w with the workers' BatchNorm statistics, not the server's initial ones
+        self.server.serve(self.server.stats.reporting(self.pool, report))
 
     def finish(self) -> None:
         """A worker sends done; a server has nothing in flight once serve() returned."""

@@ -11,6 +11,8 @@ the serving rank's learners adopt their mean.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..pool.base import LearnerPool
@@ -49,3 +51,14 @@ class ServedStats:
         mean = torch.stack(list(self._latest.values())).mean(dim=0)
         for learner in pool.learners:
             learner.buffers.copy_(mean)
+
+    def reporting(
+        self, pool: LearnerPool, report: Callable[[torch.Tensor, float], None]
+    ) -> Callable[[torch.Tensor, float], None]:
+        """``report`` preceded by :meth:`adopt`: the serving rank's callback for its once-per-epoch report."""
+
+        def report_with_stats(served: torch.Tensor, epoch: float) -> None:
+            self.adopt(pool)
+            report(served, epoch)
+
+        return report_with_stats

@@ -7,6 +7,11 @@ than ``staleness`` s (``c − c_min > s``), so no worker runs more than s pushes
 synchronous: with τ = 1 and ``scale`` = 1/workers (the default) every worker's step is the mean of all
 workers' updates on the same w — BSP gradient mode, momentum included (the mean of the workers' momentum
 steps is the momentum step of the mean gradient). Protocol: :mod:`mpicrossbow.rules.parameter_server`.
+
+The clock ticks once per push, i.e. every τ local steps: τ > 1 is Ho et al.'s clock as a unit of work (the
+bound s then allows s·τ steps of advance) and pays the server round trip once per τ steps. SSP bounds
+staleness, not waiting: behind a *persistent* straggler the others settle at its pace once they are s clocks
+ahead, so its gain over BSP comes from the exchanges it saves, not from outrunning the straggler.
 """
 
 from __future__ import annotations
