@@ -166,3 +166,31 @@ def test_sync_rules_equal_numpy_under_real_mpi(mpiexec: str, ranks: int) -> None
     proc = run_mpi(mpiexec, ranks, [sys.executable, "tests/mpi_scripts/rules_check.py"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:3] == [f"ok SMA {ranks}", f"ok EASGD {ranks}", f"ok EAMSGD {ranks}"]
+
+
+@pytest.mark.parametrize("name", ["BSP", "SMA", "EASGD", "LOCALSGD", "DILOCO"])
+def test_synchronous_rules_validate_one_model_with_the_mean_batchnorm_statistics(name: str) -> None:
+    """After ``sync_state`` every rank of a synchronous rule holds the same BatchNorm running statistics,
+    the mean of what the ranks trained: validation sums every rank's shard, so ranks validating the same
+    weights with their own statistics would report a model nobody holds (and a checkpoint rank 0's)."""
+    from models.resnet import ResNet20
+    from mpicrossbow.rules import RULES
+
+    pools = []
+    for r in range(2):
+        torch.manual_seed(0)
+        model = ResNet20(dataset="digits", width=4)
+        pools.append(SerialPool(model, r, 2, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1))
+
+    def body(comm: Communicator) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = pools[comm.rank]
+        rule = RULES.get(name)().bind(comm, pool)
+        train_steps(pool, rule, 3)
+        rule.finish()
+        trained = pool.learners[0].buffers.clone()
+        rule.sync_state()
+        return trained, pool.learners[0].buffers.clone()
+
+    (trained0, synced0), (trained1, synced1) = InProcessWorld(2, timeout_s=60).run(body)
+    torch.testing.assert_close(synced0, synced1, rtol=0, atol=0)
+    torch.testing.assert_close(synced0, (trained0 + trained1) / 2)

@@ -216,11 +216,13 @@ class EASGD(Rule):
         return self._server.in_flight if self._server is not None else 0
 
     def sync_state(self) -> None:
-        """``async``: broadcast the server's centre to every rank and share the workers' mean BatchNorm
-        statistics (a collective: only after ``finish``)."""
-        if self.synchronous:
-            return
+        """``sync``: average the BatchNorm running statistics, so every rank validates the same centre with
+        the same statistics. ``async``: broadcast the server's centre to every rank and share the workers'
+        mean BatchNorm statistics (a collective: only after ``finish``). Both exact, never compressed."""
         assert self.comm is not None
+        if self.synchronous:
+            self.average("buffers", self.comm.exact)
+            return
         self.comm.exact.broadcast(self.centre, root=SERVER).wait()  # the fp32 centre, never compressed
         self.share_trained_buffers(self._worker is not None)  # the centre has no BatchNorm statistics
         self._synced = True

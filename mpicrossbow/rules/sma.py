@@ -104,8 +104,11 @@ class SMA(Rule):
                 learner.params.copy_(self.z)
 
     def sync_state(self) -> None:
-        """Complete the step in flight so z is current."""
+        """Complete the step in flight so z is current, and average the BatchNorm running statistics (exact)
+        so every rank validates z with the same ones."""
+        assert self.comm is not None
         self._complete()
+        self.average("buffers", self.comm.exact)
 
     def eval_params(self) -> torch.Tensor:
         """Validate (and save) the central model z."""

@@ -6,17 +6,21 @@ Prints one ``ok <case>`` line per case that matches, and exits non-zero on the f
 """
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the numpy replay and conftest
+
+from test_rules_sync import LR, MOMENTUM, STEPS, numpy_easgd, numpy_sma
 
 from models.mlp import MLP
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.rules import EASGD, SMA
-from tests.test_rules_sync import LR, MOMENTUM, STEPS, numpy_easgd, numpy_sma
 
 world = MPI.COMM_WORLD
 comm = MPICommunicator(world)
