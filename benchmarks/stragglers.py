@@ -191,7 +191,8 @@ def table(task: str, results: dict, factors: list[float], labels: list[str]) -> 
                 runs = f" (medians of {r['repeats']} runs)" if r["repeats"] > 1 else ""
                 checks.append(
                     f"- {task}, {label}, rank {SLOW_RANK} slowed 2×{runs}: {ratio:.2f}× BSP's samples/s, "
-                    f"final accuracy {gap:+.1f} points below BSP → criterion (≥ 1.6×, within 1 point) "
+                    f"final accuracy {abs(gap):.1f} points {'below' if gap > 0 else 'above'} BSP's → "
+                    "criterion (≥ 1.6×, within 1 point) "
                     f"{'holds' if holds else 'does not hold'}"
                 )
     return "\n".join(rows) + "\n\n" + "\n".join(checks)
