@@ -6,7 +6,9 @@ chance accuracy on any model with BatchNorm until ``sync_state`` shares the work
 end. To make the once-per-epoch report of the served model meaningful, every worker appends the mean of its
 learners' float buffers to each message it sends the reporting server (a few thousand values for a
 ResNet: nothing next to the weights), the server keeps the latest from each worker, and before each report
-the serving rank's learners adopt their mean.
+the serving rank's learners adopt their mean. Under ``[comm] compression`` the statistics travel in 16 bits
+with the rest of the message (about three significant digits: enough to validate with); the exact mean is
+shared by ``sync_state`` at the end.
 """
 
 from __future__ import annotations
