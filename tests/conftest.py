@@ -7,10 +7,11 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,26 +80,20 @@ def only_run(out: Path) -> Path:
     return runs[0]
 
 
-def train_steps(
-    pool: Any,
-    rule: Any,
-    steps: int,
-    after_compute: Callable[[int], None] | None = None,
-    after_step: Callable[[int], None] | None = None,
-) -> None:
+def train_steps(pool: Any, rule: Any, steps: int, sleep_s: float = 0.0) -> list[np.ndarray]:
     """The session's step loop without the session, for in-process rule tests: each epoch started as it
-    begins, then per step compute → ``rule.on_gradients`` → apply → ``rule.exchange``. ``after_compute(step)``
-    sees the gradients before the rule does (differential tests record them there); ``after_step(step)``
-    ends each step (a test's straggler sleeps there)."""
+    begins, then per step compute → ``rule.on_gradients`` → apply → ``rule.exchange``, then ``sleep_s`` (a
+    test's straggler). Returns every step's gradients as the rule received them, ``(learners, P)`` arrays:
+    what the differential tests replay in numpy."""
     per_epoch = pool.n_batch_train
+    grads = []
     for step in range(steps):
         if step % per_epoch == 0:
             pool.start_epoch(step // per_epoch)
         pool.compute(step % per_epoch)
-        if after_compute is not None:
-            after_compute(step)
+        grads.append(np.stack([learner.grads.numpy().copy() for learner in pool.learners]))
         rule.on_gradients(step)
         pool.apply()
         rule.exchange(step)
-        if after_step is not None:
-            after_step(step)
+        time.sleep(sleep_s)
+    return grads

@@ -81,15 +81,7 @@ def run_async(
             out["start"] = pool.learners[0].params.numpy().copy()
             rule.serve(report)
         else:
-            train_steps(
-                pool,
-                rule,
-                steps[comm.rank],
-                after_compute=lambda _: grads[comm.rank].append(
-                    np.stack([learner.grads.numpy().copy() for learner in pool.learners])
-                ),
-                after_step=lambda _: time.sleep((delay or {}).get(comm.rank, 0.0)),
-            )
+            grads[comm.rank] = train_steps(pool, rule, steps[comm.rank], (delay or {}).get(comm.rank, 0.0))
         rule.finish()
         out["finished"][comm.rank] = time.monotonic()
         before_sync = rule.eval_params()

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,15 +74,7 @@ def run_server(
         if comm.rank < servers:
             rule.serve(lambda w, epoch: None)
         else:
-            train_steps(
-                pool,
-                rule,
-                steps[comm.rank],
-                after_compute=lambda _: grads[comm.rank].append(
-                    np.stack([learner.grads.numpy().copy() for learner in pool.learners])
-                ),
-                after_step=lambda _: time.sleep((delay or {}).get(comm.rank, 0.0)),
-            )
+            grads[comm.rank] = train_steps(pool, rule, steps[comm.rank], (delay or {}).get(comm.rank, 0.0))
         rule.finish()
         rule.sync_state()
         return np.stack([learner.params.numpy().copy() for learner in pool.learners])

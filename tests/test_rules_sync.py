@@ -48,12 +48,9 @@ def run(
         pool = pools[comm.rank]
         rule = rules[comm.rank] = make_rule().bind(comm, pool)
         start[comm.rank] = pool.learners[0].params.numpy().copy()
-
-        def record(step: int) -> None:
-            for j, learner in enumerate(pool.learners):
-                grads[comm.rank * learners + j].append(learner.grads.numpy().copy())
-
-        train_steps(pool, rule, STEPS, after_compute=record)
+        recorded = train_steps(pool, rule, STEPS)
+        for j in range(learners):
+            grads[comm.rank * learners + j] = [step[j] for step in recorded]
         rule.finish()
         return [learner.params.numpy().copy() for learner in pool.learners]
 

@@ -9,22 +9,21 @@ CUDA-aware when the library says so, and NCCL when every rank has its own GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 from mpi4py import MPI
+from verdicts import WORLD, finish, run_checks, run_main, say
 
 from mpicrossbow.comm import ReduceOp, make_communicator
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.mpi import MPICommunicator, mpi_cuda_aware
 from mpicrossbow.comm.torchdist import TorchDistCommunicator
 
-WORLD = MPI.COMM_WORLD
 N = 100_003  # not a multiple of any world size
 DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8, torch.float16, torch.bfloat16)
 NP_OPS = {ReduceOp.SUM: np.sum, ReduceOp.MAX: np.max, ReduceOp.MIN: np.min}
@@ -219,26 +218,9 @@ COMMON_NAMES = (
 COMMON: list[tuple[str, Check]] = [(name, globals()[f"check_{name}"]) for name in COMMON_NAMES.split()]
 
 
-def run_checks(label: str, comm: Communicator, dev: torch.device, checks: list[tuple[str, Check]]) -> bool:
-    """Run each check on every rank; rank 0 prints one line per check. Returns True when all passed."""
-    all_ok = True
-    for name, fn in checks:
-        try:
-            fn(comm, dev)
-            why = ""
-        except Exception as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            print(f"rank {WORLD.rank} {label}.{name}: {why}", file=sys.stderr, flush=True)
-        failures = [(r, w) for r, w in enumerate(WORLD.allgather(why)) if w]
-        all_ok = all_ok and not failures
-        verdict = "OK" if not failures else "FAIL " + "; ".join(f"rank {r}: {w}" for r, w in failures)
-        say(f"CHECK {label}.{name} {verdict}")
-    return all_ok
-
-
-def say(line: str) -> None:
-    if WORLD.rank == 0:
-        print(line, flush=True)
+def on(comm: Communicator, dev: torch.device, checks: list[tuple[str, Check]]) -> list[tuple[str, Callable]]:
+    """The checks bound to one communicator and device, for :func:`verdicts.run_checks`."""
+    return [(name, functools.partial(fn, comm, dev)) for name, fn in checks]
 
 
 def main() -> int:
@@ -249,9 +231,9 @@ def main() -> int:
     if not args.cuda:
         cpu = torch.device("cpu")
         extra = [("buffers", check_mpi_buffers), ("factory", check_factory)]
-        ok &= run_checks("mpi", MPICommunicator(), cpu, [*COMMON, *extra])
+        ok &= run_checks("mpi", on(MPICommunicator(), cpu, [*COMMON, *extra]))
         gloo = TorchDistCommunicator.from_mpi(backend="gloo", timeout_s=60)
-        ok &= run_checks("gloo", gloo, cpu, COMMON)
+        ok &= run_checks("gloo", on(gloo, cpu, COMMON))
         gloo.close()
         gloo.close()  # idempotent
     elif not torch.cuda.is_available():
@@ -262,26 +244,20 @@ def main() -> int:
         torch.cuda.set_device(dev)
         gpu_checks = [(n, f) for n, f in COMMON if n != "barrier"]
         os.environ["MPICROSSBOW_CUDA_AWARE"] = "0"
-        ok &= run_checks("mpi-staged", MPICommunicator(), dev, gpu_checks)
+        ok &= run_checks("mpi-staged", on(MPICommunicator(), dev, gpu_checks))
         del os.environ["MPICROSSBOW_CUDA_AWARE"]
         if mpi_cuda_aware():
-            ok &= run_checks("mpi-cuda-aware", MPICommunicator(), dev, gpu_checks)
+            ok &= run_checks("mpi-cuda-aware", on(MPICommunicator(), dev, gpu_checks))
         else:
             say("CHECK mpi-cuda-aware SKIP this MPI does not report CUDA support")
         if local.allreduce(1) <= torch.cuda.device_count():
             nccl = TorchDistCommunicator.from_mpi(backend="nccl", timeout_s=60)
-            ok &= run_checks("nccl", nccl, dev, [(n, f) for n, f in gpu_checks if n != "tags"])
+            ok &= run_checks("nccl", on(nccl, dev, [(n, f) for n, f in gpu_checks if n != "tags"]))
             nccl.close()
         else:
             say("CHECK nccl SKIP fewer GPUs than ranks on a node")
-    say("DONE")
-    return 0 if WORLD.allreduce(int(not ok)) == 0 else 1
+    return finish(ok)
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:
-        traceback.print_exc()
-        sys.stderr.flush()
-        WORLD.Abort(3)
+    run_main(main)

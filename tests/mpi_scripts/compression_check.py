@@ -7,19 +7,17 @@ values rounded to the wire type, summed in float32 (two operands: the order does
 
 from __future__ import annotations
 
+import functools
 import gc
-import sys
-import traceback
 from collections.abc import Callable
 
 import torch
-from mpi4py import MPI
+from verdicts import WORLD, finish, run_checks, run_main
 
 from mpicrossbow.comm import CompressedCommunicator, ReduceOp, make_communicator
 from mpicrossbow.comm.compressed import EXACT_TAIL
 from mpicrossbow.comm.mpi import MPICommunicator
 
-WORLD = MPI.COMM_WORLD
 N = 100_003  # a rendezvous-size message, not a multiple of the world size
 
 
@@ -117,23 +115,10 @@ def main() -> int:
     for name in ("bf16", "fp16"):
         comm = make_communicator("mpi", torch.device("cpu"), None, name)
         assert isinstance(comm, CompressedCommunicator)
-        for check, fn in CHECKS:
-            try:
-                fn(comm)
-                why = ""
-            except Exception as exc:
-                why = f"{type(exc).__name__}: {exc}"
-                traceback.print_exc(file=sys.stderr)
-            failures = [(r, w) for r, w in enumerate(WORLD.allgather(why)) if w]
-            ok = ok and not failures
-            if WORLD.rank == 0:
-                verdict = "OK" if not failures else "FAIL " + "; ".join(f"rank {r}: {w}" for r, w in failures)
-                print(f"CHECK {name}.{check} {verdict}", flush=True)
+        ok &= run_checks(name, [(check, functools.partial(fn, comm)) for check, fn in CHECKS])
         comm.close()
-    if WORLD.rank == 0:
-        print("DONE", flush=True)
-    return 0 if ok else 1
+    return finish(ok)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

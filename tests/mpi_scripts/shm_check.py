@@ -10,20 +10,18 @@ the window is in use, and the job ends as the launcher ends it, with ``MPI_Abort
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
-import sys
-import traceback
 from collections.abc import Callable
 
 import torch
-from mpi4py import MPI
+from verdicts import WORLD, finish, run_checks, run_main, say
 
 from mpicrossbow.comm import ReduceOp, make_communicator
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.comm.shm import ACCUMULATE, SharedMemoryCommunicator
 
-WORLD = MPI.COMM_WORLD
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SIZES = (1, 7, 1001, 100_003)  # none a multiple of 2, 3 or 4 (except 1 with 1 rank)
 TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-14, torch.bfloat16: 8e-3, torch.float16: 1e-3}
@@ -224,11 +222,6 @@ CHECKS: list[tuple[str, Callable[[object], None]]] = [
 ]
 
 
-def say(line: str) -> None:
-    if WORLD.rank == 0:
-        print(line, flush=True)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fail", action="store_true", help="the last rank raises once the window is in use")
@@ -243,28 +236,8 @@ def main() -> int:
             raise RuntimeError("injected failure with the window allocated")
         comm.allreduce(t)  # the others wait here until MPI_Abort ends them
         return 0
-    ok = True
-    for name, fn in CHECKS:
-        try:
-            fn(None)
-            why = ""
-        except Exception as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-        failures = [(r, w) for r, w in enumerate(WORLD.allgather(why)) if w]
-        ok = ok and not failures
-        say(
-            f"CHECK {name} "
-            + ("OK" if not failures else "FAIL " + "; ".join(f"rank {r}: {w}" for r, w in failures))
-        )
-    say("DONE")
-    return 0 if WORLD.allreduce(int(not ok)) == 0 else 1
+    return finish(run_checks("", [(name, functools.partial(fn, None)) for name, fn in CHECKS]))
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:
-        traceback.print_exc()
-        sys.stderr.flush()
-        WORLD.Abort(3)
+    run_main(main)
