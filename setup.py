@@ -32,7 +32,7 @@ setup(
         "test": ["pytest>=7", "ruff>=0.5", "matplotlib>=3.6"],
         "bench": ["matplotlib>=3.6"],
     },
-    entry_points={"console_scripts": ["crossbow-launch = mpicrossbow.launcher:main"]},
+    entry_points={"console_scripts": ["crossbow-launch = mpicrossbow.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

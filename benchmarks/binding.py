@@ -50,8 +50,8 @@ def main() -> int:
     import torch
     from mpi4py import MPI
 
-    from mpicrossbow.env import detect_world
-    from mpicrossbow.numa import bind, gather_facts, set_affinity_all_threads, set_threads
+    from mpicrossbow.launch.binding import bind, gather_facts, set_affinity_all_threads, set_threads
+    from mpicrossbow.launch.world import detect_world
 
     world = detect_world()
     comm = world.mpi

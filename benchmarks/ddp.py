@@ -31,7 +31,7 @@ from data.synthetic import Synthetic
 from models.lenet import LeNet
 from models.resnet import ResNet
 from models.vgg import VGG
-from mpicrossbow.shard import Shard
+from mpicrossbow.model.shard import Shard
 
 #: Validation samples of the benchmark models: Session.run() validates once at the end; keep it negligible.
 N_VAL = 16
@@ -96,7 +96,7 @@ def bsp_round(
     """Build a BSP session for ``name`` (untimed), then time ``Session.run()`` for ``steps`` steps: (seconds,
     the seconds the session spent in the rule's hooks, i.e. waiting for gradients after backward)."""
     from mpicrossbow.config import load_config
-    from mpicrossbow.session import Session
+    from mpicrossbow.training.session import Session
 
     top = {
         "rule": "BSP",
@@ -196,7 +196,7 @@ def main() -> int:
     args = parse_args(sys.argv[1:])
     if not under_mpi():
         return relaunch(__file__, args.ranks, sys.argv[1:])
-    from mpicrossbow.env import detect_world
+    from mpicrossbow.launch.world import detect_world
     from mpicrossbow.log import setup_logging
 
     world = detect_world()  # MPI initialised as the launcher does it

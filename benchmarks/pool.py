@@ -108,13 +108,13 @@ def measure(
     import torch
 
     from mpicrossbow.config import OptimSection
-    from mpicrossbow.pool import FusedPool, SerialPool
+    from mpicrossbow.pool import FusedPool, PoolSpec, SerialPool
 
     optim = OptimSection(lr=0.01, momentum=0.9, weight_decay=5e-4)
     pools = {}
     for name, cls in (("serial", SerialPool), ("fused", FusedPool)):
         torch.manual_seed(0)
-        pools[name] = cls(model, 0, 1, batch, optim, device, seed=0, learners=m)
+        pools[name] = cls(model, PoolSpec(0, 1, batch, optim, device, seed=0, learners=m))
         pools[name].start_epoch(0)
     states = {name: {"epoch": 0, "count": 0} for name in pools}
 
@@ -220,7 +220,7 @@ def layout_costs(catalogue: dict[str, Any], m: int = 8, batch: int = 16) -> str:
     import torch
 
     from mpicrossbow.config import OptimSection
-    from mpicrossbow.pool import FusedPool
+    from mpicrossbow.pool import FusedPool, PoolSpec
     from mpicrossbow.pool.fuse import FusedConv2d
 
     lines = [
@@ -234,7 +234,7 @@ def layout_costs(catalogue: dict[str, Any], m: int = 8, batch: int = 16) -> str:
         label, model = catalogue[key]
         torch.manual_seed(0)
         pool = FusedPool(
-            model, 0, 1, batch, OptimSection(lr=0.01, momentum=0.9), torch.device("cpu"), learners=m
+            model, PoolSpec(0, 1, batch, OptimSection(lr=0.01, momentum=0.9), torch.device("cpu"), learners=m)
         )
         state = {"epoch": 0, "count": 0}
         pool.start_epoch(0)

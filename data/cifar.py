@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from mpicrossbow.errors import DataError
-from mpicrossbow.shard import Shard, ShardedArrays, train_indices, val_indices
+from mpicrossbow.model.shard import Shard, ShardedArrays, train_indices, val_indices
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from data.hdf5 import hdf5_attrs, hdf5_length, read_hdf5_rows
 from mpicrossbow.errors import DataError
-from mpicrossbow.shard import Shard, ShardedArrays, train_indices, val_indices
+from mpicrossbow.model.shard import Shard, ShardedArrays, train_indices, val_indices
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from mpicrossbow.shard import Shard, ShardedArrays
+from mpicrossbow.model.shard import Shard, ShardedArrays
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 
-from mpicrossbow.shard import Shard, ShardedArrays, train_indices, val_indices
+from mpicrossbow.model.shard import Shard, ShardedArrays, train_indices, val_indices
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from data.images import image_data, image_shape
 from mpicrossbow import Shard, TorchModel
-from mpicrossbow.residual import Residual
+from mpicrossbow.model.residual import Residual
 
 
 def basic_block(cin: int, cout: int, stride: int) -> nn.Module:

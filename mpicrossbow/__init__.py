@@ -2,27 +2,71 @@
 
 Start a job with ``crossbow-launch -cfg session.cfg`` (under ``mpirun`` or on its own), or from Python with
 ``rule = BSP(); rule.init(devices=[...], modelfile=..., modelclass=...); rule.wait()``.
+
+Names are resolved on first use (PEP 562), so ``crossbow-launch`` on its way to ``mpiexec`` imports no torch.
+Every rule class exported here (``BSP``, ``SMA``, ``EASGD``, ..., and ``Rule`` for your own) carries
+Theano-MPI's ``init``/``wait`` facade (:mod:`mpicrossbow.compat.facade`).
 """
 
-from .config import Config, load_config
-from .errors import ConfigError, ContractError, DataError, UsageError
-from .model import TorchModel
-from .rules import BSP, RULES, Rule
-from .shard import Shard
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import CheckpointError, ConfigError, ContractError, DataError, UsageError
 
 __version__ = "0.1.0"
 
-__all__ = [
+#: Rule classes exported with the Theano-MPI facade: exported name → name in ``mpicrossbow.rules``.
+_RULES = (
+    "ASGD",
     "BSP",
-    "RULES",
-    "Config",
+    "DiLoCo",
+    "EASGD",
+    "GOSGD",
+    "GSP",
+    "LocalSGD",
+    "PSGD",
+    "SMA",
+    "SSP",
+    "WeedOut",
+    "Rule",
+)
+#: Other lazily imported names → the module that defines them.
+_LAZY = {
+    "RULES": "mpicrossbow.rules.registry",
+    "Config": "mpicrossbow.config",
+    "load_config": "mpicrossbow.config",
+    "TorchModel": "mpicrossbow.model",
+    "Shard": "mpicrossbow.model",
+    "Residual": "mpicrossbow.model",
+}
+
+__all__ = [
+    *_RULES,
+    *_LAZY,
+    "CheckpointError",
     "ConfigError",
     "ContractError",
     "DataError",
-    "Rule",
-    "Shard",
-    "TorchModel",
     "UsageError",
     "__version__",
-    "load_config",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name on first use."""
+    if name in _RULES:
+        facade = importlib.import_module("mpicrossbow.compat.facade")
+        rules = importlib.import_module("mpicrossbow.rules")
+        value = facade.with_facade(getattr(rules, name))
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'mpicrossbow' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -70,7 +70,7 @@ def run_mpi(
 def launcher() -> list[str]:
     """The installed ``crossbow-launch`` console script, or the module when the package is not installed."""
     script = Path(sys.executable).parent / "crossbow-launch"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "mpicrossbow.launcher"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mpicrossbow.cli"]
 
 
 def only_run(out: Path) -> Path:

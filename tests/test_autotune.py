@@ -6,14 +6,15 @@ import pytest
 import torch
 
 from models.mlp import MLP
-from mpicrossbow.autotune import AutoTuner
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
+from mpicrossbow.model.shard import Shard
 from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, GOSGD, SMA
-from mpicrossbow.shard import Shard
+from mpicrossbow.training.autotune import AutoTuner
 
 
 def feed(tuner: AutoTuner, throughputs: list[float]) -> list[int]:
@@ -55,7 +56,9 @@ def test_bad_settings() -> None:
 
 
 def make_pool(learners: int) -> SerialPool:
-    return SerialPool(MLP(hidden=8), 0, 1, 8, OptimSection(lr=0.1), torch.device("cpu"), learners=learners)
+    return SerialPool(
+        MLP(hidden=8), PoolSpec(0, 1, 8, OptimSection(lr=0.1), torch.device("cpu"), learners=learners)
+    )
 
 
 def test_resize_copies_learner_zero_and_reshards() -> None:
@@ -105,7 +108,7 @@ def test_fused_pool_resizes_with_rows_and_momentum() -> None:
     from mpicrossbow.pool import FusedPool
 
     optim = OptimSection(lr=0.1, momentum=0.9)
-    pool = FusedPool(MLP(hidden=8), 0, 1, 8, optim, torch.device("cpu"), learners=2)
+    pool = FusedPool(MLP(hidden=8), PoolSpec(0, 1, 8, optim, torch.device("cpu"), learners=2))
     pool.start_epoch(0)
     pool.compute(0)
     pool.apply()

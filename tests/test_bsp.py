@@ -19,9 +19,10 @@ from models.mlp import MLP
 from mpicrossbow.comm.compressed import CompressedCommunicator
 from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
-from mpicrossbow.metrics import read_metrics
 from mpicrossbow.pool import FusedPool, SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP
+from mpicrossbow.training.metrics import read_metrics
 
 STEPS = 6
 BATCH = 8
@@ -36,7 +37,9 @@ BUCKETS = (0.0, 0.004, 1e-5, 100.0)
 
 def make_pool(rank: int, size: int, learners: int = 1, engine: type = SerialPool) -> SerialPool:
     torch.manual_seed(rank + 100)  # different initial replicas: bind() must broadcast rank 0's
-    return engine(MLP(hidden=32), rank, size, BATCH, OPTIM, torch.device("cpu"), seed=5, learners=learners)
+    return engine(
+        MLP(hidden=32), PoolSpec(rank, size, BATCH, OPTIM, torch.device("cpu"), seed=5, learners=learners)
+    )
 
 
 def train_bsp(

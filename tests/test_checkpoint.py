@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from models.mlp import MLP
-from mpicrossbow.checkpoint import (
+from mpicrossbow.config import FaultSection, OptimSection
+from mpicrossbow.errors import CheckpointError
+from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
+from mpicrossbow.training.checkpoint import (
     FORMAT_VERSION,
     Checkpointer,
     atomic_save,
@@ -22,11 +26,8 @@ from mpicrossbow.checkpoint import (
     load_rank_state,
     safe_load,
 )
-from mpicrossbow.config import FaultSection, OptimSection
-from mpicrossbow.errors import CheckpointError
-from mpicrossbow.faults import FaultInjector, InjectedFault
-from mpicrossbow.pool import SerialPool
-from mpicrossbow.watchdog import Watchdog, heartbeat_file
+from mpicrossbow.training.faults import FaultInjector, InjectedFault
+from mpicrossbow.training.watchdog import Watchdog, heartbeat_file
 
 META = {"world_size": 1, "rule": "BSP", "learners": 1, "numel": 10}
 
@@ -110,7 +111,9 @@ def test_other_version_and_other_job_shape_are_named(tmp_path: Path) -> None:
 
 def test_pool_state_round_trip(tmp_path: Path) -> None:
     optim = OptimSection(lr=0.1, momentum=0.9)
-    pools = [SerialPool(MLP(hidden=8), 0, 1, 8, optim, torch.device("cpu"), learners=2) for _ in range(2)]
+    pools = [
+        SerialPool(MLP(hidden=8), PoolSpec(0, 1, 8, optim, torch.device("cpu"), learners=2)) for _ in range(2)
+    ]
     pools[0].start_epoch(0)
     for count in range(3):
         pools[0].compute(count)
@@ -125,11 +128,13 @@ def test_pool_state_round_trip(tmp_path: Path) -> None:
     for a, b in zip(pools[0].learners, pools[1].learners, strict=True):
         assert torch.equal(a.params, b.params)
     assert pools[0].take_stats() == pools[1].take_stats()
-    other = SerialPool(MLP(hidden=16), 0, 1, 8, optim, torch.device("cpu"), learners=2)
+    other = SerialPool(MLP(hidden=16), PoolSpec(0, 1, 8, optim, torch.device("cpu"), learners=2))
     with pytest.raises(CheckpointError, match="another model"):
         other.load_state_dict(pools[0].state_dict())
     with pytest.raises(CheckpointError, match="2 learner"):
-        SerialPool(MLP(hidden=8), 0, 1, 8, optim, torch.device("cpu")).load_state_dict(pools[0].state_dict())
+        SerialPool(MLP(hidden=8), PoolSpec(0, 1, 8, optim, torch.device("cpu"))).load_state_dict(
+            pools[0].state_dict()
+        )
 
 
 def test_fault_injector_fires_only_for_its_rank_and_step() -> None:
@@ -174,7 +179,9 @@ def test_fused_pool_state_round_trip_and_nonfinite(tmp_path: Path) -> None:
     from mpicrossbow.pool import FusedPool
 
     optim = OptimSection(lr=0.1, momentum=0.9)
-    pools = [FusedPool(MLP(hidden=8), 0, 1, 8, optim, torch.device("cpu"), learners=3) for _ in range(2)]
+    pools = [
+        FusedPool(MLP(hidden=8), PoolSpec(0, 1, 8, optim, torch.device("cpu"), learners=3)) for _ in range(2)
+    ]
     pools[0].start_epoch(0)
     for count in range(2):
         pools[0].compute(count)
@@ -192,6 +199,6 @@ def test_fused_pool_state_round_trip_and_nonfinite(tmp_path: Path) -> None:
     pools[0].learners[1].last_loss.fill_(float("nan"))  # what the [fault] nan hook does
     assert pools[0].nonfinite() == [1]
     with pytest.raises(CheckpointError, match="another model or learner count"):
-        FusedPool(MLP(hidden=8), 0, 1, 8, optim, torch.device("cpu"), learners=2).load_state_dict(
+        FusedPool(MLP(hidden=8), PoolSpec(0, 1, 8, optim, torch.device("cpu"), learners=2)).load_state_dict(
             pools[0].state_dict()
         )

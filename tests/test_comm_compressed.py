@@ -29,6 +29,7 @@ from mpicrossbow.comm.compressed import EXACT_TAIL
 from mpicrossbow.config import OptimSection, load_config
 from mpicrossbow.errors import ConfigError, UsageError
 from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import ASGD, BSP, EASGD, GOSGD, PSGD, SMA, SSP, DiLoCo, LocalSGD, Rule, WeedOut
 from mpicrossbow.rules.elastic_server import ElasticServer
 from mpicrossbow.rules.parameter_server import (
@@ -435,7 +436,10 @@ def test_every_rule_exchanges_16_bit_while_training_and_exactly_otherwise(name: 
     size, steps = 4, 6
     torch.manual_seed(0)
     optim = OptimSection(lr=0.05, momentum=0.9)
-    pools = [SerialPool(MLP(hidden=16), r, size, 8, optim, torch.device("cpu"), seed=1) for r in range(size)]
+    pools = [
+        SerialPool(MLP(hidden=16), PoolSpec(r, size, 8, optim, torch.device("cpu"), seed=1))
+        for r in range(size)
+    ]
     logs: list[list[tuple[str, str, torch.dtype, int]]] = [[] for _ in range(size)]
 
     def body(comm: Communicator) -> Rule:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import only_run, run_mpi
-from mpicrossbow.metrics import read_metrics
+from mpicrossbow.training.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi]
 

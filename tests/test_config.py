@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from mpicrossbow.cli import main
 from mpicrossbow.config import load_config
-from mpicrossbow.devices import DeviceSpec, device_for_rank, parse_devices
 from mpicrossbow.errors import ConfigError
-from mpicrossbow.launcher import main
+from mpicrossbow.launch.devices import DeviceSpec, device_for_rank, parse_devices
 
 BASE = "RULE=BSP\nMODELFILE=models.mlp\nMODELCLASS=MLP\nDEVICES=cpu0,cpu1\n"
 

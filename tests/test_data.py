@@ -18,8 +18,8 @@ from data.idx import MNIST, read_idx, write_idx
 from data.synthetic import Synthetic
 from models.mlp import MLP
 from mpicrossbow.errors import DataError
+from mpicrossbow.model.shard import Shard, ShardedArrays, train_indices, val_indices
 from mpicrossbow.pool.serial import learner_data
-from mpicrossbow.shard import Shard, ShardedArrays, train_indices, val_indices
 
 
 def raises_data_error(

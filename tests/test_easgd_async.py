@@ -29,9 +29,10 @@ from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.inprocess import InProcessCommunicator, InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
-from mpicrossbow.metrics import read_metrics
 from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import EASGD
+from mpicrossbow.training.metrics import read_metrics
 
 LR, MOMENTUM, TAU = 0.05, 0.9, 3
 Order = Callable[[int, Sequence[int]], int]
@@ -46,7 +47,8 @@ def make_pools(size: int, hidden: int = 16, learners: int = 1) -> list[SerialPoo
         index, count = (0, 1) if r == 0 else EASGD(mode="async").train_shard(r, size)
         pools.append(
             SerialPool(
-                MLP(hidden=hidden), index, count, 8, optim, torch.device("cpu"), seed=1, learners=learners
+                MLP(hidden=hidden),
+                PoolSpec(index, count, 8, optim, torch.device("cpu"), seed=1, learners=learners),
             )
         )
     return pools
@@ -248,7 +250,7 @@ def test_bad_hyper_parameters_name_the_key(hyper: dict[str, Any], message: str) 
 def test_async_easgd_job_reaches_93_percent(mpiexec: str, tmp_path: Path, ranks: int) -> None:
     """1 server + 1 worker, 1 server + 3 workers: exit 0, ≥ 93 % on the whole validation set."""
     script = Path(sys.executable).parent / "crossbow-launch"
-    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "mpicrossbow.launcher"]
+    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "mpicrossbow.cli"]
     args = ["-cfg", "launch/digits.cfg", "RULE=EASGD", "rule.mode=async", f"session.output={tmp_path}"]
     proc = run_mpi(mpiexec, ranks, [*launcher, *args], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

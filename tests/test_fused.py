@@ -25,6 +25,7 @@ from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import FusedPool, SerialPool
 from mpicrossbow.pool.fuse import FusedConv2d
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, SMA, Rule
 
 CPU = torch.device("cpu")
@@ -39,9 +40,9 @@ GRAD_TOL = 3e-5
 def pools(model: Any, m: int, batch: int = 8, rank: int = 0, size: int = 1) -> tuple[SerialPool, FusedPool]:
     """A serial and a fused pool whose replicas start equal."""
     torch.manual_seed(0)
-    serial = SerialPool(model, rank, size, batch, OPTIM, CPU, seed=3, learners=m)
+    serial = SerialPool(model, PoolSpec(rank, size, batch, OPTIM, CPU, seed=3, learners=m))
     torch.manual_seed(0)
-    fused = FusedPool(model, rank, size, batch, OPTIM, CPU, seed=3, learners=m)
+    fused = FusedPool(model, PoolSpec(rank, size, batch, OPTIM, CPU, seed=3, learners=m))
     return serial, fused
 
 
@@ -110,7 +111,7 @@ def test_fused_equals_serial_after_k_steps(name: str, m: int) -> None:
 def test_vgg_fused_forward_equals_each_replica() -> None:
     model = VGG(dataset="digits", width=0.125)
     torch.manual_seed(0)
-    fused = FusedPool(model, 0, 1, 4, OPTIM, CPU, learners=2)
+    fused = FusedPool(model, PoolSpec(0, 1, 4, OPTIM, CPU, learners=2))
     x = torch.randn(2, 4, 1, 8, 8)
     fused.fused.eval()
     with torch.no_grad():
@@ -123,7 +124,7 @@ def test_vgg_fused_forward_equals_each_replica() -> None:
 def test_rows_alias_the_fused_weights() -> None:
     model = MLP(hidden=16)
     torch.manual_seed(0)
-    fused = FusedPool(model, 0, 1, 4, OPTIM, CPU, learners=3)
+    fused = FusedPool(model, PoolSpec(0, 1, 4, OPTIM, CPU, learners=3))
     for j, learner in enumerate(fused.learners):
         assert learner.params.is_contiguous() and learner.params.ndim == 1
         assert learner.params.data_ptr() == fused.params2d[j].data_ptr()
@@ -190,7 +191,7 @@ class SubclassNet(MLP):
 @pytest.mark.parametrize(("cls", "layer"), [(SoftmaxNet, "Softmax"), (SubclassNet, "MyLinear")])
 def test_unsupported_layer_is_a_clear_error(cls: type, layer: str) -> None:
     with pytest.raises(ContractError) as err:
-        FusedPool(cls(), 0, 1, 8, OPTIM, CPU, learners=2)
+        FusedPool(cls(), PoolSpec(0, 1, 8, OPTIM, CPU, learners=2))
     message = str(err.value)
     assert f"layer type {layer};" in message
     assert "Conv2d" in message and "BatchNorm2d" in message and "Residual" in message
@@ -201,7 +202,7 @@ def train_with_rule(engine: type, make_rule: Any, size: int = 2, m: int = 2) -> 
     built = []
     for r in range(size):
         torch.manual_seed(r)
-        built.append(engine(MLP(hidden=16), r, size, 8, OPTIM, CPU, seed=1, learners=m))
+        built.append(engine(MLP(hidden=16), PoolSpec(r, size, 8, OPTIM, CPU, seed=1, learners=m)))
 
     def body(comm: Communicator) -> torch.Tensor:
         pool = built[comm.rank]
@@ -257,7 +258,7 @@ def test_unfold_convolution_equals_grouped_in_float64() -> None:
         grads = {}
         for mode in ("grouped", "unfold"):
             torch.manual_seed(3)
-            pool = FusedPool(ResNet20(dataset="digits"), 0, 1, 8, OPTIM, CPU, seed=3, learners=3)
+            pool = FusedPool(ResNet20(dataset="digits"), PoolSpec(0, 1, 8, OPTIM, CPU, seed=3, learners=3))
             for conv in pool.fused.modules():
                 if isinstance(conv, FusedConv2d):
                     conv.mode = mode

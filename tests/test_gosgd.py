@@ -26,10 +26,11 @@ from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
-from mpicrossbow.metrics import read_metrics
 from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import GOSGD
 from mpicrossbow.rules.gosgd import UNIT
+from mpicrossbow.training.metrics import read_metrics
 
 STEPS = 10
 LR, MOMENTUM = 0.05, 0.9
@@ -92,7 +93,8 @@ def scheduled_run(
     torch.manual_seed(comm.rank)
     optim = OptimSection(lr=LR, momentum=MOMENTUM)
     pool = SerialPool(
-        MLP(hidden=16), comm.rank, comm.size, 8, optim, torch.device("cpu"), seed=1, learners=learners
+        MLP(hidden=16),
+        PoolSpec(comm.rank, comm.size, 8, optim, torch.device("cpu"), seed=1, learners=learners),
     )
     rule = GOSGD(schedule=make_schedule(comm.size * learners)).bind(comm, pool)
     out: dict[str, Any] = {
@@ -239,7 +241,7 @@ def test_gosgd_under_real_mpi(mpiexec: str, ranks: int) -> None:
 @pytest.mark.mpi
 def test_digits_job_with_gosgd_reaches_93_percent(mpiexec: str, tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "crossbow-launch"
-    launch = [str(script)] if script.exists() else [sys.executable, "-m", "mpicrossbow.launcher"]
+    launch = [str(script)] if script.exists() else [sys.executable, "-m", "mpicrossbow.cli"]
     args = [*launch, "-cfg", "launch/digits.cfg", "RULE=GOSGD", "rule.p=0.05", f"session.output={tmp_path}"]
     proc = run_mpi(mpiexec, 4, args, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

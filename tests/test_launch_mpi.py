@@ -18,8 +18,8 @@ import torch
 
 from conftest import REPO, launcher, mpi_env, only_run, run_mpi
 from models.mlp import MLP
-from mpicrossbow.metrics import read_metrics
-from mpicrossbow.shard import Shard
+from mpicrossbow.model.shard import Shard
+from mpicrossbow.training.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi]
 
@@ -214,7 +214,7 @@ def test_sigint_to_a_rule_init_driver_stops_the_whole_job(tmp_path: Path) -> Non
         deadline = time.monotonic() + 90
         ranks: list[tuple[int, str]] = []
         while time.monotonic() < deadline:  # wait until both ranks train (the run folder exists)
-            ranks = [p for p in processes_mentioning(marker) if "mpicrossbow.launcher" in p[1]]
+            ranks = [p for p in processes_mentioning(marker) if "mpicrossbow.cli" in p[1]]
             if len(ranks) >= 3 and any(p.is_dir() for p in tmp_path.iterdir()):
                 break
             assert driver.poll() is None, driver.communicate(timeout=10)

@@ -24,6 +24,7 @@ from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, DiLoCo, LocalSGD, Rule
 
 STEPS = 9
@@ -46,7 +47,9 @@ def run(
     for r in range(size):
         torch.manual_seed(r)
         pools.append(
-            SerialPool(MLP(hidden=16), r, size, 8, optim, torch.device("cpu"), seed=1, learners=learners)
+            SerialPool(
+                MLP(hidden=16), PoolSpec(r, size, 8, optim, torch.device("cpu"), seed=1, learners=learners)
+            )
         )
     grads: list[list[np.ndarray]] = [[] for _ in range(size * learners)]
     rules: list[Any] = [None] * size
@@ -181,7 +184,7 @@ def test_diloco_checkpoint_round_trip() -> None:
     assert state["hyper"] == {"period": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
     assert state["v"].abs().sum() > 0
     torch.manual_seed(0)
-    pool = SerialPool(MLP(hidden=16), 0, 1, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1)
+    pool = SerialPool(MLP(hidden=16), PoolSpec(0, 1, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1))
     fresh = InProcessWorld(1).run(lambda comm: DiLoCo(period=3).bind(comm, pool))[0]
     fresh.load_state_dict(state)
     assert torch.equal(fresh.z, state["z"]) and torch.equal(fresh.v, state["v"])
@@ -194,7 +197,9 @@ def test_resize_averages_over_the_new_learner_count(diloco: bool) -> None:
 
     def body(comm: Communicator) -> tuple[np.ndarray, list[np.ndarray]]:
         torch.manual_seed(0)
-        pool = SerialPool(MLP(hidden=8), comm.rank, comm.size, 8, OptimSection(lr=0.1), torch.device("cpu"))
+        pool = SerialPool(
+            MLP(hidden=8), PoolSpec(comm.rank, comm.size, 8, OptimSection(lr=0.1), torch.device("cpu"))
+        )
         rule = (DiLoCo(period=2) if diloco else LocalSGD(period=2)).bind(comm, pool)
         z0 = pool.learners[0].params.numpy().copy()
         pool.resize(3)
@@ -244,7 +249,7 @@ def test_digits_job_on_four_ranks(mpiexec: str, tmp_path: Path, overrides: tuple
     one machine the node is all 4 ranks).
     """
     from conftest import launcher, only_run, run_mpi
-    from mpicrossbow.metrics import read_metrics
+    from mpicrossbow.training.metrics import read_metrics
 
     args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}", *overrides]
     proc = run_mpi(mpiexec, 4, args, timeout=240)

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from mpicrossbow.cli import agree
 from mpicrossbow.config import load_config
-from mpicrossbow.env import World
 from mpicrossbow.errors import ContractError
-from mpicrossbow.launcher import agree
-from mpicrossbow.model import contract_form, load_model_class
-from mpicrossbow.session import Session
+from mpicrossbow.launch.world import World
+from mpicrossbow.model.contract import contract_form, load_model_class
+from mpicrossbow.training.session import Session
 
 
 def write(tmp_path: Path, text: str) -> str:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mpicrossbow.numa import Binding, RankFacts, bind, plan, prebound, report_table, split_evenly
-from mpicrossbow.topology import (
+from mpicrossbow.launch.binding import Binding, RankFacts, bind, plan, prebound, report_table, split_evenly
+from mpicrossbow.launch.topology import (
     Topology,
     find_lstopo,
     format_cpulist,
@@ -171,7 +171,7 @@ def test_bind_keeps_a_launcher_binding_and_reports_it(caplog: pytest.LogCaptureF
     alone = bind("core", [RankFacts(0, "h", 0, "cpu", mine, mine)], 0, memory=False, topo=topo)
     assert alone.cpus == mine and alone.source == "core" and alone.threads == len(mine)
     two = [RankFacts(0, "h", 0, "cpu", mine, mine), RankFacts(1, "h", 1, "cpu", other, (*mine, *other))]
-    with caplog.at_level("WARNING", logger="mpicrossbow.numa"):
+    with caplog.at_level("WARNING", logger="mpicrossbow.launch.binding"):
         got = bind("core", two, 0, topo=topo)
     assert got.source == "launcher" and got.cpus == mine and got.threads == len(mine)
     assert "already bound" in caplog.text
@@ -227,7 +227,7 @@ def test_live_topology_agrees_with_sysfs_and_warns_without_hwloc(
     assert live.cpus >= frozenset(os.sched_getaffinity(0))
     assert len(live.cores) == len(topology_from_sysfs().cores)
     monkeypatch.setattr("mpicrossbow.topology.find_lstopo", lambda: None)
-    with caplog.at_level("WARNING", logger="mpicrossbow.topology"):
+    with caplog.at_level("WARNING", logger="mpicrossbow.launch.topology"):
         fallback = load_topology()
     assert fallback.source == "sysfs" and "hwloc (lstopo) is not available" in caplog.text
     assert fallback.cores == topology_from_sysfs().cores

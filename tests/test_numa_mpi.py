@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, mpi_env, run_mpi
-from mpicrossbow.numa import MODES
-from mpicrossbow.spawn import mpi_flavor
+from mpicrossbow.launch.binding import MODES
+from mpicrossbow.launch.spawn import mpi_flavor
 
 pytestmark = [pytest.mark.mpi]
-LAUNCH = [sys.executable, "-m", "mpicrossbow.launcher"]
+LAUNCH = [sys.executable, "-m", "mpicrossbow.cli"]
 
 
 def quick(out: Path) -> list[str]:

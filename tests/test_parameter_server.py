@@ -27,11 +27,12 @@ from mpicrossbow.comm.compressed import EXACT_TAIL
 from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
-from mpicrossbow.metrics import read_metrics
 from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import ASGD, BSP, EASGD, GSP, PSGD, SSP, Rule, WeedOut
 from mpicrossbow.rules.grouping import group_by_speed, group_of, read_groups, read_shares
 from mpicrossbow.rules.parameter_server import PUSH_HEADER, REPLY_HEADER
+from mpicrossbow.training.metrics import read_metrics
 
 LR, MOMENTUM = 0.05, 0.9
 Order = Callable[[int, Sequence[int]], int]
@@ -41,13 +42,15 @@ def bn_pool(index: int, count: int) -> SerialPool:
     """A small ResNet-20 (BatchNorm running statistics among its buffers) on the digits."""
     torch.manual_seed(0)
     model = ResNet20(dataset="digits", width=4)
-    return SerialPool(model, index, count, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1)
+    return SerialPool(model, PoolSpec(index, count, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1))
 
 
 def make_pool(index: int, count: int, learners: int = 1) -> SerialPool:
     torch.manual_seed(0)  # the same initial replica everywhere (the server's is broadcast anyway)
     optim = OptimSection(lr=LR, momentum=MOMENTUM)
-    return SerialPool(MLP(hidden=16), index, count, 8, optim, torch.device("cpu"), seed=1, learners=learners)
+    return SerialPool(
+        MLP(hidden=16), PoolSpec(index, count, 8, optim, torch.device("cpu"), seed=1, learners=learners)
+    )
 
 
 def run_server(
@@ -397,7 +400,7 @@ def test_gsp_group_with_unequal_shares_is_refused(tmp_path: Path) -> None:
     groups.write_text("1 2\n")
     shares.write_text("0 0\n0 0.2\n0.2 1\n")
     pools = [make_pool(0, 1)] + [
-        SerialPool(MLP(hidden=16), r - 1, 2, 8, OptimSection(), torch.device("cpu"), span=span)
+        SerialPool(MLP(hidden=16), PoolSpec(r - 1, 2, 8, OptimSection(), torch.device("cpu"), span=span))
         for r, span in ((1, (0.0, 0.2)), (2, (0.2, 1.0)))
     ]
 

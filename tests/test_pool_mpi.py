@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import launcher, only_run, run_mpi
-from mpicrossbow.metrics import read_metrics
+from mpicrossbow.training.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi]
 

@@ -6,8 +6,8 @@ import re
 
 from conftest import REPO
 from mpicrossbow.config import SECTIONS
+from mpicrossbow.config.fields import describe_fields
 from mpicrossbow.rules import RULES
-from mpicrossbow.validate import describe_fields
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
 

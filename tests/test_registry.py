@@ -14,7 +14,7 @@ from mpicrossbow.rules import BSP, RULES
 USER_RULE = """
 from dataclasses import dataclass
 from mpicrossbow import Rule
-from mpicrossbow.validate import setting
+from mpicrossbow.config.fields import setting
 
 class Halve(Rule):
     @dataclass(frozen=True)

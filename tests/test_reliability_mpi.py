@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO, launcher, mpi_env, only_run, run_mpi
-from mpicrossbow.checkpoint import complete_checkpoints
+from mpicrossbow.training.checkpoint import complete_checkpoints
 
 pytestmark = [pytest.mark.mpi]
 

@@ -22,6 +22,7 @@ from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import EASGD, SMA, Rule
 
 STEPS = 9
@@ -38,7 +39,9 @@ def run(
     for r in range(size):
         torch.manual_seed(r)
         pools.append(
-            SerialPool(MLP(hidden=16), r, size, 8, optim, torch.device("cpu"), seed=1, learners=learners)
+            SerialPool(
+                MLP(hidden=16), PoolSpec(r, size, 8, optim, torch.device("cpu"), seed=1, learners=learners)
+            )
         )
     grads: list[list[np.ndarray]] = [[] for _ in range(size * learners)]
     rules: list[Rule] = [None] * size  # type: ignore[list-item]
@@ -127,7 +130,9 @@ def test_easgd_sync_equals_numpy(size: int, learners: int, eamsgd: bool) -> None
 def test_easgd_centre_moves_by_alpha_sum_of_differences() -> None:
     def body(comm: Communicator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         torch.manual_seed(0)
-        pool = SerialPool(MLP(hidden=8), comm.rank, comm.size, 8, OptimSection(lr=0.1), torch.device("cpu"))
+        pool = SerialPool(
+            MLP(hidden=8), PoolSpec(comm.rank, comm.size, 8, OptimSection(lr=0.1), torch.device("cpu"))
+        )
         rule = EASGD(alpha=0.2, tau=1).bind(comm, pool)
         pool.learners[0].params.add_(float(comm.rank + 1))  # x_i − x~ = rank + 1 everywhere
         before = rule.centre.numpy().copy()
@@ -177,7 +182,7 @@ def test_synchronous_rules_validate_one_model_with_the_mean_batchnorm_statistics
     for r in range(2):
         torch.manual_seed(0)
         model = ResNet20(dataset="digits", width=4)
-        pools.append(SerialPool(model, r, 2, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1))
+        pools.append(SerialPool(model, PoolSpec(r, 2, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1)))
 
     def body(comm: Communicator) -> tuple[torch.Tensor, torch.Tensor]:
         pool = pools[comm.rank]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mpicrossbow.config import OptimSection
-from mpicrossbow.schedule import lr_at
+from mpicrossbow.training.schedule import lr_at
 
 
 def test_constant_by_default() -> None:

@@ -15,7 +15,7 @@ import pytest
 from slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
 
 from conftest import REPO, mpi_env
-from mpicrossbow.metrics import read_metrics
+from mpicrossbow.training.metrics import read_metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 TEMPLATES = REPO / "launch" / "slurm"

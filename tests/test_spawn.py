@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, mpi_env
-from mpicrossbow.devices import parse_devices
-from mpicrossbow.env import OVERSUBSCRIBED_SETTINGS, detect_launcher, tune_for_oversubscription
 from mpicrossbow.errors import UsageError
-from mpicrossbow.spawn import (
+from mpicrossbow.launch.devices import parse_devices
+from mpicrossbow.launch.spawn import (
     default_ranks,
     expand_devices,
     in_slurm_allocation,
@@ -20,6 +19,7 @@ from mpicrossbow.spawn import (
     spawn_command,
     srun_command,
 )
+from mpicrossbow.launch.world import OVERSUBSCRIBED_SETTINGS, detect_launcher, tune_for_oversubscription
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def test_detect_launcher(environ: dict[str, str], expected: str | None) -> None:
 
 def test_spawn_command_one_rank_per_device() -> None:
     cmd = spawn_command("/x/mpiexec", "mpich", parse_devices("cpu0,cpu1,cpu2"), ["-cfg", "a.cfg"])
-    assert cmd == ["/x/mpiexec", "-n", "3", sys.executable, "-m", "mpicrossbow.launcher", "-cfg", "a.cfg"]
+    assert cmd == ["/x/mpiexec", "-n", "3", sys.executable, "-m", "mpicrossbow.cli", "-cfg", "a.cfg"]
 
 
 def test_spawn_command_hosts() -> None:
@@ -76,7 +76,7 @@ def test_devices_cpu_fits_any_world_size(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 # Golden command lines (what crossbow-launch runs when started alone), as DeepSpeed's launcher tests do.
-PY = [sys.executable, "-m", "mpicrossbow.launcher", "-cfg", "s.cfg"]
+PY = [sys.executable, "-m", "mpicrossbow.cli", "-cfg", "s.cfg"]
 
 
 @pytest.mark.parametrize(
@@ -172,7 +172,7 @@ def test_bad_hostfile_exits_2_with_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.hosts"
     bad.write_text("node-a slots=x\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "mpicrossbow.launcher", "-cfg", "launch/digits.cfg", "-hostfile", str(bad)],
+        [sys.executable, "-m", "mpicrossbow.cli", "-cfg", "launch/digits.cfg", "-hostfile", str(bad)],
         cwd=REPO,
         env=mpi_env(),
         capture_output=True,

@@ -10,6 +10,7 @@ from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.engines import ENGINES
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.pool.streams import StreamsPool
 
 OPTIM = OptimSection(lr=0.05, momentum=0.9)
@@ -17,7 +18,7 @@ OPTIM = OptimSection(lr=0.05, momentum=0.9)
 
 def test_streams_without_cuda_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"engine = streams needs a CUDA device.*this rank has cpu"):
-        StreamsPool(LeNet(), 0, 1, 8, OPTIM, torch.device("cpu"), learners=2)
+        StreamsPool(LeNet(), PoolSpec(0, 1, 8, OPTIM, torch.device("cpu"), learners=2))
 
 
 def test_engine_registry_lists_the_valid_names() -> None:

@@ -1,9 +1,9 @@
-"""Learner pools: the replicas one rank trains (serial and fused engines; Theano-MPI-form adapter)."""
+"""Learner pools: the replicas one rank trains, built by an engine (serial, fused, streams) from a spec."""
 
 from .base import LearnerPool
 from .fused import FusedLearner, FusedPool
 from .learner import Learner
 from .serial import SerialPool
-from .theano import Recorder, TheanoPool
+from .spec import PoolSpec
 
-__all__ = ["FusedLearner", "FusedPool", "Learner", "LearnerPool", "Recorder", "SerialPool", "TheanoPool"]
+__all__ = ["FusedLearner", "FusedPool", "Learner", "LearnerPool", "PoolSpec", "SerialPool"]

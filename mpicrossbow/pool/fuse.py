@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ContractError
-from ..residual import Residual
+from ..model.residual import Residual
 
 
 def grouped(x: torch.Tensor, m: int) -> torch.Tensor:

@@ -47,14 +47,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import OptimSection
 from ..errors import CheckpointError, ContractError, DataError
-from ..model import TorchModel
+from ..model.contract import TorchModel
 from .base import LearnerPool
 from .flat import empty_flat, point_into
 from .fuse import FlatSlots, FusedNetwork
 from .learner import evaluate
 from .serial import learner_data
+from .spec import PoolSpec
 
 log = logging.getLogger(__name__)
 
@@ -89,50 +89,46 @@ def _empty_rows(m: int, numel: int, like: torch.Tensor) -> torch.Tensor:
     return empty_flat(m * numel, like.device, like.dtype).view(m, numel)
 
 
+def _replica_tensors(
+    replicas: list[nn.Module], owner: str
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Each replica's parameters and float buffers, checked fusable: all trainable, one dtype, same shapes."""
+    param_lists, buffer_lists = [], []
+    for replica in replicas:
+        frozen = [n for n, p in replica.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise ContractError(f"{owner}: the fused engine does not support frozen parameters: {frozen}")
+        param_lists.append(list(replica.parameters()))
+        buffer_lists.append([b for b in replica.buffers() if b.is_floating_point()])
+    first_params, first_buffers = param_lists[0], buffer_lists[0]
+    if not first_params:
+        raise ContractError(f"{owner}.module() returned a network with no trainable parameters")
+    if len({p.dtype for p in first_params} | {b.dtype for b in first_buffers}) > 1:
+        raise ContractError(f"{owner}: all parameters and float buffers must share one dtype")
+    pairs = zip(param_lists, buffer_lists, strict=True)
+    shapes = [([p.shape for p in ps], [b.shape for b in bs]) for ps, bs in pairs]
+    if any(s != shapes[0] for s in shapes):
+        raise ContractError(f"{owner}.module() returned replicas of different shapes")
+    return param_lists, buffer_lists
+
+
 class FusedPool(LearnerPool):
     """Learners of a torch-native model fused into one network; learner j of rank r reads shard r·m + j."""
 
     learners: list[FusedLearner]  # type: ignore[assignment]
 
-    def __init__(
-        self,
-        model: Any,
-        rank: int,
-        size: int,
-        batch_size: int,
-        optim: OptimSection,
-        device: torch.device,
-        seed: int = 0,
-        learners: int = 1,
-        span: tuple[float, float] | None = None,
-    ) -> None:
+    def __init__(self, model: Any, spec: PoolSpec) -> None:
         owner = type(model).__name__
+        learners, device = spec.learners, spec.device
         if learners < 1:
             raise ValueError(f"learners must be >= 1, got {learners}")
-        self.model, self.device, self.m = model, device, learners
-        self.rank, self.size, self.batch_size, self.optim, self.seed = rank, size, batch_size, optim, seed
-        self.span = span
+        self.model, self.spec, self.device, self.m = model, spec, device, learners
         replicas = [model.module().to(device) for _ in range(learners)]
-        self.datas, self._n_batch_train = learner_data(model, rank, size, batch_size, seed, learners, span)
+        self.datas, self._n_batch_train = learner_data(model, spec)
         self._iters: list[Iterator[Any]] = []
 
-        param_lists, buffer_lists = [], []
-        for replica in replicas:
-            frozen = [n for n, p in replica.named_parameters() if not p.requires_grad]
-            if frozen:
-                raise ContractError(f"{owner}: the fused engine does not support frozen parameters: {frozen}")
-            param_lists.append(list(replica.parameters()))
-            buffer_lists.append([b for b in replica.buffers() if b.is_floating_point()])
+        param_lists, buffer_lists = _replica_tensors(replicas, owner)
         first_params, first_buffers = param_lists[0], buffer_lists[0]
-        if not first_params:
-            raise ContractError(f"{owner}.module() returned a network with no trainable parameters")
-        if len({p.dtype for p in first_params} | {b.dtype for b in first_buffers}) > 1:
-            raise ContractError(f"{owner}: all parameters and float buffers must share one dtype")
-        pairs = zip(param_lists, buffer_lists, strict=True)
-        shapes = [([p.shape for p in ps], [b.shape for b in bs]) for ps, bs in pairs]
-        if any(s != shapes[0] for s in shapes):
-            raise ContractError(f"{owner}.module() returned replicas of different shapes")
-
         n_params = sum(p.numel() for p in first_params)
         n_buffers = sum(b.numel() for b in first_buffers)
         self.params2d = _empty_rows(learners, n_params, first_params[0])
@@ -167,9 +163,9 @@ class FusedPool(LearnerPool):
             # parameter, so a step is a handful of ops on one contiguous tensor (see the module docstring).
             flat = nn.Parameter(self.params2d)
             flat.grad = self.grads2d
-            self.optimizer = model.optimizer([flat], optim)
+            self.optimizer = model.optimizer([flat], spec.optim)
         else:
-            self.optimizer = model.optimizer(self.fused_params, optim)
+            self.optimizer = model.optimizer(self.fused_params, spec.optim)
         self._default_loss = getattr(type(model), "loss", None) is TorchModel.loss
         self._default_correct = getattr(type(model), "correct", None) is TorchModel.correct
         self._loss_sums = torch.zeros(learners, dtype=torch.float64, device=device)
@@ -313,17 +309,7 @@ class FusedPool(LearnerPool):
         """
         old_m, old_params, old_buffers = self.m, self.params2d.clone(), self.buffers2d.clone()
         old_state = self.optimizer.state_dict()["state"]
-        fresh = FusedPool(
-            self.model,
-            self.rank,
-            self.size,
-            self.batch_size,
-            self.optim,
-            self.device,
-            self.seed,
-            learners,
-            self.span,
-        )
+        fresh = FusedPool(self.model, self.spec.resized(learners))
         rows = [j if j < old_m else 0 for j in range(learners)]
         fresh.params2d.copy_(old_params[rows])
         fresh.buffers2d.copy_(old_buffers[rows])

@@ -8,23 +8,15 @@ from typing import Any
 
 import torch
 
-from ..config import OptimSection
 from ..errors import CheckpointError, DataError
-from ..model import check_data
-from ..shard import Shard
+from ..model.contract import check_data
+from ..model.shard import Shard
 from .base import LearnerPool
 from .learner import Learner
+from .spec import PoolSpec
 
 
-def learner_data(
-    model: Any,
-    rank: int,
-    size: int,
-    batch_size: int,
-    seed: int,
-    learners: int,
-    span: tuple[float, float] | None = None,
-) -> tuple[list[Any], int]:
+def learner_data(model: Any, spec: PoolSpec) -> tuple[list[Any], int]:
     """(DataClass per learner, steps per epoch): learner j of rank r reads shard ``r·m + j`` of ``size·m``.
 
     So no two learners share a batch; the smallest shard sets the steps per epoch. Every engine loads its
@@ -32,21 +24,23 @@ def learner_data(
     ``span`` (the rank's fraction of the training set, see :class:`~mpicrossbow.shard.Shard`) learner j
     reads the j-th of m equal parts of that span instead.
     """
-    owner = type(model).__name__
+    owner, learners, span, batch_size = type(model).__name__, spec.learners, spec.span, spec.batch_size
     datas = []
     for j in range(learners):
         part = None
         if span is not None:
             width = (span[1] - span[0]) / learners
             part = (span[0] + j * width, span[1] if j == learners - 1 else span[0] + (j + 1) * width)
-        data = model.data(Shard(rank * learners + j, size * learners, batch_size, seed, span=part))
+        data = model.data(
+            Shard(spec.rank * learners + j, spec.size * learners, batch_size, spec.seed, span=part)
+        )
         check_data(data, owner, torch_form=True)
         datas.append(data)
     steps = min(d.n_batch_train for d in datas)
     if steps == 0:
         raise DataError(
             f"{owner}: a learner's training shard holds less than one batch of {batch_size} "
-            f"({size} rank(s) × {learners} learner(s) share the data)"
+            f"({spec.size} rank(s) × {learners} learner(s) share the data)"
         )
     return datas, steps
 
@@ -54,29 +48,17 @@ def learner_data(
 class SerialPool(LearnerPool):
     """Learners of a torch-native model; learner j of rank r reads shard ``r * m + j`` of ``size * m``."""
 
-    def __init__(
-        self,
-        model: Any,
-        rank: int,
-        size: int,
-        batch_size: int,
-        optim: OptimSection,
-        device: torch.device,
-        seed: int = 0,
-        learners: int = 1,
-        span: tuple[float, float] | None = None,
-    ) -> None:
-        self.model, self.rank, self.size, self.batch_size, self.span = model, rank, size, batch_size, span
-        self.optim, self.device, self.seed = optim, device, seed
-        self.learners = [Learner(model.module(), model, optim, device) for _ in range(learners)]
+    def __init__(self, model: Any, spec: PoolSpec) -> None:
+        self.model, self.spec = model, spec
+        self.learners = [
+            Learner(model.module(), model, spec.optim, spec.device) for _ in range(spec.learners)
+        ]
         self._load_data()
         self._iters: list[Iterator[Any]] = []
 
     def _load_data(self) -> None:
         """Every learner's shard (see :func:`learner_data`)."""
-        self.datas, self._n_batch_train = learner_data(
-            self.model, self.rank, self.size, self.batch_size, self.seed, len(self.learners), self.span
-        )
+        self.datas, self._n_batch_train = learner_data(self.model, self.spec)
 
     def resize(self, learners: int) -> None:
         """Keep the first ``learners`` replicas, or add copies of learner 0; reshard the data.
@@ -91,13 +73,14 @@ class SerialPool(LearnerPool):
         while len(self.learners) > learners:
             self.learners.pop()
         while len(self.learners) < learners:
-            learner = Learner(self.model.module(), self.model, self.optim, self.device)
+            learner = Learner(self.model.module(), self.model, self.spec.optim, self.spec.device)
             learner.params.copy_(first.params)
             learner.buffers.copy_(first.buffers)
             # A deep copy: load_state_dict keeps the very tensors it is given, and a momentum buffer
             # shared with learner 0 would be stepped twice per step.
             learner.optimizer.load_state_dict(copy.deepcopy(first.optimizer.state_dict()))
             self.learners.append(learner)
+        self.spec = self.spec.resized(learners)
         self._load_data()
         self._iters = []
 

@@ -20,32 +20,21 @@ from typing import Any
 
 import torch
 
-from ..config import OptimSection
 from ..errors import ConfigError, DataError
 from .serial import SerialPool
+from .spec import PoolSpec
 
 
 class StreamsPool(SerialPool):
     """SerialPool's learners and data, with every learner's forward and backward on its own CUDA stream."""
 
-    def __init__(
-        self,
-        model: Any,
-        rank: int,
-        size: int,
-        batch_size: int,
-        optim: OptimSection,
-        device: torch.device,
-        seed: int = 0,
-        learners: int = 1,
-        span: tuple[float, float] | None = None,
-    ) -> None:
-        if device.type != "cuda" or not torch.cuda.is_available():
+    def __init__(self, model: Any, spec: PoolSpec) -> None:
+        if spec.device.type != "cuda" or not torch.cuda.is_available():
             raise ConfigError(
-                f"[pool] engine = streams needs a CUDA device (DEVICES=cudaN), this rank has {device}; "
+                f"[pool] engine = streams needs a CUDA device (DEVICES=cudaN), this rank has {spec.device}; "
                 "use engine = serial or fused"
             )
-        super().__init__(model, rank, size, batch_size, optim, device, seed, learners, span)
+        super().__init__(model, spec)
         self._make_streams()
 
     def _make_streams(self) -> None:

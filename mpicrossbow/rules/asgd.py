@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..validate import setting
+from ..config.fields import setting
 from .parameter_server import ServerRule
 from .registry import RULES
 

@@ -11,7 +11,6 @@
 * Asynchronous rules set ``synchronous = False``: the session then runs no collective until ``finish()``
   (ranks progress at their own pace; rank 0 validates locally). A rule may keep a rank out of training
   (``trains``) and give it a ``serve()`` loop instead, e.g. a parameter server.
-* ``init(...)`` / ``wait()``: Theano-MPI's facade, written once here.
 
 A rule sees only the Communicator and the pool's flat buffers — never files, streams or config text.
 """
@@ -25,10 +24,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..comm.base import Communicator
-from ..validate import build
+from ..config.fields import build
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..job import Job, RunResult
     from ..pool.base import LearnerPool
 
 
@@ -68,7 +67,6 @@ class Rule:
         self.hyper = build(self.Config, hyper, "rule")
         self.comm: Communicator | None = None
         self.pool: LearnerPool | None = None
-        self._job: Job | None = None
 
     # ----------------------------------------------------------------- binding
     def bind(self, comm: Communicator, pool: LearnerPool) -> Rule:
@@ -108,8 +106,6 @@ class Rule:
         New learners are copies of learner 0. Rules without per-learner state override this with nothing
         to do; the default refuses, so a user rule is never resized without its consent.
         """
-        from ..errors import ConfigError
-
         raise ConfigError(f"RULE={self.name} does not support [pool] learners = auto; set a number")
 
     def on_lr_change(self, old: float, new: float) -> None:
@@ -174,30 +170,3 @@ class Rule:
         mean = (total / count).to(flats[0].dtype)
         for flat in flats:
             flat.copy_(mean)
-
-    # ----------------------------------------------------- Theano-MPI facade
-    def init(
-        self,
-        devices: list[str] | str,
-        modelfile: str,
-        modelclass: str,
-        cfg: str | None = None,
-        **sections: Mapping[str, Any],
-    ) -> Rule:
-        """Start training: ``rule.init(devices=['cpu0', 'cpu1'], modelfile=..., modelclass=...)``.
-
-        ``sections`` hold cfg sections as dicts (``session={'epochs': 3}, optim={'lr': 0.05}``), on top of
-        ``cfg`` if given. Inside an MPI job this joins the running world and prepares the session; run from
-        plain Python it starts an MPI job with one rank per device. Returns at once; see :meth:`wait`.
-        """
-        from ..job import start_job
-
-        self._job = start_job(self, devices, modelfile, modelclass, cfg, sections)
-        return self
-
-    def wait(self) -> RunResult:
-        """Block until the job started by :meth:`init` ends; return its result or raise its failure."""
-        if self._job is None:
-            raise RuntimeError("call rule.init(...) before rule.wait()")
-        job, self._job = self._job, None
-        return job.wait()

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from ..config.fields import setting
 from ..errors import ConfigError
-from ..validate import setting
 from .base import Rule
 from .grad_buckets import GradBuckets, contiguous
 from .registry import RULES

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..validate import setting
+from ..config.fields import setting
 from .base import Rule
 from .registry import RULES
 

@@ -33,8 +33,8 @@ from typing import Any, Literal
 
 import torch
 
+from ..config.fields import setting
 from ..errors import ConfigError
-from ..validate import setting
 from .base import Rule
 from .elastic_server import ElasticServer, ElasticWorker, Order
 from .registry import RULES

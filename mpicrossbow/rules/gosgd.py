@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ..comm.base import Handle
-from ..validate import setting
+from ..config.fields import setting
 from .base import Rule
 from .registry import RULES
 

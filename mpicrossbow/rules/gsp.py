@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator, ReduceOp
+from ..config.fields import setting
 from ..errors import ConfigError
-from ..validate import setting
 from .grouping import group_by_speed, group_of, read_groups, read_shares
 from .parameter_server import UPDATE, ParameterServer, Policy, ServerRule
 from .registry import RULES

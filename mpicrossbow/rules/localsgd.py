@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator
+from ..config.fields import setting
 from ..errors import ConfigError
-from ..validate import setting
 from .base import Rule
 from .registry import RULES
 

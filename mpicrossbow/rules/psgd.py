@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..validate import setting
+from ..config.fields import setting
 from .parameter_server import ParameterServer, Policy, ServerRule
 from .registry import RULES
 

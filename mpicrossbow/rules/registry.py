@@ -1,9 +1,21 @@
-"""The rule registry: ``RULE=BSP`` or ``RULE=mypkg.rules:MyRule``."""
+"""The rule registry: ``RULE=BSP`` or ``RULE=mypkg.rules:MyRule``, and the one place ``[rule]`` is checked."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from ..registry import Registry
 from .base import Rule
 
 #: Every built-in rule registers here; unknown names get an error listing these.
 RULES: Registry[Rule] = Registry("rule", Rule)
+
+
+def build_rule(name: str, params: Mapping[str, Any]) -> Rule:
+    """The rule ``RULE=name`` names, built from the ``[rule]`` keys (strings or typed values).
+
+    Its ``Config`` dataclass validates them: an unknown key, a bad value or an unknown rule name is one
+    ConfigError naming the key (or listing the valid names).
+    """
+    return RULES.get(name)(**params)

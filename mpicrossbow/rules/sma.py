@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..comm.base import Handle
-from ..validate import setting
+from ..config.fields import setting
 from .base import Rule
 from .registry import RULES
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..validate import setting
+from ..config.fields import setting
 from .parameter_server import ServerRule, StalenessBound
 from .registry import RULES
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from mpicrossbow.env import detect_world
+from mpicrossbow.launch.binding import bind, gather_facts, report, set_affinity_all_threads
+from mpicrossbow.launch.topology import parse_cpulist
+from mpicrossbow.launch.world import detect_world
 from mpicrossbow.log import setup_logging
-from mpicrossbow.numa import bind, gather_facts, report, set_affinity_all_threads
-from mpicrossbow.topology import parse_cpulist
 
 out, modes = Path(sys.argv[1]), sys.argv[2].split(",")
 world = detect_world()

@@ -20,6 +20,7 @@ from models.mlp import MLP
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP
 
 STEPS, BATCH = 6, 8
@@ -33,7 +34,9 @@ rank, size = comm.rank, comm.size
 
 def pool_for(r: int, learners: int) -> SerialPool:
     torch.manual_seed(r + 100)  # different initial replicas: bind() must broadcast rank 0's
-    return SerialPool(MLP(hidden=32), r, size, BATCH, OPTIM, torch.device("cpu"), seed=5, learners=learners)
+    return SerialPool(
+        MLP(hidden=32), PoolSpec(r, size, BATCH, OPTIM, torch.device("cpu"), seed=5, learners=learners)
+    )
 
 
 def train(learners: int, bucket_mb: float) -> list[np.ndarray]:

@@ -22,6 +22,7 @@ from models.mlp import MLP
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import GOSGD
 
 torch.set_num_threads(1)
@@ -32,7 +33,9 @@ results = comm.mpi.gather(result, root=0)
 if comm.rank == 0:
     check_against_numpy(results)
 
-pool = SerialPool(MLP(hidden=16), comm.rank, comm.size, 8, OptimSection(lr=0.05), torch.device("cpu"), seed=1)
+pool = SerialPool(
+    MLP(hidden=16), PoolSpec(comm.rank, comm.size, 8, OptimSection(lr=0.05), torch.device("cpu"), seed=1)
+)
 rule = GOSGD(p=0.3, seed=11).bind(comm, pool)
 pool.start_epoch(0)
 for step in range(25 + 5 * comm.rank):

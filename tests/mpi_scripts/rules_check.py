@@ -20,6 +20,7 @@ from models.mlp import MLP
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import EASGD, SMA
 
 world = MPI.COMM_WORLD
@@ -33,7 +34,7 @@ CASES = {
 for name, (make_rule, nesterov) in CASES.items():
     torch.manual_seed(world.rank)
     optim = OptimSection(lr=LR, momentum=MOMENTUM, nesterov=nesterov)
-    pool = SerialPool(MLP(hidden=16), world.rank, size, 8, optim, torch.device("cpu"), seed=1)
+    pool = SerialPool(MLP(hidden=16), PoolSpec(world.rank, size, 8, optim, torch.device("cpu"), seed=1))
     rule = make_rule().bind(comm, pool)
     start = pool.learners[0].params.numpy().copy()
     grads = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 
-from .config import OptimSection
+from ..config import OptimSection
 
 
 def lr_at(optim: OptimSection, epoch: float) -> float:

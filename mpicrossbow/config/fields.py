@@ -17,7 +17,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, Union
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 T = TypeVar("T")
 

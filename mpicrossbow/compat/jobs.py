@@ -1,10 +1,10 @@
-"""The job behind ``rule.init(...)`` / ``rule.wait()`` (Theano-MPI's facade).
+"""The jobs behind ``rule.init(...)`` / ``rule.wait()`` (Theano-MPI's facade, :mod:`.facade`).
 
-Inside an MPI job (``mpiexec -n 2 python train.py``) ``init`` joins the running world: it builds this rank's
+Inside an MPI job (``mpiexec -n 2 python train.py``) ``init`` joins the running world: it prepares this rank's
 session, agreeing on bad input like ``crossbow-launch`` does, and ``wait`` trains and returns the
-:class:`~mpicrossbow.session.RunResult`. From a plain Python process ``init`` writes the resolved cfg into
-the output folder and starts ``crossbow-launch`` under MPI with one rank per device; ``wait`` blocks until
-it ends and raises :class:`JobFailed` with its exit status if it failed.
+:class:`~mpicrossbow.training.result.RunResult`. From a plain Python process ``init`` writes the resolved cfg
+into the output folder and starts ``crossbow-launch`` under MPI with one rank per device; ``wait`` blocks
+until it ends and raises :class:`JobFailed` with its exit status if it failed.
 """
 
 from __future__ import annotations
@@ -18,20 +18,16 @@ import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .config import TOP, Config, load_config
-from .env import detect_launcher, detect_world
-from .errors import UsageError
-from .log import setup_logging
-
-if TYPE_CHECKING:
-    from .rules.base import Rule
-    from .session import RunResult, Session
-
-
-#: How crossbow-launch starts the one line that names a failure (see launcher._say).
-ERROR_PREFIX = "crossbow-launch: error: "
+from ..config import TOP, Config, load_config
+from ..errors import UsageError
+from ..launch.failure import ERROR_PREFIX, abort
+from ..launch.world import detect_launcher
+from ..rules.base import Rule
+from ..rules.registry import RULES
+from ..training.result import RunResult
+from ..training.runner import prepare_session, train
 
 
 class JobFailed(RuntimeError):
@@ -51,29 +47,20 @@ class Job:
 
 
 class InWorldJob(Job):
-    """This process is already a rank: the session is prepared now and trained by ``wait``."""
+    """This process is already a rank: the session is prepared and connected now, trained by ``wait``."""
 
     def __init__(self, config: Config, rule: Rule) -> None:
-        from .launcher import agree, bind_and_prepare
-        from .session import Session
-
-        self.world = detect_world()
-        setup_logging(self.world.rank, self.world.size)
-        self.session: Session = Session(config, self.world, rule)
-        if bind_and_prepare(self.world, self.session) or agree(self.world, self.session.check_consistency):
+        self.world, self.session, code = prepare_session(config, rule)
+        if code:
             raise UsageError("the session could not be prepared (see the error above)")
-        self.session.prepare_collective()
+        try:
+            self.session.prepare_collective()
+        except BaseException as exc:
+            abort(self.world, exc, self.session.run_dir)
 
     def wait(self) -> RunResult:
         """Train to the end; any exception aborts the whole job, as under crossbow-launch."""
-        from .launcher import abort
-
-        try:
-            result = self.session.run()
-            self.session.close()
-        except BaseException as exc:
-            abort(self.world, exc, self.session.run_dir)
-        return result
+        return train(self.world, self.session)
 
 
 class SpawnedJob(Job):
@@ -95,7 +82,7 @@ class SpawnedJob(Job):
         self.cfg_path = Path(f.name)
         self.errors: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mpicrossbow.launcher", "-cfg", str(self.cfg_path)],
+            [sys.executable, "-m", "mpicrossbow.cli", "-cfg", str(self.cfg_path)],
             stderr=subprocess.PIPE,
             text=True,
             errors="replace",
@@ -154,11 +141,10 @@ def start_job(
     sections: Mapping[str, Mapping[str, Any]],
 ) -> Job:
     """Resolve the session for ``rule`` and start it in this world or as a new MPI job."""
-    from .rules import RULES
-
     name = type(rule).name
+    plain = vars(type(rule)).get("facade_of", type(rule))  # the built-in rule behind mpicrossbow.BSP & co.
     try:
-        registered = RULES.get(name) is type(rule)
+        registered = RULES.get(name) is plain
     except UsageError:
         registered = False
     if not registered:

@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..errors import UsageError
 from .devices import DeviceSpec, any_size
-from .errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def spawn_command(
         cmd += ["--host", spec] if flavor == "openmpi" else ["-hosts", spec]
     if flavor == "openmpi" and bind != "none":
         cmd += ["--bind-to", "none"]
-    return [*cmd, sys.executable, "-m", "mpicrossbow.launcher", *args]
+    return [*cmd, sys.executable, "-m", "mpicrossbow.cli", *args]
 
 
 def srun_command(
@@ -151,7 +151,7 @@ def srun_command(
         cmd += [f"--ntasks-per-node={per_node.pop()}"]
     if bind != "none":
         cmd += ["--cpu-bind=none"]
-    return [*cmd, sys.executable, "-m", "mpicrossbow.launcher", *args]
+    return [*cmd, sys.executable, "-m", "mpicrossbow.cli", *args]
 
 
 def spawn_env(flavor: str, ranks: int) -> dict[str, str]:

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ContractError
-from ..model import check_data
-from .base import LearnerPool
-from .flat import flatten_into_buffer
+from ..model.contract import check_data
+from ..pool.base import LearnerPool
+from ..pool.flat import flatten_into_buffer
 
 
 class Recorder:

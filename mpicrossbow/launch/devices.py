@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _ENTRY = re.compile(r"^(cuda|cpu)(\d*)$")
 

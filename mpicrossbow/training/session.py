@@ -22,24 +22,24 @@ from typing import Any
 
 import torch
 
+from ..comm import make_communicator
+from ..comm.base import Communicator, ReduceOp
+from ..config import Config
+from ..config.fields import call_kwargs
+from ..errors import CheckpointError, ConfigError, ContractError
+from ..launch.binding import Binding
+from ..launch.devices import device_for_rank
+from ..launch.world import World
+from ..model.contract import contract_form, load_model_class
+from ..model.shard import Shard
+from ..pool import LearnerPool, TheanoPool
+from ..pool.engines import ENGINES
+from ..rules import RULES, Rule
 from .autotune import AutoTuner
 from .checkpoint import Checkpointer, find_resume, load_rank_state
-from .comm import make_communicator
-from .comm.base import Communicator, ReduceOp
-from .config import Config
-from .devices import device_for_rank
-from .env import World
-from .errors import CheckpointError, ConfigError, ContractError
 from .faults import FaultInjector
 from .metrics import MetricsWriter
-from .model import contract_form, load_model_class
-from .numa import Binding
-from .pool import LearnerPool, TheanoPool
-from .pool.engines import ENGINES
-from .rules import RULES, Rule
 from .schedule import lr_at
-from .shard import Shard
-from .validate import call_kwargs
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -353,7 +353,7 @@ class Session:
 
     def _abort_stalled(self, message: str) -> None:
         """The watchdog's abort: one line naming this rank, then MPI_Abort (from the watchdog thread)."""
-        from .launcher import abort
+        from ..cli import abort
 
         abort(self.world, RuntimeError(message), self.run_dir)
 

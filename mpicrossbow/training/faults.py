@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from .config import FaultSection
+from ..config import FaultSection
 
 log = logging.getLogger(__name__)
 

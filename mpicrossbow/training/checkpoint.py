@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

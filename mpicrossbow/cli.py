@@ -1,0 +1,135 @@
+"""``crossbow-launch``: parse the command line and the cfg, then start the MPI job (run alone) or train
+this rank (run under ``mpiexec``/``srun``).
+
+The path to ``mpiexec`` imports nothing heavy (no torch, no MPI library): a rank imports those itself. The
+failure protocol every rank follows is :mod:`mpicrossbow.launch.failure`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from .config import Config, load_config
+from .errors import USAGE_EXIT_CODE, UsageError
+from .launch.binding import MODES
+from .launch.failure import say
+from .launch.world import detect_launcher, launcher_rank
+from .log import setup_logging
+
+log = logging.getLogger("mpicrossbow.cli")  # also when run as __main__
+
+EPILOG = """\
+overrides: section.key=value sets a key of a section, KEY=value a bare key, e.g.
+  crossbow-launch -cfg session.cfg optim.lr=0.05 session.epochs=3 RULE=BSP
+Run under mpirun/mpiexec/srun, every rank trains; run alone, it starts one rank per DEVICES entry."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface (Theano-MPI's ``-cfg`` spelling, ``--cfg`` and ``-cfg=FILE`` too)."""
+    parser = argparse.ArgumentParser(
+        prog="crossbow-launch",
+        description="Train a model with an mpicrossbow session.cfg.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-cfg", "--cfg", required=True, metavar="FILE", help="the session.cfg to run")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="cfg overrides")
+    parser.add_argument(
+        "-np",
+        "--np",
+        type=int,
+        metavar="N",
+        help="ranks to start when run without an MPI launcher (default: one per DEVICES entry; "
+        "for DEVICES=cpu one per usable core)",
+    )
+    parser.add_argument(
+        "-resume",
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="PATH",
+        help="resume from the newest checkpoint of this cfg's runs, or from PATH (a checkpoint or run "
+        "folder): the same as checkpoint.resume=...",
+    )
+    parser.add_argument(
+        "-bind",
+        "--bind",
+        choices=MODES,
+        metavar="MODE",
+        help="core binding per rank: none, core, numa, socket or gpu (same as numa.bind=MODE)",
+    )
+    parser.add_argument(
+        "-hostfile",
+        "--hostfile",
+        metavar="FILE",
+        help="hosts to start ranks on when run without an MPI launcher ('host slots=N' or 'host:N' lines)",
+    )
+    parser.add_argument(
+        "-launcher",
+        "--launcher",
+        choices=("auto", "mpiexec", "srun"),
+        default="auto",
+        help="how to start the job when run alone (auto: srun inside a Slurm allocation, else mpiexec)",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved cfg and exit")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``crossbow-launch``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    overrides = [*args.overrides, *([f"checkpoint.resume={args.resume}"] if args.resume else [])]
+    if args.bind is not None:
+        overrides.append(f"numa.bind={args.bind}")
+    try:
+        config = load_config(args.cfg, overrides)
+    except UsageError as exc:  # every rank reads the same cfg and fails alike: rank 0 speaks for all
+        if detect_launcher() is None or launcher_rank() in (0, None):
+            say(str(exc))
+        return USAGE_EXIT_CODE
+    if args.np is not None and args.np < 1:
+        say(f"-np must be at least 1, got {args.np}")
+        return USAGE_EXIT_CODE
+    if args.print_config:
+        try:
+            sys.stdout.write(resolved(config).to_ini())
+        except UsageError as exc:
+            say(str(exc))
+            return USAGE_EXIT_CODE
+        return 0
+    if detect_launcher() is None:
+        from .launch.spawn import spawn
+
+        try:
+            return spawn(
+                config.devices,
+                ["-cfg", args.cfg, *overrides],
+                args.np,
+                hostfile=args.hostfile,
+                bind=config.numa.bind,
+                launcher=args.launcher,
+            )
+        except UsageError as exc:
+            say(str(exc))
+            return USAGE_EXIT_CODE
+    if args.hostfile and launcher_rank() in (0, None):
+        log.warning("-hostfile is used only when crossbow-launch starts the job itself; ignored under MPI")
+    from .training.runner import run_rank  # ranks import torch; the path to mpiexec does not
+
+    return run_rank(config)
+
+
+def resolved(config: Config) -> Config:
+    """``config`` with the rule's name and every hyper-parameter resolved (defaults included)."""
+    from .rules.registry import build_rule  # rules import torch: only --print-config pays for it
+
+    rule = build_rule(config.rule, config.rule_params)
+    return config.replace(rule_params=dataclasses.asdict(rule.hyper))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The typed sections of session.cfg: one small frozen dataclass per component, each field with its help.
+
+The help strings are the documentation: ``docs/config.md`` is generated from them (``python -m
+mpicrossbow.reference``). Validation (types, bounds, choices) happens in
+:func:`~mpicrossbow.config.fields.build`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .fields import setting
+
+
+@dataclass(frozen=True)
+class SessionSection:
+    """``[session]``: length of the run, seeding, outputs and console output."""
+
+    epochs: int = setting(10, "passes over each rank's training shard", ge=0)
+    steps: int = setting(0, "stop after this many steps in total (0: run all epochs)", ge=0)
+    seed: int = setting(0, "seed for initial weights (broadcast from rank 0) and per-rank shuffling")
+    output: str = setting("runs", "folder that receives one sub-folder per run")
+    name: str = setting("", "run folder name (default: <modelclass>-<rule>-<date>-<time>)")
+    validate_every: int = setting(1, "validate every N epochs (0: only after the last)", ge=0)
+    progress: Literal["auto", "bar", "log", "off"] = setting(
+        "auto", "rank 0 console output: a tqdm bar on a terminal, log lines otherwise"
+    )
+    log_level: Literal["debug", "info", "warning"] = setting("info", "log level of rank 0 (others: warning)")
+    threads: int = setting(
+        0, "torch threads per rank (0: the cores this rank may use / ranks on the node)", ge=0
+    )
+    slow_ranks: tuple[int, ...] = setting((), "test/benchmark hook: ranks that sleep after every step", ge=0)
+    slow_seconds: float = setting(0.0, "test/benchmark hook: seconds each step of slow_ranks sleeps", ge=0)
+    slow_factor: float = setting(
+        1.0,
+        "straggler hook: slow_ranks take this many times as long per step (sleeping the difference)",
+        ge=1,
+    )
+    on_nan: Literal["stop", "skip"] = setting(
+        "stop", "a learner's loss is NaN or infinite: stop the job with a message, or skip that batch"
+    )
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    """``[optim]``: the default SGD recipe and the learning-rate schedule (per step, with warm-up)."""
+
+    lr: float = setting(0.1, "base learning rate", gt=0)
+    momentum: float = setting(0.9, "SGD momentum", ge=0, lt=1)
+    weight_decay: float = setting(0.0, "L2 weight decay", ge=0)
+    nesterov: bool = setting(False, "Nesterov momentum")
+    schedule: Literal["none", "step", "multistep"] = setting("none", "learning-rate schedule")
+    step_epochs: int = setting(30, "step schedule: multiply by gamma every N epochs", ge=1)
+    milestones: tuple[int, ...] = setting(
+        (), "multistep schedule: epochs at which to multiply by gamma", ge=1
+    )
+    gamma: float = setting(0.1, "decay factor of step/multistep", gt=0, le=1)
+    warmup_epochs: float = setting(0.0, "linear warm-up from lr/10 over this many epochs", ge=0)
+
+    def __post_init__(self) -> None:
+        if self.schedule == "multistep" and not self.milestones:
+            raise ValueError("schedule = multistep needs milestones, e.g. milestones = 30,60")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov = true needs momentum > 0")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """``[data]``: batching of each rank's shard."""
+
+    batch_size: int = setting(
+        32, "samples per batch per learner (each of a rank's learners reads its own)", ge=1
+    )
+
+
+@dataclass(frozen=True)
+class PoolSection:
+    """``[pool]``: the learners one rank trains (Crossbow's learner pool) and the engine that runs them."""
+
+    learners: int | Literal["auto"] = setting(
+        1, "learners (model replicas) per rank, or auto: Crossbow's tuner picks the count", ge=1
+    )
+    engine: Literal["serial", "fused", "streams"] = setting(
+        "serial",
+        "serial: one learner after another; fused: the replicas as one wider model; "
+        "streams: one CUDA stream per learner",
+    )
+    max_learners: int = setting(16, "learners = auto: the most learners per rank the tuner tries", ge=1)
+    tune_threshold: float = setting(
+        0.1, "learners = auto: add a learner while throughput rises by more than this fraction", ge=0
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """``[checkpoint]``: when to save every rank's full training state, how many to keep, how to resume."""
+
+    every_steps: int = setting(0, "save every N steps (0: not by steps)", ge=0)
+    every_epochs: int = setting(0, "save every N epochs (0: not by epochs)", ge=0)
+    keep: int = setting(3, "keep the newest K checkpoints, delete older ones", ge=1)
+    directory: str = setting("", "folder of the checkpoints (default: checkpoints/ in the run folder)")
+    final: bool = setting(True, "with checkpoints on, also save after the last step")
+    resume: str = setting(
+        "", "resume from: latest (the newest complete checkpoint), a checkpoint or run folder; empty: start"
+    )
+    on_signal: bool = setting(
+        True, "SIGTERM or SIGUSR1 (Slurm's warning before the time limit): save, then exit with status 0"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether periodic checkpoints are on."""
+        return bool(self.every_steps or self.every_epochs)
+
+
+@dataclass(frozen=True)
+class FaultSection:
+    """``[fault]``: fault injection for tests and drills: make one rank fail at one step, on purpose."""
+
+    rank: int = setting(-1, "the rank that fails (-1: none)", ge=-1)
+    step: int = setting(0, "the step (0-based, counted over the whole run) at which it fails", ge=0)
+    action: Literal["raise", "exit", "kill", "hang", "nan", "kill_in_save"] = setting(
+        "raise",
+        "raise an exception, exit(3), SIGKILL itself, hang, make its loss NaN, or SIGKILL itself "
+        "in the middle of writing the checkpoint of that step",
+    )
+
+
+@dataclass(frozen=True)
+class WatchdogSection:
+    """``[watchdog]``: stall detection, as Horovod's stall check: name the ranks a stuck step waits for."""
+
+    warn_after: float = setting(
+        60.0, "seconds one step may take before the ranks behind are logged (0: off)", ge=0
+    )
+    abort_after: float = setting(0.0, "seconds after which a stalled job is aborted (0: never)", ge=0)
+    interval: float = setting(1.0, "seconds between heartbeats and checks", gt=0)
+
+
+@dataclass(frozen=True)
+class CommSection:
+    """``[comm]``: how ranks talk."""
+
+    backend: Literal["auto", "mpi", "gloo", "nccl"] = setting(
+        "auto", "auto: mpi4py on CPU devices, NCCL on CUDA devices"
+    )
+    compression: Literal["none", "fp16", "bf16"] = setting(
+        "none", "exchange large float buffers as fp16 or bf16 (metrics, initial and final models stay exact)"
+    )
+    shared_memory: Literal["auto", "on", "off"] = setting(
+        "auto",
+        "float sum allreduce through node-shared memory (hierarchical across nodes); auto: on when the "
+        "backend is mpi on CPU and some node runs more than one rank",
+    )
+    shm_window_mb: float = setting(
+        16.0, "MB of each rank's input per shared-memory chunk (larger buffers go in chunks)", gt=0
+    )
+    shm_min_kb: float = setting(64.0, "allreduces smaller than this many KB go through MPI instead", ge=0)
+
+
+@dataclass(frozen=True)
+class NumaSection:
+    """``[numa]``: which cores each rank runs on (see :mod:`mpicrossbow.launch.binding`)."""
+
+    bind: Literal["none", "core", "numa", "socket", "gpu"] = setting(
+        "none", "core binding per rank: none, core, numa, socket, gpu (the cores local to the rank's GPU)"
+    )
+    memory: bool = setting(True, "prefer the NUMA node of a rank's cores for its memory (when it has one)")
+    report: bool = setting(True, "rank 0 logs a table: rank, host, device, cores, NUMA node, threads")

@@ -1,0 +1,93 @@
+"""The failure protocol: no rank is ever left hanging.
+
+* Bad input (cfg, CLI, model file, data file) is found before any rank communicates; :func:`agree` makes the
+  ranks agree on it with one ``allgather``, rank 0 prints one line, every rank exits with status 2.
+* Any exception later, on any rank, goes to :func:`abort`: one line naming the rank and the cause (the
+  traceback goes to ``rank<r>.traceback`` in the run folder), then ``MPI_Abort``, which ends every rank.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from ..errors import USAGE_EXIT_CODE, UsageError
+from .world import World
+
+#: How every failure line starts; ``rule.wait()`` collects these lines from a job it started.
+ERROR_PREFIX = "crossbow-launch: error: "
+
+#: Seconds between printing a rank's failure and MPI_Abort: MPI launchers forward output through pipes and
+#: may drop what is still in flight when they kill the job.
+ABORT_GRACE_S = 0.2
+
+
+def say(message: str) -> None:
+    """Write one failure line to stderr, in the form every tool around crossbow-launch recognises."""
+    sys.stderr.write(f"{ERROR_PREFIX}{message}\n")
+    sys.stderr.flush()
+
+
+def where(exc: BaseException) -> str:
+    """``file:line in function`` of the innermost frame that raised ``exc``."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "no traceback"
+    last = frames[-1]
+    return f"{Path(last.filename).name}:{last.lineno} in {last.name}"
+
+
+def agree(world: World, prepare: Callable[[], object]) -> int:
+    """Run ``prepare`` (no communication inside), then agree across ranks whether it worked.
+
+    Returns 0 on success everywhere; otherwise rank 0 prints each distinct problem once and every rank
+    returns 2 (bad input) or 1 (a crash).
+    """
+    problem: tuple[str, str] | None = None
+    try:
+        prepare()
+    except UsageError as exc:
+        problem = ("usage", str(exc))
+    except Exception as exc:  # a crash while reading the user's files is still reported, not hung on
+        problem = ("crash", f"{type(exc).__name__}: {exc} ({where(exc)})")
+    problems = world.mpi.allgather(problem) if world.mpi is not None else [problem]
+    failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+    if not failed:
+        return 0
+    if world.rank == 0:
+        seen: dict[str, list[int]] = {}
+        for rank, (_, text) in failed:
+            seen.setdefault(text, []).append(rank)
+        for text, ranks in seen.items():
+            everyone = len(ranks) == world.size
+            say(text if everyone else f"rank {','.join(map(str, ranks))}: {text}")
+    return USAGE_EXIT_CODE if all(kind == "usage" for _, (kind, _) in failed) else 1
+
+
+def abort(world: World, exc: BaseException, run_dir: Path | None) -> NoReturn:
+    """Print one line naming this rank and the cause, keep the traceback in a file, abort every rank."""
+    if isinstance(exc, KeyboardInterrupt):
+        text, code = "interrupted", 130
+    elif isinstance(exc, UsageError):
+        text, code = str(exc), USAGE_EXIT_CODE
+    elif exc.__traceback__ is None:  # reported, never raised (the watchdog's stall): the message says it all
+        text, code = str(exc), 1
+    else:
+        text, code = f"{type(exc).__name__}: {exc} ({where(exc)})", 1
+    detail = ""
+    if run_dir is not None and exc.__traceback__ is not None and not isinstance(exc, KeyboardInterrupt):
+        try:
+            path = run_dir / f"rank{world.rank}.traceback"
+            path.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+            detail = f"; traceback in {path}"
+        except OSError:
+            pass
+    say(f"rank {world.rank} of {world.size} on {world.hostname} failed: {text}{detail}")
+    if world.mpi is not None and world.size > 1:
+        time.sleep(ABORT_GRACE_S)  # let the launcher forward the line before MPI_Abort tears the job down
+        world.mpi.Abort(code)
+    sys.exit(code)

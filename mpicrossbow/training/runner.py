@@ -1,0 +1,86 @@
+"""A rank's whole life: bind its cores, prepare its session, agree with the other ranks, train, and abort
+the whole job on any failure. ``crossbow-launch`` under MPI and ``rule.init()`` inside a running world both
+come here."""
+
+from __future__ import annotations
+
+import logging
+
+from ..config import Config
+from ..errors import UsageError
+from ..launch.binding import bind, device_label, gather_facts, report
+from ..launch.devices import device_for_rank
+from ..launch.failure import abort, agree
+from ..launch.world import World, detect_world
+from ..log import setup_logging
+from ..rules.base import Rule
+from .result import RunResult
+from .session import Session
+
+log = logging.getLogger(__name__)
+
+
+def bind_and_prepare(world: World, session: Session) -> int:
+    """Bind this rank's cores (before CUDA starts), prepare the session locally, agree, report bindings.
+
+    Returns 0 when every rank is ready, else the exit status :func:`agree` chose.
+    """
+    config = session.config
+    try:
+        label = device_label(device_for_rank(config.devices, world.rank, world.size))
+    except UsageError:  # reported by prepare_local on every rank, through agree
+        label = "?"
+    facts = gather_facts(world, label)
+
+    def prepare() -> None:
+        session.binding = bind(config.numa.bind, facts, world.rank, config.numa.memory)
+        session.prepare_local()
+
+    code = agree(world, prepare)
+    if code == 0 and config.numa.report:
+        assert session.binding is not None
+        report(world, session.binding)
+    return code
+
+
+def prepare_session(config: Config, rule: Rule | None = None) -> tuple[World, Session, int]:
+    """This rank's world and session, prepared locally and checked against the other ranks.
+
+    The returned code is 0 when every rank is ready to talk; otherwise every rank returns the same non-zero
+    exit status and rank 0 has printed the problem.
+    """
+    world = detect_world()
+    setup_logging(world.rank, world.size, config.session.log_level.upper() if world.rank == 0 else None)
+    session = Session(config, world, rule)
+    code = bind_and_prepare(world, session) or agree(world, session.check_consistency)
+    return world, session, code
+
+
+def train(world: World, session: Session) -> RunResult:
+    """Connect the ranks, train to the end and close; any exception aborts the whole job with one line."""
+    try:
+        session.prepare_collective()
+        result = session.run()
+        session.close()
+    except BaseException as exc:
+        abort(world, exc, session.run_dir)
+    return result
+
+
+def run_rank(config: Config, rule: Rule | None = None) -> int:
+    """Prepare, agree, train; returns this rank's exit status (0, or 1/2 when set-up failed anywhere)."""
+    world, session, code = prepare_session(config, rule)
+    if code:
+        return code
+    result = train(world, session)
+    if world.rank == 0:
+        log.info(
+            "done: %d epoch(s), %d step(s), val accuracy %.4f, %.1f s (exchange %.1f s), results in %s",
+            result.epochs,
+            result.steps,
+            result.val_accuracy,
+            result.wall_seconds,
+            result.exchange_seconds,
+            result.run_dir,
+        )
+    return 0
