@@ -22,7 +22,6 @@ from mpicrossbow.comm import (
     CompressedCommunicator,
     InProcessWorld,
     ReduceOp,
-    make_communicator,
 )
 from mpicrossbow.comm.base import Communicator, Handle
 from mpicrossbow.comm.compressed import EXACT_TAIL
@@ -286,10 +285,10 @@ def test_splits_are_compressed_and_exact_is_the_inner_communicator() -> None:
 
 
 def test_bad_compression_is_one_clear_error() -> None:
-    message = r"\[comm\] compression = 'fp8' is unknown; valid: none, fp16, bf16"
-    with pytest.raises(ConfigError, match=message):
-        make_communicator("mpi", "cpu", None, "fp8")
     base = "RULE=BSP\nMODELFILE=models.mlp\nMODELCLASS=MLP\nDEVICES=cpu\n"
+    message = r"\[comm\] compression: 'fp8' is not valid; choose one of none, fp16, bf16"
+    with pytest.raises(ConfigError, match=message):
+        load_config(text=base + "[comm]\ncompression = fp8\n")
     assert load_config(text=base + "[comm]\ncompression = bf16\n").comm.compression == "bf16"
     assert load_config(text=base).comm.compression == "none"
     with pytest.raises(UsageError, match="compression"):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mpicrossbow.comm import BACKENDS, make_communicator, resolve_backend
+from mpicrossbow.config import CommSection, load_config
 from mpicrossbow.errors import ConfigError
 from tests.conftest import REPO, mpi_env, run_mpi
 
@@ -73,13 +74,13 @@ def test_backend_names() -> None:
 def test_unknown_backend_is_a_config_error() -> None:
     """An unknown name raises ConfigError listing the valid ones, before touching MPI."""
     with pytest.raises(ConfigError, match="auto, mpi, gloo, nccl"):
-        make_communicator("tcp", torch.device("cpu"))
+        load_config(text="RULE=BSP\nMODELFILE=m\nMODELCLASS=M\nDEVICES=cpu\n[comm]\nbackend = tcp\n")
 
 
 def test_nccl_on_cpu_is_a_config_error() -> None:
     """NCCL with a CPU device is refused up front."""
     with pytest.raises(ConfigError, match="nccl"):
-        make_communicator("nccl", torch.device("cpu"))
+        make_communicator(CommSection(backend="nccl"), torch.device("cpu"))
 
 
 def test_import_does_not_start_mpi() -> None:

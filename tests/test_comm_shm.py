@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mpicrossbow.comm import make_communicator
+from mpicrossbow.config import CommSection, load_config
 from mpicrossbow.errors import ConfigError
 from tests.conftest import run_mpi
 from tests.test_comm_mpi import verdicts
@@ -76,6 +77,6 @@ def test_no_segment_left_after_a_rank_fails(mpiexec: str) -> None:
 def test_shared_memory_setting_is_checked() -> None:
     """A bad ``[comm] shared_memory`` value, or ``on`` where the path cannot run, is a ConfigError."""
     with pytest.raises(ConfigError, match="auto, on, off"):
-        make_communicator("mpi", torch.device("cpu"), shared_memory="yes")
+        load_config(text="RULE=BSP\nMODELFILE=m\nMODELCLASS=M\nDEVICES=cpu\n[comm]\nshared_memory = yes\n")
     with pytest.raises(ConfigError, match="needs backend mpi"):
-        make_communicator("gloo", torch.device("cpu"), shared_memory="on")
+        make_communicator(CommSection(backend="gloo", shared_memory="on"), torch.device("cpu"))

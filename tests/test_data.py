@@ -20,6 +20,7 @@ from models.mlp import MLP
 from mpicrossbow.errors import DataError
 from mpicrossbow.model.shard import Shard, ShardedArrays, train_indices, val_indices
 from mpicrossbow.pool.serial import learner_data
+from mpicrossbow.pool.spec import PoolSpec
 
 
 def raises_data_error(
@@ -57,7 +58,7 @@ def test_spans_split_the_training_set_by_fractions() -> None:
     parts = [train_indices(103, Shard(r, 3, 1, span=span), split_seed=7) for r, span in enumerate(spans)]
     assert [len(p) for p in parts] == [51, 31, 21]
     assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(103))
-    datas, steps = learner_data(MLP(hidden=8), 1, 3, 8, 0, 2, span=(0.5, 0.9))
+    datas, steps = learner_data(MLP(hidden=8), PoolSpec(1, 3, 8, seed=0, learners=2, span=(0.5, 0.9)))
     shares = [d.shard.span for d in datas]
     assert shares == [(0.5, 0.7), (0.7, 0.9)] and steps == min(d.n_batch_train for d in datas)
     with pytest.raises(ValueError, match="span 0 <= start < end <= 1"):

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpicrossbow.cli import agree
 from mpicrossbow.config import load_config
 from mpicrossbow.errors import ContractError
+from mpicrossbow.launch.failure import agree
 from mpicrossbow.launch.world import World
 from mpicrossbow.model.contract import contract_form, load_model_class
 from mpicrossbow.training.session import Session

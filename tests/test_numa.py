@@ -226,7 +226,7 @@ def test_live_topology_agrees_with_sysfs_and_warns_without_hwloc(
     live = load_topology()
     assert live.cpus >= frozenset(os.sched_getaffinity(0))
     assert len(live.cores) == len(topology_from_sysfs().cores)
-    monkeypatch.setattr("mpicrossbow.topology.find_lstopo", lambda: None)
+    monkeypatch.setattr("mpicrossbow.launch.topology.find_lstopo", lambda: None)
     with caplog.at_level("WARNING", logger="mpicrossbow.launch.topology"):
         fallback = load_topology()
     assert fallback.source == "sysfs" and "hwloc (lstopo) is not available" in caplog.text

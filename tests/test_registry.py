@@ -10,6 +10,7 @@ import pytest
 from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.rules import BSP, RULES
+from mpicrossbow.rules.registry import build_rule
 
 USER_RULE = """
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ def test_user_rule_by_module_and_class(tmp_path: Path, monkeypatch: pytest.Monke
     cfg = load_config(
         text="RULE=my_rules:Halve\nMODELFILE=m\nMODELCLASS=M\nDEVICES=cpu\n[rule]\nfactor=0.25\n"
     )
-    assert cfg.rule == "my_rules:Halve" and cfg.rule_params == {"factor": 0.25}
+    assert cfg.rule == "my_rules:Halve" and build_rule(cfg.rule, cfg.rule_params).hyper.factor == 0.25
     with pytest.raises(ConfigError, match=r"\[rule\] factor: 2.0 is out of range; must be <= 1"):
         RULES.get("my_rules:Halve")(factor=2)
     with pytest.raises(ConfigError, match="'NotARule' in my_rules is not a subclass of Rule"):

@@ -14,6 +14,8 @@ import torch
 from mpicrossbow.comm.base import Communicator, DoneHandle, Handle, ReduceOp
 from mpicrossbow.comm.compressed import COMPRESSIONS, CompressedCommunicator, wire_dtype
 from mpicrossbow.comm.inprocess import InProcessCommunicator, InProcessWorld, WorldAborted
+from mpicrossbow.config import CommSection
+from mpicrossbow.config.fields import choices
 from mpicrossbow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -41,10 +43,9 @@ __all__ = [
     "make_communicator",
 ]
 
-#: Valid values of ``[comm] backend``.
-BACKENDS = ("auto", "mpi", "gloo", "nccl")
-#: Valid values of ``[comm] shared_memory``.
-SHARED_MEMORY = ("auto", "on", "off")
+#: Valid values of ``[comm] backend``, ``shared_memory`` and ``compression``: the cfg section's own choices.
+BACKENDS = choices(CommSection, "backend")
+SHARED_MEMORY = choices(CommSection, "shared_memory")
 
 _LAZY = {
     "MPICommunicator": "mpicrossbow.comm.mpi",
@@ -62,11 +63,9 @@ def __getattr__(name: str) -> Any:
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """The concrete backend for ``backend`` on ``device``: ``auto`` is ``mpi`` on CPU (faster than Gloo on
-    the measured machines) and ``nccl`` on CUDA. Raises :class:`ConfigError` for a name or device that
-    cannot work, before any rank starts communicating."""
+    the measured machines) and ``nccl`` on CUDA. Raises :class:`ConfigError` for a device that cannot work,
+    before any rank starts communicating."""
     device = torch.device(device)
-    if backend not in BACKENDS:
-        raise ConfigError(f"[comm] backend = {backend!r} is unknown; valid: {', '.join(BACKENDS)}")
     if backend == "auto":
         return "nccl" if device.type == "cuda" else "mpi"
     if backend == "nccl" and device.type != "cuda":
@@ -75,29 +74,20 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 
 def make_communicator(
-    backend: str,
-    device: torch.device | str,
-    mpi_comm: MPI.Comm | None = None,
-    compression: str = "none",
-    shared_memory: str = "auto",
-    window_bytes: int | None = None,
-    min_bytes: int | None = None,
+    section: CommSection, device: torch.device | str, mpi_comm: MPI.Comm | None = None
 ) -> Communicator:
-    """Build the communicator for ``backend`` (one of :data:`BACKENDS`) and ``device`` over ``mpi_comm``
-    (default ``COMM_WORLD``); collective over its ranks.
+    """Build the communicator ``[comm]`` describes for ``device`` over ``mpi_comm`` (default ``COMM_WORLD``);
+    collective over its ranks.
 
-    ``shared_memory`` (one of :data:`SHARED_MEMORY`) picks :class:`SharedMemoryCommunicator` for the mpi
-    backend on CPU: ``on`` always, ``auto`` when some node runs more than one rank of the job, ``off`` never.
-    ``window_bytes`` and ``min_bytes`` tune it (defaults: its module's). ``compression`` (``[comm]
-    compression``: none, fp16, bf16) wraps the result in a :class:`CompressedCommunicator` that exchanges
-    large float buffers 16-bit.
+    ``shared_memory`` picks :class:`SharedMemoryCommunicator` for the mpi backend on CPU: ``on`` always,
+    ``auto`` when some node runs more than one rank of the job, ``off`` never; ``shm_window_mb`` and
+    ``shm_min_kb`` tune it. ``compression`` (fp16, bf16) wraps the result in a
+    :class:`CompressedCommunicator` that exchanges large float buffers 16-bit. The section's values were
+    checked against their choices when it was built; this checks what depends on the device.
     """
-    resolved = resolve_backend(backend, device)
-    wire = wire_dtype(compression)  # checked before any rank starts communicating
-    if shared_memory not in SHARED_MEMORY:
-        raise ConfigError(
-            f"[comm] shared_memory = {shared_memory!r} is unknown; valid: {', '.join(SHARED_MEMORY)}"
-        )
+    resolved = resolve_backend(section.backend, device)
+    wire = wire_dtype(section.compression)
+    shared_memory = section.shared_memory
     cpu = torch.device(device).type == "cpu"
     if shared_memory == "on" and not (resolved == "mpi" and cpu):
         raise ConfigError(
@@ -114,12 +104,12 @@ def make_communicator(
             shared_memory = "on" if world.allreduce(node.Get_size(), op=MPI.MAX) > 1 else "off"
             node.Free()
         if shared_memory == "on":
-            from mpicrossbow.comm.shm import DEFAULT_MIN_BYTES, DEFAULT_WINDOW_BYTES, SharedMemoryCommunicator
+            from mpicrossbow.comm.shm import SharedMemoryCommunicator
 
             comm: Communicator = SharedMemoryCommunicator(
                 world,
-                window_bytes=DEFAULT_WINDOW_BYTES if window_bytes is None else window_bytes,
-                min_bytes=DEFAULT_MIN_BYTES if min_bytes is None else min_bytes,
+                window_bytes=int(section.shm_window_mb * 2**20),
+                min_bytes=int(section.shm_min_kb * 2**10),
             )
         else:
             comm = MPICommunicator(world)

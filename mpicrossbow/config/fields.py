@@ -200,3 +200,8 @@ def describe_fields(cls: type) -> list[tuple[str, str, Any, str]]:
         kind = _describe(hints[f.name]) + (f" ({bounds})" if bounds else "")
         rows.append((f.name, kind, default, f.metadata.get("help", "")))
     return rows
+
+
+def choices(cls: type, name: str) -> tuple[str, ...]:
+    """The values a ``Literal`` field of a settings dataclass allows: the one source of an enum's names."""
+    return tuple(str(a) for a in typing.get_args(typing.get_type_hints(cls)[name]))

@@ -64,3 +64,23 @@ class FaultInjector:
         if not self._due(step, "kill_in_save"):
             return None
         return lambda: os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Straggler:
+    """``[session] slow_ranks``: this rank sleeps after every step, a fixed ``slow_seconds`` plus
+    ``(slow_factor − 1)`` × the step's own time — a straggler on demand, for tests, soaks and benchmarks."""
+
+    def __init__(self, ranks: tuple[int, ...], seconds: float, factor: float, rank: int) -> None:
+        slowed = rank in ranks
+        self.delay = seconds if slowed else 0.0
+        self.stretch = factor - 1.0 if slowed else 0.0
+        #: Seconds of sleep injected on this rank so far.
+        self.injected_seconds = 0.0
+
+    def after_step(self, step_start: float) -> None:
+        """Sleep as configured for a step that started at ``step_start`` (``time.perf_counter()``)."""
+        if not (self.delay or self.stretch):
+            return
+        pause = self.delay + self.stretch * (time.perf_counter() - step_start)
+        time.sleep(pause)
+        self.injected_seconds += pause

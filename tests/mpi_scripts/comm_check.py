@@ -23,6 +23,7 @@ from mpicrossbow.comm import ReduceOp, make_communicator
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.mpi import MPICommunicator, mpi_cuda_aware
 from mpicrossbow.comm.torchdist import TorchDistCommunicator
+from mpicrossbow.config import CommSection
 
 N = 100_003  # not a multiple of any world size
 DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8, torch.float16, torch.bfloat16)
@@ -203,7 +204,7 @@ def check_mpi_buffers(c: Communicator, dev: torch.device) -> None:
 
 
 def check_factory(c: Communicator, dev: torch.device) -> None:
-    assert isinstance(make_communicator("auto", torch.device("cpu")), MPICommunicator)
+    assert isinstance(make_communicator(CommSection(), torch.device("cpu")), MPICommunicator)
     if not torch.cuda.is_available():
         raises(ValueError, lambda: TorchDistCommunicator.from_mpi(backend="nccl"), "nccl without CUDA")
     for value, want in (("0", False), ("1", True)):

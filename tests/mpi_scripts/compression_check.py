@@ -17,6 +17,7 @@ from verdicts import WORLD, finish, run_checks, run_main
 from mpicrossbow.comm import CompressedCommunicator, ReduceOp, make_communicator
 from mpicrossbow.comm.compressed import EXACT_TAIL
 from mpicrossbow.comm.mpi import MPICommunicator
+from mpicrossbow.config import CommSection
 
 N = 100_003  # a rendezvous-size message, not a multiple of the world size
 
@@ -113,7 +114,7 @@ def main() -> int:
     assert WORLD.size == 2, "run with mpiexec -n 2"
     ok = True
     for name in ("bf16", "fp16"):
-        comm = make_communicator("mpi", torch.device("cpu"), None, name)
+        comm = make_communicator(CommSection(backend="mpi", compression=name), torch.device("cpu"))
         assert isinstance(comm, CompressedCommunicator)
         ok &= run_checks(name, [(check, functools.partial(fn, comm)) for check, fn in CHECKS])
         comm.close()

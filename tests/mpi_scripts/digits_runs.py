@@ -13,8 +13,8 @@ import sys
 
 from mpi4py import MPI
 
-from mpicrossbow.cli import run_rank
 from mpicrossbow.config import load_config
+from mpicrossbow.training.runner import run_rank
 
 
 def main(argv: list[str]) -> int:

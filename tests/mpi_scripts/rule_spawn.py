@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from mpicrossbow import BSP
-from mpicrossbow.compat.theano_job import JobFailed
+from mpicrossbow.compat.jobs import JobFailed
 
 out, failing = Path(sys.argv[1]), sys.argv[2]
 rule = BSP()

@@ -21,6 +21,7 @@ from verdicts import WORLD, finish, run_checks, run_main, say
 from mpicrossbow.comm import ReduceOp, make_communicator
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.comm.shm import ACCUMULATE, SharedMemoryCommunicator
+from mpicrossbow.config import CommSection
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SIZES = (1, 7, 1001, 100_003)  # none a multiple of 2, 3 or 4 (except 1 with 1 rank)
@@ -205,12 +206,14 @@ def check_delegated(_: object) -> None:
 
 def check_factory(_: object) -> None:
     """``auto`` takes the shared-memory path exactly when a node holds more than one rank."""
-    comm = make_communicator("mpi", "cpu", shared_memory="auto")
+    comm = make_communicator(CommSection(backend="mpi"), "cpu")
     assert isinstance(comm, SharedMemoryCommunicator) == (WORLD.size > 1), type(comm).__name__
     comm.close()
-    off = make_communicator("auto", "cpu", shared_memory="off")
+    off = make_communicator(CommSection(shared_memory="off"), "cpu")
     assert type(off) is MPICommunicator
-    on = make_communicator("mpi", "cpu", shared_memory="on", window_bytes=1 << 16, min_bytes=0)
+    on = make_communicator(
+        CommSection(backend="mpi", shared_memory="on", shm_window_mb=1 / 16, shm_min_kb=0), "cpu"
+    )
     assert isinstance(on, SharedMemoryCommunicator) and on.window_bytes == 1 << 16
     on.close()
 

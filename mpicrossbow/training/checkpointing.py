@@ -1,0 +1,113 @@
+"""Checkpointing as a component of the session: what a checkpoint holds, where ``resume`` looks, save and
+restore. The file format (atomic per-rank files, ``meta.pt``, pruning) is :mod:`.checkpoint`'s."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import Config
+from ..errors import CheckpointError
+from ..launch.world import World
+from ..pool.base import LearnerPool
+from ..rules.base import Rule
+from .checkpoint import Checkpointer, find_resume, load_rank_state
+from .faults import FaultInjector
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointing:
+    """This rank's checkpoints: the resume point read at set-up, and saves during training."""
+
+    def __init__(self, config: Config, world: World, pool: LearnerPool, device: torch.device) -> None:
+        self.config, self.world, self.pool, self.device = config, world, pool, device
+        #: (checkpoint folder, its metadata, this rank's state) when resuming.
+        self.resume: tuple[Path, dict[str, Any], dict[str, Any]] | None = None
+        self.saver: Checkpointer | None = None
+        if config.checkpoint.resume:
+            self._load_resume()
+
+    def meta(self) -> dict[str, Any]:
+        """What a checkpoint must agree with to be resumed by this job."""
+        return {
+            "world_size": self.world.size,
+            "rule": self.config.rule,
+            "learners": len(self.pool.learners),
+            "numel": int(self.pool.learners[0].params.numel()),
+        }
+
+    def candidates(self) -> list[Path]:
+        """Where ``resume = latest`` looks: the checkpoint directory, or this cfg's run folders."""
+        cfg = self.config
+        if cfg.checkpoint.directory:
+            return [Path(cfg.checkpoint.directory)]
+        output = Path(cfg.session.output)
+        pattern = cfg.session.name or f"{cfg.modelclass}-{cfg.rule.split(':')[-1]}-*"
+        return sorted(p / "checkpoints" for p in output.glob(pattern) if (p / "checkpoints").is_dir())
+
+    def _load_resume(self) -> None:
+        """Find and read this rank's part of the checkpoint to resume (no communication)."""
+        path = find_resume(self.config.checkpoint.resume, self.candidates())
+        meta, state = load_rank_state(path, self.world.rank, self.meta())
+        self.resume = (path, meta, state)
+        if self.world.rank == 0:
+            log.info("resuming from %s (step %d)", path, meta["step"])
+
+    @property
+    def position(self) -> dict[str, Any]:
+        """Where training resumes: ``step``, ``epoch``, ``count`` (batches done in that epoch), ``lr``."""
+        return self.resume[2]["position"] if self.resume is not None else {}
+
+    @property
+    def resume_step(self) -> int | None:
+        """The step the resumed checkpoint was taken after, or None when starting fresh."""
+        return None if self.resume is None else int(self.resume[1]["step"])
+
+    def resumed_run_dir(self) -> Path | None:
+        """Resuming from ``<run>/checkpoints/step-N``: continue in ``<run>`` (metrics are appended)."""
+        if self.resume is None or self.config.checkpoint.directory:
+            return None
+        folder = self.resume[0].resolve().parent
+        return folder.parent if folder.name == "checkpoints" else None
+
+    def restore(self, rule: Rule) -> None:
+        """Put this rank back where the checkpoint left it: replicas, optimizers, rule state, RNG."""
+        if self.resume is None:
+            return
+        path, _, state = self.resume
+        try:
+            self.pool.load_state_dict(state["pool"])
+            rule.load_state_dict(state["rule"])
+            torch.set_rng_state(state["rng"]["torch"])
+            if self.device.type == "cuda" and state["rng"].get("cuda") is not None:
+                torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        except (KeyError, TypeError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from None
+
+    def start(self, run_dir: Path) -> None:
+        """Open the checkpoint folder (``[checkpoint] directory`` or ``<run>/checkpoints``) for saving."""
+        ckpt = self.config.checkpoint
+        directory = Path(ckpt.directory) if ckpt.directory else run_dir / "checkpoints"
+        self.saver = Checkpointer(directory, self.world.rank, self.world.size, ckpt.keep, self.world.mpi)
+
+    def save(self, position: dict[str, Any], rule: Rule, faults: FaultInjector) -> Path:
+        """Collective: every rank writes its state for the checkpoint after ``position['step']`` steps."""
+        assert self.saver is not None, "start() first"
+        step = int(position["step"])
+        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        state = {
+            "rank": self.world.rank,
+            "position": position,
+            "pool": self.pool.state_dict(),
+            "rule": rule.state_dict(),
+            "rng": rng,
+        }
+        meta = {**self.meta(), "epoch": position["epoch"], "time": time.time()}
+        return self.saver.save(step, state, meta, faults.in_save(step))

@@ -1,0 +1,170 @@
+"""The training loop of a rank that trains: epochs of :func:`~.step.train_step`, from a resumed position.
+
+Per step: the watchdog's heartbeat, fault injection, the learning-rate schedule (per step, with the rule's
+``on_lr_change``), the step itself with the NaN guard, the straggler hook, step checkpoints and the signal
+stop. Per epoch: training statistics (reduced as the run mode says), validation as often as
+``validate_every`` asks, a report row, the auto-tuner, epoch checkpoints. The run mode
+(:mod:`.modes`) chooses how statistics are reduced, how validation is done and whether signals are agreed on.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..comm.base import ReduceOp
+from .nan_guard import check_finite
+from .parts import RankParts
+from .schedule import lr_at
+from .signals import SignalStop
+from .step import train_step
+
+NAN2 = (math.nan, math.nan)
+
+
+@dataclass
+class LoopOutcome:
+    """Where a loop ended and what it measured."""
+
+    epochs: int = 0
+    steps: int = 0
+    train: tuple[float, float] = NAN2
+    val: tuple[float, float] = NAN2
+    exchange_s: float = 0.0
+    samples: float = 0.0
+
+
+class TrainLoop:
+    """Runs the epochs; ``validate`` and ``reduce`` (of per-epoch ``(loss_sum, hits, n)``) come from the
+    run mode, ``signals`` is the agreed stop on SIGTERM/SIGUSR1 or None."""
+
+    def __init__(
+        self,
+        parts: RankParts,
+        validate: Callable[[], tuple[float, float]],
+        reduce: Callable[[Sequence[float]], Sequence[float]],
+        signals: SignalStop | None = None,
+    ) -> None:
+        self.parts, self.validate, self.reduce, self.signals = parts, validate, reduce, signals
+        cfg, pool = parts.config, parts.pool
+        self.budget = cfg.session.steps
+        # With a step budget the epoch count follows from it; the auto-tuner may change steps per epoch.
+        self.epochs = math.ceil(self.budget / pool.n_batch_train) if self.budget else cfg.session.epochs
+        position = parts.checkpoints.position
+        self.epoch, self.step = int(position.get("epoch", 0)), int(position.get("step", 0))
+        self.skip, self.lr = int(position.get("count", 0)), float(position.get("lr", -1.0))
+        self.saved_at = self.step if parts.checkpoints.resume is not None else -1
+        self.out = LoopOutcome()
+
+    def run(self) -> LoopOutcome:
+        """Train to the step or epoch budget, or until a signal stops every rank (after a checkpoint)."""
+        parts, ckpt = self.parts, self.parts.config.checkpoint
+        parts.reporter.open_bar(self.budget or self.epochs * parts.pool.n_batch_train, initial=self.step)
+        while self.epoch < self.epochs and (not self.budget or self.step < self.budget):
+            if self._epoch():
+                self.out.val = self.validate()
+                return self._outcome()
+            self.skip = 0
+        if ckpt.enabled and ckpt.final and self.saved_at != self.step:
+            self._save(0)
+        parts.reporter.close_bar()
+        return self._outcome()
+
+    def _outcome(self) -> LoopOutcome:
+        self.out.epochs, self.out.steps = self.epoch, self.step
+        return self.out
+
+    def _epoch(self) -> bool:
+        """One epoch from batch ``skip``; True when a signal stopped training."""
+        parts, ckpt = self.parts, self.parts.config.checkpoint
+        pool, per_epoch = parts.pool, parts.pool.n_batch_train
+        pool.start_epoch(self.epoch)
+        pool.set_lr(lr_at(parts.config.optim, self.epoch) if self.lr < 0 else self.lr, self.epoch)
+        if self.skip:
+            pool.skip(self.skip)
+        started = time.perf_counter()
+        end = min(per_epoch, self.skip + self.budget - self.step) if self.budget else per_epoch
+        for count in range(self.skip, end):
+            self._step(count, per_epoch)
+            if ckpt.every_steps and self.step % ckpt.every_steps == 0:
+                self._save(count + 1)
+            if self.signals is not None and self.signals(self.step):
+                if self.saved_at != self.step:
+                    self._save(count + 1)
+                saver = parts.checkpoints.saver
+                parts.reporter.stopped_by_signal(self.step, saver.directory if saver else None)
+                return True
+        self._end_epoch(time.perf_counter() - started)
+        return False
+
+    def _step(self, count: int, per_epoch: int) -> None:
+        parts = self.parts
+        started = time.perf_counter()
+        if parts.watchdog is not None:
+            parts.watchdog.beat(self.step, "compute")
+        parts.faults.at_step(self.step)
+        lr = lr_at(parts.config.optim, self.epoch + count / per_epoch)
+        if lr != self.lr:
+            if self.lr > 0:
+                parts.rule.on_lr_change(self.lr, lr)
+            parts.pool.set_lr(lr, self.epoch)
+            self.lr = lr
+        self.out.exchange_s += train_step(parts.pool, parts.rule, self.step, count, self._guard)
+        self.step += 1
+        parts.reporter.step_done(self.step)
+        parts.straggler.after_step(started)
+
+    def _guard(self, step: int) -> None:
+        """Between backward and the rule's hooks: the NaN policy, then the watchdog's exchange phase."""
+        parts = self.parts
+        check_finite(parts.pool, parts.faults, parts.config.session.on_nan, step, self.epoch)
+        if parts.watchdog is not None:
+            parts.watchdog.beat(step, "exchange")
+
+    def _end_epoch(self, seconds: float) -> None:
+        """Statistics, validation, the report row, the auto-tuner and epoch checkpoints."""
+        parts, every = self.parts, self.parts.config.session.validate_every
+        learners = len(parts.pool.learners)
+        loss_sum, hits, n = self.reduce(parts.pool.take_stats())
+        self.out.samples += n
+        self.out.train = (loss_sum / max(n, 1), hits / max(n, 1))
+        last = self.epoch == self.epochs - 1 or bool(self.budget and self.step >= self.budget)
+        val = self.validate() if last or (every and (self.epoch + 1) % every == 0) else None
+        self.out.val = val if val is not None else self.out.val
+        parts.reporter.epoch(
+            self.epoch, self.step, self.lr, learners, self.out.train, val, self.out.exchange_s
+        )
+        if parts.tuner is not None and not last:
+            self._tune(n, seconds)
+        self.epoch += 1
+        every_epochs = parts.config.checkpoint.every_epochs
+        if every_epochs and self.epoch % every_epochs == 0 and self.saved_at != self.step and not last:
+            self._save(0)
+
+    def _tune(self, samples: float, seconds: float) -> None:
+        """Auto-tuner check after an epoch: one allreduce of the slowest time; every rank resizes alike."""
+        parts = self.parts
+        assert parts.tuner is not None
+        # Samples are already summed over ranks; the slowest rank's time sets a synchronous job's pace.
+        slowest = parts.comm.allreduce_scalars([seconds], op=ReduceOp.MAX)[0]
+        before = len(parts.pool.learners)
+        after = parts.tuner.observe(samples / max(slowest, 1e-9))
+        if after != before:
+            parts.pool.resize(after)
+            parts.rule.on_resize()
+        parts.reporter.autotune_history(parts.tuner.history)
+        per_epoch = parts.pool.n_batch_train
+        if self.budget:
+            self.epochs = self.epoch + 1 + math.ceil((self.budget - self.step) / per_epoch)
+        else:
+            parts.reporter.set_bar_total(self.step + (self.epochs - self.epoch - 1) * per_epoch)
+
+    def _save(self, count: int) -> None:
+        """A checkpoint after the current step (``count`` batches of the current epoch done)."""
+        parts = self.parts
+        position: dict[str, Any] = {"step": self.step, "epoch": self.epoch, "count": count, "lr": self.lr}
+        parts.checkpoints.save(position, parts.rule, parts.faults)
+        self.saved_at = self.step

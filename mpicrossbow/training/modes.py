@@ -1,0 +1,120 @@
+"""The three run modes, chosen once per rank from the rule: synchronous, asynchronous, serving.
+
+* **Synchronous** rules (BSP, SMA, EASGD, LocalSGD, DiLoCo): every rank reaches every step, so per-epoch
+  statistics are allreduced, validation is collective, checkpoints and the signal stop are agreed on.
+* **Asynchronous** rules (async EASGD, GOSGD, ASGD, SSP, ...): ranks move at their own pace until
+  ``finish``; no collective before it. Statistics stay local, each rank validates alone; after ``finish``
+  the samples are summed and rank 0 validates the rule's final model.
+* **Serving**: a rank the rule keeps out of training (a parameter server, an EASGD centre) runs the rule's
+  ``serve`` loop and reports the served model; after ``finish`` it joins the asynchronous ending.
+
+Every mode ends the same way: ``finish`` (nothing left in flight), per-rank rates and health, the result.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from .loop import LoopOutcome, TrainLoop
+from .parts import RankParts
+from .result import RunResult
+from .signals import SignalStop
+
+
+class RunMode(ABC):
+    """How one rank runs between ``bind`` and ``finish``, and how it ends."""
+
+    def __init__(self, parts: RankParts) -> None:
+        self.parts = parts
+
+    @abstractmethod
+    def train(self) -> LoopOutcome:
+        """Everything up to the rule's ``finish``."""
+
+    @abstractmethod
+    def conclude(self, outcome: LoopOutcome) -> tuple[float, tuple[float, float]]:
+        """After ``finish`` (collectives are safe again): the job's samples and final validation."""
+
+    def run(self) -> RunResult:
+        """Train (or serve), finish the rule, record per-rank figures; every rank returns the same result."""
+        parts = self.parts
+        reporter = parts.reporter
+        reporter.restart_clock()
+        outcome = self.train()
+        busy = reporter.wall
+        parts.rule.finish()
+        if parts.trains and busy > 0:
+            reporter.rank_rates(outcome.steps / busy, outcome.exchange_s / busy)
+        else:
+            reporter.rank_rates(math.nan, math.nan)
+        reporter.rank_health(parts.rule.in_flight, parts.straggler.injected_seconds)
+        samples, val = self.conclude(outcome)
+        wall = reporter.wall
+        result = RunResult(
+            run_dir=str(reporter.run_dir),
+            epochs=outcome.epochs,
+            steps=outcome.steps,
+            train_loss=outcome.train[0],
+            train_accuracy=outcome.train[1],
+            val_loss=val[0],
+            val_accuracy=val[1],
+            wall_seconds=wall,
+            exchange_seconds=outcome.exchange_s,
+            samples_per_second=samples / wall if wall > 0 else 0.0,
+        )
+        reporter.close(result, len(parts.pool.learners))
+        return result
+
+
+class Synchronous(RunMode):
+    """Every rank at every step: collective statistics and validation, agreed checkpoints and signals."""
+
+    def train(self) -> LoopOutcome:
+        """The loop with allreduced statistics; SIGTERM/SIGUSR1 stop every rank at one step."""
+        parts = self.parts
+        signals = None
+        if parts.checkpoints.saver is not None and parts.config.checkpoint.on_signal:
+            signals = SignalStop(parts.comm)
+        try:
+            return TrainLoop(parts, parts.evaluator.collective, self._reduce, signals).run()
+        finally:
+            if signals is not None:
+                signals.close()
+
+    def _reduce(self, stats: Sequence[float]) -> Sequence[float]:
+        return self.parts.comm.allreduce_scalars(list(stats))
+
+    def conclude(self, outcome: LoopOutcome) -> tuple[float, tuple[float, float]]:
+        """Statistics were summed every epoch; the last validation stands."""
+        return outcome.samples, outcome.val
+
+
+class Asynchronous(RunMode):
+    """Ranks at their own pace: local statistics and validation until ``finish``."""
+
+    def train(self) -> LoopOutcome:
+        """The loop with this rank's own statistics and validation."""
+        return TrainLoop(self.parts, self.parts.evaluator.alone, tuple).run()
+
+    def conclude(self, outcome: LoopOutcome) -> tuple[float, tuple[float, float]]:
+        """Samples summed over ranks; rank 0 validates the rule's final model for everyone."""
+        samples = self.parts.comm.allreduce_scalars([outcome.samples])[0]
+        return samples, self.parts.evaluator.final(self.parts.trains)
+
+
+class Serving(Asynchronous):
+    """A rank that serves (a parameter server, an EASGD centre) instead of training."""
+
+    def train(self) -> LoopOutcome:
+        """The rule's serve loop; the served model is validated and reported as it goes."""
+        self.parts.rule.serve(self.parts.evaluator.served)
+        return LoopOutcome()
+
+
+def choose_mode(parts: RankParts) -> RunMode:
+    """The run mode of this rank, decided once from the rule."""
+    if not parts.trains:
+        return Serving(parts)
+    return Synchronous(parts) if parts.rule.synchronous else Asynchronous(parts)

@@ -1,0 +1,39 @@
+"""RankParts: what the Session assembled for one rank, handed to the run mode and its loop as one value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..comm.base import Communicator
+from ..config import Config
+from ..launch.world import World
+from ..pool.base import LearnerPool
+from ..rules.base import Rule
+from .autotune import AutoTuner
+from .checkpointing import Checkpointing
+from .evaluation import Evaluator
+from .faults import FaultInjector, Straggler
+from .reporting import Reporter
+from .watchdog import Watchdog
+
+
+@dataclass
+class RankParts:
+    """One rank's assembled job: the plug-ins (pool, rule, communicator) and the loop's components."""
+
+    config: Config
+    world: World
+    pool: LearnerPool
+    rule: Rule
+    comm: Communicator
+    reporter: Reporter
+    evaluator: Evaluator
+    checkpoints: Checkpointing
+    faults: FaultInjector
+    straggler: Straggler
+    #: Stall detection (synchronous rules with ``[watchdog]`` on), else None.
+    watchdog: Watchdog | None
+    #: Crossbow's learner auto-tuner (``[pool] learners = auto``), else None.
+    tuner: AutoTuner | None
+    #: Whether this rank trains (False: it serves, e.g. a parameter server).
+    trains: bool

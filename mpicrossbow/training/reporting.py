@@ -1,0 +1,223 @@
+"""Reporting: rank 0's console (a tqdm bar on a terminal, log lines otherwise) and ``metrics.h5``.
+
+Nothing else writes the metrics file: the per-epoch train rows, the validation rows, the served model's
+rows, and the per-rank attributes (steps/s, exchange share, resident memory, requests in flight, injected
+straggler sleep, validation accuracy of each rank's own model, the auto-tuner's history). Gathering a
+per-rank attribute is collective; every rank calls those methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+from ..launch.world import World
+from .metrics import MetricsWriter
+from .result import RunResult
+
+log = logging.getLogger(__name__)
+
+#: Steps after which a rank's resident memory is sampled as the warmed-up baseline (soak measurements).
+RSS_WARM_STEPS = 1000
+
+
+def resident_mb() -> float:
+    """This process's resident memory in MB (Linux /proc; NaN elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return math.nan
+
+
+def make_run_dir(config: Config) -> Path:
+    """A new run folder ``<output>/<name>``; never one that holds an earlier run's results."""
+    name = config.session.name or (
+        f"{config.modelclass}-{config.rule.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    base = Path(config.session.output) / name
+    path, n = base, 1
+    while path.exists() and (path / "metrics.h5").exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class Reporter:
+    """Rank 0 writes; every rank takes part in gathering per-rank attributes."""
+
+    def __init__(self, config: Config, world: World, run_dir: Path, resume_step: int | None) -> None:
+        self.config, self.world, self.run_dir = config, world, run_dir
+        self.start = time.perf_counter()
+        self.rss_start, self.rss_warm = resident_mb(), math.nan
+        self.metrics: MetricsWriter | None = None
+        self.bar: Any = None
+        processes = self._gather(os.getpid())
+        if world.rank != 0:
+            return
+        # A launcher that reports a dead PID can be matched to its rank with this line.
+        log.info("rank processes: %s", ", ".join(f"{r}: pid {pid}" for r, pid in enumerate(processes)))
+        text = config.to_ini()
+        (run_dir / "session.cfg").write_text(text, encoding="utf-8")
+        attrs = {"world_size": world.size, "rule": config.rule}
+        self.metrics = MetricsWriter(run_dir / "metrics.h5", text, attrs, resume_step=resume_step)
+
+    def _gather(self, value: Any) -> list[Any]:
+        mpi = self.world.mpi
+        return mpi.allgather(value) if mpi is not None else [value]
+
+    @property
+    def wall(self) -> float:
+        """Seconds since training started."""
+        return time.perf_counter() - self.start
+
+    def restart_clock(self) -> None:
+        """Training starts now (set-up time is not training time)."""
+        self.start = time.perf_counter()
+        self.rss_start = resident_mb()
+
+    # ----------------------------------------------------------- progress
+    def open_bar(self, total: int, initial: int = 0) -> None:
+        """Rank 0's tqdm bar, when ``[session] progress`` asks for one (``auto``: on a terminal)."""
+        mode = self.config.session.progress
+        if self.world.rank != 0 or mode in ("off", "log") or (mode == "auto" and not sys.stderr.isatty()):
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=True)
+
+    def step_done(self, step: int) -> None:
+        """One more step: advance the bar; sample resident memory once warmed up."""
+        if step == RSS_WARM_STEPS:
+            self.rss_warm = resident_mb()
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def set_bar_total(self, total: int) -> None:
+        """The auto-tuner changed the steps per epoch: the bar's new total."""
+        if self.bar is not None:
+            self.bar.total = total
+
+    def close_bar(self) -> None:
+        """Close the bar (idempotent)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    # --------------------------------------------------------------- rows
+    def epoch(
+        self,
+        epoch: int,
+        step: int,
+        lr: float,
+        learners: int,
+        train: tuple[float, float],
+        val: tuple[float, float] | None,
+        exchange_s: float,
+    ) -> None:
+        """Rank 0: the train row of ``epoch`` (0-based), the validation row if validated, one console line."""
+        if self.world.rank != 0:
+            return
+        wall = self.wall
+        share = exchange_s / wall if wall > 0 else 0.0
+        text = f"epoch {epoch + 1} step {step}: train loss {train[0]:.4f} acc {train[1]:.4f}"
+        if self.metrics is not None:
+            self.metrics.train(
+                step=step,
+                epoch=epoch + 1,
+                loss=train[0],
+                accuracy=train[1],
+                lr=lr,
+                time=wall,
+                learners=learners,
+            )
+        if val is not None:
+            text += f" | val loss {val[0]:.4f} acc {val[1]:.4f}"
+            if self.metrics is not None:
+                self.metrics.val(
+                    epoch=epoch + 1, step=step, loss=val[0], accuracy=val[1], time=wall, exchange_share=share
+                )
+        text += f" | lr {lr:.4g} | {wall:.1f}s, exchange {share:.0%}"
+        if self.bar is not None:
+            if val is not None:
+                self.bar.set_postfix_str(f"val acc {val[1]:.4f}")
+            self.bar.write(text)
+        elif self.config.session.progress != "off":
+            log.info(text)
+
+    def served(self, val: tuple[float, float], epoch: float) -> None:
+        """Rank 0: the served model (a parameter server's) after ``epoch`` epochs of the workers."""
+        wall = self.wall
+        if self.metrics is not None:
+            self.metrics.val(epoch=epoch, step=0, loss=val[0], accuracy=val[1], time=wall, exchange_share=0.0)
+        log.info("served model after %.2f epoch(s): val loss %.4f acc %.4f | %.1fs", epoch, *val, wall)
+
+    def final_model(self, val: tuple[float, float], every_rank: list[float]) -> None:
+        """Rank 0, asynchronous rules: the rule's final model, and each rank's own model's accuracy."""
+        log.info("final %s model: val loss %.4f acc %.4f", self.config.rule, *val)
+        log.info("each rank's own model: %s", ", ".join(f"{a:.4f}" for a in every_rank))
+        if self.metrics is not None:
+            self.metrics.val(
+                epoch=math.nan, step=0, loss=val[0], accuracy=val[1], time=self.wall, exchange_share=0.0
+            )
+            self.metrics.file.attrs["rank_val_accuracy"] = every_rank
+
+    def stopped_by_signal(self, step: int, directory: Path | None) -> None:
+        """Rank 0 says where the checkpoint of a signalled stop is and how to resume."""
+        self.close_bar()
+        if self.world.rank == 0:
+            log.warning(
+                "stopped by a signal after step %d; checkpoint saved in %s: resume with --resume (or "
+                "checkpoint.resume=latest)",
+                step,
+                directory or "?",
+            )
+
+    # --------------------------------------------------- per-rank attributes
+    def autotune_history(self, history: list[tuple[int, float]]) -> None:
+        """The auto-tuner's decisions so far (learners, samples/s)."""
+        if self.metrics is not None:
+            self.metrics.file.attrs["autotune_history"] = [list(h) for h in history]
+
+    def rank_rates(self, rate: float, share: float) -> None:
+        """Collective: every rank's training steps/s and exchange share (NaN for serving ranks)."""
+        pairs = self._gather((rate, share))
+        if self.metrics is not None:
+            self.metrics.file.attrs["rank_steps_per_second"] = [p[0] for p in pairs]
+            self.metrics.file.attrs["rank_exchange_share"] = [p[1] for p in pairs]
+
+    def rank_health(self, in_flight: int, injected_seconds: float) -> None:
+        """Collective: resident memory (start, warmed up, end), requests in flight, injected sleep."""
+        mine = (self.rss_start, self.rss_warm, resident_mb(), in_flight, injected_seconds)
+        rows = self._gather(mine)
+        names = (
+            "rank_rss_start_mb",
+            "rank_rss_warm_mb",
+            "rank_rss_end_mb",
+            "rank_in_flight",
+            "rank_slowed_s",
+        )
+        if self.metrics is not None:
+            for i, name in enumerate(names):
+                self.metrics.file.attrs[name] = [row[i] for row in rows]
+
+    def close(self, result: RunResult | None = None, learners: int | None = None) -> None:
+        """Write the result's figures as attributes and close the metrics file (idempotent)."""
+        self.close_bar()
+        if self.metrics is None:
+            return
+        attrs: dict[str, Any] = {}
+        if result is not None:
+            attrs = {k: v for k, v in dataclasses.asdict(result).items() if k != "run_dir"}
+            attrs["learners"] = learners
+        self.metrics.close(**attrs)
