@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from mpicrossbow.training.step import train_step
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -82,18 +84,18 @@ def only_run(out: Path) -> Path:
 
 def train_steps(pool: Any, rule: Any, steps: int, sleep_s: float = 0.0) -> list[np.ndarray]:
     """The session's step loop without the session, for in-process rule tests: each epoch started as it
-    begins, then per step compute → ``rule.on_gradients`` → apply → ``rule.exchange``, then ``sleep_s`` (a
-    test's straggler). Returns every step's gradients as the rule received them, ``(learners, P)`` arrays:
-    what the differential tests replay in numpy."""
+    begins, then :func:`~mpicrossbow.training.step.train_step`, then ``sleep_s`` (a test's straggler).
+    Returns every step's gradients as the rule received them, ``(learners, P)`` arrays: what the
+    differential tests replay in numpy."""
     per_epoch = pool.n_batch_train
-    grads = []
+    grads: list[np.ndarray] = []
+
+    def record(step: int) -> None:
+        grads.append(np.stack([learner.grads.numpy().copy() for learner in pool.learners]))
+
     for step in range(steps):
         if step % per_epoch == 0:
             pool.start_epoch(step // per_epoch)
-        pool.compute(step % per_epoch)
-        grads.append(np.stack([learner.grads.numpy().copy() for learner in pool.learners]))
-        rule.on_gradients(step)
-        pool.apply()
-        rule.exchange(step)
+        train_step(pool, rule, step, guard=record)
         time.sleep(sleep_s)
     return grads

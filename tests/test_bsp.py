@@ -23,6 +23,7 @@ from mpicrossbow.pool import FusedPool, SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP
 from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.step import train_step
 
 STEPS = 6
 BATCH = 8
@@ -63,17 +64,17 @@ def train_bsp(
         rule = BSP(mode=mode, bucket_mb=bucket_mb).bind(comm, pool)
         buckets = rule.buckets if mode == "grad" else None
         assert (buckets is not None) == (mode == "grad" and bucket_mb > 0)
-        pool.start_epoch(0)
-        for step in range(STEPS):
-            pool.compute(step)
+
+        def guard(step: int) -> None:
             if buckets is not None:  # every bucket but the last (it carries the NaN flag) left in backward
                 assert buckets._next == len(buckets.buckets) - 1
             if skip == (comm.rank, step):
                 pool.learners[0].last_loss = torch.tensor(float("nan"))
                 pool.learners[0].grads.zero_()
-            rule.on_gradients(step)
-            pool.apply()
-            rule.exchange(step)
+
+        pool.start_epoch(0)
+        for step in range(STEPS):
+            train_step(pool, rule, step, step, guard)
         rule.finish()
         return [learner.params.numpy().copy() for learner in pool.learners]
 
@@ -149,9 +150,7 @@ def test_buckets_follow_a_resized_pool(engine: type) -> None:
                     rule.on_resize()
                 pool.start_epoch(epoch)
                 for step in range(3):
-                    pool.compute(step)
-                    rule.on_gradients(step)
-                    pool.apply()
+                    train_step(pool, rule, step, step)
             rule.finish()
             return [learner.params.numpy().copy() for learner in pool.learners]
 
@@ -258,10 +257,7 @@ def test_buckets_are_skipped_when_the_communicator_cannot_overlap() -> None:
         assert rule.buckets is None
         pools[comm.rank].start_epoch(0)
         for step in range(STEPS):
-            pools[comm.rank].compute(step)
-            rule.on_gradients(step)
-            pools[comm.rank].apply()
-            rule.exchange(step)
+            train_step(pools[comm.rank], rule, step, step)
         return [learner.params.numpy().copy() for learner in pools[comm.rank].learners]
 
     final = [params for per_rank in InProcessWorld(2).run(body) for params in per_rank]

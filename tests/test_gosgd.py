@@ -31,6 +31,7 @@ from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import GOSGD
 from mpicrossbow.rules.gosgd import UNIT
 from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.step import train_step
 
 STEPS = 10
 LR, MOMENTUM = 0.05, 0.9
@@ -102,14 +103,14 @@ def scheduled_run(
         "grads": [[] for _ in range(learners)],
     }
     pool.start_epoch(0)
-    for step in range(steps):
-        pool.compute(step)
+
+    def record(step: int) -> None:
         for j, learner in enumerate(pool.learners):
             out["grads"][j].append(learner.grads.numpy().copy())
-        rule.on_gradients(step)
-        pool.apply()
-        time.sleep(delay())
-        rule.exchange(step)
+
+    for step in range(steps):
+        time.sleep(delay())  # uneven arrivals between one exchange and the next
+        train_step(pool, rule, step, step, record)
     rule.finish()
     assert rule.eval_params() is None
     rule.sync_state()

@@ -181,7 +181,7 @@ def test_diloco_with_unit_outer_lr_and_no_momentum_is_localsgd() -> None:
 def test_diloco_checkpoint_round_trip() -> None:
     *_, rules, _ = run(1, lambda: DiLoCo(period=3))
     state = rules[0].state_dict()
-    assert state["hyper"] == {"period": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
+    assert state["hyper"] == {"period": 3, "inner_period": 0, "outer_lr": 0.7, "outer_momentum": 0.9}
     assert state["v"].abs().sum() > 0
     torch.manual_seed(0)
     pool = SerialPool(MLP(hidden=16), PoolSpec(0, 1, 8, OptimSection(lr=LR), torch.device("cpu"), seed=1))

@@ -33,32 +33,22 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..launch.devices import DeviceSpec, parse_devices
+from . import sections as s
 from .fields import build
-from .sections import (
-    CheckpointSection,
-    CommSection,
-    DataSection,
-    FaultSection,
-    NumaSection,
-    OptimSection,
-    PoolSection,
-    SessionSection,
-    WatchdogSection,
-)
 
 TOP = "__top__"
 
 #: Section name → dataclass, for the sections with fixed keys.
 SECTIONS: dict[str, type] = {
-    "session": SessionSection,
-    "optim": OptimSection,
-    "data": DataSection,
-    "pool": PoolSection,
-    "comm": CommSection,
-    "numa": NumaSection,
-    "checkpoint": CheckpointSection,
-    "watchdog": WatchdogSection,
-    "fault": FaultSection,
+    "session": s.SessionSection,
+    "optim": s.OptimSection,
+    "data": s.DataSection,
+    "pool": s.PoolSection,
+    "comm": s.CommSection,
+    "numa": s.NumaSection,
+    "checkpoint": s.CheckpointSection,
+    "watchdog": s.WatchdogSection,
+    "fault": s.FaultSection,
 }
 #: Sections whose keys belong to a plug-in (the rule's hyper-parameters, the model's keyword arguments).
 FREE_SECTIONS = ("rule", "model")
@@ -74,15 +64,15 @@ class Config:
     modelfile: str
     modelclass: str
     devices: tuple[DeviceSpec, ...]
-    session: SessionSection = field(default_factory=SessionSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    data: DataSection = field(default_factory=DataSection)
-    pool: PoolSection = field(default_factory=PoolSection)
-    comm: CommSection = field(default_factory=CommSection)
-    numa: NumaSection = field(default_factory=NumaSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    watchdog: WatchdogSection = field(default_factory=WatchdogSection)
-    fault: FaultSection = field(default_factory=FaultSection)
+    session: s.SessionSection = field(default_factory=s.SessionSection)
+    optim: s.OptimSection = field(default_factory=s.OptimSection)
+    data: s.DataSection = field(default_factory=s.DataSection)
+    pool: s.PoolSection = field(default_factory=s.PoolSection)
+    comm: s.CommSection = field(default_factory=s.CommSection)
+    numa: s.NumaSection = field(default_factory=s.NumaSection)
+    checkpoint: s.CheckpointSection = field(default_factory=s.CheckpointSection)
+    watchdog: s.WatchdogSection = field(default_factory=s.WatchdogSection)
+    fault: s.FaultSection = field(default_factory=s.FaultSection)
     #: ``[rule]`` as written (strings from a file); the rule validates them once, when it is built.
     rule_params: Mapping[str, Any] = field(default_factory=dict)
     model_params: Mapping[str, str] = field(default_factory=dict)

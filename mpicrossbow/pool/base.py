@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from ..errors import DataError
 from .learner import Learner
 
 
@@ -97,3 +99,32 @@ class LearnerPool(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release data files and model resources."""
+
+
+def next_batch(batches: Iterator[Any], count: int, expected: int) -> Any:
+    """A learner's next ``(inputs, targets)``; a DataError when ``train_batches()`` ends early."""
+    try:
+        return next(batches)
+    except StopIteration:
+        raise DataError(
+            f"train_batches() ended after {count} batches but n_batch_train says {expected}"
+        ) from None
+
+
+@contextmanager
+def params_loaded(learner: Any, params: torch.Tensor | None) -> Iterator[Any]:
+    """``learner`` with ``params`` copied into its weights for the block (None: its own), restored after."""
+    saved = None
+    if params is not None:
+        saved = learner.params.clone()
+        learner.params.copy_(params)
+    try:
+        yield learner
+    finally:
+        if saved is not None:
+            learner.params.copy_(saved)
+
+
+def summed(rows: Sequence[Sequence[float]]) -> tuple[float, float, float]:
+    """Column sums of ``(loss sum, hits, samples)`` rows."""
+    return tuple(sum(col) for col in zip(*rows, strict=True))  # type: ignore[return-value]

@@ -47,9 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import CheckpointError, ContractError, DataError
+from ..errors import CheckpointError, ContractError
 from ..model.contract import TorchModel
-from .base import LearnerPool
+from .base import LearnerPool, next_batch, params_loaded, summed
 from .flat import empty_flat, point_into
 from .fuse import FlatSlots, FusedNetwork
 from .learner import evaluate
@@ -186,12 +186,7 @@ class FusedPool(LearnerPool):
         """Every learner's next batch, stacked to ``(m, N, …)`` inputs and ``(m, N)`` targets."""
         inputs, targets = [], []
         for batches in self._iters:
-            try:
-                x, y = next(batches)
-            except StopIteration:
-                raise DataError(
-                    f"train_batches() ended after {count} batches but n_batch_train says {self.n_batch_train}"
-                ) from None
+            x, y = next_batch(batches, count, self.n_batch_train)
             inputs.append(x)
             targets.append(y)
         x, y = torch.stack(inputs), torch.stack(targets)
@@ -349,20 +344,9 @@ class FusedPool(LearnerPool):
 
     def validate(self, params: torch.Tensor | None = None, data: Any = None) -> tuple[float, float, float]:
         """Evaluate learner 0 (or ``params`` loaded into it) on every learner's val shard, or on ``data``."""
-        learner = self.learners[0]
-        saved = None
-        if params is not None:
-            saved = learner.params.clone()
-            learner.params.copy_(params)
-        try:
-            totals = [
-                evaluate(learner.module, self.model, self.device, d.val_batches())
-                for d in ([data] if data is not None else self.datas)
-            ]
-        finally:
-            if saved is not None:
-                learner.params.copy_(saved)
-        return tuple(sum(col) for col in zip(*totals, strict=True))  # type: ignore[return-value]
+        with params_loaded(self.learners[0], params) as learner:
+            sets = [data] if data is not None else self.datas
+            return summed([evaluate(learner.module, self.model, self.device, d.val_batches()) for d in sets])
 
 
 def _offsets(tensors: list[torch.Tensor]) -> dict[int, int]:

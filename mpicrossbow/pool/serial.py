@@ -11,7 +11,7 @@ import torch
 from ..errors import CheckpointError, DataError
 from ..model.contract import check_data
 from ..model.shard import Shard
-from .base import LearnerPool
+from .base import LearnerPool, next_batch, params_loaded, summed
 from .learner import Learner
 from .spec import PoolSpec
 
@@ -96,13 +96,7 @@ class SerialPool(LearnerPool):
     def compute(self, count: int) -> None:
         """Forward and backward of each learner on its next batch."""
         for learner, batches in zip(self.learners, self._iters, strict=True):
-            try:
-                inputs, targets = next(batches)
-            except StopIteration:
-                raise DataError(
-                    f"train_batches() ended after {count} batches but n_batch_train says {self.n_batch_train}"
-                ) from None
-            learner.forward_backward(inputs, targets)
+            learner.forward_backward(*next_batch(batches, count, self.n_batch_train))
 
     def skip(self, count: int) -> None:
         """Pass over each learner's first ``count`` batches of this epoch (resuming mid-epoch)."""
@@ -163,19 +157,11 @@ class SerialPool(LearnerPool):
 
     def take_stats(self) -> tuple[float, float, float]:
         """Training stats summed over learners."""
-        totals = [learner.take_stats() for learner in self.learners]
-        return tuple(sum(col) for col in zip(*totals, strict=True))  # type: ignore[return-value]
+        return summed([learner.take_stats() for learner in self.learners])
 
     def validate(self, params: torch.Tensor | None = None, data: Any = None) -> tuple[float, float, float]:
         """Evaluate learner 0 (or ``params`` loaded into it) on every learner's val shard, or on ``data``."""
-        learner = self.learners[0]
-        saved = None
-        if params is not None:
-            saved = learner.params.clone()
-            learner.params.copy_(params)
-        try:
-            totals = [learner.evaluate(d.val_batches()) for d in ([data] if data is not None else self.datas)]
-        finally:
-            if saved is not None:
-                learner.params.copy_(saved)
-        return tuple(sum(col) for col in zip(*totals, strict=True))  # type: ignore[return-value]
+        with params_loaded(self.learners[0], params) as learner:
+            return summed(
+                [learner.evaluate(d.val_batches()) for d in ([data] if data is not None else self.datas)]
+            )

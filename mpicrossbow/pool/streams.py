@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
+from .base import next_batch
 from .serial import SerialPool
 from .spec import PoolSpec
 
@@ -60,12 +61,7 @@ class StreamsPool(SerialPool):
         for learner, batches, stream, done in zip(
             self.learners, self._iters, self.streams, self.events, strict=True
         ):
-            try:
-                inputs, targets = next(batches)
-            except StopIteration:
-                raise DataError(
-                    f"train_batches() ended after {count} batches but n_batch_train says {self.n_batch_train}"
-                ) from None
+            inputs, targets = next_batch(batches, count, self.n_batch_train)
             stream.wait_event(ready)
             with torch.cuda.stream(stream):
                 learner.forward_backward(inputs, targets)

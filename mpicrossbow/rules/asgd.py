@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.fields import setting
-from .parameter_server import ServerRule
+from .parameter_server import ServerConfig, ServerRule
 from .registry import RULES
 
 
@@ -24,11 +24,9 @@ class ASGD(ServerRule):
     """Asynchronous pushes of Δ every τ steps, applied by the server on arrival."""
 
     @dataclass(frozen=True)
-    class Config:
+    class Config(ServerConfig):
         """ASGD hyper-parameters."""
 
-        tau: int = setting(1, "push Δ and pull w every τ local steps", ge=1)
         scale: float = setting(1.0, "the server applies w ← w + scale·Δ (0: 1 / all workers' learners)", ge=0)
-        servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
 
     name = "ASGD"

@@ -12,7 +12,9 @@ momentum=μ_out, nesterov=True)`` (dampening 0, no weight decay) would:
     z ← z − η_out (Δ + μ_out v)
 
 and every learner restarts from z (its inner momentum buffer is kept). With ``outer_lr = 1`` and
-``outer_momentum = 0`` this is z ← w̄: LOCALSGD. Validation and checkpoints use z; checkpoints hold z and v.
+``outer_momentum = 0`` this is z ← w̄: LOCALSGD, which DILOCO extends (the average every H steps, and
+LOCALSGD's optional node-local average every ``inner_period`` steps in between, then the outer step).
+Validation and checkpoints use z; checkpoints hold z and v.
 
 Defaults: ``outer_lr`` 0.7 and ``outer_momentum`` 0.9 are the paper's; its H = 500 inner steps suits
 language-model pre-training of many thousands of steps, so ``period`` defaults to 8 here, like LOCALSGD's,
@@ -30,18 +32,18 @@ from typing import Any
 import torch
 
 from ..config.fields import setting
-from .base import Rule
+from .localsgd import LocalSGD
 from .registry import RULES
 
 log = logging.getLogger(__name__)
 
 
 @RULES.register("DILOCO")
-class DiLoCo(Rule):
-    """H inner steps, then an outer Nesterov-momentum step on z from the pseudo-gradient z − mean(w)."""
+class DiLoCo(LocalSGD):
+    """LOCALSGD's averages, then an outer Nesterov-momentum step on z from the pseudo-gradient z − mean(w)."""
 
     @dataclass(frozen=True)
-    class Config:
+    class Config(LocalSGD.Config):
         """DILOCO hyper-parameters (the inner optimizer is ``[optim]``)."""
 
         period: int = setting(8, "H: inner steps between two outer steps", ge=1)
@@ -52,29 +54,16 @@ class DiLoCo(Rule):
 
     def on_bind(self) -> None:
         """z starts as the (broadcast) replica; the outer momentum v as zeros."""
+        super().on_bind()
         assert self.pool is not None
         self.z = self.pool.learners[0].params.clone()
         self.v = torch.zeros_like(self.z)
         self.delta = torch.zeros_like(self.z)
-        log.info(
-            "DILOCO over %d learner(s): outer step every %d step(s), η_out = %g, μ_out = %g",
-            self.world_learners,
-            self.hyper.period,
-            self.hyper.outer_lr,
-            self.hyper.outer_momentum,
-        )
+        log.info("DILOCO outer step: η_out = %g, μ_out = %g", self.hyper.outer_lr, self.hyper.outer_momentum)
 
-    def on_resize(self) -> None:
-        """Nothing per learner: k is read from the pool at every average."""
-        log.info("DILOCO now over %d learner(s)", self.world_learners)
-
-    def exchange(self, step: int) -> None:
-        """Every H-th step: w̄ by one allreduce, Δ = z − w̄, the outer Nesterov step on z, learners ← z."""
-        if (step + 1) % self.hyper.period:
-            return
+    def after_average(self) -> None:
+        """Every learner holds w̄: Δ = z − w̄, the outer Nesterov step on z, learners ← z."""
         assert self.pool is not None
-        self.average("params")
-        self.average("buffers")
         mu, lr = self.hyper.outer_momentum, self.hyper.outer_lr
         torch.sub(self.z, self.pool.learners[0].params, out=self.delta)
         self.v.mul_(mu).add_(self.delta)

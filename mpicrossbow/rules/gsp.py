@@ -34,7 +34,7 @@ from ..comm.base import Communicator, ReduceOp
 from ..config.fields import setting
 from ..errors import ConfigError
 from .grouping import group_by_speed, group_of, read_groups, read_shares
-from .parameter_server import UPDATE, ParameterServer, Policy, ServerRule
+from .parameter_server import UPDATE, ParameterServer, Policy, ServerConfig, ServerRule
 from .registry import RULES
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class GSP(ServerRule):
     """Synchronous groups of workers, asynchronous across groups with MXNet-G's 1/Y staleness weight."""
 
     @dataclass(frozen=True)
-    class Config:
+    class Config(ServerConfig):
         """GSP hyper-parameters."""
 
         groups: str = setting(
@@ -70,7 +70,6 @@ class GSP(ServerRule):
         scale: float = setting(
             1.0, "the server applies w ← w + scale·Δ/Y (0: 1 / all workers' learners)", ge=0
         )
-        servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
         probe_steps: int = setting(
             20, "groups = auto: steps timed (as one group) before the groups form", ge=1
         )

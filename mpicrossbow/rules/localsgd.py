@@ -70,7 +70,8 @@ class LocalSGD(Rule):
             except NotImplementedError as exc:
                 raise ConfigError(f"[rule] inner_period needs node-local groups: {exc}") from exc
         log.info(
-            "LOCALSGD over %d learner(s): global average every %d step(s), node average %s",
+            "%s over %d learner(s): global average every %d step(s), node average %s",
+            self.name,
             self.world_learners,
             self.hyper.period,
             f"every {self.hyper.inner_period} step(s) over {self.node.size} rank(s)" if self.node else "off",
@@ -78,7 +79,10 @@ class LocalSGD(Rule):
 
     def on_resize(self) -> None:
         """Nothing per learner: k is read from the pool at every average."""
-        log.info("LOCALSGD now over %d learner(s)", self.world_learners)
+        log.info("%s now over %d learner(s)", self.name, self.world_learners)
+
+    def after_average(self) -> None:
+        """Called right after every global average (every learner holds the mean): DILOCO's outer step."""
 
     def exchange(self, step: int) -> None:
         """After the local step: the global mean every H steps, else the node's mean every H_in steps."""
@@ -86,6 +90,7 @@ class LocalSGD(Rule):
         if (step + 1) % self.hyper.period == 0:
             self.average("params")
             self.average("buffers")
+            self.after_average()
         elif self.node is not None and (step + 1) % self.hyper.inner_period == 0:
             self.average("params", self.node)
             self.average("buffers", self.node)

@@ -32,11 +32,13 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..comm.base import Communicator, Handle
+from ..config.fields import setting
 from ..errors import ConfigError
 from .base import Rule
 from .request_loop import Order, serve_requests
@@ -199,11 +201,19 @@ class ParameterServer:
             self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
 
 
-class ServerRule(Rule):
-    """Base of the parameter-server rules: ranks 0..S-1 serve, the others push every τ steps and pull.
+@dataclass(frozen=True)
+class ServerConfig:
+    """Hyper-parameters every parameter-server rule has; a rule's own ``Config`` subclasses this one."""
 
-    Subclass ``Config`` dataclasses carry ``tau``, ``scale`` and ``servers``.
-    """
+    tau: int = setting(1, "push Δ and pull w every τ local steps", ge=1)
+    scale: float = setting(0.0, "the server applies w ← w + scale·Δ (0: 1 / all workers' learners)", ge=0)
+    servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
+
+
+class ServerRule(Rule):
+    """Base of the parameter-server rules: ranks 0..S-1 serve, the others push every τ steps and pull."""
+
+    Config = ServerConfig
 
     def policy(self) -> Policy:
         """When the server merges and replies (asynchronous SGD: always, at once)."""

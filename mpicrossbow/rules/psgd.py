@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.fields import setting
-from .parameter_server import ParameterServer, Policy, ServerRule
+from .parameter_server import ParameterServer, Policy, ServerConfig, ServerRule
 from .registry import RULES
 
 
@@ -45,13 +45,10 @@ class PSGD(ServerRule):
     """Asynchronous merges; a worker ``max_advance`` ahead waits until all others reported again."""
 
     @dataclass(frozen=True)
-    class Config:
+    class Config(ServerConfig):
         """PSGD hyper-parameters."""
 
         max_advance: int = setting(4, "pushes ahead of the slowest that make a worker wait for all", ge=1)
-        tau: int = setting(1, "push Δ and pull w every τ local steps", ge=1)
-        scale: float = setting(0.0, "the server applies w ← w + scale·Δ (0: 1 / all workers' learners)", ge=0)
-        servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
 
     name = "PSGD"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.fields import setting
-from .parameter_server import ServerRule, StalenessBound
+from .parameter_server import ServerConfig, ServerRule, StalenessBound
 from .registry import RULES
 
 
@@ -28,13 +28,10 @@ class SSP(ServerRule):
     """Parameter-server SGD whose workers stay within ``staleness`` pushes of the slowest."""
 
     @dataclass(frozen=True)
-    class Config:
+    class Config(ServerConfig):
         """SSP hyper-parameters."""
 
         staleness: int = setting(2, "s: pushes a worker may run ahead of the slowest (0: BSP)", ge=0)
-        tau: int = setting(1, "push Δ and pull w every τ local steps", ge=1)
-        scale: float = setting(0.0, "the server applies w ← w + scale·Δ (0: 1 / all workers' learners)", ge=0)
-        servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
 
     name = "SSP"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.fields import setting
-from .parameter_server import ParameterServer, Policy, ServerRule
+from .parameter_server import ParameterServer, Policy, ServerConfig, ServerRule
 from .registry import RULES
 
 
@@ -34,13 +34,10 @@ class WeedOut(ServerRule):
     """Asynchronous merges that weed out pushes computed from too-old weights."""
 
     @dataclass(frozen=True)
-    class Config:
+    class Config(ServerConfig):
         """WEEDOUT hyper-parameters."""
 
         n: int = setting(0, "merge only pushes at most max(n, workers) reports old", ge=0)
-        tau: int = setting(1, "push Δ and pull w every τ local steps", ge=1)
-        scale: float = setting(0.0, "the server applies w ← w + scale·Δ (0: 1 / all workers' learners)", ge=0)
-        servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
 
     name = "WEEDOUT"
 

@@ -22,6 +22,7 @@ from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP
+from mpicrossbow.training.step import train_step
 
 STEPS, BATCH = 6, 8
 OPTIM = OptimSection(lr=0.1, momentum=0.9, weight_decay=1e-3)
@@ -44,9 +45,7 @@ def train(learners: int, bucket_mb: float) -> list[np.ndarray]:
     rule = BSP(mode="grad", bucket_mb=bucket_mb).bind(comm, pool)
     pool.start_epoch(0)
     for step in range(STEPS):
-        pool.compute(step)
-        rule.on_gradients(step)
-        pool.apply()
+        train_step(pool, rule, step, step)
     rule.finish()
     mine = [learner.params.numpy().copy() for learner in pool.learners]
     return [p for part in MPI.COMM_WORLD.allgather(mine) for p in part]

@@ -24,6 +24,7 @@ from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import GOSGD
+from mpicrossbow.training.step import train_step
 
 torch.set_num_threads(1)
 comm = MPICommunicator()
@@ -39,10 +40,8 @@ pool = SerialPool(
 rule = GOSGD(p=0.3, seed=11).bind(comm, pool)
 pool.start_epoch(0)
 for step in range(25 + 5 * comm.rank):
-    pool.compute(step)
-    pool.apply()
     time.sleep(jitter.uniform(0, 0.003 * (comm.size - comm.rank)))
-    rule.exchange(step)
+    train_step(pool, rule, step, step)
 rule.finish()
 weights = comm.mpi.allgather(rule.weight)
 sent = comm.mpi.allgather(rule.sent)

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the nump
 
 from test_rules_sync import LR, MOMENTUM, STEPS, numpy_easgd, numpy_sma
 
+from conftest import train_steps
 from models.mlp import MLP
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.config import OptimSection
@@ -37,14 +38,7 @@ for name, (make_rule, nesterov) in CASES.items():
     pool = SerialPool(MLP(hidden=16), PoolSpec(world.rank, size, 8, optim, torch.device("cpu"), seed=1))
     rule = make_rule().bind(comm, pool)
     start = pool.learners[0].params.numpy().copy()
-    grads = []
-    pool.start_epoch(0)
-    for step in range(STEPS):
-        pool.compute(step)
-        grads.append(pool.learners[0].grads.numpy().copy())
-        rule.on_gradients(step)
-        pool.apply()
-        rule.exchange(step)
+    grads = [per_learner[0] for per_learner in train_steps(pool, rule, STEPS)]
     rule.finish()
     gathered = world.gather(
         (grads, pool.learners[0].params.numpy().copy(), rule.eval_params().numpy().copy())

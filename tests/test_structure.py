@@ -1,0 +1,102 @@
+"""The package's shape, as the house rules state it: an acyclic import graph (function-level imports and
+``importlib.import_module("...")`` included), no function longer than 80 lines, a Session that only
+assembles. Read from the source with :mod:`ast`; nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "mpicrossbow"
+MAX_FUNCTION_LINES = 80
+MAX_SESSION_LINES = 300
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(path: Path, known: dict[str, Path]) -> set[str]:
+    """The package modules ``path`` imports anywhere in its body (resolved to modules, not names)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            targets.add(source)
+            targets.update(f"{source}.{a.name}" for a in node.names)  # `from pkg import module`
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            targets.add(str(node.args[0].value))
+    return {t for t in targets if t in known and t != name}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a list of nodes (first == last), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_import_graph_has_no_cycle() -> None:
+    known = modules()
+    graph = {name: imported(path, known) for name, path in known.items()}
+    # A package's __init__ runs before its submodules; a submodule importing its own package's __init__
+    # (directly or not) while __init__ imports it back is a cycle too, so __init__ modules stay in the graph.
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_function_is_longer_than_80_lines() -> None:
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "functions longer than 80 lines: " + "; ".join(long)
+
+
+def test_session_only_assembles() -> None:
+    lines = len((PACKAGE / "training" / "session.py").read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_SESSION_LINES, f"training/session.py has {lines} lines (at most {MAX_SESSION_LINES})"
