@@ -40,6 +40,8 @@ _LAZY = {
     "TorchModel": "mpicrossbow.model",
     "Shard": "mpicrossbow.model",
     "Residual": "mpicrossbow.model",
+    "JobFailed": "mpicrossbow.compat.jobs",
+    "RunResult": "mpicrossbow.training.result",
 }
 
 __all__ = [

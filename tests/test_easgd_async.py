@@ -2,7 +2,7 @@
 
 * A differential test at world sizes 2 and 4: the server answers in a fixed order (the ``order`` test hook,
   which blocks on one worker at a time), every worker's gradients are recorded, and numpy replays
-  ALGORITHMS.md's asynchronous equations with those gradients in that order. Size 1 has no worker (rank 0
+  docs/rules.md's asynchronous equations with those gradients in that order. Size 1 has no worker (rank 0
   only serves) and is rejected with a ConfigError.
 * Termination with uneven worker speeds, in arrival order: every rank returns, the slow worker does not hold
   the fast one, every posted receive was consumed and every message received (nothing in flight).
@@ -109,7 +109,7 @@ def numpy_async_easgd(
     nesterov: bool,
     order: Order,
 ) -> tuple[dict[int, np.ndarray], np.ndarray, int]:
-    """ALGORITHMS.md's asynchronous EASGD with the recorded gradients, requests served in ``order``.
+    """docs/rules.md's asynchronous EASGD with the recorded gradients, requests served in ``order``.
 
     A worker's weights are [learners, n]; one request serves its learners one after another.
     """

@@ -1,4 +1,4 @@
-"""GOSGD against a plain-numpy implementation of ALGORITHMS.md, exact weights, termination, real MPI.
+"""GOSGD against a plain-numpy implementation of docs/rules.md, exact weights, termination, real MPI.
 
 With a deterministic schedule every rank knows which messages it must merge at each step, so the result is
 reproducible and numpy can replay the equations with the gradients each learner recorded. With random

@@ -97,7 +97,7 @@ def numpy_server(
     kind: str = "ssp",
     n: int = 0,
 ) -> tuple[dict[int, np.ndarray], np.ndarray, int]:
-    """ALGORITHMS.md's parameter-server SGD served in ``order``.
+    """docs/rules.md's parameter-server SGD served in ``order``.
 
     ``kind``: ``ssp`` (hold while c − c_min > s; s = ∞ is ASGD), ``psgd`` (s = max_advance: once a push puts a
     worker s ahead, hold it until every other training worker pushed again), ``weedout`` (merge only pushes
@@ -298,7 +298,7 @@ def test_sharded_servers_and_several_learners_equal_numpy(name: str, servers: in
 def numpy_gsp(
     w0: np.ndarray, grads: dict[int, list[np.ndarray]], groups: list[list[int]], scale: float, order: Order
 ) -> tuple[dict[int, np.ndarray], np.ndarray, list[float]]:
-    """ALGORITHMS.md's GSP: a group steps on its members' mean gradient; its leader's pushes are served in
+    """docs/rules.md's GSP: a group steps on its members' mean gradient; its leader's pushes are served in
     ``order`` and applied with weight 1/Y, Y = 1 + updates since the group last pulled."""
     k = len(groups)
     x = [w0.astype(np.float64).copy() for _ in range(k)]

@@ -1,4 +1,4 @@
-"""SMA and synchronous EASGD against plain-numpy implementations of ALGORITHMS.md, fed the same gradients.
+"""SMA and synchronous EASGD against plain-numpy implementations of docs/rules.md, fed the same gradients.
 
 Each rank (a thread of the in-process world, sizes 1, 2 and 4) trains an MLP replica on its own digits shard;
 the gradient every learner computed at every step is recorded, and numpy replays the rule's equations with

@@ -66,11 +66,11 @@ def test_sbatch_template_trains_digits_to_95_percent(
     assert len({row.split()[3] for row in table[1:]}) == 2  # two ranks, two different cores
 
 
-def test_templates_are_valid_bash_and_document_the_requeue_limit() -> None:
+def test_templates_are_valid_bash_and_document_checkpoint_on_signal() -> None:
     for path in sorted(TEMPLATES.glob("*.sbatch")):
         proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, (path.name, proc.stderr)
         text = path.read_text()
         assert "#SBATCH --output=slurm-%j.out" in text and "$RUNS/$SLURM_JOB_ID" in text
-        assert "SIGUSR1" in text and "NOT available yet" in text
+        assert "#SBATCH --signal=USR1@" in text and "checkpoint.resume=" in text
     assert "--gpus-per-node=8" in (TEMPLATES / "gpu-nodes.sbatch").read_text()

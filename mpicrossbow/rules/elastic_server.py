@@ -10,7 +10,7 @@ Theano-MPI style: the centre x~ lives on a server rank that does not train. Who 
 * The server keeps **one posted receive per worker** and tests them all in a loop, never blocking on one
   worker, so a slow worker never stalls the others. For each request, as it arrives, it computes
   ``e = α (x_i − x~)`` with the x_i that was sent, applies ``x~ ← x~ + e``, sends ``e`` back and re-posts
-  that worker's receive. ALGORITHMS.md has the worker read x~ and compute e itself; computing e at the server
+  that worker's receive. docs/rules.md has the worker read x~ and compute e itself; computing e at the server
   is the same update made atomic (no other worker's update can slip between the read of x~ and the write).
 * Termination: after its last step a worker sends a *done* message through the same channel (same tag,
   same size, flag element set), so it consumes the receive the server has posted for it and no receive is

@@ -9,7 +9,7 @@ per rank. Every rank then moves its identical copy of the central model: ``z ←
 The allreduce is started without waiting and completed at the start of the next step, so it overlaps the
 next forward and backward pass (Crossbow lets a learner start step t+1 once its step t is done).
 Learners start from z; when the learning-rate schedule steps down every replica is reset to z. Validation
-and checkpoints use z. ``alpha`` defaults to 1/k (k learners in all); k·α > 1 diverged in ALGORITHMS.md's
+and checkpoints use z. ``alpha`` defaults to 1/k (k learners in all); k·α > 1 diverged in docs/rules.md's
 measurements, so it is warned about.
 """
 
@@ -64,7 +64,7 @@ class SMA(Rule):
         k = self.world_learners
         self.alpha = self.hyper.alpha if self.hyper.alpha is not None else 1.0 / k
         if k * self.alpha > 1:
-            log.warning("SMA: k·α = %d × %g > 1; ALGORITHMS.md measured divergence there", k, self.alpha)
+            log.warning("SMA: k·α = %d × %g > 1; docs/rules.md measured divergence there", k, self.alpha)
         self.corrections = [torch.zeros_like(self.z) for _ in self.pool.learners]
 
     def _complete(self) -> None:

@@ -1,6 +1,6 @@
 """Crossbow's learner auto-tuner: how many learners (replicas) per device keep it busy, found by measuring.
 
-Rule (ALGORITHMS.md): start with one learner per device; at every check compare the throughput (samples/s,
+Rule (docs/rules.md): start with one learner per device; at every check compare the throughput (samples/s,
 summed over ranks) with the previous check; if it rose by more than ``threshold`` add one learner per device,
 otherwise drop the learner added last and stop tuning. A ceiling (``max_learners``) ends tuning too.
 

@@ -1,7 +1,7 @@
 """Run under ``mpiexec -n N``: SMA and synchronous EASGD over real MPI against the numpy equations.
 
 Every rank trains an MLP replica on its digits shard with MPICommunicator; rank 0 gathers the recorded
-gradients and final weights and replays ALGORITHMS.md in numpy (the same references as test_rules_sync.py).
+gradients and final weights and replays docs/rules.md in numpy (the same references as test_rules_sync.py).
 Prints one ``ok <case>`` line per case that matches, and exits non-zero on the first mismatch.
 """
 
