@@ -37,8 +37,10 @@ def imported(path: Path, known: dict[str, Path]) -> set[str]:
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
-            targets.add(source)
-            targets.update(f"{source}.{a.name}" for a in node.names)  # `from pkg import module`
+            submodules = {f"{source}.{a.name}" for a in node.names} & set(known)  # `from pkg import module`
+            targets.update(submodules)
+            if len(submodules) < len(node.names):  # some names come from the module (or package) itself
+                targets.add(source)
         elif (
             isinstance(node, ast.Call)
             and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
@@ -100,3 +102,24 @@ def test_no_function_is_longer_than_80_lines() -> None:
 def test_session_only_assembles() -> None:
     lines = len((PACKAGE / "training" / "session.py").read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_SESSION_LINES, f"training/session.py has {lines} lines (at most {MAX_SESSION_LINES})"
+
+
+def test_train_step_is_the_only_place_the_step_sequence_is_written() -> None:
+    """Whoever drives a pool and a rule (the loop, tests, MPI scripts, benchmarks) calls ``train_step``:
+    no other function calls a rule's ``on_gradients`` hook."""
+    writers = []
+    for folder in ("mpicrossbow", "tests", "benchmarks"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Module):
+                    calls = {
+                        n.func.attr
+                        for n in ast.walk(node)
+                        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                    }
+                    if {"on_gradients", "apply"} <= calls:
+                        writers.append(f"{path.relative_to(REPO)}:{getattr(node, 'name', '<module>')}")
+    assert sorted(set(writers)) == [
+        "mpicrossbow/training/step.py:<module>",
+        "mpicrossbow/training/step.py:train_step",
+    ]
