@@ -145,10 +145,7 @@ class ElasticServer:
         """Answer requests until every worker is done and every reply has been delivered."""
         for w in self.workers:
             self._post(w)
-        serve_requests(self._recvs, lambda w: self._handle(w, report), self.order)
-        for handle in self._sends.values():
-            handle.wait()
-        self._sends.clear()
+        serve_requests(self._recvs, lambda w: self._handle(w, report), self.order, self._sends)
         log.info(
             "EASGD server: %d elastic updates from %d worker(s), all done", self.updates, len(self.workers)
         )

@@ -149,10 +149,7 @@ class ParameterServer:
         """Serve pushes until every worker is done and nothing is in flight; ``report`` once per epoch."""
         for r in self.workers:
             self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
-        serve_requests(self._recvs, lambda r: self._handle(r, report), self.order)
-        for handle in self._sends.values():
-            handle.wait()
-        self._sends.clear()
+        serve_requests(self._recvs, lambda r: self._handle(r, report), self.order, self._sends)
         log.info(
             "parameter server: %d update(s) from %d worker(s), all done", self.updates, len(self.workers)
         )

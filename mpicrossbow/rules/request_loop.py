@@ -22,8 +22,14 @@ IDLE_MIN_S, IDLE_MAX_S = 2e-5, 1e-3
 Order = Callable[[int, Sequence[int]], int]
 
 
-def serve_requests(recvs: Mapping[int, Handle], handle: Callable[[int], None], order: Order | None) -> None:
-    """Call ``handle(worker)`` for each arrived request until no receive is posted in ``recvs``."""
+def serve_requests(
+    recvs: Mapping[int, Handle],
+    handle: Callable[[int], None],
+    order: Order | None,
+    sends: dict[int, Handle] | None = None,
+) -> None:
+    """Call ``handle(worker)`` for each arrived request until no receive is posted in ``recvs``; then wait
+    for every reply still in ``sends`` (and empty it), so nothing the server sent is left in flight."""
     processed, idle = 0, IDLE_MIN_S
     while recvs:
         if order is not None:
@@ -40,3 +46,7 @@ def serve_requests(recvs: Mapping[int, Handle], handle: Callable[[int], None], o
         else:
             time.sleep(idle)
             idle = min(2 * idle, IDLE_MAX_S)
+    for reply in (sends or {}).values():
+        reply.wait()
+    if sends is not None:
+        sends.clear()
