@@ -1,7 +1,7 @@
 """Core binding on a compute-bound 2-rank job: no binding vs ``core`` binding vs a deliberately bad binding.
 
-    python benchmarks/binding.py [--size 384] [--matmuls 96] [--repeats 10]
-    mpiexec -n 2 python benchmarks/binding.py [...]   # Open MPI: add --bind-to none (it binds by default)
+    python -m benchmarks.binding [--size 384] [--matmuls 96] [--repeats 10]
+    mpiexec -n 2 python -m benchmarks.binding [...]   # Open MPI: add --bind-to none (it binds by default)
 
 Every rank multiplies float32 matrices (torch.mm) in a loop, with torch threads set to the cores it is given:
 
@@ -22,9 +22,7 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import append_result, relaunch, under_mpi
 
 POLICIES = ("none", "none-all", "core", "bad")
@@ -46,7 +44,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if not under_mpi():
-        return relaunch(__file__, args.ranks, sys.argv[1:])
+        return relaunch(__spec__.name, args.ranks, sys.argv[1:])
     import torch
     from mpi4py import MPI
 

@@ -1,7 +1,7 @@
 """``[comm] compression``: digits accuracy with fp32, bf16 and fp16 exchange for every rule, and the time of a
 100 MB exchange in bf16/fp16 against fp32 at 2 ranks, side by side.
 
-    python benchmarks/compression.py [--seeds 0] [--numel 25000000] [--repeats 10]
+    python -m benchmarks.compression [--seeds 0] [--numel 25000000] [--repeats 10]
 
 Accuracy: every rule's digits job (launch/digits.cfg) at the world size and with the settings of its digits
 test (tests/test_compression_mpi.py), once per compression and seed; the table gives the final validation
@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import REPO, append_result, relaunch, under_mpi
 
 #: (label, world size, overrides, target) of every rule: the settings of tests/test_compression_mpi.py.
@@ -199,7 +198,7 @@ def exchange_table(args: argparse.Namespace) -> str:
         out = Path(tmp) / "exchange.json"
         argv = ["--exchange-json", str(out), "--numel", str(args.numel), "--repeats", str(args.repeats),
                 "--warmup", str(args.warmup)]  # fmt: skip
-        if relaunch(__file__, 2, argv) != 0:
+        if relaunch(__spec__.name, 2, argv) != 0:
             raise SystemExit("the exchange benchmark failed")
         found = json.loads(out.read_text(encoding="utf-8"))
     samples = found["samples"]

@@ -9,9 +9,9 @@ Every variant is built fresh for every round, outside the timed region; the roun
 variants, so machine noise and warm-up hit all alike. Reports samples/s summed over ranks (median over
 rounds) and the ratios.
 
-    python benchmarks/ddp.py                         # re-launches itself with mpiexec -n 2
-    python benchmarks/ddp.py --ranks 4 --models vgg16 --rounds 3
-    python benchmarks/ddp.py --bucket-mb 1,5,25      # one BSP column per bucket size, plus 0 (no overlap)
+    python -m benchmarks.ddp                         # re-launches itself with mpiexec -n 2
+    python -m benchmarks.ddp --ranks 4 --models vgg16 --rounds 3
+    python -m benchmarks.ddp --bucket-mb 1,5,25      # one BSP column per bucket size, plus 0 (no overlap)
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import append_result, relaunch, under_mpi
 from data.synthetic import Synthetic
 from models.lenet import LeNet
@@ -195,7 +193,7 @@ def measure(
 def main() -> int:
     args = parse_args(sys.argv[1:])
     if not under_mpi():
-        return relaunch(__file__, args.ranks, sys.argv[1:])
+        return relaunch(__spec__.name, args.ranks, sys.argv[1:])
     from mpicrossbow.launch.world import detect_world
     from mpicrossbow.log import setup_logging
 

@@ -2,8 +2,8 @@
 plain MPICommunicator against raw mpi4py ``Allreduce``, torch.distributed Gloo and one memcpy of the same
 bytes, side by side in one run.
 
-    python benchmarks/exchange.py [--ranks 2,4] [--sizes 1K,16K,256K,4M,16M,100M,400M]
-    mpiexec -n 2 python benchmarks/exchange.py [...]    # one world size, the one mpiexec started
+    python -m benchmarks.exchange [--ranks 2,4] [--sizes 1K,16K,256K,4M,16M,100M,400M]
+    mpiexec -n 2 python -m benchmarks.exchange [...]    # one world size, the one mpiexec started
 
 Without an MPI launcher the script re-launches itself under this environment's mpiexec once per ``--ranks``
 entry, then writes one section (command, versions, machine, one table per world size) to
@@ -29,7 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import RESULTS, append_result, relaunch, under_mpi
 
 SHM = "framework, shared memory (SharedMemoryCommunicator)"
@@ -253,7 +252,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in (int(r) for r in args.ranks.split(",")):
             path = os.path.join(tmp, f"{ranks}.json")
-            code = relaunch(__file__, ranks, [*sys.argv[1:], "--json", path])
+            code = relaunch(__spec__.name, ranks, [*sys.argv[1:], "--json", path])
             if code != 0:
                 return code
             results.append(json.loads(Path(path).read_text(encoding="utf-8")))

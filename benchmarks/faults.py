@@ -6,7 +6,7 @@ its exit status, whether the failing rank was named (by our one-line message, or
 leaves the rank no chance to speak — by the launcher's PID matched through the job's ``rank processes``
 log line), and whether any process of the run survived. Writes ``benchmarks/results/faults.md``.
 
-    python benchmarks/faults.py [--repeats 20]
+    python -m benchmarks.faults [--repeats 20]
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import REPO, append_result
 
 TIMEOUT_S = 60

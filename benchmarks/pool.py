@@ -7,8 +7,8 @@ the fused ÷ serial ratio. Torch threads are set explicitly (1 = one MPI rank's 
 two ranks run; 2 = the whole machine). With CUDA present the same grid runs on the GPU too; without it that
 part is skipped with a note (the ``streams`` engine (CUDA only) is not measured by this script yet).
 
-    python benchmarks/pool.py             # full grid, 1 and 2 threads; appends to results/pool.md + PNG
-    python benchmarks/pool.py --quick     # m ∈ {1, 8}, batch ∈ {4, 16}, 1 thread, short rounds
+    python -m benchmarks.pool             # full grid, 1 and 2 threads; appends to results/pool.md + PNG
+    python -m benchmarks.pool --quick     # m ∈ {1, 8}, batch ∈ {4, 16}, 1 thread, short rounds
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import RESULTS, append_result
 
 

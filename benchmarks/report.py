@@ -24,8 +24,9 @@ def under_mpi() -> bool:
     return any(v in os.environ for v in LAUNCHER_VARS)
 
 
-def relaunch(script: str, ranks: int, argv: list[str], timeout_s: float = 1800) -> int:
-    """Run ``script argv`` again under the mpiexec next to the interpreter (else on PATH); its exit status."""
+def relaunch(module: str, ranks: int, argv: list[str], timeout_s: float = 1800) -> int:
+    """Run ``python -m module argv`` again under the mpiexec next to the interpreter (else on PATH), from
+    the repository root; its exit status. Benchmarks run as modules (``python -m benchmarks.NAME``)."""
     here = Path(sys.executable).parent
     launcher = next((str(here / n) for n in ("mpiexec", "mpirun") if (here / n).exists()), None)
     launcher = launcher or shutil.which("mpiexec") or shutil.which("mpirun")
@@ -34,14 +35,17 @@ def relaunch(script: str, ranks: int, argv: list[str], timeout_s: float = 1800) 
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     )
-    env["MPICROSSBOW_BENCH_COMMAND"] = " ".join(["python", Path(script).relative_to(REPO).as_posix(), *argv])
-    cmd = [launcher, "-n", str(ranks), sys.executable, str(script), *argv]
-    return subprocess.run(cmd, env=env, timeout=timeout_s).returncode
+    env["MPICROSSBOW_BENCH_COMMAND"] = " ".join(["python", "-m", module, *argv])
+    cmd = [launcher, "-n", str(ranks), sys.executable, "-m", module, *argv]
+    return subprocess.run(cmd, env=env, cwd=REPO, timeout=timeout_s).returncode
 
 
 def command() -> str:
     """The command line the user typed (as passed down by :func:`relaunch`)."""
-    return os.environ.get("MPICROSSBOW_BENCH_COMMAND") or " ".join(["python", *sys.argv])
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    ran = ["-m", spec.name] if spec is not None else sys.argv[:1]
+    return os.environ.get("MPICROSSBOW_BENCH_COMMAND") or " ".join(["python", *ran, *sys.argv[1:]])
 
 
 def machine() -> str:

@@ -7,7 +7,7 @@ the share of training time spent in the rule's exchanges. A second table slows o
 asynchronous rules should keep their pace, BSP cannot. Writes ``benchmarks/results/rules.md`` and a PNG of
 validation accuracy against wall time (one curve per rule).
 
-    python benchmarks/rules.py [--target 0.95] [--sizes 2 4] [--slow-seconds 0.01]
+    python -m benchmarks.rules [--target 0.95] [--sizes 2 4] [--slow-seconds 0.01]
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import REPO, RESULTS, append_result
 
 #: (label, overrides) of every rule configuration compared.

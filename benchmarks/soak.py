@@ -6,7 +6,7 @@ started and when it ended, and the requests still outstanding after ``finish()``
 writing and reading one checkpoint (atomic save + ``weights_only`` load) against model size, in one process.
 Writes ``benchmarks/results/soak.md``.
 
-    python benchmarks/soak.py [--steps 20000] [--ranks 4] [--sizes 1 10 50]
+    python -m benchmarks.soak [--steps 20000] [--ranks 4] [--sizes 1 10 50]
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import REPO, append_result
 
 #: (label, overrides) of the long runs.

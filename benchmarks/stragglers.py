@@ -20,7 +20,7 @@ with one rank slowed 2×, ASGD, SSP (s ≥ 2) and GSP (the slow rank in its own 
 samples/s with final accuracy within one point of BSP's; the table records whether each holds. Writes
 ``benchmarks/results/stragglers.md`` and one PNG per task.
 
-    python benchmarks/stragglers.py [--tasks digits resnet20] [--factors 1 2 4] [--rules BSP ASGD ...]
+    python -m benchmarks.stragglers [--tasks digits resnet20] [--factors 1 2 4] [--rules BSP ASGD ...]
                                     [--repeats 3]   # medians of 3 runs (one run's ratio varies ±20 % here)
 """
 
@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import REPO, RESULTS, append_result
 
 #: (label, overrides) of every rule compared.
