@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -34,6 +35,46 @@ class Handle(ABC):
     @abstractmethod
     def test(self) -> bool:
         """Return True when the operation is complete, without blocking."""
+
+
+class FollowUpHandle(Handle):
+    """A pending operation plus what must run exactly once when it is first seen complete (copy a result
+    back from a staging buffer, widen 16-bit values, release buffers). Subclasses say how to wait for and
+    test the operation itself."""
+
+    def __init__(self, finish: Callable[[], None] | None) -> None:
+        self._finish = finish
+        self._done = False
+
+    @abstractmethod
+    def _wait_inner(self) -> None:
+        """Block until the underlying operation completes."""
+
+    @abstractmethod
+    def _test_inner(self) -> bool:
+        """Whether the underlying operation completed, without blocking."""
+
+    def _release(self) -> None:
+        """Drop what had to outlive the operation (called after ``finish``)."""
+
+    def _complete(self) -> None:
+        self._done = True
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+        self._release()
+
+    def wait(self) -> None:
+        """Block until the operation completes, then run its follow-up."""
+        if not self._done:
+            self._wait_inner()
+            self._complete()
+
+    def test(self) -> bool:
+        """True once the operation completed (its follow-up has then run); never blocks."""
+        if not self._done and self._test_inner():
+            self._complete()
+        return self._done
 
 
 class DoneHandle(Handle):

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from mpicrossbow.comm.base import Communicator, DoneHandle, Handle, ReduceOp
+from mpicrossbow.comm.base import Communicator, DoneHandle, FollowUpHandle, Handle, ReduceOp
 from mpicrossbow.errors import ConfigError
 
 #: Valid values of ``[comm] compression`` and the wire dtype of each (None: no wrapper).
@@ -61,7 +61,7 @@ def wire_dtype(compression: str) -> torch.dtype | None:
     return COMPRESSIONS[compression]
 
 
-class CompressedHandle(Handle):
+class CompressedHandle(FollowUpHandle):
     """The inner operation's handle plus the widening step that must follow it and the buffer it uses.
 
     ``finish`` (copy the 16-bit result into the caller's tensor, then hand the buffer back for reuse) runs
@@ -70,34 +70,23 @@ class CompressedHandle(Handle):
     """
 
     def __init__(self, inner: Handle, wire: torch.Tensor, finish: Callable[[], None]) -> None:
+        super().__init__(finish)
         self._inner = inner
         self._wire: torch.Tensor | None = wire
-        self._finish: Callable[[], None] | None = finish
-        self._done = False
 
     @property
     def buffer(self) -> torch.Tensor | None:
         """The 16-bit buffer on the wire (None once the operation completed and released it)."""
         return self._wire
 
-    def _complete(self) -> None:
-        self._done = True
-        if self._finish is not None:
-            self._finish()
-        self._finish = None
+    def _wait_inner(self) -> None:
+        self._inner.wait()
+
+    def _test_inner(self) -> bool:
+        return self._inner.test()
+
+    def _release(self) -> None:
         self._wire = None
-
-    def wait(self) -> None:
-        """Block until the inner operation completes, then widen the result where there is one."""
-        if not self._done:
-            self._inner.wait()
-            self._complete()
-
-    def test(self) -> bool:
-        """True once the inner operation completed (the result is then widened); never blocks."""
-        if not self._done and self._inner.test():
-            self._complete()
-        return self._done
 
 
 class CompressedCommunicator(Communicator):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from mpi4py import MPI
 
-from mpicrossbow.comm.base import Communicator, DoneHandle, Handle, ReduceOp
+from mpicrossbow.comm.base import Communicator, DoneHandle, FollowUpHandle, Handle, ReduceOp
 
 log = logging.getLogger(__name__)
 
@@ -51,31 +51,22 @@ def mpi_cuda_aware() -> bool:
         return False
 
 
-class MPIHandle(Handle):
+class MPIHandle(FollowUpHandle):
     """An MPI request plus what must happen after it completes (copy back from staging or float32)."""
 
     def __init__(self, request: MPI.Request, finish: Callable[[], None], keep: object) -> None:
+        super().__init__(finish)
         self._request = request
-        self._finish = finish
-        self._keep = keep  # the buffers MPI is using must outlive the request
-        self._done = False
+        self._keep: object = keep  # the buffers MPI is using must outlive the request
 
-    def _complete(self) -> None:
-        self._done = True
-        self._finish()
+    def _wait_inner(self) -> None:
+        self._request.Wait()
+
+    def _test_inner(self) -> bool:
+        return bool(self._request.Test())
+
+    def _release(self) -> None:
         self._keep = None
-
-    def wait(self) -> None:
-        """Block until the request completes, then copy results back where needed."""
-        if not self._done:
-            self._request.Wait()
-            self._complete()
-
-    def test(self) -> bool:
-        """Complete the request if MPI says it is done; never blocks."""
-        if not self._done and self._request.Test():
-            self._complete()
-        return self._done
 
 
 class MPICommunicator(Communicator):
