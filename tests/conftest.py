@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,63 @@ def run_mpi(
         text=True,
         timeout=timeout,
     )
+
+
+def verdicts(stdout: str) -> dict[str, str]:
+    """``{check name: "OK" | "SKIP ..." | "FAIL ..."}`` from the ``CHECK`` lines of an MPI check script
+    (tests/mpi_scripts/verdicts.py)."""
+    found = {}
+    for line in stdout.splitlines():
+        if line.startswith("CHECK "):
+            _, name, verdict = line.split(" ", 2)
+            found[name] = verdict
+    return found
+
+
+#: World sizes of the communicator jobs (:func:`comm_job`).
+COMM_JOB_SIZES = (1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class CommJob:
+    """What one launch of the communicator checks printed and returned (``returncode`` None: timed out)."""
+
+    n: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+    def verdicts(self, label: str) -> dict[str, str]:
+        """``{check: verdict}`` of the checks reported as ``<label>.<check>``."""
+        prefix = f"{label}."
+        return {k[len(prefix) :]: v for k, v in verdicts(self.stdout).items() if k.startswith(prefix)}
+
+    def tail(self) -> str:
+        """The exit status and the end of stderr, for an assertion message."""
+        return f"\n(mpiexec -n {self.n}: rc={self.returncode})\n{self.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="session")
+def comm_job(mpiexec: str) -> Callable[[int], CommJob]:
+    """``comm_job(n)``: the one ``mpiexec -n n`` launch (made on first use, then shared by every test of the
+    session) of tests/test_communicator_contract.py, which runs the communicator contract on every MPI-based
+    implementation and then the MPI- and shared-memory-specific checks of tests/mpi_scripts/mpi_check.py and
+    shm_check.py: importing torch costs seconds per rank, so the comm tests share four launches."""
+    jobs: dict[int, CommJob] = {}
+    script = REPO / "tests" / "test_communicator_contract.py"
+
+    def job(n: int) -> CommJob:
+        if n not in jobs:
+            args = [sys.executable, str(script), "--also", "mpi_check", "--also", "shm_check"]
+            try:
+                proc = run_mpi(mpiexec, n, args, timeout=300)
+                jobs[n] = CommJob(n, proc.returncode, proc.stdout, proc.stderr)
+            except subprocess.TimeoutExpired as exc:
+                out, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (exc.stdout, exc.stderr))
+                jobs[n] = CommJob(n, None, out, f"{err}\ntimed out after {exc.timeout}s")
+        return jobs[n]
+
+    return job
 
 
 def launcher() -> list[str]:

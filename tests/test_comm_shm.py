@@ -1,32 +1,25 @@
-"""The shared-memory hierarchical allreduce under a real ``mpiexec``: sums in the documented order at 1-4
-ranks (one launch per world size runs every dtype and size, tests/mpi_scripts/shm_check.py), a simulated
-two-node job, and no shared-memory segment left in ``/dev/shm`` after a clean run or a failed one."""
+"""The shared-memory hierarchical allreduce's own behaviour under a real ``mpiexec`` (its Communicator
+contract is tests/test_communicator_contract.py's): sums in the documented order through chunked windows, fake
+multi-node jobs and window-backed buffers at 1-4 ranks (tests/mpi_scripts/shm_check.py, run in the shared
+communicator job of each world size), and no shared-memory segment left in ``/dev/shm`` after a clean run or a
+failed one."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import COMM_JOB_SIZES, CommJob, run_mpi
 from mpicrossbow.comm import make_communicator
 from mpicrossbow.config import CommSection, load_config
 from mpicrossbow.errors import ConfigError
-from tests.conftest import run_mpi
-from tests.test_comm_mpi import verdicts
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "shm_check.py"
-CHECKS = [
-    "one_node",
-    "chunks",
-    "two_nodes",
-    "every_rank_a_node",
-    "shared_buffer",
-    "mismatch",
-    "delegated",
-    "factory",
-]
+CHECKS = ["one_node", "chunks", "two_nodes", "every_rank_a_node", "shared_buffer", "mismatch", "factory"]
 SHM = Path("/dev/shm")
 
 
@@ -42,16 +35,14 @@ def segments(stdout: str) -> dict[str, set[Path]]:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_shared_memory_allreduce(mpiexec: str, n: int) -> None:
+@pytest.mark.parametrize("n", COMM_JOB_SIZES)
+def test_shared_memory_allreduce(comm_job: Callable[[int], CommJob], n: int) -> None:
     """Every check passes at world size n, and no segment the job mapped is left in /dev/shm."""
-    proc = run_mpi(mpiexec, n, [sys.executable, str(SCRIPT)], timeout=300)
-    found = verdicts(proc.stdout)
-    failed = {k: v for k, v in found.items() if v != "OK"}
-    assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
-    assert proc.returncode == 0 and "DONE" in proc.stdout, f"rc={proc.returncode}\n{proc.stderr[-4000:]}"
-    assert [c for c in CHECKS if found.get(c) != "OK"] == []
-    mapped = segments(proc.stdout)
+    job = comm_job(n)
+    found = job.verdicts("shm_check")
+    failed = [f"{c}: {found.get(c, 'not reported')}" for c in CHECKS if found.get(c) != "OK"]
+    assert not failed, "\n".join(failed) + job.tail()
+    mapped = segments(job.stdout)
     if SHM.is_dir():
         # (one rank: MPICH backs the window with private memory, no file)
         assert mapped["window"] or n == 1, "the job reported no window segment: the check proves nothing"

@@ -1,24 +1,27 @@
-"""Checks of SharedMemoryCommunicator under a real ``mpiexec``, every case in one launch per world size.
+"""SharedMemoryCommunicator's own behaviour under a real ``mpiexec``, beyond the Communicator contract
+(tests/test_communicator_contract.py, which also runs it with its default thresholds).
 
 Data are random floats (seeded per rank and case), so a different summation order gives different bits: the
 result must equal the documented order exactly — per node ``((x_0 + x_1) + x_2) + ...`` in node-rank order in
-the accumulation dtype, node sums added in node order — and be close to the float64 sum. Rank 0 prints
-``CHECK <name> OK|FAIL <why>`` per check, then ``DONE``. ``--fail`` instead makes the last rank raise after
-the window is in use, and the job ends as the launcher ends it, with ``MPI_Abort``.
+the accumulation dtype, node sums added in node order — be close to the float64 sum, and be the same bits on
+every rank; through chunked windows, fake multi-node splits and window-backed buffers. ``CHECKS`` runs in the
+contract's launch (``--also shm_check``; this module is imported before any window exists, so
+:data:`BEFORE` holds only MPI's own segments); tests/test_comm_shm.py asserts the verdicts and the ``SEGMENT``
+lines. Run as a script with ``--fail``, the last rank raises once a window is in use, and the job ends as the
+launcher ends it, with ``MPI_Abort``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import os
 from collections.abc import Callable
 
 import torch
-from verdicts import WORLD, finish, run_checks, run_main, say
+from verdicts import WORLD, run_main, say
 
-from mpicrossbow.comm import ReduceOp, make_communicator
+from mpicrossbow.comm import make_communicator
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.comm.shm import ACCUMULATE, SharedMemoryCommunicator
 from mpicrossbow.config import CommSection
@@ -51,7 +54,7 @@ def exact_sum(numel: int, dtype: torch.dtype, case: int) -> torch.Tensor:
     return sum(data(r, numel, dtype, case).double() for r in range(WORLD.size))  # type: ignore[return-value]
 
 
-def check_sums(comm: SharedMemoryCommunicator, nodes: list[list[int]], exact_order: bool, tag: int) -> None:
+def assert_sums(comm: SharedMemoryCommunicator, nodes: list[list[int]], exact_order: bool, tag: int) -> None:
     """Every dtype and size, default chunking and tiny chunks, sync and async; results equal on all ranks."""
     case = tag
     for dtype in DTYPES:
@@ -91,44 +94,44 @@ def report_segments() -> None:
             say(f"SEGMENT {kind} {path}")
 
 
-def check_one_node(_: object) -> None:
+def check_one_node() -> None:
     comm = SharedMemoryCommunicator(WORLD, min_bytes=0)
     assert comm.nodes == 1 and comm.node_size == WORLD.size, f"{comm.nodes} node(s) of {comm.node_size}"
-    check_sums(comm, [list(range(WORLD.size))], True, 0)
+    assert_sums(comm, [list(range(WORLD.size))], True, 0)
     comm.close()
     comm.close()  # idempotent
 
 
-def check_chunks(_: object) -> None:
+def check_chunks() -> None:
     """A 4 KB window: 100_003 float32 go in 98 chunks (and bf16 accumulators in twice the slot's bytes)."""
     comm = SharedMemoryCommunicator(WORLD, window_bytes=4096, min_bytes=0)
-    check_sums(comm, [list(range(WORLD.size))], True, 10_000)
+    assert_sums(comm, [list(range(WORLD.size))], True, 10_000)
     comm.close()
 
 
-def check_two_nodes(_: object) -> None:
+def check_two_nodes() -> None:
     """The world split into two fake nodes (first half, second half): leader allreduce + node broadcast."""
     half = WORLD.size // 2
     node = WORLD.Split(int(WORLD.rank >= half), key=WORLD.rank)
     comm = SharedMemoryCommunicator(WORLD, node=node, window_bytes=8192, min_bytes=0)
     nodes = [m for m in (list(range(half)), list(range(half, WORLD.size))) if m]
     assert comm.nodes == min(2, WORLD.size), f"{comm.nodes} nodes"
-    check_sums(comm, nodes, True, 20_000)
+    assert_sums(comm, nodes, True, 20_000)
     comm.close()
     node.Free()
 
 
-def check_every_rank_a_node(_: object) -> None:
+def check_every_rank_a_node() -> None:
     """One fake node per rank: the whole sum is MPI's among leaders (its order: compared closely)."""
     node = WORLD.Split(WORLD.rank, key=0)
     comm = SharedMemoryCommunicator(WORLD, node=node, min_bytes=0)
     assert comm.nodes == WORLD.size and comm.node_size == 1
-    check_sums(comm, [[r] for r in range(WORLD.size)], WORLD.size <= 2, 30_000)
+    assert_sums(comm, [[r] for r in range(WORLD.size)], WORLD.size <= 2, 30_000)
     comm.close()
     node.Free()
 
 
-def check_shared_buffer(_: object) -> None:
+def check_shared_buffer() -> None:
     """Window-backed buffers: zero-copy on one node (whole buffer and a slice at the same offset), the copy
     path across fake nodes; equal to the documented order either way."""
     half = WORLD.size // 2
@@ -157,7 +160,7 @@ def check_shared_buffer(_: object) -> None:
     node.Free()
 
 
-def check_mismatch(_: object) -> None:
+def check_mismatch() -> None:
     """Ranks allreducing different sizes, or a shared buffer at different offsets, all get one ValueError,
     and the next allreduce works."""
     comm = SharedMemoryCommunicator(WORLD, min_bytes=0)
@@ -180,31 +183,7 @@ def check_mismatch(_: object) -> None:
     comm.close()
 
 
-def check_delegated(_: object) -> None:
-    """MAX/MIN, integers, small sums and non-contiguous input behave as MPICommunicator's."""
-    comm = SharedMemoryCommunicator(WORLD)
-    for op, fn in ((ReduceOp.MAX, max), (ReduceOp.MIN, min)):
-        for dtype in (torch.float32, torch.bfloat16):
-            t = torch.full((1001,), float(WORLD.rank), dtype=dtype)
-            comm.allreduce(t, op, async_op=True).wait()
-            assert t.eq(fn(range(WORLD.size))).all(), f"{op} {dtype}"
-    t = torch.full((100_003,), WORLD.rank + 1, dtype=torch.int64)
-    comm.allreduce(t)
-    assert t.eq(WORLD.size * (WORLD.size + 1) // 2).all(), "int64 sum"
-    assert comm.allreduce_scalars([1.0, float(WORLD.rank)]) == [
-        float(WORLD.size),
-        float(sum(range(WORLD.size))),
-    ]
-    try:
-        comm.allreduce(torch.zeros(300, 300).t())
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("a transposed tensor was accepted")
-    comm.close()
-
-
-def check_factory(_: object) -> None:
+def check_factory() -> None:
     """``auto`` takes the shared-memory path exactly when a node holds more than one rank."""
     comm = make_communicator(CommSection(backend="mpi"), "cpu")
     assert isinstance(comm, SharedMemoryCommunicator) == (WORLD.size > 1), type(comm).__name__
@@ -218,28 +197,34 @@ def check_factory(_: object) -> None:
     on.close()
 
 
-CHECKS: list[tuple[str, Callable[[object], None]]] = [
-    (name[len("check_") :], fn)  # (report_segments is not a check)
-    for name, fn in list(globals().items())
-    if name.startswith("check_") and name != "check_sums"
+CHECKS: list[tuple[str, Callable[[], None]]] = [
+    (name, globals()[f"check_{name}"])
+    for name in (
+        "one_node",
+        "chunks",
+        "two_nodes",
+        "every_rank_a_node",
+        "shared_buffer",
+        "mismatch",
+        "factory",
+    )
 ]
 
 
 def main() -> int:
+    """``--fail``: the last rank raises once the window is in use; the others wait in an allreduce."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--fail", action="store_true", help="the last rank raises once the window is in use")
-    args = parser.parse_args()
-    if args.fail:
-        comm = SharedMemoryCommunicator(WORLD, min_bytes=0)
-        t = torch.ones(1000)
-        comm.allreduce(t)
-        comm.shared_buffer(1000)
-        report_segments()
-        if WORLD.rank == WORLD.size - 1:
-            raise RuntimeError("injected failure with the window allocated")
-        comm.allreduce(t)  # the others wait here until MPI_Abort ends them
-        return 0
-    return finish(run_checks("", [(name, functools.partial(fn, None)) for name, fn in CHECKS]))
+    parser.add_argument("--fail", action="store_true", required=True, help="the last rank raises")
+    parser.parse_args()
+    comm = SharedMemoryCommunicator(WORLD, min_bytes=0)
+    t = torch.ones(1000)
+    comm.allreduce(t)
+    comm.shared_buffer(1000)
+    report_segments()
+    if WORLD.rank == WORLD.size - 1:
+        raise RuntimeError("injected failure with the window allocated")
+    comm.allreduce(t)  # the others wait here until MPI_Abort ends them
+    return 0
 
 
 if __name__ == "__main__":

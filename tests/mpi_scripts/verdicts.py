@@ -1,14 +1,16 @@
-"""What the MPI check scripts share: every rank runs each named check; rank 0 prints one verdict per check.
+"""The verdict loop of the MPI check scripts: every rank runs each named check, rank 0 prints each verdict.
 
-The ranks' errors are gathered after each check, so a line names every rank that failed (``CHECK <name> OK``
-or ``CHECK <name> FAIL rank r: <error>; ...``, parsed by the pytest side) and the next check starts with every
-rank present. ``DONE`` ends the output; the exit status is non-zero on every rank if a check failed anywhere.
+The ranks' outcomes are gathered after each check, so a line names every rank that failed (``CHECK
+<label>.<name> OK``, ``SKIP <why>`` when every rank raised :class:`unittest.SkipTest`, or ``FAIL rank r:
+<error>; ...``, parsed by ``conftest.verdicts``) and the next check starts with every rank present. ``DONE``
+ends the output; the exit status is non-zero on every rank if a check failed anywhere.
 """
 
 from __future__ import annotations
 
 import sys
 import traceback
+import unittest
 from collections.abc import Callable, Iterable
 
 from mpi4py import MPI
@@ -23,20 +25,31 @@ def say(line: str) -> None:
 
 
 def run_checks(label: str, checks: Iterable[tuple[str, Callable[[], object]]]) -> bool:
-    """Run each check on every rank and say its verdict as ``CHECK <label>.<name>`` (``<name>`` when the label
-    is empty); True when every rank passed every check."""
+    """Run each check on every rank and say its verdict as ``CHECK <label>.<name>``; True when no rank
+    failed a check."""
     all_ok = True
     for name, check in checks:
         try:
             check()
-            why = ""
+            outcome = ("OK", "")
+        except unittest.SkipTest as exc:
+            outcome = ("SKIP", str(exc))
         except Exception as exc:
-            why = f"{type(exc).__name__}: {exc}"
+            outcome = ("FAIL", f"{type(exc).__name__}: {exc}")
             traceback.print_exc(file=sys.stderr)
-        failures = [(r, w) for r, w in enumerate(WORLD.allgather(why)) if w]
-        all_ok = all_ok and not failures
-        verdict = "OK" if not failures else "FAIL " + "; ".join(f"rank {r}: {w}" for r, w in failures)
-        say(f"CHECK {f'{label}.' if label else ''}{name} {verdict}")
+        outcomes = WORLD.allgather(outcome)
+        kinds = {kind for kind, _ in outcomes}
+        if kinds == {"OK"}:
+            verdict = "OK"
+        elif kinds == {"SKIP"}:
+            verdict = f"SKIP {outcomes[0][1]}"
+        else:  # a failure, or ranks that disagree whether the check applies
+            why = [
+                f"rank {r}: {'skipped: ' if k == 'SKIP' else ''}{w}" for r, (k, w) in enumerate(outcomes) if w
+            ]
+            verdict = "FAIL " + "; ".join(why)
+        all_ok = all_ok and not verdict.startswith("FAIL")
+        say(f"CHECK {label}.{name} {verdict}")
     return all_ok
 
 
