@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -86,6 +87,9 @@ class DoneHandle(Handle):
     def test(self) -> bool:
         """Always True."""
         return True
+
+
+C = TypeVar("C", bound="Communicator")
 
 
 class Communicator(ABC):
@@ -168,6 +172,20 @@ class Communicator(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources held by the communicator (process groups, windows). Idempotent."""
+
+    def _adopt(self, child: C) -> C:
+        """Keep a communicator made by a split, so this one's ``close()`` closes it too; returns it."""
+        self.__dict__.setdefault("_children", []).append(child)
+        return child
+
+    def _close_children(self) -> bool:
+        """Mark this communicator closed and close what it adopted; False if it was closed already."""
+        if self.__dict__.get("_closed", False):
+            return False
+        self._closed = True
+        for child in self.__dict__.pop("_children", []):
+            child.close()
+        return True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

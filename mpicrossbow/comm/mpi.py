@@ -77,7 +77,6 @@ class MPICommunicator(Communicator):
     def __init__(self, comm: MPI.Comm | None = None, *, _owned: bool = False) -> None:
         self._comm = MPI.COMM_WORLD if comm is None else comm
         self._owned = _owned  # True for communicators made by split(): close() frees them
-        self._children: list[MPICommunicator] = []
         self._cuda_aware = mpi_cuda_aware()
         self._pinned: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
         self._closed = False
@@ -185,24 +184,20 @@ class MPICommunicator(Communicator):
 
     def split(self, color: int, key: int | None = None) -> MPICommunicator:
         """``MPI_Comm_split``; the new communicator is freed by its own or this one's ``close()``."""
-        child = MPICommunicator(self._comm.Split(color, self.rank if key is None else key), _owned=True)
-        self._children.append(child)
-        return child
+        return self._adopt(
+            MPICommunicator(self._comm.Split(color, self.rank if key is None else key), _owned=True)
+        )
 
     def split_node(self) -> MPICommunicator:
         """``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``: the ranks sharing this node's memory."""
-        child = MPICommunicator(self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank), _owned=True)
-        self._children.append(child)
-        return child
+        return self._adopt(
+            MPICommunicator(self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank), _owned=True)
+        )
 
     def close(self) -> None:
         """Free the communicators made by :meth:`split` (never ``COMM_WORLD``) and the staging buffers."""
-        if self._closed:
+        if not self._close_children():
             return
-        self._closed = True
-        for child in self._children:
-            child.close()
-        self._children.clear()
         self._pinned.clear()
         if self._owned and self._comm != MPI.COMM_NULL:
             self._comm.Free()

@@ -79,7 +79,6 @@ class TorchDistCommunicator(Communicator):
         self._rank = members.index(dist.get_rank())
         self._owns_default_group = owns_default_group
         self._owns_mpi_comm = owns_mpi_comm
-        self._children: list[TorchDistCommunicator] = []
         self._closed = False
 
     @classmethod
@@ -204,17 +203,12 @@ class TorchDistCommunicator(Communicator):
         child = TorchDistCommunicator(
             child_mpi, mine[0], mine[1], self.name, self._timeout.total_seconds(), owns_mpi_comm=True
         )
-        self._children.append(child)
-        return child
+        return self._adopt(child)
 
     def close(self) -> None:
         """Close splits, free their MPI communicators, and destroy the default group if this one made it."""
-        if self._closed:
+        if not self._close_children():
             return
-        self._closed = True
-        for child in self._children:
-            child.close()
-        self._children.clear()
         if self._owns_mpi_comm:
             self._mpi.Free()
         if self._owns_default_group and dist.is_initialized():
