@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ FEWER_LEARNERS = {
 BATCH, SEED = 8, 3
 
 
-def engine_params() -> list:
+def engine_params() -> list[Any]:
     """One parameter per registered engine; a CUDA-only engine is skipped without a GPU."""
     no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     return [
