@@ -1,5 +1,5 @@
-"""Shared test fixtures: the environment's own MPI launcher, a bounded way to run MPI jobs, and the step loop
-of in-process rule tests."""
+"""Shared test fixtures: the environment's own MPI launcher, a bounded way to run MPI jobs and subprocesses,
+the step loop of in-process rule tests and :func:`run_world`, a rule's whole life on in-process ranks."""
 
 from __future__ import annotations
 
@@ -8,17 +8,30 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
+from models.mlp import MLP
+from mpicrossbow.comm.base import Communicator
+from mpicrossbow.comm.inprocess import InProcessWorld
+from mpicrossbow.config import OptimSection
+from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.base import LearnerPool
+from mpicrossbow.pool.spec import PoolSpec
+from mpicrossbow.rules import Rule
 from mpicrossbow.training.step import train_step
 
 REPO = Path(__file__).resolve().parent.parent
+#: The learners' SGD in the rule tests (the numpy references replay it: ``reference.Sgd(LR, MOMENTUM)``).
+LR, MOMENTUM = 0.05, 0.9
+OPTIM = OptimSection(lr=LR, momentum=MOMENTUM)
 
 
 def find_mpiexec() -> str | None:
@@ -52,6 +65,14 @@ def mpiexec() -> str:
     return path
 
 
+def run_local(
+    args: list[str], timeout: float = 120, cwd: Path | str = REPO, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` in the MPI environment with a hard timeout, output captured as text: a launcher that
+    starts its own job, or a script; the caller asserts on returncode and output."""
+    return subprocess.run(args, cwd=cwd, env=mpi_env(env), capture_output=True, text=True, timeout=timeout)
+
+
 def run_mpi(
     mpiexec: str,
     n: int,
@@ -61,14 +82,7 @@ def run_mpi(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``mpiexec -n n args...`` with a hard timeout; the caller asserts on returncode and output."""
-    return subprocess.run(
-        [mpiexec, "-n", str(n), *args],
-        cwd=cwd,
-        env=mpi_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_local([mpiexec, "-n", str(n), *args], timeout, cwd, env)
 
 
 def verdicts(stdout: str) -> dict[str, str]:
@@ -158,3 +172,135 @@ def train_steps(pool: Any, rule: Any, steps: int, sleep_s: float = 0.0) -> list[
         train_step(pool, rule, step, guard=record)
         time.sleep(sleep_s)
     return grads
+
+
+class NormedMLP(MLP):
+    """The digits MLP with a BatchNorm1d after its first layer: running statistics among the learners' float
+    ``buffers``, which bind, averaging and checkpoints must carry like the weights. They start random (from
+    the torch seed, as the weights do), so replicas built under different seeds differ in both."""
+
+    def module(self) -> nn.Module:
+        """A fresh replica: Flatten → Linear → BatchNorm1d → ReLU → Linear."""
+        norm = nn.BatchNorm1d(self.hidden)
+        norm.running_mean.normal_(0.0, 0.1)
+        norm.running_var.uniform_(0.5, 1.5)
+        return nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(self.inputs, self.hidden),
+            norm,
+            nn.ReLU(),
+            nn.Linear(self.hidden, self.classes),
+        )
+
+
+def stacked(pool: LearnerPool, attr: str = "params") -> np.ndarray:
+    """Every learner's flat ``attr`` (``params``, ``grads`` or ``buffers``) as one ``(m, n)`` array copy."""
+    return np.stack([getattr(learner, attr).detach().cpu().numpy().copy() for learner in pool.learners])
+
+
+@dataclass
+class WorldRun:
+    """What :func:`run_world` recorded; every list is indexed by rank."""
+
+    pools: list[LearnerPool]
+    rules: list[Rule]
+    #: Every rank's learners' ``(params, buffers)`` as built, before ``bind`` (each rank's own seed).
+    built: list[tuple[np.ndarray, np.ndarray]]
+    #: Every rank's learners' ``(params, buffers)`` right after ``bind``.
+    bound: list[tuple[np.ndarray, np.ndarray]]
+    #: Every rank's ``(m, P)`` gradients of each step, as the rule received them (empty where it served).
+    grads: list[list[np.ndarray]]
+    #: Every rank's ``(m, P)`` weights after ``finish``, before ``sync_state``.
+    final: list[np.ndarray]
+    #: ``eval_params()`` after ``sync_state`` (None: learner 0's own weights).
+    evals: list[np.ndarray | None]
+    #: What ``after_finish`` returned on each rank.
+    extra: list[Any]
+
+    @property
+    def w0(self) -> np.ndarray:
+        """The weights every learner started from: rank 0's learner 0 after bind."""
+        return self.bound[0][0][0]
+
+    def learner_grads(self) -> list[list[np.ndarray]]:
+        """Each global learner's gradient at every step (rank-major: learner j of rank r is r·m + j)."""
+        return [[step[j] for step in per_rank] for per_rank in self.grads for j in range(len(per_rank[0]))]
+
+    def learner_final(self) -> list[np.ndarray]:
+        """Each global learner's weights after ``finish`` (rank-major)."""
+        return [w for per_rank in self.final for w in per_rank]
+
+    def worker_grads(self) -> dict[int, list[np.ndarray]]:
+        """The recorded gradients of the ranks that trained, by rank (what the server references replay)."""
+        return {r: g for r, g in enumerate(self.grads) if g}
+
+
+def _count(
+    steps: int | Mapping[int, int] | Callable[[LearnerPool], int], rank: int, pool: LearnerPool
+) -> int:
+    """How many steps ``rank`` takes: ``steps`` itself, its entry for the rank, or ``steps(pool)``."""
+    if isinstance(steps, int):
+        return steps
+    return steps[rank] if isinstance(steps, Mapping) else steps(pool)
+
+
+def run_world(
+    size: int,
+    make_rule: Callable[[], Rule],
+    steps: int | Mapping[int, int] | Callable[[LearnerPool], int],
+    *,
+    model: Callable[[], Any] = lambda: MLP(hidden=16),
+    optim: OptimSection = OPTIM,
+    learners: int = 1,
+    engine: type[LearnerPool] = SerialPool,
+    sleep_s: Mapping[int, float] | None = None,
+    report: Callable[[LearnerPool, torch.Tensor, float], None] | None = None,
+    after_finish: Callable[[Communicator, LearnerPool, Rule], Any] | None = None,
+    ranks_per_node: int | None = None,
+    timeout_s: float = 30.0,
+) -> WorldRun:
+    """A rule's whole life on ``size`` in-process ranks, as the session runs it; returns what happened.
+
+    Pools are built as the session builds them (rank r under torch seed r, so the replicas differ until
+    ``bind``; the data shard the rule gives a training rank, the whole set to a rank it keeps out of
+    training). Then on every rank: ``bind``; ``steps`` steps (per rank, when a mapping; ``steps(pool)``
+    when a function) of :func:`train_steps`, each followed by ``sleep_s[rank]``, or on a rank that does
+    not train the rule's ``serve`` loop, which reports to ``report(pool, params, epoch)``; ``finish``;
+    ``after_finish(comm, pool, rule)``; ``sync_state`` and ``eval_params``.
+    """
+    pools: list[LearnerPool] = []
+    for r in range(size):
+        rule = make_rule()
+        trains = rule.trains(r, size)
+        index, count = rule.train_shard(r, size) if trains else (0, 1)
+        span = rule.train_span(r, size) if trains else None
+        torch.manual_seed(r)
+        spec = PoolSpec(index, count, 8, optim, torch.device("cpu"), seed=1, learners=learners, span=span)
+        pools.append(engine(model(), spec))
+    built = [(stacked(p), stacked(p, "buffers")) for p in pools]
+    rules: list[Any] = [None] * size
+    bound: list[Any] = [None] * size
+    grads: list[list[np.ndarray]] = [[] for _ in range(size)]
+    final: list[Any] = [None] * size
+    evals: list[np.ndarray | None] = [None] * size
+    extra: list[Any] = [None] * size
+
+    def body(comm: Communicator) -> None:
+        rank, pool = comm.rank, pools[comm.rank]
+        rule = make_rule()
+        trains = rule.trains(rank, size)
+        rules[rank] = rule.bind(comm, pool)
+        bound[rank] = (stacked(pool), stacked(pool, "buffers"))
+        if trains:
+            grads[rank] = train_steps(pool, rule, _count(steps, rank, pool), (sleep_s or {}).get(rank, 0.0))
+        else:
+            rule.serve(lambda params, epoch: report(pool, params, epoch) if report is not None else None)
+        rule.finish()
+        final[rank] = stacked(pool)
+        extra[rank] = after_finish(comm, pool, rule) if after_finish is not None else None
+        rule.sync_state()
+        params = rule.eval_params()
+        evals[rank] = None if params is None else params.numpy().copy()
+
+    InProcessWorld(size, timeout_s=timeout_s, ranks_per_node=ranks_per_node).run(body)
+    return WorldRun(pools, rules, built, bound, grads, final, evals, extra)

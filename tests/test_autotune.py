@@ -1,4 +1,5 @@
-"""Crossbow's learner auto-tuner: scripted throughput sequences, and the pool resizing it drives."""
+"""Crossbow's learner auto-tuner: scripted throughput sequences, and the rules following the resize it
+drives (the pools' resize itself is the pool contract's, test_pool_contract.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
-from mpicrossbow.model.shard import Shard
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, GOSGD, SMA
@@ -61,31 +61,6 @@ def make_pool(learners: int) -> SerialPool:
     )
 
 
-def test_resize_copies_learner_zero_and_reshards() -> None:
-    pool = make_pool(1)
-    pool.start_epoch(0)
-    pool.compute(0)
-    pool.apply()  # learner 0 has momentum now
-    pool.resize(3)
-    assert len(pool.learners) == 3 and len(pool.datas) == 3
-    first = pool.learners[0]
-    for learner in pool.learners[1:]:
-        assert (
-            torch.equal(learner.params, first.params) and learner.params.data_ptr() != first.params.data_ptr()
-        )
-        assert torch.equal(
-            learner.optimizer.state[learner.param_list[0]]["momentum_buffer"],
-            first.optimizer.state[first.param_list[0]]["momentum_buffer"],
-        )
-    assert [d.shard for d in pool.datas] == [Shard(j, 3, 8, 0) for j in range(3)]  # learner j: shard j of 3
-    pool.start_epoch(1)
-    pool.compute(0)
-    pool.apply()
-    assert not torch.equal(pool.learners[1].params, pool.learners[2].params)  # different batches
-    pool.resize(1)
-    assert len(pool.learners) == 1 and [d.shard for d in pool.datas] == [Shard(0, 1, 8, 0)]
-
-
 def test_rules_follow_a_resize() -> None:
     def body(comm: Communicator) -> None:
         pool = make_pool(1)
@@ -102,26 +77,3 @@ def test_rules_follow_a_resize() -> None:
             GOSGD().bind(comm, pool).on_resize()
 
     InProcessWorld(1).run(body)
-
-
-def test_fused_pool_resizes_with_rows_and_momentum() -> None:
-    from mpicrossbow.pool import FusedPool
-
-    optim = OptimSection(lr=0.1, momentum=0.9)
-    pool = FusedPool(MLP(hidden=8), PoolSpec(0, 1, 8, optim, torch.device("cpu"), learners=2))
-    pool.start_epoch(0)
-    pool.compute(0)
-    pool.apply()
-    rows = pool.params2d.clone()
-    momentum = pool.optimizer.state_dict()["state"][0]["momentum_buffer"].clone()
-    pool.resize(3)
-    assert pool.params2d.shape[0] == 3 and len(pool.learners) == 3 and len(pool.datas) == 3
-    assert torch.equal(pool.params2d[:2], rows) and torch.equal(pool.params2d[2], rows[0])
-    new_momentum = pool.optimizer.state_dict()["state"][0]["momentum_buffer"]
-    assert torch.equal(new_momentum[:2], momentum) and torch.equal(new_momentum[2], momentum[0])
-    assert pool.learners[2].params.data_ptr() == pool.params2d[2].data_ptr()  # rows are still the state
-    pool.start_epoch(1)
-    pool.compute(0)
-    pool.apply()
-    pool.resize(1)
-    assert pool.params2d.shape[0] == 1

@@ -1,4 +1,5 @@
-"""Checkpoints without MPI: atomic writes, safe loading, pruning, a crash during a save, pool state."""
+"""Checkpoints without MPI: atomic writes, safe loading, pruning, a crash during a save (a pool's state
+through a checkpoint file is the pool contract's, test_pool_contract.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.mlp import MLP
-from mpicrossbow.config import FaultSection, OptimSection
+from mpicrossbow.config import FaultSection
 from mpicrossbow.errors import CheckpointError
-from mpicrossbow.pool import SerialPool
-from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.training.checkpoint import (
     FORMAT_VERSION,
     Checkpointer,
@@ -109,34 +107,6 @@ def test_other_version_and_other_job_shape_are_named(tmp_path: Path) -> None:
         find_resume(str(tmp_path / "nowhere"), [])
 
 
-def test_pool_state_round_trip(tmp_path: Path) -> None:
-    optim = OptimSection(lr=0.1, momentum=0.9)
-    pools = [
-        SerialPool(MLP(hidden=8), PoolSpec(0, 1, 8, optim, torch.device("cpu"), learners=2)) for _ in range(2)
-    ]
-    pools[0].start_epoch(0)
-    for count in range(3):
-        pools[0].compute(count)
-        pools[0].apply()
-    atomic_save({"version": FORMAT_VERSION, "pool": pools[0].state_dict()}, tmp_path / "p.pt")
-    pools[1].load_state_dict(safe_load(tmp_path / "p.pt", "file")["pool"])
-    for pool in pools:  # the same next steps from the restored state
-        pool.start_epoch(0)
-        pool.skip(3)
-        pool.compute(3)
-        pool.apply()
-    for a, b in zip(pools[0].learners, pools[1].learners, strict=True):
-        assert torch.equal(a.params, b.params)
-    assert pools[0].take_stats() == pools[1].take_stats()
-    other = SerialPool(MLP(hidden=16), PoolSpec(0, 1, 8, optim, torch.device("cpu"), learners=2))
-    with pytest.raises(CheckpointError, match="another model"):
-        other.load_state_dict(pools[0].state_dict())
-    with pytest.raises(CheckpointError, match="2 learner"):
-        SerialPool(MLP(hidden=8), PoolSpec(0, 1, 8, optim, torch.device("cpu"))).load_state_dict(
-            pools[0].state_dict()
-        )
-
-
 def test_fault_injector_fires_only_for_its_rank_and_step() -> None:
     FaultInjector(FaultSection(rank=1, step=3), rank=0).at_step(3)
     injector = FaultInjector(FaultSection(rank=1, step=3), rank=1)
@@ -173,32 +143,3 @@ def test_watchdog_names_the_rank_behind(tmp_path: Path) -> None:
     assert "waiting for rank(s) 1 on node7 (pid 4242, in compute of step 41" in messages[0]
     assert "abort_after" in messages[0]
     assert json.loads(heartbeat_file(tmp_path, 0).read_text())["phase"] == "done"
-
-
-def test_fused_pool_state_round_trip_and_nonfinite(tmp_path: Path) -> None:
-    from mpicrossbow.pool import FusedPool
-
-    optim = OptimSection(lr=0.1, momentum=0.9)
-    pools = [
-        FusedPool(MLP(hidden=8), PoolSpec(0, 1, 8, optim, torch.device("cpu"), learners=3)) for _ in range(2)
-    ]
-    pools[0].start_epoch(0)
-    for count in range(2):
-        pools[0].compute(count)
-        pools[0].apply()
-    atomic_save({"version": FORMAT_VERSION, "pool": pools[0].state_dict()}, tmp_path / "f.pt")
-    pools[1].load_state_dict(safe_load(tmp_path / "f.pt", "file")["pool"])
-    for pool in pools:
-        pool.start_epoch(0)
-        pool.skip(2)
-        pool.compute(2)
-        pool.apply()
-    assert torch.equal(pools[0].params2d, pools[1].params2d)
-    assert pools[0].take_stats() == pools[1].take_stats()
-    assert pools[0].nonfinite() == []
-    pools[0].learners[1].last_loss.fill_(float("nan"))  # what the [fault] nan hook does
-    assert pools[0].nonfinite() == [1]
-    with pytest.raises(CheckpointError, match="another model or learner count"):
-        FusedPool(MLP(hidden=8), PoolSpec(0, 1, 8, optim, torch.device("cpu"), learners=2)).load_state_dict(
-            pools[0].state_dict()
-        )

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, launcher, mpi_env, only_run, run_mpi
+from conftest import REPO, launcher, mpi_env, only_run, run_local, run_mpi
 from models.mlp import MLP
 from mpicrossbow.model.shard import Shard
 from mpicrossbow.training.metrics import read_metrics
@@ -41,13 +41,8 @@ def test_default_job_reaches_95_percent(mpiexec: str, tmp_path: Path, ranks: int
 
 def test_theano_style_cfg_runs_unchanged_and_starts_its_own_job(tmp_path: Path) -> None:
     """Bare keys only, DEVICES=cpu0,cpu1, no mpiexec: crossbow-launch starts the 2-rank job itself."""
-    proc = subprocess.run(
-        [*launcher(), "-cfg", str(REPO / "launch/theano_style.cfg"), f"session.output={tmp_path}"],
-        cwd=REPO,
-        env=mpi_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = run_local(
+        [*launcher(), "-cfg", str(REPO / "launch/theano_style.cfg"), f"session.output={tmp_path}"]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(only_run(tmp_path) / "metrics.h5")
@@ -159,14 +154,7 @@ def test_bad_input_under_mpi_exits_2_before_training(
 def test_rule_init_from_plain_python_trains_and_reports_failures(tmp_path: Path) -> None:
     model = tmp_path / "failing.py"
     model.write_text(FAILING_MODEL)
-    proc = subprocess.run(
-        [sys.executable, "tests/mpi_scripts/rule_spawn.py", str(tmp_path), str(model)],
-        cwd=REPO,
-        env=mpi_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = run_local([sys.executable, "tests/mpi_scripts/rule_spawn.py", str(tmp_path), str(model)], 240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0] == "status 0"

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, mpi_env, run_mpi
+from conftest import run_local, run_mpi
 from mpicrossbow.launch.binding import MODES
 from mpicrossbow.launch.spawn import mpi_flavor
 
@@ -78,14 +77,7 @@ def test_a_launcher_binding_is_detected_and_kept(mpiexec: str, tmp_path: Path) -
 
 def test_crossbow_launch_bind_flag_spawns_and_reports(tmp_path: Path) -> None:
     """Run alone with -bind core: the spawned job binds each rank to its own core and prints the table."""
-    proc = subprocess.run(
-        [*LAUNCH, "-cfg", "launch/digits.cfg", "-np", "2", "-bind", "core", *quick(tmp_path)],
-        cwd=REPO,
-        env=mpi_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_local([*LAUNCH, "-cfg", "launch/digits.cfg", "-np", "2", "-bind", "core", *quick(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = proc.stderr.split("bindings:\n", 1)[1].splitlines()[:3]
     assert table[0].split()[:4] == ["rank", "host", "device", "cores"]

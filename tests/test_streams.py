@@ -34,7 +34,7 @@ def test_streams_equal_serial_on_cuda() -> None:
     pools = []
     for cls in (SerialPool, StreamsPool):
         torch.manual_seed(0)
-        pools.append(cls(LeNet(), 0, 1, 16, OPTIM, device, seed=3, learners=4))
+        pools.append(cls(LeNet(), PoolSpec(0, 1, 16, OPTIM, device, seed=3, learners=4)))
     for pool in pools:
         pool.start_epoch(0)
         for step in range(5):

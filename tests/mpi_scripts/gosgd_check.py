@@ -1,7 +1,8 @@
 """Run as ``mpiexec -n N python -m mpi4py gosgd_check.py``: GOSGD under real MPI, checked by rank 0.
 
 1. The deterministic schedule with per-rank jitter: rank 0 gathers every learner's recorded gradients and
-   compares the weights, gossip weights and average model with test_gosgd's numpy replay.
+   compares the weights, gossip weights and average model with the numpy reference (tests/reference.py),
+   through test_gosgd's check.
 2. Random gossip (p = 0.3), uneven delays and step counts: finish() returns everywhere and the allgathered
    weights sum to exactly 1.0. The second rule binds the same communicator, so the first left no receive
    posted.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the numpy replay lives there
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: test_gosgd's run and check
 
 from test_gosgd import STEPS, check_against_numpy, scheduled_run
 

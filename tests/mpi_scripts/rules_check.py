@@ -1,7 +1,7 @@
 """Run under ``mpiexec -n N``: SMA and synchronous EASGD over real MPI against the numpy equations.
 
 Every rank trains an MLP replica on its digits shard with MPICommunicator; rank 0 gathers the recorded
-gradients and final weights and replays docs/rules.md in numpy (the same references as test_rules_sync.py).
+gradients and final weights and replays the rules in numpy (tests/reference.py, as test_rules_sync.py does).
 Prints one ``ok <case>`` line per case that matches, and exits non-zero on the first mismatch.
 """
 
@@ -12,17 +12,18 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the numpy replay and conftest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the numpy references and conftest
 
-from test_rules_sync import LR, MOMENTUM, STEPS, numpy_easgd, numpy_sma
-
-from conftest import train_steps
+import reference
+from conftest import LR, MOMENTUM, train_steps
 from models.mlp import MLP
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import EASGD, SMA
+
+STEPS = 9
 
 world = MPI.COMM_WORLD
 comm = MPICommunicator(world)
@@ -45,10 +46,11 @@ for name, (make_rule, nesterov) in CASES.items():
     )
     if world.rank == 0:
         all_grads = [g for g, _, _ in gathered]
+        sgd = reference.Sgd(LR, MOMENTUM, nesterov=nesterov)
         if name == "SMA":
-            want_w, want_centre = numpy_sma(start, all_grads, alpha=1.0 / size, mu=0.5)
+            want_w, want_centre = reference.sma(start, all_grads, sgd, alpha=1.0 / size, mu=0.5)
         else:
-            want_w, want_centre = numpy_easgd(start, all_grads, alpha=0.9 / size, tau=3, nesterov=nesterov)
+            want_w, want_centre = reference.easgd(start, all_grads, sgd, alpha=0.9 / size, tau=3)
         for r, (_, w, centre) in enumerate(gathered):
             np.testing.assert_allclose(w, want_w[r], rtol=1e-4, atol=1e-6, err_msg=f"{name} rank {r}")
             np.testing.assert_allclose(centre, want_centre, rtol=1e-4, atol=1e-6, err_msg=f"{name} centre")
