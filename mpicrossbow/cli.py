@@ -17,7 +17,7 @@ from .errors import USAGE_EXIT_CODE, UsageError
 from .launch.binding import MODES
 from .launch.failure import say
 from .launch.world import detect_launcher, launcher_rank
-from .log import setup_logging
+from .log import LAUNCHER_TAG, setup_logging
 
 log = logging.getLogger("mpicrossbow.cli")  # also when run as __main__
 
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``crossbow-launch``; returns the exit status."""
     args = build_parser().parse_args(argv)
-    setup_logging()
+    setup_logging(tag=LAUNCHER_TAG)  # not a rank yet: the rank tags its lines once MPI is up
     overrides = [*args.overrides, *([f"checkpoint.resume={args.resume}"] if args.resume else [])]
     if args.bind is not None:
         overrides.append(f"numa.bind={args.bind}")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .devices import DeviceSpec
-from .topology import CpuSet, Topology, format_cpulist, load_topology, parse_cpulist
+from .topology import CpuSet, Topology, format_cpulist, load_topology, numa_nodes_from_sysfs, parse_cpulist
 
 log = logging.getLogger(__name__)
 
@@ -241,16 +241,22 @@ def bind(
     memory: bool = True,
     topo: Topology | None = None,
 ) -> Binding:
-    """Plan this node and bind this rank (no communication). Returns what this rank now runs on."""
+    """Plan this node and bind this rank (no communication). Returns what this rank now runs on.
+
+    The machine's topology (hwloc, else sysfs) is read only when there is a plan to make: with ``none``, or
+    when the launcher already bound the ranks, the report's NUMA column comes from sysfs alone.
+    """
     me = facts[rank]
     # Ranks on this host by hostname, not by MPI's node: emulated nodes (two slurmd on one machine) share
     # the cores, and MPI may call them different nodes.
     node = sorted((f for f in facts if f.host == me.host), key=lambda f: (f.local_rank, f.rank))
     index = node.index(me)
-    topo = topo or load_topology()
+    launcher_bound = prebound(node)
+    if topo is None and mode != "none" and not launcher_bound:
+        topo = load_topology()  # planning needs the machine's cores, packages and GPUs (hwloc)
     cpus: CpuSet = frozenset(me.affinity)
     source = "none"
-    if prebound(node):
+    if launcher_bound:
         source = "launcher"
         if mode != "none" and index == 0:
             log.warning(
@@ -260,6 +266,7 @@ def bind(
                 mode,
             )
     elif mode != "none":
+        assert topo is not None
         usable = topo.restrict(frozenset(me.allowed) & frozenset(me.affinity))
         devices = [f.device for f in node]
         if mode == "gpu" and index == 0:
@@ -277,7 +284,7 @@ def bind(
         cpus = sets[index]
         set_affinity_all_threads(cpus)
         source = mode
-    numa_nodes = topo.numa_of(cpus)
+    numa_nodes = topo.numa_of(cpus) if topo is not None else _numa_of(cpus)
     if memory and source != "none" and len(numa_nodes) == 1:
         prefer_memory_node(numa_nodes[0])
     threads = len(cpus) if source != "none" else max(1, len(cpus) // max(1, len(node)))
@@ -291,6 +298,15 @@ def bind(
         source=source,
         threads=threads,
     )
+
+
+def _numa_of(cpus: CpuSet) -> tuple[int, ...]:
+    """The NUMA nodes of ``cpus`` when nothing was planned: from sysfs, hwloc only where sysfs fails."""
+    try:
+        nodes = numa_nodes_from_sysfs()
+    except (OSError, ValueError):
+        return load_topology().numa_of(cpus)
+    return tuple(sorted(n for n, pus in nodes.items() if pus & cpus))
 
 
 def report_table(bindings: Sequence[Binding]) -> str:

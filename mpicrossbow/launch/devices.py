@@ -15,10 +15,12 @@ from __future__ import annotations
 import re
 import socket
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 _ENTRY = re.compile(r"^(cuda|cpu)(\d*)$")
 
@@ -37,6 +39,8 @@ class DeviceSpec:
 
     def torch_device(self) -> torch.device:
         """The torch device for this entry; a CUDA entry without CUDA is a ConfigError."""
+        import torch  # here, not at the top: parsing DEVICES in crossbow-launch's own process needs no torch
+
         if self.kind == "cpu":
             return torch.device("cpu")
         if not torch.cuda.is_available():

@@ -11,10 +11,13 @@ Appending row by row and flushing means a crash loses at most the current epoch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import h5py
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+
+# h5py is imported where a file is opened: only rank 0 writes metrics, and the other ranks should not pay
+# for importing it (about 0.1 s) when their data comes from elsewhere.
 
 TRAIN_COLUMNS = ("step", "epoch", "loss", "accuracy", "lr", "time", "learners")
 VAL_COLUMNS = ("epoch", "step", "loss", "accuracy", "time", "exchange_share")
@@ -30,6 +33,8 @@ class MetricsWriter:
         attrs: dict[str, Any] | None = None,
         resume_step: int | None = None,
     ) -> None:
+        import h5py
+
         self.path = path
         if resume_step is not None and path.exists():
             self.file = h5py.File(path, "a")
@@ -79,6 +84,8 @@ class MetricsWriter:
 
 def read_metrics(path: Path | str) -> dict[str, dict[str, np.ndarray]]:
     """Load ``metrics.h5`` into {'train': {column: array}, 'val': {...}, 'attrs': {...}}."""
+    import h5py
+
     with h5py.File(path, "r") as f:
         out: dict[str, Any] = {g: {k: f[g][k][()] for k in f[g]} for g in ("train", "val")}
         out["attrs"] = dict(f.attrs)
