@@ -15,6 +15,7 @@ import sys
 from .config import Config, load_config
 from .errors import USAGE_EXIT_CODE, UsageError
 from .launch.binding import MODES
+from .launch.collector import collector_off_then_frozen, freeze_objects_at_exit
 from .launch.failure import say
 from .launch.world import detect_launcher, launcher_rank
 from .log import LAUNCHER_TAG, setup_logging
@@ -118,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             return USAGE_EXIT_CODE
     if args.hostfile and launcher_rank() in (0, None):
         log.warning("-hostfile is used only when crossbow-launch starts the job itself; ignored under MPI")
-    from .training.runner import run_rank  # ranks import torch; the path to mpiexec does not
+    freeze_objects_at_exit()
+    with collector_off_then_frozen():
+        from .training.runner import run_rank  # ranks import torch; the path to mpiexec does not
 
     return run_rank(config)
 

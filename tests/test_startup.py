@@ -6,6 +6,7 @@ Imports are checked in fresh interpreters: this test process has long imported e
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 
 from conftest import REPO, mpi_env
 from mpicrossbow.launch.binding import RankFacts, bind
+from mpicrossbow.launch.collector import collector_off_then_frozen
 from mpicrossbow.log import LAUNCHER_TAG, setup_logging
 
 #: What the launcher's way to mpiexec must leave unimported (the MPI library is mpi4py.MPI; hwloc and
@@ -116,3 +118,19 @@ def test_ranks_import_h5py_only_to_write_metrics() -> None:
     proc = fresh("import sys\nimport mpicrossbow.training.runner\nprint('h5py' in sys.modules)\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "False"
+
+
+def test_rank_start_up_runs_without_the_collector_then_freezes_what_it_made() -> None:
+    frozen = gc.get_freeze_count()
+    try:
+        with collector_off_then_frozen():
+            assert not gc.isenabled()
+            made = [[i] for i in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(made)
+        gc.disable()
+        with collector_off_then_frozen():
+            pass
+        assert not gc.isenabled()  # a caller's choice is kept
+    finally:
+        gc.enable()
+        gc.unfreeze()

@@ -17,10 +17,8 @@ rank holds less than its cgroup allows), that binding is kept and reported, not 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,6 +197,9 @@ MPOL_PREFERRED = 1
 
 def prefer_memory_node(node: int) -> bool:
     """Ask the kernel to allocate this process's memory on NUMA node ``node`` (preferred, not strict)."""
+    import ctypes  # here, not at the top: crossbow-launch imports this module on its way to mpiexec
+    import platform
+
     number = SET_MEMPOLICY.get(platform.machine())
     if number is None:
         return False

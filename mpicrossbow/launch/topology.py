@@ -15,9 +15,12 @@ import re
 import shutil
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import xml.etree.ElementTree as ET
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +115,8 @@ def topology_from_hwloc_xml(text: str) -> Topology:
     ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and nvidia-smi's order. A GPU's locality is the CPU set of its nearest
     ancestor that has one (I/O objects hang below a package, a NUMA group or the machine).
     """
+    import xml.etree.ElementTree as ET  # only here: every process imports this module, few parse XML
+
     try:
         root = ET.fromstring(text)
     except ET.ParseError as exc:
