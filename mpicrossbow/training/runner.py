@@ -9,6 +9,7 @@ import logging
 from ..config import Config
 from ..errors import UsageError
 from ..launch.binding import bind, device_label, gather_facts, report
+from ..launch.collector import collector_off_then_frozen
 from ..launch.devices import device_for_rank
 from ..launch.failure import abort, agree
 from ..launch.world import World, detect_world
@@ -52,7 +53,9 @@ def prepare_session(config: Config, rule: Rule | None = None) -> tuple[World, Se
     world = detect_world()
     setup_logging(world.rank, world.size, config.session.log_level.upper() if world.rank == 0 else None)
     session = Session(config, world, rule)
-    code = bind_and_prepare(world, session) or agree(world, session.check_consistency)
+    with collector_off_then_frozen():  # set-up makes long-lived objects (torch._dynamo, the model, the data)
+        code = bind_and_prepare(world, session)
+    code = code or agree(world, session.check_consistency)
     return world, session, code
 
 
