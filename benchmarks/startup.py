@@ -185,6 +185,11 @@ def write(text: str) -> Path:
     return path
 
 
+def portable(command: str) -> str:
+    """``command`` without this machine's paths: the interpreter's folder becomes ``$BIN``."""
+    return command.replace(str(Path(sys.executable).parent) + "/", "$BIN/")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure, print the table and (unless ``--no-write``) append it to the results."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -209,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.no_write:
         return 0
     invocation = shlex.join(["python", "-m", "benchmarks.startup", *(sys.argv[1:] if argv is None else argv)])
-    described = "\n".join(f"- {s.label}: `{shlex.join(s.argv)}`" for s in commands)
+    described = "\n".join(f"- {s.label}: `{portable(shlex.join(s.argv))}`" for s in commands)
     note = f"\n- note: {args.note}" if args.note else ""
     section = (
         f"\n## 1-epoch digits job vs the import floor — {started:%Y-%m-%d %H:%M} UTC\n\n"
