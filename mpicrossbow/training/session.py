@@ -15,6 +15,7 @@ import logging
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +50,8 @@ class Session:
     def __init__(self, config: Config, world: World, rule: Rule | None = None) -> None:
         self.config, self.world, self.rule = config, world, rule
         self.pool: LearnerPool | None = None
+        #: The whole validation set, for ranks that validate alone (asynchronous rules); else None.
+        self.full_val: Any = None
         self.comm: Communicator | None = None
         self.run_dir: Path | None = None
         self.parts: RankParts | None = None
