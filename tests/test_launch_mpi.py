@@ -196,6 +196,9 @@ def test_sigint_to_a_rule_init_driver_stops_the_whole_job(tmp_path: Path) -> Non
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: a shell that started this test run in the background ignores SIGINT, and the
+        # driver would inherit that (Ctrl-C never reaches background jobs).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     marker = str(tmp_path)
     try:
