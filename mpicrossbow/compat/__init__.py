@@ -1,2 +1,3 @@
-"""Theano-MPI compatibility in one place: the ``rule.init()``/``rule.wait()`` facade and its job runner, and
-the adapter that trains a Theano-MPI-form model (``train_iter``/``val_iter``) as a learner pool."""
+"""Theano-MPI's job API: the ``rule.init()``/``rule.wait()`` facade and the jobs it starts. It sits above
+the run-time (it starts sessions); the Theano-MPI model form itself is part of the model contract
+(:mod:`mpicrossbow.model.contract`) and trains through its adapter pool (:mod:`mpicrossbow.pool.theano`)."""

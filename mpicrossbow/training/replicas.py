@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from ..compat.theano_pool import TheanoPool
 from ..config import Config
 from ..config.fields import call_kwargs
 from ..errors import ContractError
@@ -17,6 +16,7 @@ from ..model.shard import Shard
 from ..pool.base import LearnerPool
 from ..pool.engines import ENGINES
 from ..pool.spec import PoolSpec
+from ..pool.theano import TheanoPool
 from ..rules.base import Rule
 
 

@@ -11,8 +11,8 @@ import torch
 
 from ..errors import CheckpointError, ContractError
 from ..model.contract import check_data
-from ..pool.base import LearnerPool
-from ..pool.flat import flatten_into_buffer
+from .base import LearnerPool
+from .flat import flatten_into_buffer
 
 
 class Recorder:
