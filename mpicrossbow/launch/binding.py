@@ -22,10 +22,11 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from .devices import DeviceSpec
 from .topology import CpuSet, Topology, format_cpulist, load_topology, numa_nodes_from_sysfs, parse_cpulist
+from .world import World
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ def set_threads(count: int) -> None:
     torch.set_num_threads(count)
 
 
-def local_facts(world: Any, device: str) -> RankFacts:
+def local_facts(world: World, device: str) -> RankFacts:
     """This rank's facts: where it runs, its device and its current and allowed CPU sets."""
     return RankFacts(
         rank=world.rank,
@@ -229,10 +230,10 @@ def local_facts(world: Any, device: str) -> RankFacts:
     )
 
 
-def gather_facts(world: Any, device: str) -> list[RankFacts]:
+def gather_facts(world: World, device: str) -> list[RankFacts]:
     """Every rank's :class:`RankFacts` (collective over the world)."""
     mine = local_facts(world, device)
-    return world.mpi.allgather(mine) if world.mpi is not None else [mine]
+    return world.allgather(mine)
 
 
 def bind(
@@ -331,7 +332,7 @@ def report_table(bindings: Sequence[Binding]) -> str:
     )
 
 
-def report(world: Any, binding: Binding) -> list[Binding]:
+def report(world: World, binding: Binding) -> list[Binding]:
     """Gather every rank's binding to rank 0, which logs the table once; returns the list there."""
     everyone = world.mpi.gather(binding, root=0) if world.mpi is not None else [binding]
     if world.rank == 0:

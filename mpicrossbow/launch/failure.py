@@ -54,7 +54,7 @@ def agree(world: World, prepare: Callable[[], object]) -> int:
         problem = ("usage", str(exc))
     except Exception as exc:  # a crash while reading the user's files is still reported, not hung on
         problem = ("crash", f"{type(exc).__name__}: {exc} ({where(exc)})")
-    problems = world.mpi.allgather(problem) if world.mpi is not None else [problem]
+    problems = world.allgather(problem)
     failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
     if not failed:
         return 0

@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 #: Variables that prove an MPI launcher (or srun with a PMI plug-in) started this process.
 LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
@@ -74,6 +74,9 @@ def launcher_rank(environ: dict[str, str] | None = None) -> int | None:
     return None
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
 class World:
     """This process's place in the job."""
@@ -87,6 +90,14 @@ class World:
     hostname: str
     launcher: str | None
     mpi: Any = None  # the mpi4py COMM_WORLD, None in a plain single process without MPI
+
+    def allgather(self, value: T) -> list[T]:
+        """Every rank's ``value``, in rank order (a collective; ``[value]`` without MPI)."""
+        return self.mpi.allgather(value) if self.mpi is not None else [value]
+
+    def bcast(self, value: T, root: int = 0) -> T:
+        """Rank ``root``'s ``value`` on every rank (a collective; ``value`` itself without MPI)."""
+        return self.mpi.bcast(value, root=root) if self.mpi is not None else value
 
 
 def detect_world() -> World:

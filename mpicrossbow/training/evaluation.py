@@ -56,13 +56,12 @@ class Evaluator:
 
     def final(self, trains: bool) -> tuple[float, float]:
         """After ``finish`` (collective): rank 0 validates the rule's model, every rank's own is reported."""
-        mpi = self.world.mpi
         self.rule.sync_state()
         own = self.pool.validate(None, self.full_val) if trains else (math.nan, math.nan, 1.0)
         mine = own[1] / max(own[2], 1)
-        every_rank = mpi.allgather(mine) if mpi is not None else [mine]
+        every_rank = self.world.allgather(mine)
         val = None
         if self.world.rank == 0:
             val = _mean(*self.pool.validate(self.rule.eval_params(), self.full_val))
             self.reporter.final_model(val, every_rank)
-        return mpi.bcast(val, root=0) if mpi is not None else val  # type: ignore[return-value]
+        return self.world.bcast(val)  # type: ignore[return-value]

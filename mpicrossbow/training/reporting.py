@@ -62,7 +62,7 @@ class Reporter:
         self.rss_start, self.rss_warm = resident_mb(), math.nan
         self.metrics: MetricsWriter | None = None
         self.bar: Any = None
-        processes = self._gather(os.getpid())
+        processes = world.allgather(os.getpid())
         if world.rank != 0:
             return
         # A launcher that reports a dead PID can be matched to its rank with this line.
@@ -71,10 +71,6 @@ class Reporter:
         (run_dir / "session.cfg").write_text(text, encoding="utf-8")
         attrs = {"world_size": world.size, "rule": config.rule}
         self.metrics = MetricsWriter(run_dir / "metrics.h5", text, attrs, resume_step=resume_step)
-
-    def _gather(self, value: Any) -> list[Any]:
-        mpi = self.world.mpi
-        return mpi.allgather(value) if mpi is not None else [value]
 
     @property
     def wall(self) -> float:
@@ -191,7 +187,7 @@ class Reporter:
 
     def rank_rates(self, rate: float, share: float) -> None:
         """Collective: every rank's training steps/s and exchange share (NaN for serving ranks)."""
-        pairs = self._gather((rate, share))
+        pairs = self.world.allgather((rate, share))
         if self.metrics is not None:
             self.metrics.file.attrs["rank_steps_per_second"] = [p[0] for p in pairs]
             self.metrics.file.attrs["rank_exchange_share"] = [p[1] for p in pairs]
@@ -199,7 +195,7 @@ class Reporter:
     def rank_health(self, in_flight: int, injected_seconds: float) -> None:
         """Collective: resident memory (start, warmed up, end), requests in flight, injected sleep."""
         mine = (self.rss_start, self.rss_warm, resident_mb(), in_flight, injected_seconds)
-        rows = self._gather(mine)
+        rows = self.world.allgather(mine)
         names = (
             "rank_rss_start_mb",
             "rank_rss_warm_mb",

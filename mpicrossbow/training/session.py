@@ -123,10 +123,9 @@ class Session:
     def check_consistency(self) -> None:
         """Collective: every rank built the same model (parameter shapes), or a ContractError on all ranks."""
         assert self.pool is not None
-        mpi = self.world.mpi
         learner = self.pool.learners[0]
         mine = [tuple(p.shape) for p in getattr(learner, "param_list", [learner.params])]
-        everyone = mpi.allgather(mine) if mpi is not None else [mine]
+        everyone = self.world.allgather(mine)
         for rank, shapes in enumerate(everyone):
             if shapes != everyone[0]:
                 count = sum(math.prod(s) for s in shapes)
@@ -145,7 +144,7 @@ class Session:
         cfg, world, mpi = self.config, self.world, self.world.mpi
         self.comm = make_communicator(cfg.comm, self.device, mpi)
         run_dir = (self.checkpoints.resumed_run_dir() or make_run_dir(cfg)) if world.rank == 0 else None
-        self.run_dir = Path(mpi.bcast(str(run_dir), root=0) if mpi is not None else str(run_dir))
+        self.run_dir = Path(world.bcast(str(run_dir)))
         self.rule.bind(self.comm, self.pool)
         self.checkpoints.restore(self.rule)
         # Asynchronous rules have no step that every rank reaches together: no checkpoints, no step watchdog.
