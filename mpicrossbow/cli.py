@@ -8,7 +8,6 @@ failure protocol every rank follows is :mod:`mpicrossbow.launch.failure`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 
@@ -128,10 +127,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def resolved(config: Config) -> Config:
     """``config`` with the rule's name and every hyper-parameter resolved (defaults included)."""
-    from .rules.registry import build_rule  # rules import torch: only --print-config pays for it
+    from .rules.registry import resolve  # rules import torch: only --print-config pays for it
 
-    rule = build_rule(config.rule, config.rule_params)
-    return config.replace(rule_params=dataclasses.asdict(rule.hyper))
+    return resolve(config)[1]
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from ..config import Config
 from ..registry import Registry
 from .base import Rule
 
@@ -19,3 +21,10 @@ def build_rule(name: str, params: Mapping[str, Any]) -> Rule:
     ConfigError naming the key (or listing the valid names).
     """
     return RULES.get(name)(**params)
+
+
+def resolve(config: Config, rule: Rule | None = None) -> tuple[Rule, Config]:
+    """The rule ``config`` names (or ``rule``, already built), and ``config`` with that rule's
+    hyper-parameters resolved, defaults included: what session.cfg records and ``--print-config`` shows."""
+    rule = rule if rule is not None else build_rule(config.rule, config.rule_params)
+    return rule, config.replace(rule_params=dataclasses.asdict(rule.hyper))

@@ -10,7 +10,6 @@ itself lives in :mod:`.loop` and :mod:`.modes`; the Session only assembles and c
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -29,7 +28,7 @@ from ..launch.failure import abort
 from ..launch.world import World
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
-from ..rules.registry import build_rule
+from ..rules.registry import resolve
 from .autotune import AutoTuner
 from .checkpointing import Checkpointing
 from .evaluation import Evaluator
@@ -75,10 +74,8 @@ class Session:
             else max(1, len(os.sched_getaffinity(0)) // max(1, world.local_size))
         )
         torch.set_num_threads(threads)
-        rule = self.rule if self.rule is not None else build_rule(cfg.rule, cfg.rule_params)
-        self.rule = rule
-        # The resolved hyper-parameters (defaults included) are what session.cfg records.
-        self.config = cfg = cfg.replace(rule_params=dataclasses.asdict(rule.hyper))
+        rule, cfg = resolve(cfg, self.rule)  # session.cfg records the resolved hyper-parameters
+        self.rule, self.config = rule, cfg
         self._check_combinations()
         auto = cfg.pool.learners == "auto"
         learners = 1 if auto else int(cfg.pool.learners)
