@@ -20,7 +20,8 @@ from ..rules.base import Rule
 from .reporting import Reporter
 
 
-def _mean(loss_sum: float, hits: float, n: float) -> tuple[float, float]:
+def per_sample(loss_sum: float, hits: float, n: float) -> tuple[float, float]:
+    """(mean loss, accuracy) from summed ``(loss, hits, samples)``; zero samples give zeros."""
     return loss_sum / max(n, 1), hits / max(n, 1)
 
 
@@ -43,16 +44,16 @@ class Evaluator:
     def collective(self) -> tuple[float, float]:
         """Every rank's shard, summed (a collective: synchronous rules)."""
         self.rule.sync_state()
-        return _mean(*self.comm.allreduce_scalars(list(self.pool.validate(self.rule.eval_params()))))
+        return per_sample(*self.comm.allreduce_scalars(list(self.pool.validate(self.rule.eval_params()))))
 
     def alone(self) -> tuple[float, float]:
         """This rank alone, on the whole validation set (asynchronous rules, no collective)."""
-        return _mean(*self.pool.validate(self.rule.eval_params(), self.full_val))
+        return per_sample(*self.pool.validate(self.rule.eval_params(), self.full_val))
 
     def served(self, params: torch.Tensor, epoch: float) -> None:
         """Validation callback of a serving rank: rank 0 validates ``params`` and reports it."""
         if self.world.rank == 0:
-            self.reporter.served(_mean(*self.pool.validate(params, self.full_val)), epoch)
+            self.reporter.served(per_sample(*self.pool.validate(params, self.full_val)), epoch)
 
     def final(self, trains: bool) -> tuple[float, float]:
         """After ``finish`` (collective): rank 0 validates the rule's model, every rank's own is reported."""
@@ -62,6 +63,6 @@ class Evaluator:
         every_rank = self.world.allgather(mine)
         val = None
         if self.world.rank == 0:
-            val = _mean(*self.pool.validate(self.rule.eval_params(), self.full_val))
+            val = per_sample(*self.pool.validate(self.rule.eval_params(), self.full_val))
             self.reporter.final_model(val, every_rank)
         return self.world.bcast(val)  # type: ignore[return-value]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..comm.base import ReduceOp
+from .evaluation import per_sample
 from .nan_guard import check_finite
 from .parts import RankParts
 from .schedule import lr_at
@@ -130,7 +131,7 @@ class TrainLoop:
         learners = len(parts.pool.learners)
         loss_sum, hits, n = self.reduce(parts.pool.take_stats())
         self.out.samples += n
-        self.out.train = (loss_sum / max(n, 1), hits / max(n, 1))
+        self.out.train = per_sample(loss_sum, hits, n)
         last = self.epoch == self.epochs - 1 or bool(self.budget and self.step >= self.budget)
         val = self.validate() if last or (every and (self.epoch + 1) % every == 0) else None
         self.out.val = val if val is not None else self.out.val
