@@ -18,6 +18,7 @@ from typing import Any
 
 from .config import SECTIONS, TOP_KEYS
 from .config.fields import describe_fields
+from .config.loader import format_value
 from .rules import RULES
 
 #: The bare Theano-MPI keys: what each one means (they are plain strings, not settings with help).
@@ -106,11 +107,8 @@ def _default(value: Any) -> str:
     """A default as it is written in a cfg (booleans lower-case, lists comma-separated)."""
     if value is None:
         return "(unset)"
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if isinstance(value, (tuple, list)):
-        value = ",".join(map(str, value))
-    return f"`{value}`" if str(value) else "(empty)"
+    text = format_value(value)
+    return f"`{text}`" if text else "(empty)"
 
 
 def _table(cls: type) -> list[str]:

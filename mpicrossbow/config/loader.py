@@ -90,14 +90,15 @@ class Config:
         for name in SECTIONS:
             lines += ["", f"[{name}]"]
             for key, value in dataclasses.asdict(getattr(self, name)).items():
-                lines.append(f"{key} = {_format(value)}")
+                lines.append(f"{key} = {format_value(value)}")
         for name, values in (("rule", self.rule_params), ("model", self.model_params)):
             if values:
-                lines += ["", f"[{name}]"] + [f"{k} = {_format(v)}" for k, v in values.items()]
+                lines += ["", f"[{name}]"] + [f"{k} = {format_value(v)}" for k, v in values.items()]
         return "\n".join(lines) + "\n"
 
 
-def _format(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A value as a cfg file writes it: booleans lower-case, sequences comma-separated, None empty."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (tuple, list)):
