@@ -16,6 +16,7 @@ from .errors import USAGE_EXIT_CODE, UsageError
 from .launch.binding import MODES
 from .launch.collector import collector_off_then_frozen, freeze_objects_at_exit
 from .launch.failure import say
+from .launch.slurm import srun_tasks_without_pmi
 from .launch.world import detect_launcher, launcher_rank
 from .log import LAUNCHER_TAG, setup_logging
 
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             say(str(exc))
             return USAGE_EXIT_CODE
         return 0
+    if detect_launcher() is None and srun_tasks_without_pmi():
+        return no_pmi()
     if detect_launcher() is None:
         from .launch.spawn import spawn
 
@@ -123,6 +126,24 @@ def main(argv: list[str] | None = None) -> int:
         from .training.runner import run_rank  # ranks import torch; the path to mpiexec does not
 
     return run_rank(config)
+
+
+def no_pmi() -> int:
+    """srun started several tasks without a PMI: the first says which ``--mpi`` to use; all exit 2."""
+    if launcher_rank() in (0, None):
+        from .launch.spawn import find_mpiexec, mpi_flavor
+
+        try:
+            flavor = mpi_flavor(find_mpiexec())
+        except UsageError:
+            flavor = "unknown"
+        use = {"mpich": "--mpi=pmi2 (this MPI is MPICH)", "openmpi": "--mpi=pmix (this MPI is Open MPI)"}
+        say(
+            f"srun started {srun_tasks_without_pmi()} tasks without a PMI plug-in, so each would run alone: "
+            f"run srun {use.get(flavor, '--mpi=pmi2 (MPICH) or --mpi=pmix (Open MPI)')}; "
+            "'srun --mpi=list' shows what this Slurm offers"
+        )
+    return USAGE_EXIT_CODE
 
 
 def resolved(config: Config) -> Config:

@@ -9,6 +9,10 @@ from __future__ import annotations
 #: Exit status for bad input (config, CLI, model file, data file), as argparse uses.
 USAGE_EXIT_CODE = 2
 
+#: Exit status of a run that a signal (SIGTERM, SIGUSR1) stopped after every rank saved a checkpoint: not
+#: finished, run it again (or let Slurm requeue it) to continue. EX_TEMPFAIL of sysexits.h.
+STOPPED_EXIT_CODE = 75
+
 
 class UsageError(Exception):
     """Bad input from the user: reported as one line, exit status 2, no traceback."""

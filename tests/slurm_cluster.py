@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -84,11 +85,16 @@ class SlurmCluster:
         proc = self.run("sinfo", "-h", "-N", "-o", "%N %t")
         return dict(line.split() for line in proc.stdout.splitlines() if len(line.split()) == 2)
 
-    def sbatch(self, *args: str, cwd: Path, env: dict[str, str] | None = None) -> int:
-        """Submit a batch script; returns the job id."""
+    def fresh_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """A fresh login shell's environment on this cluster: system PATH, HOME, SLURM_CONF, ``extra``."""
+        base = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": os.environ.get("HOME", "/")}
+        return {**base, "SLURM_CONF": str(self.conf), **(extra or {})}
+
+    def sbatch(self, *args: str, cwd: Path, env: dict[str, str] | None = None, fresh: bool = False) -> int:
+        """Submit a batch script (from a fresh shell's environment plus ``env`` if ``fresh``); its job id."""
         proc = subprocess.run(
             ["sbatch", "--parsable", *args],
-            env={**self.env, **(env or {})},
+            env=self.fresh_env(env) if fresh else {**self.env, **(env or {})},
             cwd=cwd,
             capture_output=True,
             text=True,
@@ -96,6 +102,11 @@ class SlurmCluster:
         )
         assert proc.returncode == 0, proc.stderr
         return int(proc.stdout.strip().split(";")[0])
+
+    def job(self, job: int) -> dict[str, str]:
+        """``scontrol show job`` as a dict (empty once Slurm forgot the job)."""
+        proc = self.run("scontrol", "-o", "show", "job", str(job))
+        return dict(item.split("=", 1) for item in proc.stdout.split() if "=" in item)
 
     def wait_job(self, job: int, timeout: float) -> dict[str, str]:
         """Poll until ``job`` ends (bounded by ``timeout``); its final ``scontrol show job`` record."""
@@ -139,6 +150,9 @@ def write_config(root: Path, host: str, ports: list[int], munge_socket: Path) ->
         "SchedulerParameters=sched_interval=1",
         "JobCompType=jobcomp/none",
         "JobAcctGatherType=jobacct_gather/none",
+        # Job ids of their own: MPICH names its shared memory after the job and step, and a segment a killed
+        # job left behind must not meet a later test session's job of the same id.
+        f"FirstJobId={random.randrange(100_000, 10_000_000)}",
     ]
     for name, port in zip(NODES, ports[1:], strict=True):
         lines.append(

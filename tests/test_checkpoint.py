@@ -3,10 +3,8 @@ through a checkpoint file is the pool contract's, test_pool_contract.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +23,6 @@ from mpicrossbow.training.checkpoint import (
     safe_load,
 )
 from mpicrossbow.training.faults import FaultInjector, InjectedFault
-from mpicrossbow.training.watchdog import Watchdog, heartbeat_file
 
 META = {"world_size": 1, "rule": "BSP", "learners": 1, "numel": 10}
 
@@ -117,29 +114,3 @@ def test_fault_injector_fires_only_for_its_rank_and_step() -> None:
     FaultInjector(FaultSection(rank=0, step=1, action="nan"), 0).poison(1, losses, grads)
     assert torch.isnan(losses[0]) and torch.isnan(grads[0]).all()
     assert FaultInjector(FaultSection(rank=0, step=5, action="kill_in_save"), 0).in_save(4) is None
-
-
-def test_watchdog_names_the_rank_behind(tmp_path: Path) -> None:
-    messages: list[str] = []
-    behind = {
-        "rank": 1,
-        "host": "node7",
-        "pid": 4242,
-        "step": 41,
-        "phase": "compute",
-        "progressed": time.time() - 9,
-    }
-    heartbeat_file(tmp_path, 1).write_text(json.dumps(behind))
-    dog = Watchdog(
-        tmp_path, 0, 2, warn_after=0.2, abort_after=0.6, interval=0.05, abort=messages.append
-    ).start()
-    dog.beat(41, "exchange")  # rank 0 waits in step 41's exchange; rank 1 never arrived
-    deadline = time.monotonic() + 10
-    while not messages and time.monotonic() < deadline:
-        time.sleep(0.05)
-    dog.stop()
-    assert messages, "the watchdog did not abort"
-    assert "step 41 (exchange) has not progressed" in messages[0]
-    assert "waiting for rank(s) 1 on node7 (pid 4242, in compute of step 41" in messages[0]
-    assert "abort_after" in messages[0]
-    assert json.loads(heartbeat_file(tmp_path, 0).read_text())["phase"] == "done"

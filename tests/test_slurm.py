@@ -1,4 +1,6 @@
-"""The sbatch templates of launch/slurm run the digits job on a real Slurm: one node and two emulated nodes.
+"""The sbatch templates of launch/slurm on a real Slurm (one node and two emulated nodes), submitted from a
+fresh shell exactly as the README shows them: training, a rank killed outright, srun without PMI, SIGUSR1
+to the steps or to the batch shell (requeue and resume), scancel of a job with a dead rank.
 
 The cluster (munged, slurmctld, slurmd n1 and n2) is private to the test session (tests/slurm_cluster.py);
 jobs are waited for with a bounded poll and cancelled on timeout.
@@ -6,71 +8,292 @@ jobs are waited for with a bounded poll and cancelled on timeout.
 
 from __future__ import annotations
 
-import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
 
-from conftest import REPO, mpi_env
+from conftest import REPO
+from mpicrossbow.training.checkpoint import complete_checkpoints
 from mpicrossbow.training.metrics import read_metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 TEMPLATES = REPO / "launch" / "slurm"
+#: The environment that has mpicrossbow: the one running the tests (the templates activate it by VENV).
+VENV = Path(sys.executable).parent.parent
+#: A run long enough to be signalled in the middle: 880 steps with 20 ms of injected sleep each.
+SLOW = ("session.slow_ranks=0,1", "session.slow_seconds=0.02", "checkpoint.every_epochs=100")
 
 
-def job_env(runs: Path) -> dict[str, str]:
-    """What sbatch exports to the job: this environment's Python and MPI first on PATH, repo importable."""
-    env = mpi_env({"RUNS": str(runs)})
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    return env
+def submit(
+    cluster: SlurmCluster,
+    tmp_path: Path,
+    script: str,
+    *args: str,
+    options: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> int:
+    """``VENV=... sbatch [options] launch/slurm/<script> args`` from a fresh shell in the repository."""
+    return cluster.sbatch(
+        f"--output={tmp_path}/slurm-%j.out",
+        *options,
+        str(TEMPLATES / script),
+        *args,
+        cwd=REPO,
+        env={"VENV": str(VENV), "RUNS": str(tmp_path / "runs"), "PYTHONUNBUFFERED": "1", **(env or {})},
+        fresh=True,
+    )
+
+
+def output(tmp_path: Path, job: int) -> str:
+    path = tmp_path / f"slurm-{job}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_for(predicate: object, timeout: float, what: str) -> None:
+    """Poll ``predicate()`` every 0.2 s until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.2)
+    pytest.fail(f"not within {timeout:.0f} s: {what}")
+
+
+def ranks_of(marker: Path) -> list[int]:
+    """Pids of rank processes whose command line names ``marker`` (a test's own output folder)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(marker).encode() in cmdline and b"crossbow" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def the_run(tmp_path: Path, job: int) -> Path:
+    (run,) = (tmp_path / "runs" / str(job)).iterdir()  # one run folder per job id
+    return run
 
 
 @pytest.mark.parametrize(
-    ("template", "nodes", "launcher"),
-    [
-        ("one-node.sbatch", 1, "srun"),
-        ("multi-node.sbatch", 2, "srun"),
-        ("multi-node-mpiexec.sbatch", 2, "mpiexec"),
-    ],
+    ("template", "nodes"),
+    [("one-node.sbatch", 1), ("multi-node.sbatch", 2), ("multi-node-mpiexec.sbatch", 2)],
 )
 def test_sbatch_template_trains_digits_to_95_percent(
     slurm_cluster: SlurmCluster,  # noqa: F811
     tmp_path: Path,
     template: str,
     nodes: int,
-    launcher: str,
 ) -> None:
-    runs = tmp_path / "runs"
     # Emulated nodes share the machine's cores: without --exclusive both would hand out "their" core 0.
-    exclusive = ["--exclusive"] if nodes > 1 else []
-    job = slurm_cluster.sbatch(
-        f"--output={tmp_path}/slurm-%j.out",
-        *exclusive,
-        str(TEMPLATES / template),
-        cwd=REPO,
-        env=job_env(runs),
-    )
+    job = submit(slurm_cluster, tmp_path, template, options=("--exclusive",) if nodes > 1 else ())
     record = slurm_cluster.wait_job(job, timeout=300)
-    out = (tmp_path / f"slurm-{job}.out").read_text()
-    assert record["JobState"] == "COMPLETED", out[-3000:]
+    out = output(tmp_path, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out[-3000:]
     assert record["NumNodes"] == str(nodes) and record["NumTasks"] == "2"
-    (run,) = (runs / str(job)).iterdir()  # output folder per job id
+    run = the_run(tmp_path, job)
+    assert f"results in {run}" in out  # the run folder, as an absolute path
     metrics = read_metrics(run / "metrics.h5")
-    assert metrics["attrs"]["world_size"] == 2
+    attrs = metrics["attrs"]
+    assert attrs["world_size"] == 2 and attrs["slurm_job_id"] == str(job)
+    assert attrs["slurm_restart_count"] == 0 and attrs["slurm_nodelist"]
+    assert f"# slurm_job_id = {job}" in (run / "session.cfg").read_text()
     assert metrics["val"]["accuracy"][-1] >= 0.95, metrics["val"]["accuracy"]
     table = out.split("bindings:\n", 1)[1].splitlines()[:3]
     assert [row.split()[-1] for row in table[1:]] == ["core", "core"]
     assert len({row.split()[3] for row in table[1:]}) == 2  # two ranks, two different cores
 
 
-def test_templates_are_valid_bash_and_document_checkpoint_on_signal() -> None:
+@pytest.mark.parametrize(("template", "nodes"), [("one-node.sbatch", 1), ("multi-node.sbatch", 2)])
+def test_a_rank_killed_outright_fails_the_job_within_a_minute_and_leaves_no_process(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+    template: str,
+    nodes: int,
+) -> None:
+    options = ("--exclusive",) if nodes > 1 else ()
+    start = time.monotonic()
+    job = submit(
+        slurm_cluster, tmp_path, template, "fault.rank=1", "fault.step=30", "fault.action=kill",
+        "session.epochs=200", options=options,
+    )  # fmt: skip
+    record = slurm_cluster.wait_job(job, timeout=120)
+    out = output(tmp_path, job)
+    assert record["JobState"] == "FAILED", out[-3000:]
+    assert time.monotonic() - start < 60, out[-3000:]
+    assert re.search(r"task 1: Killed|rank 1 on \S+ \(pid \d+\) is gone", out), out[-3000:]
+    wait_for(lambda: not ranks_of(tmp_path), 10, "every rank process gone")
+
+
+def test_the_watchdog_ends_a_job_with_a_dead_rank_that_srun_does_not_end(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """srun without --kill-on-bad-exit leaves the other ranks waiting: the watchdog sees the dead pid."""
+    runs = tmp_path / "runs"
+    command = (
+        f". {VENV}/bin/activate && srun --mpi=pmi2 --kill-on-bad-exit=0 crossbow-launch -cfg "
+        f"launch/digits.cfg session.output={runs} session.epochs=200 fault.rank=1 fault.step=30 "
+        "fault.action=kill"
+    )
+    job = slurm_cluster.sbatch(
+        "--ntasks=2", f"--output={tmp_path}/slurm-%j.out", "--wrap", command, cwd=REPO, fresh=True
+    )
+    record = slurm_cluster.wait_job(job, timeout=120)
+    out = output(tmp_path, job)
+    assert record["JobState"] == "FAILED", out[-3000:]
+    minutes, seconds = record["RunTime"].split(":")[-2:]
+    assert 60 * int(minutes) + int(seconds) < 30, record["RunTime"]
+    lines = [line for line in out.splitlines() if line.startswith("crossbow-launch: error: ")]
+    assert len(lines) == 1, out[-3000:]
+    assert re.fullmatch(
+        r"crossbow-launch: error: rank 1 on \S+ \(pid \d+\) is gone: its process ended without reporting an "
+        r"error .*; rank 0 aborts the job",
+        lines[0],
+    ), lines[0]
+    wait_for(lambda: not ranks_of(runs), 10, "every rank process gone")
+
+
+def test_scancel_of_a_job_with_a_dead_rank_ends_every_process_within_10_s(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """With the peer check off, the survivor blocks in a collective; scancel still ends it at once."""
+    runs = tmp_path / "runs"
+    command = (
+        f". {VENV}/bin/activate && srun --mpi=pmi2 --kill-on-bad-exit=0 crossbow-launch -cfg "
+        f"launch/digits.cfg session.output={runs} session.epochs=200 fault.rank=1 fault.step=30 "
+        "fault.action=kill watchdog.peer_timeout=0"
+    )
+    job = slurm_cluster.sbatch(
+        "--ntasks=2", f"--output={tmp_path}/slurm-%j.out", "--wrap", command, cwd=REPO, fresh=True
+    )
+    wait_for(lambda: "task 1: Killed" in output(tmp_path, job), 60, "rank 1 killed")
+    assert ranks_of(runs), "rank 0 should still be waiting for rank 1"
+    cancelled = time.monotonic()
+    assert slurm_cluster.run("scancel", str(job)).returncode == 0
+    wait_for(lambda: not ranks_of(runs), 10, "every rank process gone after scancel")
+    assert time.monotonic() - cancelled < 10
+    assert slurm_cluster.wait_job(job, timeout=60)["JobState"] == "CANCELLED"
+
+
+def test_srun_without_pmi_is_one_line_naming_mpi_and_exit_2(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+) -> None:
+    env = slurm_cluster.fresh_env()
+    env["PATH"] = f"{VENV}/bin:{env['PATH']}"
+    start = time.monotonic()
+    proc = subprocess.run(
+        ["srun", "--mpi=none", "-n", "2", "crossbow-launch", "-cfg", "launch/digits.cfg"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert time.monotonic() - start < 10
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("crossbow-launch: error: ")]
+    assert lines == [
+        "crossbow-launch: error: srun started 2 tasks without a PMI plug-in, so each would run alone: "
+        "run srun --mpi=pmi2 (this MPI is MPICH); 'srun --mpi=list' shows what this Slurm offers"
+    ], proc.stderr
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+    """The final checkpoint of the signalled jobs' run, never interrupted."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    job = submit(slurm_cluster, tmp_path, "one-node.sbatch", *SLOW)
+    record = slurm_cluster.wait_job(job, timeout=300)
+    assert record["JobState"] == "COMPLETED", output(tmp_path, job)[-3000:]
+    return complete_checkpoints(the_run(tmp_path, job) / "checkpoints")[-1]
+
+
+@pytest.mark.parametrize("to", ["steps", "batch shell"])
+def test_a_signalled_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrupted_run(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+    uninterrupted: Path,
+    to: str,
+) -> None:
+    job = submit(slurm_cluster, tmp_path, "one-node.sbatch", *SLOW)
+    wait_for(lambda: "epoch 3 step" in output(tmp_path, job), 120, "three epochs trained")
+    batch = ["--batch"] if to == "batch shell" else []
+    assert slurm_cluster.run("scancel", "--signal=USR1", *batch, str(job)).returncode == 0
+    wait_for(lambda: slurm_cluster.job(job).get("JobState") == "PENDING", 60, "the job requeued")
+    wait_for(lambda: not ranks_of(tmp_path), 30, "the first run's ranks gone")
+    # Slurm holds a requeued job for about two minutes before it is eligible again: no need to wait here.
+    slurm_cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+    record = slurm_cluster.wait_job(job, timeout=300)
+    out = output(tmp_path, job)
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", out[-3000:]
+    # slurm-<jobid>.out holds both runs: the stop and requeue, then the resumed run to its end.
+    stop = re.search(r"stopped by a signal after step (\d+)", out)
+    assert stop is not None and f"requeued Slurm job {job}" in out, out[-3000:]
+    assert f"resuming from {the_run(tmp_path, job)}/checkpoints/step-{int(stop[1]):09d}" in out
+    assert "Exited with exit code 75" in out and "done: 20 epoch(s), 880 step(s)" in out
+    final = complete_checkpoints(the_run(tmp_path, job) / "checkpoints")[-1]
+    assert final.name == uninterrupted.name
+    for rank in (0, 1):
+        mine = torch.load(final / f"rank-{rank:05d}.pt", weights_only=True)["pool"]
+        theirs = torch.load(uninterrupted / f"rank-{rank:05d}.pt", weights_only=True)["pool"]
+        assert_bitwise_equal(mine, theirs)
+    attrs = read_metrics(the_run(tmp_path, job) / "metrics.h5")["attrs"]
+    assert attrs["slurm_restart_count"] == 1 and attrs["resumed_at_step"] == int(stop[1])
+
+
+def assert_bitwise_equal(a: object, b: object) -> None:
+    """Nested dicts/lists of tensors and plain values, equal bit for bit."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            assert_bitwise_equal(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_bitwise_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def test_templates_without_an_environment_or_gpus_fail_with_one_line(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    job = slurm_cluster.sbatch(
+        f"--output={tmp_path}/slurm-%j.out", str(TEMPLATES / "one-node.sbatch"), cwd=REPO, fresh=True
+    )  # no VENV, nothing activated: crossbow-launch is not on PATH
+    record = slurm_cluster.wait_job(job, timeout=60)
+    assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0"
+    assert output(tmp_path, job).startswith(
+        "crossbow-launch: error: crossbow-launch is not on PATH: set VENV"
+    )
+    gpu = submit(
+        slurm_cluster, tmp_path, "gpu-nodes.sbatch", options=("--nodes=1", "--ntasks-per-node=1",
+        "--cpus-per-task=1", "--gpus-per-node=0"), env={"CFG": "launch/digits.cfg"},
+    )  # fmt: skip
+    record = slurm_cluster.wait_job(gpu, timeout=60)
+    assert record["ExitCode"] == "2:0", output(tmp_path, gpu)
+    assert "this allocation has no GPUs: ask for them with --gpus-per-node=N or --gres=gpu:N" in output(
+        tmp_path, gpu
+    )
+
+
+def test_templates_are_valid_bash_and_carry_the_production_directives() -> None:
     for path in sorted(TEMPLATES.glob("*.sbatch")):
         proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, (path.name, proc.stderr)
         text = path.read_text()
-        assert "#SBATCH --output=slurm-%j.out" in text and "$RUNS/$SLURM_JOB_ID" in text
-        assert "#SBATCH --signal=USR1@" in text and "checkpoint.resume=" in text
-    assert "--gpus-per-node=8" in (TEMPLATES / "gpu-nodes.sbatch").read_text()
+        for directive in ("--output=slurm-%j.out", "--open-mode=append", "--signal=USR1@120", "--requeue"):
+            assert f"#SBATCH {directive}" in text, (path.name, directive)
+        assert '"$RUNS/$SLURM_JOB_ID"' in text and 'source "$VENV/bin/activate"' in text
+        assert "NOT available" not in text
+        if "\nsrun " in text:
+            assert "--kill-on-bad-exit=1" in text, path.name

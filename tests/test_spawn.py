@@ -12,9 +12,7 @@ from conftest import REPO, mpi_env
 from mpicrossbow.errors import UsageError
 from mpicrossbow.launch.devices import parse_devices
 from mpicrossbow.launch.spawn import (
-    default_ranks,
     expand_devices,
-    in_slurm_allocation,
     read_hostfile,
     spawn_command,
     srun_command,
@@ -159,13 +157,6 @@ def test_golden_srun_commands() -> None:
     ]
     with pytest.raises(UsageError, match="same number of ranks on every host"):
         srun_command("mpich", parse_devices("n1:cuda0,cuda1 n2:cuda0"), [])
-
-
-def test_slurm_allocation_sets_the_launcher_and_rank_count() -> None:
-    assert in_slurm_allocation({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "6"})
-    assert not in_slurm_allocation({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"})  # inside srun already
-    assert not in_slurm_allocation({})
-    assert default_ranks({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "6"}) == 6
 
 
 def test_bad_hostfile_exits_2_with_one_line(tmp_path: Path) -> None:

@@ -82,9 +82,11 @@ class Config:
         """A copy with some top-level fields changed."""
         return dataclasses.replace(self, **changes)
 
-    def to_ini(self) -> str:
-        """The resolved cfg text (defaults included); feeding it back to crossbow-launch repeats the run."""
-        lines = [f"# resolved from {self.source}"]
+    def to_ini(self, header: Sequence[str] = ()) -> str:
+        """The resolved cfg text (defaults included); feeding it back to crossbow-launch repeats the run.
+
+        ``header``: lines recorded as comments at the top (where and when the run ran)."""
+        lines = [f"# resolved from {self.source}", *(f"# {line}" for line in header)]
         lines += [f"RULE={self.rule}", f"MODELFILE={self.modelfile}", f"MODELCLASS={self.modelclass}"]
         lines.append("DEVICES=" + ",".join(map(str, self.devices)))
         for name in SECTIONS:

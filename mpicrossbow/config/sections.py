@@ -105,7 +105,14 @@ class CheckpointSection:
         "", "resume from: latest (the newest complete checkpoint), a checkpoint or run folder; empty: start"
     )
     on_signal: bool = setting(
-        True, "SIGTERM or SIGUSR1 (Slurm's warning before the time limit): save, then exit with status 0"
+        True,
+        "SIGTERM or SIGUSR1 (Slurm's warning before the time limit): every rank saves at the same step, "
+        "then the job exits with status 75 (not finished)",
+    )
+    requeue: bool | Literal["auto"] = setting(
+        "auto",
+        "after a signal stop under Slurm, requeue the job (scontrol requeue), and resume a requeued job "
+        "from its newest checkpoint in the same run folder; auto: when the job is requeueable",
     )
 
     @property
@@ -129,12 +136,24 @@ class FaultSection:
 
 @dataclass(frozen=True)
 class WatchdogSection:
-    """``[watchdog]``: stall detection, as Horovod's stall check: name the ranks a stuck step waits for."""
+    """``[watchdog]``: heartbeats, dead peers and stalls: a job never waits on a rank that is gone, and a
+    stuck step names the ranks it waits for (Horovod's stall check)."""
 
     warn_after: float = setting(
         60.0, "seconds one step may take before the ranks behind are logged (0: off)", ge=0
     )
-    abort_after: float = setting(0.0, "seconds after which a stalled job is aborted (0: never)", ge=0)
+    abort_after: float | Literal["auto"] = setting(
+        "auto",
+        "seconds a step may stall before the job is aborted (0: never); auto: 10 x the longest step so far, "
+        "at least 600 s (the first step 1800 s), validation and checkpoints not timed",
+        ge=0,
+    )
+    peer_timeout: float = setting(
+        20.0,
+        "seconds without a heartbeat after which a rank on another node counts as dead and the job is "
+        "aborted (a dead rank on this node is seen at once from its pid); 0: do not check peers",
+        ge=0,
+    )
     interval: float = setting(1.0, "seconds between heartbeats and checks", gt=0)
 
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -17,6 +18,9 @@ from typing import NoReturn
 
 from ..errors import USAGE_EXIT_CODE, UsageError
 from .world import World
+
+#: The variable naming a file where the first rank that aborts the job writes the job's exit status.
+STATUS_FILE_VARIABLE = "CROSSBOW_STATUS_FILE"
 
 #: How every failure line starts; ``rule.wait()`` collects these lines from a job it started.
 ERROR_PREFIX = "crossbow-launch: error: "
@@ -86,8 +90,32 @@ def abort(world: World, exc: BaseException, run_dir: Path | None) -> NoReturn:
             detail = f"; traceback in {path}"
         except OSError:
             pass
-    say(f"rank {world.rank} of {world.size} on {world.hostname} failed: {text}{detail}")
+    abort_job(world, f"rank {world.rank} of {world.size} on {world.hostname} failed: {text}{detail}", code)
+
+
+def abort_job(world: World, line: str, code: int = 1, record: bool = True) -> NoReturn:
+    """Print ``line`` as the job's failure line and end every rank (``MPI_Abort``) with status ``code``.
+
+    Safe from a second thread (the watchdog's): MPI_Abort needs no progress from the thread that is stuck.
+    Launchers report the ranks they killed (srun: 137), not ``code``; with ``record`` the status is also
+    written to the file ``$CROSSBOW_STATUS_FILE`` names (the sbatch templates set it and exit with it).
+    """
+    say(line)
+    if record:
+        record_status(code)
     if world.mpi is not None and world.size > 1:
         time.sleep(ABORT_GRACE_S)  # let the launcher forward the line before MPI_Abort tears the job down
         world.mpi.Abort(code)
     sys.exit(code)
+
+
+def record_status(code: int) -> None:
+    """Write ``code`` to ``$CROSSBOW_STATUS_FILE`` if set and not written yet (the first failure wins)."""
+    path = os.environ.get(STATUS_FILE_VARIABLE)
+    if not path:
+        return
+    try:
+        with open(path, "x", encoding="ascii") as file:
+            file.write(f"{code}\n")
+    except OSError:
+        pass  # written by another rank already, or the folder is gone: the launcher's status stands

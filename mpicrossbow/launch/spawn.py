@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .devices import DeviceSpec, any_size
+from .slurm import in_slurm_allocation
 
 log = logging.getLogger(__name__)
 
@@ -187,12 +188,6 @@ def run_job(cmd: Sequence[str], env: dict[str, str]) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 128 - code if code < 0 else code
-
-
-def in_slurm_allocation(environ: dict[str, str] | None = None) -> bool:
-    """True inside ``sbatch``/``salloc`` (a job id) but outside a job step started by ``srun``."""
-    environ = dict(os.environ) if environ is None else environ
-    return "SLURM_JOB_ID" in environ and "SLURM_STEP_ID" not in environ
 
 
 def default_ranks(environ: dict[str, str] | None = None) -> int:

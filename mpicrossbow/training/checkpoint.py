@@ -107,8 +107,10 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def find_resume(spec: str, candidates: list[Path]) -> Path:
-    """The checkpoint ``spec`` names: ``latest`` (newest in ``candidates``), a checkpoint or a run folder."""
+def find_resume(spec: str, candidates: list[Path], looked: str = "") -> Path:
+    """The checkpoint ``spec`` names: ``latest`` (newest in ``candidates``), a checkpoint or a run folder.
+
+    ``looked`` describes where ``candidates`` came from, for the error when none holds a checkpoint."""
     if spec != "latest":
         path = Path(spec)
         if (path / META).is_file():
@@ -121,8 +123,11 @@ def find_resume(spec: str, candidates: list[Path]) -> Path:
         raise CheckpointError(f"[checkpoint] resume: {path} holds no complete checkpoint ({META} missing)")
     found = [c for directory in candidates for c in complete_checkpoints(directory)]
     if not found:
-        where = ", ".join(str(c) for c in candidates) or "(nowhere to look)"
-        raise CheckpointError(f"[checkpoint] resume = latest: no complete checkpoint in {where}")
+        where = ", ".join(str(c) for c in candidates) or "no such folder"
+        raise CheckpointError(
+            f"[checkpoint] resume = latest: no complete checkpoint; looked in {looked or where}"
+            + (f" ({where})" if looked else "")
+        )
     return max(found, key=lambda p: (p / META).stat().st_mtime)
 
 

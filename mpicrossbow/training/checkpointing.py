@@ -12,11 +12,13 @@ import torch
 
 from ..config import Config
 from ..errors import CheckpointError
+from ..launch.slurm import SlurmJob
 from ..launch.world import World
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
 from .checkpoint import Checkpointer, find_resume, load_rank_state
 from .faults import FaultInjector
+from .preemption import automatic_resume, written_by
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +31,11 @@ class Checkpointing:
         #: (checkpoint folder, its metadata, this rank's state) when resuming.
         self.resume: tuple[Path, dict[str, Any], dict[str, Any]] | None = None
         self.saver: Checkpointer | None = None
+        self.job = SlurmJob.from_env()
         if config.checkpoint.resume:
-            self._load_resume()
+            self._load(find_resume(config.checkpoint.resume, self.candidates(), self.looked()))
+        elif automatic_resume(config, self.job):
+            self._resume_requeued()
 
     def meta(self) -> dict[str, Any]:
         """What a checkpoint must agree with to be resumed by this job."""
@@ -41,18 +46,51 @@ class Checkpointing:
             "numel": int(self.pool.learners[0].params.numel()),
         }
 
-    def candidates(self) -> list[Path]:
-        """Where ``resume = latest`` looks: the checkpoint directory, or this cfg's run folders."""
+    def _pattern(self) -> str:
+        cfg = self.config
+        return cfg.session.name or f"{cfg.modelclass}-{cfg.rule.split(':')[-1]}-*"
+
+    def candidates(self, job: SlurmJob | None = None) -> list[Path]:
+        """Where ``resume = latest`` looks: the checkpoint directory, or this cfg's run folders (only those
+        Slurm job ``job`` wrote, when given)."""
         cfg = self.config
         if cfg.checkpoint.directory:
             return [Path(cfg.checkpoint.directory)]
-        output = Path(cfg.session.output)
-        pattern = cfg.session.name or f"{cfg.modelclass}-{cfg.rule.split(':')[-1]}-*"
-        return sorted(p / "checkpoints" for p in output.glob(pattern) if (p / "checkpoints").is_dir())
+        runs = Path(cfg.session.output).glob(self._pattern())
+        return sorted(
+            p / "checkpoints"
+            for p in runs
+            if (p / "checkpoints").is_dir() and (job is None or written_by(p, job))
+        )
 
-    def _load_resume(self) -> None:
-        """Find and read this rank's part of the checkpoint to resume (no communication)."""
-        path = find_resume(self.config.checkpoint.resume, self.candidates())
+    def looked(self) -> str:
+        """Where ``resume = latest`` looks, in words, with absolute paths."""
+        cfg = self.config
+        if cfg.checkpoint.directory:
+            return str(Path(cfg.checkpoint.directory).absolute())
+        return f"{Path(cfg.session.output).absolute() / self._pattern() / 'checkpoints'}"
+
+    def _resume_requeued(self) -> None:
+        """A requeued Slurm job: the newest checkpoint of the run folder it wrote before, if there is one."""
+        assert self.job is not None
+        try:
+            path = find_resume("latest", self.candidates(self.job), self.looked())
+        except CheckpointError:
+            if self.world.rank == 0:
+                log.info(
+                    "Slurm job %s restarted (restart %d): no checkpoint of its own in %s; starting from "
+                    "the beginning",
+                    self.job.job_id,
+                    self.job.restart_count,
+                    self.looked(),
+                )
+            return
+        if self.world.rank == 0:
+            log.info("Slurm job %s restarted (restart %d)", self.job.job_id, self.job.restart_count)
+        self._load(path)
+
+    def _load(self, path: Path) -> None:
+        """Read this rank's part of the checkpoint ``path`` (no communication)."""
         meta, state = load_rank_state(path, self.world.rank, self.meta())
         self.resume = (path, meta, state)
         if self.world.rank == 0:

@@ -36,6 +36,8 @@ class LoopOutcome:
     val: tuple[float, float] = NAN2
     exchange_s: float = 0.0
     samples: float = 0.0
+    #: A signal stopped training early (every rank saved a checkpoint first).
+    stopped: bool = False
 
 
 class TrainLoop:
@@ -66,7 +68,7 @@ class TrainLoop:
         parts.reporter.open_bar(self.budget or self.epochs * parts.pool.n_batch_train, initial=self.step)
         while self.epoch < self.epochs and (not self.budget or self.step < self.budget):
             if self._epoch():
-                self.out.val = self.validate()
+                self.out.val, self.out.stopped = self.validate(), True
                 return self._outcome()
             self.skip = 0
         if ckpt.enabled and ckpt.final and self.saved_at != self.step:
@@ -104,8 +106,7 @@ class TrainLoop:
     def _step(self, count: int, per_epoch: int) -> None:
         parts = self.parts
         started = time.perf_counter()
-        if parts.watchdog is not None:
-            parts.watchdog.beat(self.step, "compute")
+        self._beat("compute")
         parts.faults.at_step(self.step)
         lr = lr_at(parts.config.optim, self.epoch + count / per_epoch)
         if lr != self.lr:
@@ -122,12 +123,17 @@ class TrainLoop:
         """Between backward and the rule's hooks: the NaN policy, then the watchdog's exchange phase."""
         parts = self.parts
         check_finite(parts.pool, parts.faults, parts.config.session.on_nan, step, self.epoch)
-        if parts.watchdog is not None:
-            parts.watchdog.beat(step, "exchange")
+        self._beat("exchange")
+
+    def _beat(self, phase: str) -> None:
+        """Tell the watchdog (if any) where this rank is: ``phase`` of the current step."""
+        if self.parts.watchdog is not None:
+            self.parts.watchdog.beat(self.step, phase)
 
     def _end_epoch(self, seconds: float) -> None:
         """Statistics, validation, the report row, the auto-tuner and epoch checkpoints."""
         parts, every = self.parts, self.parts.config.session.validate_every
+        self._beat("validate")
         learners = len(parts.pool.learners)
         loss_sum, hits, n = self.reduce(parts.pool.take_stats())
         self.out.samples += n
@@ -166,6 +172,7 @@ class TrainLoop:
     def _save(self, count: int) -> None:
         """A checkpoint after the current step (``count`` batches of the current epoch done)."""
         parts = self.parts
+        self._beat("save")
         position: dict[str, Any] = {"step": self.step, "epoch": self.epoch, "count": count, "lr": self.lr}
         parts.checkpoints.save(position, parts.rule, parts.faults)
         self.saved_at = self.step

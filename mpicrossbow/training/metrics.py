@@ -40,6 +40,8 @@ class MetricsWriter:
             self.file = h5py.File(path, "a")
             self._truncate_after(resume_step)
             self.file.attrs["resumed_at_step"] = resume_step
+            for key, value in (attrs or {}).items():  # e.g. a requeued Slurm job's new restart count
+                self.file.attrs[key] = value
             return
         self.file = h5py.File(path, "w")
         self.file.attrs["config"] = config_text

@@ -63,6 +63,7 @@ class RunMode(ABC):
             wall_seconds=wall,
             exchange_seconds=outcome.exchange_s,
             samples_per_second=samples / wall if wall > 0 else 0.0,
+            stopped=outcome.stopped,
         )
         reporter.close(result, len(parts.pool.learners))
         return result
@@ -76,7 +77,7 @@ class Synchronous(RunMode):
         parts = self.parts
         signals = None
         if parts.checkpoints.saver is not None and parts.config.checkpoint.on_signal:
-            signals = SignalStop(parts.comm)
+            signals = SignalStop(parts.comm, parts.world.rank)
         try:
             return TrainLoop(parts, parts.evaluator.collective, self._reduce, signals).run()
         finally:

@@ -31,7 +31,7 @@ class RankParts:
     checkpoints: Checkpointing
     faults: FaultInjector
     straggler: Straggler
-    #: Stall detection (synchronous rules with ``[watchdog]`` on), else None.
+    #: Heartbeats, dead peers and stalls (``[watchdog]`` on), else None.
     watchdog: Watchdog | None
     #: Crossbow's learner auto-tuner (``[pool] learners = auto``), else None.
     tuner: AutoTuner | None

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
+from ..launch.slurm import SlurmJob
 from ..launch.world import World
 from .metrics import MetricsWriter
 from .result import RunResult
@@ -67,9 +68,11 @@ class Reporter:
             return
         # A launcher that reports a dead PID can be matched to its rank with this line.
         log.info("rank processes: %s", ", ".join(f"{r}: pid {pid}" for r, pid in enumerate(processes)))
-        text = config.to_ini()
+        job = SlurmJob.from_env()
+        slurm = job.record() if job is not None else {}
+        text = config.to_ini(header=[f"{k} = {v}" for k, v in slurm.items()])
         (run_dir / "session.cfg").write_text(text, encoding="utf-8")
-        attrs = {"world_size": world.size, "rule": config.rule}
+        attrs = {"world_size": world.size, "rule": config.rule, **slurm}
         self.metrics = MetricsWriter(run_dir / "metrics.h5", text, attrs, resume_step=resume_step)
 
     @property
@@ -169,15 +172,10 @@ class Reporter:
             self.metrics.file.attrs["rank_val_accuracy"] = every_rank
 
     def stopped_by_signal(self, step: int, directory: Path | None) -> None:
-        """Rank 0 says where the checkpoint of a signalled stop is and how to resume."""
+        """Rank 0 says where the checkpoint of a signalled stop is (what happens next: preemption)."""
         self.close_bar()
         if self.world.rank == 0:
-            log.warning(
-                "stopped by a signal after step %d; checkpoint saved in %s: resume with --resume (or "
-                "checkpoint.resume=latest)",
-                step,
-                directory or "?",
-            )
+            log.warning("stopped by a signal after step %d; checkpoint saved in %s", step, directory or "?")
 
     # --------------------------------------------------- per-rank attributes
     def autotune_history(self, history: list[tuple[int, float]]) -> None:

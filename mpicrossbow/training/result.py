@@ -19,3 +19,5 @@ class RunResult:
     wall_seconds: float
     exchange_seconds: float
     samples_per_second: float
+    #: A signal (SIGTERM/SIGUSR1) stopped the run before its end, after a checkpoint: not finished.
+    stopped: bool = False

@@ -5,6 +5,7 @@ come here."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from ..config import Config
 from ..errors import UsageError
@@ -15,6 +16,7 @@ from ..launch.failure import abort, agree
 from ..launch.world import World, detect_world
 from ..log import setup_logging
 from ..rules.base import Rule
+from .preemption import after_signal_stop
 from .result import RunResult
 from .session import Session
 
@@ -71,11 +73,14 @@ def train(world: World, session: Session) -> RunResult:
 
 
 def run_rank(config: Config, rule: Rule | None = None) -> int:
-    """Prepare, agree, train; returns this rank's exit status (0, or 1/2 when set-up failed anywhere)."""
+    """Prepare, agree, train; returns this rank's exit status: 0, 1/2 when set-up failed anywhere, 75 when a
+    signal stopped training after a checkpoint (the Slurm job requeued when it can be)."""
     world, session, code = prepare_session(config, rule)
     if code:
         return code
     result = train(world, session)
+    if result.stopped:
+        return after_signal_stop(world, session.config, Path(result.run_dir))
     if world.rank == 0:
         log.info(
             "done: %d epoch(s), %d step(s), val accuracy %.4f, %.1f s (exchange %.1f s), results in %s",

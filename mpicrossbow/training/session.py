@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from ..config import Config
 from ..errors import ConfigError, ContractError
 from ..launch.binding import Binding
 from ..launch.devices import device_for_rank
-from ..launch.failure import abort
+from ..launch.failure import abort_job
 from ..launch.world import World
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
@@ -141,15 +142,16 @@ class Session:
         cfg, world, mpi = self.config, self.world, self.world.mpi
         self.comm = make_communicator(cfg.comm, self.device, mpi)
         run_dir = (self.checkpoints.resumed_run_dir() or make_run_dir(cfg)) if world.rank == 0 else None
-        self.run_dir = Path(world.bcast(str(run_dir)))
+        self.run_dir = Path(world.bcast(str(run_dir.absolute()) if run_dir is not None else ""))
         self.rule.bind(self.comm, self.pool)
         self.checkpoints.restore(self.rule)
         # Asynchronous rules have no step that every rank reaches together: no checkpoints, no step watchdog.
         synchronous = self.rule.synchronous
         if synchronous and (cfg.checkpoint.enabled or cfg.checkpoint.on_signal):
             self.checkpoints.start(self.run_dir)
-        if synchronous and (cfg.watchdog.warn_after or cfg.watchdog.abort_after):
-            self.watchdog = self._start_watchdog(self.run_dir)
+        wd = cfg.watchdog
+        if wd.peer_timeout or (synchronous and (wd.warn_after or wd.abort_after)):
+            self.watchdog = self._start_watchdog(self.run_dir, synchronous)
         self.reporter = Reporter(cfg, world, self.run_dir, self.checkpoints.resume_step)
         if world.rank == 0:
             log.info(
@@ -179,13 +181,12 @@ class Session:
             trains=trains,
         )
 
-    def _start_watchdog(self, run_dir: Path) -> Watchdog:
-        """Heartbeats in ``<run>/heartbeats``; a stall past ``abort_after`` aborts the job."""
+    def _start_watchdog(self, run_dir: Path, synchronous: bool) -> Watchdog:
+        """Heartbeats in ``<run>/heartbeats``: a dead peer, or a stall past ``abort_after``, aborts the job.
+
+        Stalls are timed only for synchronous rules (asynchronous ranks have no common step)."""
         wd, world = self.config.watchdog, self.world
-
-        def abort_stalled(message: str) -> None:
-            abort(world, RuntimeError(message), run_dir)
-
+        job = world.bcast(secrets.token_hex(8))  # this job's heartbeats, not those a resumed folder holds
         return Watchdog(
             run_dir / "heartbeats",
             world.rank,
@@ -193,7 +194,11 @@ class Session:
             wd.warn_after,
             wd.abort_after,
             wd.interval,
-            abort_stalled,
+            # A dead peer's own status (a kill) is what the launcher reports: nothing to record over it.
+            lambda line, peer_gone: abort_job(world, line, record=not peer_gone),
+            peer_timeout=wd.peer_timeout,
+            stalls=synchronous,
+            job=job,
         ).start()
 
     # ----------------------------------------------------------------- run

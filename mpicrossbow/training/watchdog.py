@@ -1,52 +1,57 @@
-"""Stall detection: when a step takes too long, name the ranks it is waiting for (Horovod's stall check).
+"""The watchdog: a daemon thread per rank that keeps its heartbeat, notices dead peers and stalled steps.
 
-Every rank's training loop marks where it is — ``beat(step, "compute")`` when a step starts and
-``beat(step, "exchange")`` when its own compute is done and it enters the rule's exchange — which costs two
-attribute writes. A daemon thread per rank writes that position to a small heartbeat file in the run folder
-every ``interval`` seconds (JSON: rank, host, pid, step, phase, time of the last progress), so it works across
-nodes on the shared file system a run folder lives on and needs no MPI from a second thread.
+Every rank's training loop marks where it is — ``beat(step, "compute")`` when a step starts,
+``beat(step, "exchange")`` when its own compute is done and it enters the rule's exchange, ``validate`` and
+``save`` for the work between steps — which costs three attribute writes. Every ``interval`` seconds the
+thread
 
-When this rank has not progressed for ``warn_after`` seconds, the thread reads every heartbeat and logs one
-warning naming the ranks that have not reached this rank's position (the ranks a collective waits for), or
-saying that this rank itself is the one behind. After ``abort_after`` seconds (if set) it reports the stall as
-a failure and calls the abort callback, which ends the whole job.
+1. writes this rank's heartbeat (:mod:`.heartbeat`): it needs no MPI from a second thread and works across
+   nodes on the shared file system a run folder lives on;
+2. asks :mod:`.liveness` whether every peer is still there. A dead peer ends the job within seconds on its
+   node (pid check) and within ``peer_timeout`` elsewhere: the lowest surviving rank prints one line naming
+   the dead rank, its host and how it died, and aborts; the others follow a few seconds later only if it
+   could not;
+3. (synchronous rules) when this rank's step has not progressed for ``warn_after`` seconds, logs one warning
+   naming the ranks that have not reached its position (the ranks a collective waits for), or saying that
+   this rank itself is the one behind; after ``abort_after`` seconds it aborts the job. ``abort_after =
+   auto`` waits ``AUTO_FACTOR`` × the longest step seen so far, at least ``AUTO_FLOOR_S`` (the first step,
+   which compiles and warms up, gets ``AUTO_FIRST_STEP_S``), and only inside steps: validation and
+   checkpoints are not timed.
 """
 
 from __future__ import annotations
 
-import json
+import faulthandler
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Literal
+
+from .heartbeat import PHASES, Beat, fault_file, read_heartbeats, write_heartbeat
+from .liveness import PeerLiveness
 
 log = logging.getLogger(__name__)
 
-#: Order of phases inside a step: a rank in "exchange" of step s is ahead of one in "compute" of step s.
-PHASES = {"compute": 0, "exchange": 1, "done": 2}
-
-
-def heartbeat_file(directory: Path, rank: int) -> Path:
-    """The heartbeat file of ``rank`` in ``directory``."""
-    return directory / f"rank-{rank:05d}.json"
-
-
-def read_heartbeats(directory: Path, size: int) -> dict[int, dict]:
-    """Every readable heartbeat in ``directory`` (a rank that never wrote one is absent)."""
-    beats = {}
-    for rank in range(size):
-        try:
-            beats[rank] = json.loads(heartbeat_file(directory, rank).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-    return beats
+#: ``abort_after = auto``: a step may take this many times the longest step seen so far ...
+AUTO_FACTOR = 10.0
+#: ... but never less than this many seconds ...
+AUTO_FLOOR_S = 600.0
+#: ... and the first step (compilation, cuDNN autotuning, data loader start) this many.
+AUTO_FIRST_STEP_S = 1800.0
+#: A rank that is not the lowest survivor waits this many heartbeat intervals before aborting too.
+FOLLOW_INTERVALS = 5
+#: Phases inside a step: stall warnings and ``abort_after = auto`` apply only there.
+STEP_PHASES = ("compute", "exchange")
 
 
 class Watchdog:
-    """This rank's heartbeat writer and stall detector (a daemon thread)."""
+    """This rank's heartbeat writer, dead-peer detector and stall detector (a daemon thread).
+
+    ``abort(line, peer_gone)`` ends the job: ``line`` is the one line to print, ``peer_gone`` tells a dead
+    peer (whose own death the launcher reports) from a stall.
+    """
 
     def __init__(
         self,
@@ -54,29 +59,49 @@ class Watchdog:
         rank: int,
         size: int,
         warn_after: float,
-        abort_after: float,
+        abort_after: float | Literal["auto"],
         interval: float,
-        abort: Callable[[str], None],
+        abort: Callable[[str, bool], None],
+        peer_timeout: float = 0.0,
+        stalls: bool = True,
+        job: str = "",
     ) -> None:
         self.directory, self.rank, self.size = directory, rank, size
         self.warn_after, self.abort_after, self.interval = warn_after, abort_after, interval
-        self.abort = abort
+        self.abort, self.stalls, self.peer_timeout = abort, stalls, peer_timeout
+        self.me = Beat.mine(rank, job)
         self.step, self.phase = 0, "compute"
         self.progressed = time.time()
+        #: The longest step seen so far (seconds from one step's start to the next one's).
+        self.longest = 0.0
+        self._step_started: float | None = None
         self._warned_at: tuple[int, str] | None = None
+        self._dead_since: float | None = None
+        self._fault_file: IO[str] | None = None
         self._stop = threading.Event()
         directory.mkdir(parents=True, exist_ok=True)
+        self.liveness = PeerLiveness(self.me, size, directory, peer_timeout)
         self._thread = threading.Thread(target=self._loop, name=f"watchdog-rank{rank}", daemon=True)
 
     def start(self) -> Watchdog:
-        """Write the first heartbeat and start watching."""
+        """Write the first heartbeat, route fatal-signal stacks to this rank's fault file, start watching."""
+        try:
+            self._fault_file = fault_file(self.directory, self.rank).open("w", encoding="utf-8")
+            faulthandler.enable(self._fault_file)
+        except OSError as exc:
+            log.debug("no fault file: %s", exc)
         self._write()
         self._thread.start()
         return self
 
     def beat(self, step: int, phase: str) -> None:
         """The training loop reached ``phase`` of ``step`` (cheap: no I/O here)."""
-        self.step, self.phase, self.progressed = step, phase, time.time()
+        now = time.time()
+        if phase == "compute":
+            if self._step_started is not None and self.phase == "exchange":
+                self.longest = max(self.longest, now - self._step_started)
+            self._step_started = now
+        self.step, self.phase, self.progressed = step, phase, now
 
     def stop(self) -> None:
         """Stop the thread and mark this rank done."""
@@ -85,57 +110,97 @@ class Watchdog:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._write()
+        if self._fault_file is not None:
+            faulthandler.disable()
+            self._fault_file.close()
+            fault_file(self.directory, self.rank).unlink(missing_ok=True)
 
     def _write(self) -> None:
-        beat = {
-            "rank": self.rank,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "step": self.step,
-            "phase": self.phase,
-            "progressed": self.progressed,
-        }
-        path = heartbeat_file(self.directory, self.rank)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(json.dumps(beat), encoding="utf-8")
-            os.replace(tmp, path)
-        except OSError as exc:  # a full or vanished disk must not kill training
-            log.debug("heartbeat not written: %s", exc)
+        me = self.me
+        me.seq, me.step, me.phase, me.progressed = me.seq + 1, self.step, self.phase, self.progressed
+        write_heartbeat(self.directory, me)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             self._write()
             if self.phase == "done":
                 continue
-            stalled = time.time() - self.progressed
-            if self.warn_after and stalled >= self.warn_after and self._warned_at != (self.step, self.phase):
-                self._warned_at = (self.step, self.phase)
-                log.warning("%s", self.describe(stalled))
-            if self.abort_after and stalled >= self.abort_after:
-                self.abort(
-                    f"{self.describe(stalled)}; aborting ([watchdog] abort_after = {self.abort_after:g} s)"
-                )
+            beats = read_heartbeats(self.directory, self.size)
+            if self._check_peers(beats):
+                return
+            if self.stalls and self._check_stall(beats):
                 return
 
-    def describe(self, stalled: float) -> str:
+    def _check_peers(self, beats: dict[int, Beat]) -> bool:
+        """Abort when a peer is gone (the lowest survivor at once, the others a little later)."""
+        dead = self.liveness.gone(beats)
+        if not dead:
+            self._dead_since = None
+            return False
+        now = time.monotonic()
+        self._dead_since = self._dead_since or now
+        lowest = min(r for r in range(self.size) if r not in dead)
+        if self.rank != lowest and now - self._dead_since < FOLLOW_INTERVALS * self.interval:
+            return False
+        reasons = "; ".join(dead[r] for r in sorted(dead))
+        self.abort(f"{reasons}; rank {self.rank} aborts the job", True)
+        return True
+
+    def limit(self) -> float:
+        """Seconds without progress after which this rank aborts the job now (0: never)."""
+        if self.abort_after != "auto":
+            return float(self.abort_after)
+        if self.phase not in STEP_PHASES:
+            return 0.0
+        if self.longest == 0.0:
+            return AUTO_FIRST_STEP_S
+        return max(AUTO_FLOOR_S, AUTO_FACTOR * self.longest)
+
+    def _check_stall(self, beats: dict[int, Beat]) -> bool:
+        stalled = time.time() - self.progressed
+        in_step = self.phase in STEP_PHASES
+        if (
+            in_step
+            and self.warn_after
+            and stalled >= self.warn_after
+            and self._warned_at
+            != (
+                self.step,
+                self.phase,
+            )
+        ):
+            self._warned_at = (self.step, self.phase)
+            log.warning("%s", self.describe(stalled, beats))
+        limit = self.limit()
+        if limit and stalled >= limit:
+            setting = f"auto: {limit:g} s" if self.abort_after == "auto" else f"{limit:g} s"
+            self.abort(
+                f"rank {self.rank} of {self.size} on {self.me.host}: {self.describe(stalled, beats)}; "
+                f"aborting ([watchdog] abort_after = {setting})",
+                False,
+            )
+            return True
+        return False
+
+    def describe(self, stalled: float, beats: dict[int, Beat] | None = None) -> str:
         """One line: how long this rank has been stuck where, and which ranks it is waiting for."""
+        beats = read_heartbeats(self.directory, self.size) if beats is None else beats
         mine = (self.step, PHASES[self.phase])
-        beats = read_heartbeats(self.directory, self.size)
         behind = []
         for rank in range(self.size):
             if rank == self.rank:
                 continue
             beat = beats.get(rank)
-            if beat is None:
+            if beat is None or beat.job != self.me.job:
                 behind.append(f"{rank} (no heartbeat)")
-            elif (beat["step"], PHASES.get(beat["phase"], 0)) < mine:
-                idle = time.time() - beat["progressed"]
+            elif (beat.step, PHASES.get(beat.phase, 0)) < mine:
+                idle = time.time() - beat.progressed
                 behind.append(
-                    f"{rank} on {beat['host']} (pid {beat['pid']}, in {beat['phase']} of step {beat['step']} "
+                    f"{rank} on {beat.host} (pid {beat.pid}, in {beat.phase} of step {beat.step} "
                     f"for {idle:.0f} s)"
                 )
         where = f"step {self.step} ({self.phase}) has not progressed for {stalled:.0f} s"
+        longest = f" (longest step so far: {self.longest:.2g} s)" if self.longest else ""
         if behind:
-            return f"stall: {where}; waiting for rank(s) {', '.join(behind)}"
-        return f"stall: {where}; no other rank is behind: this rank is the one holding the job"
+            return f"stall: {where}; waiting for rank(s) {', '.join(behind)}{longest}"
+        return f"stall: {where}; no other rank is behind: this rank is the one holding the job{longest}"
