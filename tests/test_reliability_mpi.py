@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO, launcher, mpi_env, only_run, run_mpi
+from mpicrossbow.errors import STOPPED_EXIT_CODE
 from mpicrossbow.training.checkpoint import complete_checkpoints
 
 pytestmark = [pytest.mark.mpi]
@@ -127,7 +128,7 @@ def test_a_hanging_rank_is_named_and_the_job_aborted(mpiexec: str, tmp_path: Pat
     assert "aborting ([watchdog] abort_after = 5 s)" in proc.stderr
 
 
-def test_sigusr1_saves_a_checkpoint_and_exits_cleanly(mpiexec: str, tmp_path: Path) -> None:
+def test_sigusr1_saves_a_checkpoint_and_exits_75_not_finished(mpiexec: str, tmp_path: Path) -> None:
     args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}", "session.epochs=200"]
     proc = subprocess.Popen(
         [mpiexec, "-n", "2", *args], cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -147,8 +148,9 @@ def test_sigusr1_saves_a_checkpoint_and_exits_cleanly(mpiexec: str, tmp_path: Pa
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == STOPPED_EXIT_CODE == 75, stderr[-3000:]  # saved, but not finished
     assert "stopped by a signal after step" in stderr
+    assert "not finished (exit status 75, not under Slurm): resume it with checkpoint.resume=" in stderr
     step = int(re.search(r"stopped by a signal after step (\d+)", stderr)[1])
     saved = complete_checkpoints(only_run(tmp_path) / "checkpoints")
     assert saved and saved[-1].name == f"step-{step:09d}"
