@@ -27,6 +27,7 @@ import pytest
 DAEMONS = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd"}
 CLIENTS = ("sbatch", "sinfo", "scontrol", "squeue", "sacct", "srun")
 NODES = ("n1", "n2")
+GPUS_PER_NODE = 2
 START_TIMEOUT_S = 60.0
 
 
@@ -154,9 +155,16 @@ def write_config(root: Path, host: str, ports: list[int], munge_socket: Path) ->
         # job left behind must not meet a later test session's job of the same id.
         f"FirstJobId={random.randrange(100_000, 10_000_000)}",
     ]
+    # Two GPUs per node as a generic resource without device files: enough for Slurm to hand them out and
+    # set SLURM_GPUS_ON_NODE, so the GPU template's allocation logic runs (no CUDA is touched).
+    lines.append("GresTypes=gpu")
+    for gpu in range(GPUS_PER_NODE):
+        (root / f"gpu{gpu}").touch()
+    (root / "gres.conf").write_text(f"Name=gpu File={root}/gpu[0-{GPUS_PER_NODE - 1}]\n")
     for name, port in zip(NODES, ports[1:], strict=True):
         lines.append(
-            f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} State=UNKNOWN"
+            f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} "
+            f"Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
         )
     lines.append("PartitionName=debug Nodes=ALL Default=YES OverSubscribe=YES MaxTime=INFINITE State=UP")
     conf = root / "slurm.conf"
