@@ -98,7 +98,7 @@ def test_other_version_and_other_job_shape_are_named(tmp_path: Path) -> None:
         load_rank_state(path, 0, {**META, "world_size": 4})
     with pytest.raises(CheckpointError, match=r"rank 1's file rank-00001\.pt is missing"):
         load_rank_state(path, 1, META)
-    with pytest.raises(CheckpointError, match="no complete checkpoint; looked in .*nothing"):
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint; looked in .*nothing"):
         find_resume("latest", [tmp_path / "nothing"])
     with pytest.raises(
         CheckpointError, match=r"looked in /abs/runs/MLP-BSP-\*/checkpoints \(no such folder\)"
