@@ -43,11 +43,11 @@ def wait_for(messages: list[str], timeout: float = 10) -> None:
 
 def test_a_peer_on_this_node_whose_process_is_gone_is_named_with_how_it_died(tmp_path: Path) -> None:
     me, peer = Beat.mine(0, "job"), Beat.mine(1, "job")
-    liveness = PeerLiveness(me, 3, tmp_path, timeout=20)
-    alive = Beat.mine(2, "job")  # this very process: alive
-    assert liveness.gone({1: peer, 2: alive}) == {}
+    liveness = PeerLiveness(me, 2, tmp_path, timeout=20)
+    assert liveness.watched == [1]
+    assert liveness.gone({1: peer}) == {}  # this very process: alive
     peer.pid, peer.step, peer.phase = finished_process(), 7, "exchange"
-    (why,) = liveness.gone({1: peer, 2: alive}).values()
+    (why,) = liveness.gone({1: peer}).values()
     assert why.startswith(f"rank 1 on {peer.host} (pid {peer.pid}) is gone: its process ended without")
     assert "last seen in exchange of step 7" in why
     fault_file(tmp_path, 1).write_text("Fatal Python error: Segmentation fault\n\nCurrent thread ...\n")
@@ -59,6 +59,19 @@ def test_a_peer_on_this_node_whose_process_is_gone_is_named_with_how_it_died(tmp
     assert 1 in liveness.gone({1: reused})
     peer.phase = "done"  # finished ranks stop writing and are never reported
     assert liveness.gone({1: peer}) == {}
+
+
+def test_each_rank_watches_the_next_one_in_a_ring(tmp_path: Path) -> None:
+    assert [PeerLiveness(Beat.mine(r, "j"), 4, tmp_path, 20).watched for r in range(4)] == [
+        [1],
+        [2],
+        [3],
+        [0],
+    ]
+    assert PeerLiveness(Beat.mine(0, "j"), 1, tmp_path, 20).watched == []
+    dead = Beat.mine(2, "j")
+    dead.pid = finished_process()
+    assert PeerLiveness(Beat.mine(0, "j"), 4, tmp_path, 20).gone({2: dead}) == {}  # rank 1's to see
 
 
 def test_a_peer_elsewhere_is_dead_only_after_timeout_seconds_of_silence(tmp_path: Path) -> None:
@@ -91,7 +104,7 @@ def test_heartbeats_round_trip_and_partial_files_are_read(tmp_path: Path) -> Non
     assert not write_heartbeat(tmp_path / "missing", beat)
 
 
-def test_the_lowest_survivor_aborts_the_job_when_a_peer_dies(tmp_path: Path) -> None:
+def test_the_rank_before_a_dead_peer_aborts_the_job(tmp_path: Path) -> None:
     dead = Beat.mine(2, "job")
     dead.pid = finished_process()
     write_heartbeat(tmp_path, dead)
@@ -101,16 +114,18 @@ def test_the_lowest_survivor_aborts_the_job_when_a_peer_dies(tmp_path: Path) -> 
     dogs = [
         Watchdog(
             tmp_path, r, 3, 0, 0, 0.05, lambda line, _, r=r: lines[r].append(line), peer_timeout=20, job="job"
-        ).start()
-        for r in (1, 0)
+        )
+        for r in (0, 1)
     ]
-    wait_for(lines[0])
-    time.sleep(0.1)
+    for dog in dogs:
+        dog.start()
+    wait_for(lines[1])
+    time.sleep(0.2)
     for dog in dogs:
         dog.stop()
-    assert lines[0] and lines[0][0].startswith(f"rank 2 on {dead.host} (pid {dead.pid}) is gone")
-    assert lines[0][0].endswith("rank 0 aborts the job")
-    assert lines[1] == []  # rank 1 leaves it to rank 0 for a few intervals
+    assert len(lines[1]) == 1 and lines[1][0].startswith(f"rank 2 on {dead.host} (pid {dead.pid}) is gone")
+    assert lines[1][0].endswith("rank 1 aborts the job")
+    assert lines[0] == []  # rank 0 watches rank 1, which is alive
     assert json.loads(heartbeat_file(tmp_path, 0).read_text())["phase"] == "done"
     assert not fault_file(tmp_path, 0).exists()  # a clean stop leaves no fault file
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -106,6 +107,9 @@ def abort_job(world: World, line: str, code: int = 1, record: bool = True) -> No
     if world.mpi is not None and world.size > 1:
         time.sleep(ABORT_GRACE_S)  # let the launcher forward the line before MPI_Abort tears the job down
         world.mpi.Abort(code)
+    if threading.current_thread() is not threading.main_thread():
+        sys.stderr.flush()
+        os._exit(code)  # sys.exit would end only this thread (the watchdog's) and leave the rank running
     sys.exit(code)
 
 

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -98,10 +99,11 @@ def write_heartbeat(directory: Path, beat: Beat) -> bool:
     return True
 
 
-def read_heartbeats(directory: Path, size: int) -> dict[int, Beat]:
-    """Every readable heartbeat in ``directory`` (a rank that never wrote one is absent)."""
+def read_heartbeats(directory: Path, size: int, ranks: Iterable[int] | None = None) -> dict[int, Beat]:
+    """The readable heartbeats of ``ranks`` (default: all ``size``) in ``directory``; a rank that never wrote
+    one is absent."""
     beats = {}
-    for rank in range(size):
+    for rank in range(size) if ranks is None else ranks:
         try:
             raw = json.loads(heartbeat_file(directory, rank).read_text(encoding="utf-8"))
             beats[rank] = Beat(**{k: raw[k] for k in Beat.__dataclass_fields__ if k in raw})

@@ -12,7 +12,10 @@ Two checks, from the peers' heartbeat files (:mod:`.heartbeat`):
   rank's own clock (no clock skew between nodes matters) means its process or node is gone — or the shared
   file system stopped taking writes, which the message says too.
 
-A peer that wrote phase ``done`` has finished and is never reported.
+Each rank watches one peer, the next one in a ring (rank r watches r + 1 mod size): every death is seen by
+the nearest living rank before it, exactly once, and the shared file system serves one heartbeat read per
+rank and interval rather than one per pair of ranks. A peer that wrote phase ``done`` has finished and is
+never reported.
 """
 
 from __future__ import annotations
@@ -45,14 +48,16 @@ class PeerLiveness:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.me, self.size, self.directory, self.timeout, self.clock = me, size, directory, timeout, clock
+        #: The peers this rank watches: its successor in the ring (none when alone).
+        self.watched = [(me.rank + 1) % size] if size > 1 else []
         self.started = clock()
         #: rank → (sequence number last seen, this rank's clock when it last changed).
         self.seen: dict[int, tuple[int, float]] = {}
 
     def gone(self, beats: dict[int, Beat]) -> dict[int, str]:
-        """Rank → why it is considered dead, for every peer that is (empty when all are alive)."""
+        """Rank → why it is considered dead, for every watched peer that is (empty when all are alive)."""
         now, dead = self.clock(), {}
-        for rank in range(self.size):
+        for rank in self.watched:
             beat = beats.get(rank)
             if beat is not None and beat.job != self.me.job:
                 beat = None  # left in a resumed run folder by an earlier job

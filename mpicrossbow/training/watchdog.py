@@ -7,10 +7,9 @@ thread
 
 1. writes this rank's heartbeat (:mod:`.heartbeat`): it needs no MPI from a second thread and works across
    nodes on the shared file system a run folder lives on;
-2. asks :mod:`.liveness` whether every peer is still there. A dead peer ends the job within seconds on its
-   node (pid check) and within ``peer_timeout`` elsewhere: the lowest surviving rank prints one line naming
-   the dead rank, its host and how it died, and aborts; the others follow a few seconds later only if it
-   could not;
+2. asks :mod:`.liveness` whether the peer it watches (the next rank in a ring) is still there. A dead
+   peer ends the job within seconds on its node (pid check) and within ``peer_timeout`` elsewhere: the rank
+   before it prints one line naming the dead rank, its host and how it died, and aborts;
 3. (synchronous rules) when this rank's step has not progressed for ``warn_after`` seconds, logs one warning
    naming the ranks that have not reached its position (the ranks a collective waits for), or saying that
    this rank itself is the one behind; after ``abort_after`` seconds it aborts the job. ``abort_after =
@@ -40,8 +39,6 @@ AUTO_FACTOR = 10.0
 AUTO_FLOOR_S = 600.0
 #: ... and the first step (compilation, cuDNN autotuning, data loader start) this many.
 AUTO_FIRST_STEP_S = 1800.0
-#: A rank that is not the lowest survivor waits this many heartbeat intervals before aborting too.
-FOLLOW_INTERVALS = 5
 #: Phases inside a step: stall warnings and ``abort_after = auto`` apply only there.
 STEP_PHASES = ("compute", "exchange")
 
@@ -76,8 +73,8 @@ class Watchdog:
         self.longest = 0.0
         self._step_started: float | None = None
         self._warned_at: tuple[int, str] | None = None
-        self._dead_since: float | None = None
         self._fault_file: IO[str] | None = None
+        self._faulthandler_was_on = False
         self._stop = threading.Event()
         directory.mkdir(parents=True, exist_ok=True)
         self.liveness = PeerLiveness(self.me, size, directory, peer_timeout)
@@ -85,6 +82,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         """Write the first heartbeat, route fatal-signal stacks to this rank's fault file, start watching."""
+        self._faulthandler_was_on = faulthandler.is_enabled()
         try:
             self._fault_file = fault_file(self.directory, self.rank).open("w", encoding="utf-8")
             faulthandler.enable(self._fault_file)
@@ -112,6 +110,8 @@ class Watchdog:
         self._write()
         if self._fault_file is not None:
             faulthandler.disable()
+            if self._faulthandler_was_on:  # as the user had it (PYTHONFAULTHANDLER, -X faulthandler)
+                faulthandler.enable()
             self._fault_file.close()
             fault_file(self.directory, self.rank).unlink(missing_ok=True)
 
@@ -125,22 +125,16 @@ class Watchdog:
             self._write()
             if self.phase == "done":
                 continue
-            beats = read_heartbeats(self.directory, self.size)
-            if self._check_peers(beats):
+            if self._check_peers():
                 return
-            if self.stalls and self._check_stall(beats):
+            if self.stalls and self._check_stall():
                 return
 
-    def _check_peers(self, beats: dict[int, Beat]) -> bool:
-        """Abort when a peer is gone (the lowest survivor at once, the others a little later)."""
-        dead = self.liveness.gone(beats)
+    def _check_peers(self) -> bool:
+        """Abort when the watched peer is gone."""
+        watched = read_heartbeats(self.directory, self.size, self.liveness.watched)
+        dead = self.liveness.gone(watched)
         if not dead:
-            self._dead_since = None
-            return False
-        now = time.monotonic()
-        self._dead_since = self._dead_since or now
-        lowest = min(r for r in range(self.size) if r not in dead)
-        if self.rank != lowest and now - self._dead_since < FOLLOW_INTERVALS * self.interval:
             return False
         reasons = "; ".join(dead[r] for r in sorted(dead))
         self.abort(f"{reasons}; rank {self.rank} aborts the job", True)
@@ -156,7 +150,7 @@ class Watchdog:
             return AUTO_FIRST_STEP_S
         return max(AUTO_FLOOR_S, AUTO_FACTOR * self.longest)
 
-    def _check_stall(self, beats: dict[int, Beat]) -> bool:
+    def _check_stall(self) -> bool:
         stalled = time.time() - self.progressed
         in_step = self.phase in STEP_PHASES
         if (
@@ -170,21 +164,22 @@ class Watchdog:
             )
         ):
             self._warned_at = (self.step, self.phase)
-            log.warning("%s", self.describe(stalled, beats))
+            log.warning("%s", self.describe(stalled))
         limit = self.limit()
         if limit and stalled >= limit:
             setting = f"auto: {limit:g} s" if self.abort_after == "auto" else f"{limit:g} s"
             self.abort(
-                f"rank {self.rank} of {self.size} on {self.me.host}: {self.describe(stalled, beats)}; "
+                f"rank {self.rank} of {self.size} on {self.me.host}: {self.describe(stalled)}; "
                 f"aborting ([watchdog] abort_after = {setting})",
                 False,
             )
             return True
         return False
 
-    def describe(self, stalled: float, beats: dict[int, Beat] | None = None) -> str:
-        """One line: how long this rank has been stuck where, and which ranks it is waiting for."""
-        beats = read_heartbeats(self.directory, self.size) if beats is None else beats
+    def describe(self, stalled: float) -> str:
+        """One line: how long this rank has been stuck where, and which ranks it is waiting for (reads every
+        heartbeat: only once a step is late)."""
+        beats = read_heartbeats(self.directory, self.size)
         mine = (self.step, PHASES[self.phase])
         behind = []
         for rank in range(self.size):
