@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TOP, Config, load_config
-from ..errors import UsageError
+from ..errors import STOPPED_EXIT_CODE, UsageError
 from ..launch.failure import ERROR_PREFIX, abort
 from ..launch.world import detect_launcher
 from ..rules.base import Rule
@@ -127,7 +127,11 @@ class SpawnedJob(Job):
         finally:
             self.cfg_path.unlink(missing_ok=True)
         if status:
-            detail = "; ".join(dict.fromkeys(self.errors)) or "no error message (see the output above)"
+            detail = "; ".join(dict.fromkeys(self.errors)) or (
+                "stopped by a signal after a checkpoint, not finished (resume it with --resume)"
+                if status == STOPPED_EXIT_CODE
+                else "no error message (see the output above)"
+            )
             raise JobFailed(status, f"crossbow-launch job failed with exit status {status}: {detail}")
         return 0
 
