@@ -32,3 +32,8 @@ class DataError(UsageError):
 
 class CheckpointError(UsageError):
     """A checkpoint is missing, truncated, corrupt, or from another job shape (world size, rule, learners)."""
+
+
+class StorageError(RuntimeError):
+    """A disk refused a write (full, over quota, read-only) while training: one line naming the folder and
+    the bytes needed and free; the job aborts with status 1, the previous checkpoint intact."""

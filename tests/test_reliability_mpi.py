@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 
 from conftest import REPO, launcher, mpi_env, only_run, run_mpi
 from mpicrossbow.errors import STOPPED_EXIT_CODE
-from mpicrossbow.training.checkpoint import complete_checkpoints
+from mpicrossbow.training.checkpoint import complete_checkpoints, load_rank_state
 
 pytestmark = [pytest.mark.mpi]
 
@@ -220,3 +221,106 @@ def test_bad_input_is_one_line_and_exit_2(mpiexec: str, tmp_path: Path, case: st
     errors = [line for line in proc.stderr.splitlines() if "crossbow-launch: error:" in line]
     assert len(errors) == 1 and message in errors[0], errors
     assert "Traceback" not in proc.stderr and "epoch 1" not in proc.stderr
+
+
+def test_a_second_job_on_a_checkpoint_directory_in_use_stops_naming_the_first(
+    mpiexec: str, tmp_path: Path
+) -> None:
+    ck = tmp_path / "ck"
+    first_args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path / 'a'}",
+                  "session.epochs=3", f"checkpoint.directory={ck}", "checkpoint.every_steps=25",
+                  "session.slow_ranks=0,1", "session.slow_seconds=0.12"]  # fmt: skip
+    first = subprocess.Popen(
+        [mpiexec, "-n", "2", *first_args], cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (ck / "LOCK").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        owner = json.loads((ck / "LOCK").read_text())
+        start = time.monotonic()
+        second = job(mpiexec, tmp_path / "b", f"checkpoint.directory={ck}", timeout=60)
+        assert second.returncode == 2 and time.monotonic() - start < 15, second.stderr[-2000:]
+        lines = [line for line in second.stderr.splitlines() if line.startswith("crossbow-launch: error:")]
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner["since"]))
+        assert lines == [
+            f"crossbow-launch: error: rank 0: checkpoint directory {ck} is in use by a job on "
+            f"{owner['host']} (pid {owner['pid']}) since {since}: give this run its own [checkpoint] "
+            f"directory (if that job is gone, delete {ck / 'LOCK'})"
+        ], second.stderr[-2000:]
+        _, stderr = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, stderr[-3000:]
+    assert not (ck / "LOCK").exists()  # released at the end
+    final = torch.load(ck / f"step-{STEPS:09d}" / "rank-00001.pt", weights_only=True)
+    fresh = job(mpiexec, tmp_path / "c", f"checkpoint.directory={ck}")  # a fresh run: would mix with them
+    assert fresh.returncode == 2 and "already holds checkpoints" in fresh.stderr
+    resumed = job(
+        mpiexec, tmp_path / "a", f"checkpoint.directory={ck}", f"checkpoint.resume={ck}/step-000000100"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = torch.load(ck / f"step-{STEPS:09d}" / "rank-00001.pt", weights_only=True)
+    assert tensors_of(final["pool"]) and len(tensors_of(final["pool"])) == len(tensors_of(again["pool"]))
+    pairs = zip(tensors_of(final["pool"]), tensors_of(again["pool"]), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def tensors_of(state: object) -> list[torch.Tensor]:
+    """Every tensor of a nested state, in order."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for key in sorted(state, key=str) for t in tensors_of(state[key])]
+    if isinstance(state, (list, tuple)):
+        return [t for item in state for t in tensors_of(item)]
+    return []
+
+
+def test_an_unwritable_output_folder_is_one_line_and_exit_2(mpiexec: str, tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = run_mpi(
+        mpiexec, 2, [*launcher(), "-cfg", "launch/digits.cfg", "session.output=/proc/x"], timeout=60
+    )
+    assert proc.returncode == 2 and time.monotonic() - start < 10, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if "error" in line.lower()] == [
+        "crossbow-launch: error: [session] output /proc/x: cannot write there: No such file or directory"
+    ], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 600 KB tmpfs: room for one digits checkpoint of 2 ranks (440 KB), not two (needs root and mount)."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(folder)], capture_output=True, timeout=30
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}); tests/test_storage.py "
+                    "injects ENOSPC instead")  # fmt: skip
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=30)
+
+
+def test_a_full_disk_while_saving_is_one_line_and_the_previous_checkpoint_loads(
+    mpiexec: str, tmp_path: Path, small_disk: Path
+) -> None:
+    proc = job(mpiexec, tmp_path / "out", f"checkpoint.directory={small_disk}", "checkpoint.keep=5")
+    assert proc.returncode not in (0, None), proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("crossbow-launch: error:")]
+    assert len(lines) == 1 and re.search(
+        rf"failed: out of space writing {small_disk}/step-000000050\.partial/\S+: needs about [\d.]+ MB, "
+        rf"[\d.]+ MB free in {small_disk}/step-000000050\.partial( \(and on 1 other rank\(s\)\))?$",
+        lines[0],
+    ), proc.stderr[-3000:]
+    (previous,) = complete_checkpoints(small_disk)
+    assert previous.name == "step-000000025"
+    load_rank_state(previous, 1, {"world_size": 2})
+    # No partial folder or temporary file; the aborted job's lock stays, and its dead pid frees it.
+    assert sorted(p.name for p in small_disk.iterdir()) == ["LOCK", "step-000000025"]

@@ -109,6 +109,11 @@ class CheckpointSection:
         "SIGTERM or SIGUSR1 (Slurm's warning before the time limit): every rank saves at the same step, "
         "then the job exits with status 75 (not finished)",
     )
+    overwrite: bool = setting(
+        False,
+        "a run that does not resume may write into a checkpoint directory that already holds checkpoints, "
+        "deleting them first (otherwise that is an error)",
+    )
     requeue: bool | Literal["auto"] = setting(
         "auto",
         "after a signal stop under Slurm, requeue the job (scontrol requeue), and resume a requeued job "

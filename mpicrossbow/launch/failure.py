@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from ..errors import USAGE_EXIT_CODE, UsageError
+from ..errors import USAGE_EXIT_CODE, StorageError, UsageError
 from .world import World
 
 #: The variable naming a file where the first rank that aborts the job writes the job's exit status.
@@ -79,19 +79,34 @@ def abort(world: World, exc: BaseException, run_dir: Path | None) -> NoReturn:
         text, code = "interrupted", 130
     elif isinstance(exc, UsageError):
         text, code = str(exc), USAGE_EXIT_CODE
+    elif isinstance(exc, StorageError):  # one line says it all (and the disk may not take a traceback)
+        text, code = str(exc), 1
     elif exc.__traceback__ is None:  # reported, never raised (the watchdog's stall): the message says it all
         text, code = str(exc), 1
     else:
         text, code = f"{type(exc).__name__}: {exc} ({where(exc)})", 1
     detail = ""
-    if run_dir is not None and exc.__traceback__ is not None and not isinstance(exc, KeyboardInterrupt):
-        try:
-            path = run_dir / f"rank{world.rank}.traceback"
-            path.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
-            detail = f"; traceback in {path}"
-        except OSError:
-            pass
+    if (
+        run_dir is not None
+        and exc.__traceback__ is not None
+        and not isinstance(exc, (KeyboardInterrupt, StorageError))
+    ):
+        detail = write_traceback(exc, run_dir / f"rank{world.rank}.traceback")
     abort_job(world, f"rank {world.rank} of {world.size} on {world.hostname} failed: {text}{detail}", code)
+
+
+def write_traceback(exc: BaseException, path: Path) -> str:
+    """Write ``exc``'s traceback to ``path``, complete on disk before the job is torn down; what to add to
+    the failure line (where it is, or why it could not be written — no empty file is left)."""
+    try:
+        with open(path, "w", encoding="utf-8") as file:
+            file.write("".join(traceback.format_exception(exc)))
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as err:
+        path.unlink(missing_ok=True)
+        return f"; traceback not written to {path}: {err.strerror or err}"
+    return f"; traceback in {path}"
 
 
 def abort_job(world: World, line: str, code: int = 1, record: bool = True) -> NoReturn:

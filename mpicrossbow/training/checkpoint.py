@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StorageError
+from .storage import storage_error, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 META = "meta.pt"
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
+#: Seconds a rank waits for the rank that reports a refused checkpoint write to abort the job.
+ABORT_WAIT_S = 30.0
 
 
 def step_dir(directory: Path, step: int) -> Path:
@@ -71,10 +74,17 @@ def atomic_save(obj: Any, path: Path, before_rename: Callable[[], None] | None =
     ``before_rename`` runs after the data is written and before it becomes visible (a fault-injection hook).
     """
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as exc:  # a full disk shows as "unexpected pos" from torch's zip writer
+        tmp.unlink(missing_ok=True)
+        refused = storage_error(exc, path, tensor_bytes(obj) + 64 * 1024)
+        if refused is not None:
+            raise refused from None
+        raise
     if before_rename is not None:
         before_rename()
     os.replace(tmp, path)
@@ -87,7 +97,7 @@ def safe_load(path: Path, what: str) -> dict[str, Any]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, bit flips, foreign pickles: all unreadable
-        reason = " ".join(str(exc).split())[:160]
+        reason = unreadable_reason(exc)
         raise CheckpointError(
             f"checkpoint file {path} is truncated or corrupt ({type(exc).__name__}: {reason})"
         ) from None
@@ -97,6 +107,17 @@ def safe_load(path: Path, what: str) -> dict[str, Any]:
             f"checkpoint file {path} has format version {found!r}; this mpicrossbow reads {FORMAT_VERSION}"
         )
     return obj
+
+
+def unreadable_reason(exc: BaseException) -> str:
+    """Why torch could not load a file, without torch's advice to retry with ``weights_only=False`` or to
+    allow the file's classes (either would run whatever code the file carries)."""
+    text = " ".join(str(exc).split())
+    cause = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation| Please |$)", text)
+    if cause:
+        text = cause[1]
+    sentences = [s for s in re.split(r"(?<=[.!?]) ", text) if "weights_only" not in s]
+    return " ".join(sentences)[:160] or type(exc).__name__
 
 
 def complete_checkpoints(directory: Path) -> list[Path]:
@@ -159,8 +180,12 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)  # left over by a crash
             partial.mkdir(parents=True)
         self._barrier()
-        atomic_save({"version": FORMAT_VERSION, **state}, rank_file(partial, self.rank), before_rename)
-        self._barrier()  # every rank's file is durable
+        try:
+            atomic_save({"version": FORMAT_VERSION, **state}, rank_file(partial, self.rank), before_rename)
+            refused = None
+        except StorageError as exc:
+            refused = str(exc)
+        self._agree_written(refused, partial)  # every rank's file is durable, or the job ends in one line
         if self.rank == 0:
             atomic_save({"version": FORMAT_VERSION, "step": step, **meta}, partial / META)
             _fsync_dir(partial)
@@ -173,8 +198,26 @@ class Checkpointer:
         self._barrier()
         return final
 
+    def _agree_written(self, refused: str | None, partial: Path) -> None:
+        """Collective: when a disk refused any rank's file, rank 0 removes the half-written checkpoint, the
+        lowest refused rank raises one StorageError for all (its abort ends the job), the others wait for
+        that; the previous checkpoint stays as it was."""
+        refusals = self.mpi.allgather(refused) if self.mpi is not None and self.size > 1 else [refused]
+        failed = [rank for rank, text in enumerate(refusals) if text is not None]
+        if not failed:
+            return
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        self._barrier()
+        if self.rank == failed[0]:
+            others = f" (and on {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+            raise StorageError(f"{refusals[failed[0]]}{others}")
+        time.sleep(ABORT_WAIT_S)  # rank failed[0] aborts the job meanwhile
+        raise StorageError(f"rank {failed[0]} could not write its checkpoint file")
+
     def _prune(self) -> None:
-        """Keep the newest ``keep`` complete checkpoints; remove older ones and stale partial folders."""
+        """Keep the newest ``keep`` complete checkpoints; remove older ones and stale partial folders (safe:
+        this job holds the directory's lock, so no other job is writing one)."""
         complete = complete_checkpoints(self.directory)
         for old in complete[: max(0, len(complete) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)

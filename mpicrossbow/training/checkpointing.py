@@ -4,6 +4,7 @@ restore. The file format (atomic per-rank files, ``meta.pt``, pruning) is :mod:`
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -11,14 +12,16 @@ from typing import Any
 import torch
 
 from ..config import Config
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..launch.slurm import SlurmJob
 from ..launch.world import World
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
-from .checkpoint import Checkpointer, find_resume, load_rank_state
+from .checkpoint import Checkpointer, complete_checkpoints, find_resume, load_rank_state
+from .checkpoint_lock import CheckpointLock
 from .faults import FaultInjector
 from .preemption import automatic_resume, written_by
+from .storage import check_room, check_writable, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,8 @@ class Checkpointing:
         #: (checkpoint folder, its metadata, this rank's state) when resuming.
         self.resume: tuple[Path, dict[str, Any], dict[str, Any]] | None = None
         self.saver: Checkpointer | None = None
+        #: Rank 0's ownership of the checkpoint folder, once taken.
+        self.lock: CheckpointLock | None = None
         self.job = SlurmJob.from_env()
         if config.checkpoint.resume:
             self._load(find_resume(config.checkpoint.resume, self.candidates(), self.looked()))
@@ -127,11 +132,64 @@ class Checkpointing:
         except (KeyError, TypeError, RuntimeError) as exc:
             raise CheckpointError(f"checkpoint {path}: {exc}") from None
 
+    def target_directory(self) -> Path | None:
+        """The checkpoint folder when known before the run folder exists: ``[checkpoint] directory``, or the
+        ``checkpoints/`` of the run folder being resumed; None for a new run folder."""
+        if self.config.checkpoint.directory:
+            return Path(self.config.checkpoint.directory)
+        run = self.resumed_run_dir()
+        return run / "checkpoints" if run is not None else None
+
+    def claim(self, saving: bool) -> None:
+        """Before the ranks agree to train (no communication): the checkpoint folder is writable and has room
+        for one checkpoint, and rank 0 holds its lock — a live job already using it, or old checkpoints a
+        fresh run would mix with, are bad input here (exit 2), not a corruption later."""
+        if not saving:
+            return
+        ckpt, directory = self.config.checkpoint, self.target_directory()
+        if directory is not None:
+            check_writable(directory, "[checkpoint] directory")
+        if self.world.rank != 0:
+            return
+        if ckpt.enabled:  # every rank's state lands in one folder; optimizer state appears after a step
+            needed = 2 * tensor_bytes(self.pool.state_dict()) * self.world.size
+            check_room(directory or Path(self.config.session.output), needed, "[checkpoint] directory")
+        if directory is not None:
+            self._take(directory)
+
+    def _take(self, directory: Path) -> None:
+        """Rank 0: the lock of ``directory``; a fresh run clears old checkpoints only if told to."""
+        self.lock = CheckpointLock(directory)
+        self.lock.acquire()
+        if self.resume is not None:
+            return
+        old = [*complete_checkpoints(directory), *directory.glob("step-*.partial")]
+        if old and not self.config.checkpoint.overwrite:
+            self.lock.release()
+            raise ConfigError(
+                f"[checkpoint] directory {directory} already holds checkpoints ({old[-1].name}, ...) and "
+                "this run does not resume: resume from them (checkpoint.resume=latest) or set [checkpoint] "
+                "overwrite = true to delete them"
+            )
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+        if old:
+            log.warning(
+                "[checkpoint] overwrite: deleted %d old checkpoint folder(s) in %s", len(old), directory
+            )
+
     def start(self, run_dir: Path) -> None:
         """Open the checkpoint folder (``[checkpoint] directory`` or ``<run>/checkpoints``) for saving."""
         ckpt = self.config.checkpoint
         directory = Path(ckpt.directory) if ckpt.directory else run_dir / "checkpoints"
+        if self.world.rank == 0 and self.lock is None:  # a new run folder: nobody else can be there
+            self._take(directory)
         self.saver = Checkpointer(directory, self.world.rank, self.world.size, ckpt.keep, self.world.mpi)
+
+    def close(self) -> None:
+        """Give up the checkpoint folder (rank 0's lock)."""
+        if self.lock is not None:
+            self.lock.release()
 
     def save(self, position: dict[str, Any], rule: Rule, faults: FaultInjector) -> Path:
         """Collective: every rank writes its state for the checkpoint after ``position['step']`` steps."""

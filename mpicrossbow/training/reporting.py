@@ -41,17 +41,20 @@ def resident_mb() -> float:
 
 
 def make_run_dir(config: Config) -> Path:
-    """A new run folder ``<output>/<name>``; never one that holds an earlier run's results."""
+    """A new run folder ``<output>/<name>`` (``<name>-2``, ``-3``, ... when taken); never an existing one."""
     name = config.session.name or (
         f"{config.modelclass}-{config.rule.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     base = Path(config.session.output) / name
+    base.parent.mkdir(parents=True, exist_ok=True)
     path, n = base, 1
-    while path.exists() and (path / "metrics.h5").exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    while True:  # mkdir without exist_ok is atomic: two jobs starting together never share a folder
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
 
 
 class Reporter:

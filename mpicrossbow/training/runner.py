@@ -58,6 +58,8 @@ def prepare_session(config: Config, rule: Rule | None = None) -> tuple[World, Se
     with collector_off_then_frozen():  # set-up makes long-lived objects (torch._dynamo, the model, the data)
         code = bind_and_prepare(world, session)
     code = code or agree(world, session.check_consistency)
+    if code:
+        session.close()  # e.g. rank 0's checkpoint lock, taken while preparing
     return world, session, code
 
 

@@ -39,6 +39,7 @@ from .parts import RankParts
 from .replicas import build_pool
 from .reporting import Reporter, make_run_dir
 from .result import RunResult
+from .storage import check_writable
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,9 @@ class Session:
         torch.manual_seed(cfg.session.seed)  # the same initial replicas everywhere (bind broadcasts anyway)
         self.pool, self.full_val = build_pool(cfg, world, rule, self.device, learners)
         torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
+        check_writable(Path(cfg.session.output), "[session] output")
         self.checkpoints = Checkpointing(cfg, world, self.pool, self.device)
+        self.checkpoints.claim(rule.synchronous and (cfg.checkpoint.enabled or cfg.checkpoint.on_signal))
         log.info(
             "%s model %s from %s on %s, %d thread(s), %s learner(s) per rank (%s engine), %d step(s)/epoch",
             "torch" if self.pool.has_gradients else "theano",
@@ -217,3 +220,5 @@ class Session:
             self.pool.close()
         if self.comm is not None:
             self.comm.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
