@@ -82,7 +82,8 @@ def make_communicator(
     ``shared_memory`` picks :class:`SharedMemoryCommunicator` for the mpi backend on CPU: ``on`` always,
     ``auto`` when some node runs more than one rank of the job, ``off`` never; ``shm_window_mb`` and
     ``shm_min_kb`` tune it. ``compression`` (fp16, bf16) wraps the result in a
-    :class:`CompressedCommunicator` that exchanges large float buffers 16-bit. The section's values were
+    :class:`CompressedCommunicator` that exchanges large float buffers 16-bit. ``interface`` goes to the
+    torch.distributed backends' rendezvous (:mod:`mpicrossbow.comm.rendezvous`). The section's values were
     checked against their choices when it was built; this checks what depends on the device.
     """
     resolved = resolve_backend(section.backend, device)
@@ -116,5 +117,5 @@ def make_communicator(
     else:
         from mpicrossbow.comm.torchdist import TorchDistCommunicator
 
-        comm = TorchDistCommunicator.from_mpi(mpi_comm, backend=resolved)
+        comm = TorchDistCommunicator.from_mpi(mpi_comm, backend=resolved, interface=section.interface)
     return comm if wire is None else CompressedCommunicator(comm, wire)

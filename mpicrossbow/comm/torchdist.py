@@ -1,9 +1,11 @@
 """The torch.distributed communicator (Gloo on CPU, NCCL on GPU), bootstrapped from MPI.
 
-MPI already knows every rank, so no ``MASTER_ADDR``/``MASTER_PORT`` is needed: rank 0 binds a TCP socket to
-port 0 to get a free port, broadcasts ``(address, port)`` with mpi4py, and every rank calls
-``init_process_group(init_method="tcp://address:port")``. The address is 127.0.0.1 when all ranks share one
-host (hostnames gathered over MPI), otherwise rank 0's hostname resolved.
+MPI already knows every rank, so no ``MASTER_ADDR``/``MASTER_PORT`` is needed, and no rendezvous listener
+on every interface either: :func:`~mpicrossbow.comm.rendezvous.rendezvous` picks the store over MPI and every
+rank calls ``init_process_group(store=...)``. On one node (hostnames gathered over MPI) the store is a file
+in a private folder rank 0 made (no socket; removed by :meth:`TorchDistCommunicator.close`) and Gloo's
+sockets are on loopback; across nodes it is a TCP store rank 0 serves on one address (``[comm] interface``'s,
+else its hostname's), under a random per-job key prefix.
 
 ``split`` builds torch groups: the (color, key) pairs are gathered over MPI, then every rank creates one group
 per color in sorted order (``new_group`` is collective over the whole default group). ``new_group`` orders its
@@ -16,7 +18,6 @@ nested split cannot create the same member set twice.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from datetime import timedelta
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from mpicrossbow.comm.base import Communicator, DoneHandle, Handle, ReduceOp
+from mpicrossbow.comm.rendezvous import Rendezvous, rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +34,6 @@ log = logging.getLogger(__name__)
 TORCH_BACKENDS = ("gloo", "nccl")
 
 _OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
-
-
-def free_tcp_port() -> int:
-    """A TCP port that was free a moment ago on this host (the kernel picks it when binding to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 class TorchDistHandle(Handle):
@@ -80,15 +75,23 @@ class TorchDistCommunicator(Communicator):
         self._owns_default_group = owns_default_group
         self._owns_mpi_comm = owns_mpi_comm
         self._closed = False
+        self._rendezvous: Rendezvous | None = None  # set on the communicator that made the default group
 
     @classmethod
     def from_mpi(
-        cls, mpi_comm: MPI.Comm | None = None, backend: str = "gloo", timeout_s: float = 300.0
+        cls,
+        mpi_comm: MPI.Comm | None = None,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        interface: str = "",
+        single_node: bool | None = None,
     ) -> TorchDistCommunicator:
         """Initialise torch.distributed over the ranks of ``mpi_comm`` (default ``COMM_WORLD``); collective.
 
-        If torch.distributed is already initialised with the same rank and size, its default group is reused
-        (and left alone by :meth:`close`).
+        ``interface`` (``[comm] interface``) is the network interface of a job across nodes; ``single_node``
+        forces the one-node or several-node rendezvous (None: decided over MPI; see
+        :func:`~mpicrossbow.comm.rendezvous.rendezvous`). If torch.distributed is already initialised with
+        the same rank and size, its default group is reused (and left alone by :meth:`close`).
         """
         if backend not in TORCH_BACKENDS:
             valid = ", ".join(TORCH_BACKENDS)
@@ -104,28 +107,30 @@ class TorchDistCommunicator(Communicator):
             log.info("reusing the initialised torch.distributed default group")
             return cls(comm, members, None, dist.get_backend(), timeout_s)
         start = time.perf_counter()
-        hosts = comm.allgather(socket.gethostname())
-        endpoint = None
-        if rank == 0:
-            address = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
-            endpoint = (address, free_tcp_port())
-        address, port = comm.bcast(endpoint, root=0)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{address}:{port}",
-            rank=rank,
-            world_size=size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        met = rendezvous(comm, backend, interface, timeout_s, single_node)
+        try:
+            dist.init_process_group(
+                backend, store=met.store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+            )
+        except BaseException:
+            met.restore_env()
+            raise
         log.info(
-            "torch.distributed %s up: %d ranks via tcp://%s:%d in %.2f s",
+            "torch.distributed %s up: %d ranks via %s in %.2f s",
             backend,
             size,
-            address,
-            port,
+            met.where,
             time.perf_counter() - start,
         )
-        return cls(comm, members, None, backend, timeout_s, owns_default_group=True)
+        made = cls(comm, members, None, backend, timeout_s, owns_default_group=True)
+        made._rendezvous = met
+        return made
+
+    @property
+    def rendezvous(self) -> Rendezvous | None:
+        """How the ranks met (the store, where it was, what close undoes); None on a split or a reused group,
+        and once closed."""
+        return self._rendezvous
 
     @property
     def mpi(self) -> MPI.Comm:
@@ -206,10 +211,14 @@ class TorchDistCommunicator(Communicator):
         return self._adopt(child)
 
     def close(self) -> None:
-        """Close splits, free their MPI communicators, and destroy the default group if this one made it."""
+        """Close splits, free their MPI communicators, and destroy the default group if this one made it
+        (then its rendezvous: the store folder goes, the environment is put back); collective."""
         if not self._close_children():
             return
         if self._owns_mpi_comm:
             self._mpi.Free()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
+        if self._rendezvous is not None:
+            self._rendezvous.close(self._mpi)
+            self._rendezvous = None

@@ -181,6 +181,12 @@ class CommSection:
         16.0, "MB of each rank's input per shared-memory chunk (larger buffers go in chunks)", gt=0
     )
     shm_min_kb: float = setting(64.0, "allreduces smaller than this many KB go through MPI instead", ge=0)
+    interface: str = setting(
+        "",
+        "gloo/nccl across nodes: the network interface (e.g. ib0) rank 0's rendezvous store listens on, and "
+        "the backend's own (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME unless set); empty: the address of rank "
+        "0's hostname. One node needs none: a file store, and Gloo on loopback",
+    )
 
 
 @dataclass(frozen=True)
