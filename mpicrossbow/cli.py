@@ -25,7 +25,8 @@ log = logging.getLogger("mpicrossbow.cli")  # also when run as __main__
 EPILOG = """\
 overrides: section.key=value sets a key of a section, KEY=value a bare key, e.g.
   crossbow-launch -cfg session.cfg optim.lr=0.05 session.epochs=3 RULE=BSP
-Run under mpirun/mpiexec/srun, every rank trains; run alone, it starts one rank per DEVICES entry."""
+Run under mpirun/mpiexec/srun, every rank trains; run alone, it starts one rank per DEVICES entry.
+crossbow-launch --clean-shm (no -cfg) removes what failed MPICH jobs left in /dev/shm."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-cfg", "--cfg", required=True, metavar="FILE", help="the session.cfg to run")
+    parser.add_argument("-cfg", "--cfg", metavar="FILE", help="the session.cfg to run (required to train)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="cfg overrides")
     parser.add_argument(
         "-np",
@@ -76,13 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="how to start the job when run alone (auto: srun inside a Slurm allocation, else mpiexec)",
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved cfg and exit")
+    parser.add_argument(
+        "--clean-shm",
+        action="store_true",
+        help="remove this user's MPICH shared-memory segments in /dev/shm that no live process uses (what "
+        "failed jobs started by mpiexec/srun leave), print what was removed and exit; takes no -cfg",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``crossbow-launch``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     setup_logging(tag=LAUNCHER_TAG)  # not a rank yet: the rank tags its lines once MPI is up
+    if args.clean_shm:
+        if args.cfg is not None or args.overrides or args.resume:
+            parser.error("--clean-shm starts no job: give it without -cfg, overrides or --resume")
+        return clean_shm()
+    if args.cfg is None:
+        parser.error("the following arguments are required: -cfg/--cfg (or --clean-shm alone)")
     overrides = [*args.overrides, *([f"checkpoint.resume={args.resume}"] if args.resume else [])]
     if args.bind is not None:
         overrides.append(f"numa.bind={args.bind}")
@@ -126,6 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         from .training.runner import run_rank  # ranks import torch; the path to mpiexec does not
 
     return run_rank(config)
+
+
+def clean_shm() -> int:
+    """``--clean-shm``: remove the unused MPICH segments of this user, say what went in one line, exit 0."""
+    from .launch.shm_hygiene import remove_unused_segments, shm_dir
+
+    folder = shm_dir()
+    sys.stdout.write(f"crossbow-launch --clean-shm: {remove_unused_segments(folder).summary(folder)}\n")
+    return 0
 
 
 def no_pmi() -> int:

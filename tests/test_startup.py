@@ -10,6 +10,7 @@ import gc
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +57,20 @@ def test_run_alone_reaches_mpiexec_without_heavy_imports_and_logs_as_the_launche
     assert seen["cmd"][1:3] == ["-n", "2"]
     assert seen["cmd"][-4:] == ["mpicrossbow.cli", "-cfg", "launch/digits.cfg", "session.epochs=1"]
     assert f"[{LAUNCHER_TAG}] INFO starting: " in proc.stderr and "[rank" not in proc.stderr
+
+
+def test_clean_shm_imports_nothing_heavy(tmp_path: Path) -> None:
+    """``crossbow-launch --clean-shm`` (no cfg) is as light as the way to mpiexec."""
+    proc = fresh(
+        "import json, os, sys\n"
+        f"os.environ['MPICROSSBOW_SHM_DIR'] = {str(tmp_path)!r}\n"
+        "from mpicrossbow import cli\n"
+        "code = cli.main(['--clean-shm'])\n"
+        f"print(json.dumps([code, [m for m in {HEAVY!r} if m in sys.modules]]))\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0].startswith("crossbow-launch --clean-shm: removed 0 ")
+    assert json.loads(proc.stdout.splitlines()[-1]) == [0, []]
 
 
 def test_package_root_is_lazy_and_exports_every_public_name() -> None:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .devices import DeviceSpec, any_size
+from .reaper import awaiting_orphans
+from .shm_hygiene import removing_new_segments
 from .slurm import in_slurm_allocation
 
 log = logging.getLogger(__name__)
@@ -218,7 +220,10 @@ def spawn(
 ) -> int:
     """Start the job for ``devices`` running ``crossbow-launch args`` on every rank; return its status.
 
-    ``launcher``: ``mpiexec``, ``srun``, or ``auto`` (srun inside a Slurm allocation when it exists).
+    ``launcher``: ``mpiexec``, ``srun``, or ``auto`` (srun inside a Slurm allocation when it exists). It
+    returns once the job's last process has ended (:mod:`~mpicrossbow.launch.reaper`), having removed the
+    shared-memory segments the job's MPI left in this node's ``/dev/shm`` (a failed job leaves one):
+    :mod:`~mpicrossbow.launch.shm_hygiene`.
     """
     hosts = read_hostfile(hostfile) if hostfile else None
     if any_size(tuple(devices)) and ranks is None and hosts:
@@ -233,10 +238,10 @@ def spawn(
             flavor = mpi_flavor(find_mpiexec())
         except UsageError:
             flavor = "unknown"
-        cmd = srun_command(flavor, devices, args, hosts, bind, srun)
-        return run_job(cmd, dict(os.environ))
-    mpiexec = find_mpiexec()
-    flavor = mpi_flavor(mpiexec)
-    return run_job(
-        spawn_command(mpiexec, flavor, devices, args, hosts, bind), spawn_env(flavor, len(devices))
-    )
+        cmd, env = srun_command(flavor, devices, args, hosts, bind, srun), dict(os.environ)
+    else:
+        mpiexec = find_mpiexec()
+        flavor = mpi_flavor(mpiexec)
+        cmd, env = spawn_command(mpiexec, flavor, devices, args, hosts, bind), spawn_env(flavor, len(devices))
+    with removing_new_segments(), awaiting_orphans():
+        return run_job(cmd, env)
