@@ -132,6 +132,8 @@ def test_a_rank_killed_outright_fails_the_job_within_a_minute_and_leaves_no_proc
     assert time.monotonic() - start < 60, out[-3000:]
     assert re.search(r"task 1: Killed|rank 1 on \S+ \(pid \d+\) is gone", out), out[-3000:]
     wait_for(lambda: not ranks_of(tmp_path), 10, "every rank process gone")
+    # The template then removes the shared memory the killed job's MPI left, on every node.
+    assert out.count("crossbow-launch --clean-shm: ") == nodes, out[-3000:]
 
 
 def test_a_rank_that_raises_fails_the_job_with_status_1_not_srun_137(
