@@ -151,20 +151,26 @@ def test_a_rank_that_raises_fails_the_job_with_status_1_not_srun_137(
     )
 
 
+def rank_1_killed_under_plain_srun(cluster: SlurmCluster, tmp_path: Path, *overrides: str) -> int:
+    """A 2-task job whose step is ``srun`` without ``--kill-on-bad-exit`` and whose rank 1 SIGKILLs itself at
+    step 30 (what a user's own script without the templates' options gets); its job id."""
+    command = (
+        f". {VENV}/bin/activate && srun --mpi=pmi2 --kill-on-bad-exit=0 crossbow-launch -cfg "
+        f"launch/digits.cfg session.output={tmp_path / 'runs'} session.epochs=200 fault.rank=1 fault.step=30 "
+        f"fault.action=kill {' '.join(overrides)}"
+    )
+    return cluster.sbatch(
+        "--ntasks=2", f"--output={tmp_path}/slurm-%j.out", "--wrap", command, cwd=REPO, fresh=True
+    )
+
+
 def test_the_watchdog_ends_a_job_with_a_dead_rank_that_srun_does_not_end(
     slurm_cluster: SlurmCluster,  # noqa: F811
     tmp_path: Path,
 ) -> None:
     """srun without --kill-on-bad-exit leaves the other ranks waiting: the watchdog sees the dead pid."""
     runs = tmp_path / "runs"
-    command = (
-        f". {VENV}/bin/activate && srun --mpi=pmi2 --kill-on-bad-exit=0 crossbow-launch -cfg "
-        f"launch/digits.cfg session.output={runs} session.epochs=200 fault.rank=1 fault.step=30 "
-        "fault.action=kill"
-    )
-    job = slurm_cluster.sbatch(
-        "--ntasks=2", f"--output={tmp_path}/slurm-%j.out", "--wrap", command, cwd=REPO, fresh=True
-    )
+    job = rank_1_killed_under_plain_srun(slurm_cluster, tmp_path)
     record = slurm_cluster.wait_job(job, timeout=120)
     out = output(tmp_path, job)
     assert record["JobState"] == "FAILED", out[-3000:]
@@ -186,14 +192,7 @@ def test_scancel_of_a_job_with_a_dead_rank_ends_every_process_within_10_s(
 ) -> None:
     """With the peer check off, the survivor blocks in a collective; scancel still ends it at once."""
     runs = tmp_path / "runs"
-    command = (
-        f". {VENV}/bin/activate && srun --mpi=pmi2 --kill-on-bad-exit=0 crossbow-launch -cfg "
-        f"launch/digits.cfg session.output={runs} session.epochs=200 fault.rank=1 fault.step=30 "
-        "fault.action=kill watchdog.peer_timeout=0"
-    )
-    job = slurm_cluster.sbatch(
-        "--ntasks=2", f"--output={tmp_path}/slurm-%j.out", "--wrap", command, cwd=REPO, fresh=True
-    )
+    job = rank_1_killed_under_plain_srun(slurm_cluster, tmp_path, "watchdog.peer_timeout=0")
     wait_for(lambda: "task 1: Killed" in output(tmp_path, job), 60, "rank 1 killed")
     assert ranks_of(runs), "rank 0 should still be waiting for rank 1"
     cancelled = time.monotonic()
