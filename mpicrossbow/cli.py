@@ -154,12 +154,9 @@ def clean_shm() -> int:
 def no_pmi() -> int:
     """srun started several tasks without a PMI: the first says which ``--mpi`` to use; all exit 2."""
     if launcher_rank() in (0, None):
-        from .launch.spawn import find_mpiexec, mpi_flavor
+        from .launch.spawn import installed_flavor
 
-        try:
-            flavor = mpi_flavor(find_mpiexec())
-        except UsageError:
-            flavor = "unknown"
+        flavor = installed_flavor()
         use = {"mpich": "--mpi=pmi2 (this MPI is MPICH)", "openmpi": "--mpi=pmix (this MPI is Open MPI)"}
         say(
             f"srun started {srun_tasks_without_pmi()} tasks without a PMI plug-in, so each would run alone: "

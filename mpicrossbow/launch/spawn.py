@@ -55,6 +55,15 @@ def mpi_flavor(mpiexec: str) -> str:
     return "unknown"
 
 
+def installed_flavor() -> str:
+    """The flavor of the MPI installed here (``unknown`` when no launcher is found): what srun's ``--mpi``
+    must match."""
+    try:
+        return mpi_flavor(find_mpiexec())
+    except UsageError:
+        return "unknown"
+
+
 def read_hostfile(path: str | Path) -> list[tuple[str, int]]:
     """(host, slots) pairs from a hostfile in Open MPI (``host slots=4``) or MPICH (``host:4``) syntax.
 
@@ -234,10 +243,7 @@ def spawn(
     if use_srun:
         if srun is None:
             raise UsageError("-launcher srun: srun is not on PATH")
-        try:
-            flavor = mpi_flavor(find_mpiexec())
-        except UsageError:
-            flavor = "unknown"
+        flavor = installed_flavor()
         cmd, env = srun_command(flavor, devices, args, hosts, bind, srun), dict(os.environ)
     else:
         mpiexec = find_mpiexec()

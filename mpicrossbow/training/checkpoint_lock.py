@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..launch.slurm import SlurmJob
-from .heartbeat import Beat, process_start
+from .heartbeat import Beat, ended_here
 
 LOCK = "LOCK"
 #: Looks at a lock that exists but cannot be read yet, 0.1 s apart.
@@ -60,9 +60,7 @@ class LockOwner:
         """Whether this owner has certainly stopped (False when it cannot be told from here)."""
         if self.job and self.job == me.job and (self.host, self.pid) != (me.host, me.pid):
             return True  # an earlier run of this same Slurm job (requeued): it ended before this one began
-        if me.boot and (self.boot, self.pidns) == (me.boot, me.pidns):
-            return process_start(self.pid) != self.started
-        return False
+        return bool(ended_here(self.pid, self.started, self.boot, self.pidns))
 
 
 class CheckpointLock:

@@ -45,6 +45,16 @@ def process_start(pid: int) -> int | None:
     return int(fields[19])
 
 
+def ended_here(pid: int, started: int, boot: str, pidns: str) -> bool | None:
+    """Whether the process (``pid``, its ``started`` time, on kernel ``boot`` in namespace ``pidns``) has
+    ended — gone, a zombie, or its pid reused — or None when it cannot be told from here (another kernel,
+    another pid namespace, or not Linux)."""
+    mine = kernel_identity()
+    if not mine[0] or mine != (boot, pidns):
+        return None
+    return process_start(pid) != started
+
+
 @dataclass
 class Beat:
     """One heartbeat: who wrote it (rank, host, pid, kernel) and where its loop was."""
@@ -71,9 +81,9 @@ class Beat:
         pid = os.getpid()
         return cls(rank, socket.gethostname(), pid, boot, pidns, started=process_start(pid) or 0, job=job)
 
-    def same_kernel(self, other: Beat) -> bool:
-        """Whether ``other``'s pid can be checked from here (same boot of the same kernel, same namespace)."""
-        return bool(self.boot) and (self.boot, self.pidns) == (other.boot, other.pidns)
+    def ended(self) -> bool | None:
+        """Whether the process that wrote this heartbeat has ended (None: cannot be told from here)."""
+        return ended_here(self.pid, self.started, self.boot, self.pidns)
 
 
 def heartbeat_file(directory: Path, rank: int) -> Path:

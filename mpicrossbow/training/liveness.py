@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .heartbeat import Beat, fault_file, process_start
+from .heartbeat import Beat, fault_file
 
 
 def fatal_signal(directory: Path, rank: int) -> str | None:
@@ -63,8 +63,9 @@ class PeerLiveness:
                 beat = None  # left in a resumed run folder by an earlier job
             if rank == self.me.rank or (beat is not None and beat.phase == "done"):
                 continue
-            if beat is not None and self.me.same_kernel(beat):
-                if process_start(beat.pid) != beat.started:
+            ended = beat.ended() if beat is not None else None
+            if beat is not None and ended is not None:  # a peer on this kernel: its pid says it all
+                if ended:
                     dead[rank] = self._died_here(beat)
                 continue
             seq = beat.seq if beat is not None else -1
