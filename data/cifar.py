@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpicrossbow.data.arrays import ArrayDataset
 from mpicrossbow.errors import DataError
 from mpicrossbow.model.shard import Shard, ShardedArrays, train_indices, val_indices
 
@@ -18,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 #: Bytes per record: the label, then the 3x32x32 image.
 RECORD = 1 + 3 * 32 * 32
+#: The ten CIFAR-10 class names, in label order.
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 #: Per-channel mean and standard deviation of the CIFAR-10 training images, pixels scaled to [0, 1].
 MEAN = np.array([0.4914, 0.4822, 0.4465], dtype=np.float32).reshape(1, 3, 1, 1)
 STD = np.array([0.2470, 0.2435, 0.2616], dtype=np.float32).reshape(1, 3, 1, 1)
@@ -90,3 +93,22 @@ class CIFAR10(ShardedArrays):
             shard,
             source=str(root),
         )
+
+
+def cifar10_dataset(split: str, root: str) -> ArrayDataset:
+    """CIFAR-10's ``train`` (the data batches present) or ``val`` (``test_batch.bin``) from the binary
+    batches in ``root`` (``[data] dataset = cifar10``): x float32 (N, 3, 32, 32) normalised, y int64."""
+    folder = Path(root)
+    if split == "val":
+        files = [folder / "test_batch.bin"]
+    else:
+        files = [
+            folder / f"data_batch_{i}.bin" for i in range(1, 6) if (folder / f"data_batch_{i}.bin").is_file()
+        ]
+        if not files:
+            raise DataError(
+                f"{folder / 'data_batch_1.bin'}: no such file (no CIFAR-10 training batch in {folder})"
+            )
+    parts = [read_cifar10_batch(f) for f in files]
+    x, y = np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
+    return ArrayDataset(_normalise(x), y, str(folder), classes=list(CLASSES))

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from data.hdf5 import hdf5_attrs, hdf5_length, read_hdf5_rows
+from mpicrossbow.data.arrays import ArrayDataset
 from mpicrossbow.errors import DataError
 from mpicrossbow.model.shard import Shard, ShardedArrays, train_indices, val_indices
 
@@ -54,3 +55,24 @@ class Digits(ShardedArrays):
             shard,
             source=str(path),
         )
+
+
+def digits_dataset(
+    split: str, path: str | None = None, val_fraction: float = 0.2, split_seed: int = 0
+) -> ArrayDataset:
+    """The ``train`` or ``val`` part of the digits as one data set (``[data] dataset = digits``).
+
+    The same fixed split as :class:`Digits`: x float32 in [0, 1] of shape (N, 1, 8, 8), y labels 0..9.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"[dataset] val_fraction must be in (0, 1), got {val_fraction}")
+    file = DEFAULT_PATH if path is None else Path(path)
+    n_total = hdf5_length(file)
+    scale = float(hdf5_attrs(file).get("scale", 0))
+    if scale <= 0:
+        raise DataError(f"{file}: file attribute 'scale' is missing or not positive")
+    perm = np.random.default_rng(split_seed).permutation(n_total)
+    n_val = round(n_total * val_fraction)
+    rows = np.sort(perm[:n_val] if split == "val" else perm[n_val:])
+    x, y = read_hdf5_rows(file, rows)
+    return ArrayDataset(x.astype(np.float32) / scale, y, str(file))

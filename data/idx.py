@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpicrossbow.data.arrays import ArrayDataset
 from mpicrossbow.errors import DataError
 from mpicrossbow.model.shard import Shard, ShardedArrays, train_indices, val_indices
 
@@ -120,3 +121,10 @@ class MNIST(ShardedArrays):
             shard,
             source=str(source),
         )
+
+
+def mnist_dataset(split: str, root: str) -> ArrayDataset:
+    """MNIST's ``train`` (60,000) or ``val`` (the t10k 10,000) images from the IDX files in ``root``
+    (``[data] dataset = mnist``, ``[dataset] root = ...``): x float32 (N, 1, 28, 28) in [0, 1], y int64."""
+    images, labels, source = _images_labels(Path(root), "train" if split == "train" else "t10k")
+    return ArrayDataset((images.astype(np.float32) / 255.0)[:, None], labels, str(source))

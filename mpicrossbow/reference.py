@@ -86,6 +86,37 @@ the class receives. See [the model contract](models.md).
 """
 
 
+DATASET_SECTION = """\
+## [dataset]
+
+Keyword arguments of the `[data] dataset` factory, converted to the types it annotates; unknown names are
+errors listing the valid ones. The factory is called as `factory(split, **[dataset])` for `split` = `train`
+and `val` and returns a map-style `torch.utils.data.Dataset` of `(input, target)`; image data sets also get
+`[data]`'s `augment`, `image_size` and `on_bad_sample`. See [data](data.md).
+"""
+
+
+def _dataset_rows() -> list[str]:
+    """One table row per built-in data set: its factory and keyword arguments (from the signature)."""
+    from .data.registry import BUILTIN, dataset_factory
+
+    rows = ["| name | factory | keys |", "|---|---|---|"]
+    for name, spec in BUILTIN.items():
+        try:
+            params = inspect.signature(dataset_factory(name)).parameters.values()
+        except Exception:  # a reader that needs the repository's data/ package, not importable here
+            rows.append(f"| `{name}` | `{spec}` | |")
+            continue
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        keys = ", ".join(
+            f"`{p.name}`" + ("" if p.default is inspect.Parameter.empty else f" ({p.default!r})")
+            for p in params
+            if p.kind in named and p.name not in ("self", "split", "augment", "image_size", "on_bad_sample")
+        )
+        rows.append(f"| `{name}` | `{spec}` | {keys} |")
+    return rows
+
+
 def _markdown(text: str) -> str:
     """reStructuredText inline markup of a docstring (``literal``, :role:`target`) as Markdown."""
     text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)
@@ -166,6 +197,7 @@ def config_reference() -> str:
     for name, cls in SECTIONS.items():
         lines += ["", *_section(name, cls)]
     lines += ["", *_rule_sections(), "", MODEL_SECTION.rstrip("\n")]
+    lines += ["", DATASET_SECTION.rstrip("\n"), "", *_dataset_rows()]
     return "\n".join(lines) + "\n"
 
 

@@ -33,7 +33,7 @@ def test_builtin_models_follow_their_contracts() -> None:
         ("def broken(:\n", "X", r"MODELFILE '.*user_model.py': syntax error in .*user_model.py line 1"),
         ("import no_such_package_xyz\n", "X", r"imports 'no_such_package_xyz', which is not installed"),
         ("raise ValueError('bad constant')\n", "X", r"failed to import: ValueError: bad constant"),
-        ("class A: pass\n", "B", r"MODELCLASS 'B' not found in .*; classes there: A"),
+        ("class A: pass\n", "B", r"MODELCLASS 'B' not found in .*; classes and functions there: A"),
         ("class A:\n    def module(self): pass\n", "A", r"A is missing data\(\); a torch-native model needs"),
         (
             "class T:\n    def train_iter(self, c, r): pass\n",

@@ -259,11 +259,16 @@ def test_a_signalled_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrup
     assert slurm_cluster.run("scancel", "--signal=USR1", *batch, str(job)).returncode == 0
     wait_for(lambda: slurm_cluster.job(job).get("JobState") == "PENDING", 60, "the job requeued")
     wait_for(lambda: not ranks_of(tmp_path / "runs"), 30, "the first run's ranks gone")
-    # Slurm holds a requeued job for about two minutes before it is eligible again: no need to wait here.
+    # Slurm holds a requeued job for about two minutes before it is eligible again: no need to wait that
+    # long here, but the nodes must have finished the first run (no COMPLETING), and slurmd refuses a job
+    # whose credential is from the same second as the revocation of the first run's (whole seconds).
+    wait_for(lambda: "comp" not in slurm_cluster.node_states().values(), 60, "the nodes done completing")
+    time.sleep(2)
     slurm_cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
     record = slurm_cluster.wait_job(job, timeout=300)
     out = output(tmp_path, job)
-    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", out[-3000:]
+    logs = "".join(f.read_text()[-1500:] for f in sorted(slurm_cluster.root.glob("slurmd-*.log")))
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, out[-3000:], logs)
     # slurm-<jobid>.out holds both runs: the stop and requeue, then the resumed run to its end.
     stop = re.search(r"stopped by a signal after step (\d+)", out)
     assert stop is not None and f"requeued Slurm job {job}" in out, out[-3000:]

@@ -185,8 +185,23 @@ def call_kwargs(fn: Callable[..., Any], values: Mapping[str, Any], section: str)
         tp = hints.get(key, Any)
         if tp is Any and key in params and params[key].default not in (inspect.Parameter.empty, None):
             tp = type(params[key].default)
-        out[key] = coerce(raw, tp, f"[{section}] {key}")
+        out[key] = guess(raw) if tp is Any else coerce(raw, tp, f"[{section}] {key}")
     return out
+
+
+def guess(value: Any) -> Any:
+    """A cfg string for an untyped parameter (``**kwargs``): an int, a number, a boolean, or the text."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def describe_fields(cls: type) -> list[tuple[str, str, Any, str]]:

@@ -51,7 +51,7 @@ SECTIONS: dict[str, type] = {
     "fault": s.FaultSection,
 }
 #: Sections whose keys belong to a plug-in (the rule's hyper-parameters, the model's keyword arguments).
-FREE_SECTIONS = ("rule", "model")
+FREE_SECTIONS = ("rule", "model", "dataset")
 #: The bare Theano-MPI keys; all required.
 TOP_KEYS = ("rule", "modelfile", "modelclass", "devices")
 
@@ -76,6 +76,8 @@ class Config:
     #: ``[rule]`` as written (strings from a file); the rule validates them once, when it is built.
     rule_params: Mapping[str, Any] = field(default_factory=dict)
     model_params: Mapping[str, str] = field(default_factory=dict)
+    #: ``[dataset]`` as written: keyword arguments of the ``[data] dataset`` factory.
+    dataset_params: Mapping[str, str] = field(default_factory=dict)
     source: str = "<python>"
 
     def replace(self, **changes: Any) -> Config:
@@ -93,7 +95,8 @@ class Config:
             lines += ["", f"[{name}]"]
             for key, value in dataclasses.asdict(getattr(self, name)).items():
                 lines.append(f"{key} = {format_value(value)}")
-        for name, values in (("rule", self.rule_params), ("model", self.model_params)):
+        free = (("rule", self.rule_params), ("model", self.model_params), ("dataset", self.dataset_params))
+        for name, values in free:
             if values:
                 lines += ["", f"[{name}]"] + [f"{k} = {format_value(v)}" for k, v in values.items()]
         return "\n".join(lines) + "\n"
@@ -202,6 +205,7 @@ def from_raw(raw: Mapping[str, Mapping[str, Any]], source: str) -> Config:
         devices=parse_devices(str(devices)),
         rule_params=dict(raw.get("rule", {})),
         model_params=dict(raw.get("model", {})),
+        dataset_params=dict(raw.get("dataset", {})),
         source=source,
         **sections,
     )

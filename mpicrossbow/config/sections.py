@@ -67,10 +67,34 @@ class OptimSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    """``[data]``: batching of each rank's shard."""
+    """``[data]``: batching of each rank's shard, the data set by name, and the DataLoader pipeline."""
 
     batch_size: int = setting(
         32, "samples per batch per learner (each of a rank's learners reads its own)", ge=1
+    )
+    dataset: str = setting(
+        "",
+        "the data set: digits, mnist1d, mnist, cifar10, imagefolder, shards, or package.module:callable "
+        "(its keyword arguments in [dataset]); empty: the model file's own data()",
+    )
+    workers: int = setting(
+        0, "DataLoader worker processes per rank, shared out among its learners (0: load in the rank)", ge=0
+    )
+    prefetch: int = setting(2, "batches each worker loads ahead (DataLoader prefetch_factor)", ge=1)
+    pin_memory: Literal["auto", "true", "false"] = setting(
+        "auto", "page-locked batches for fast copies to the GPU (auto: on when the device is CUDA)"
+    )
+    augment: Literal["none", "standard"] = setting(
+        "none",
+        "image data sets: standard = random-resized crop and flip (train), resize and centre crop (val); "
+        "none = resize only",
+    )
+    image_size: int = setting(224, "image data sets: side of the square images the model sees", ge=8)
+    on_bad_sample: Literal["error", "skip"] = setting(
+        "error", "an unreadable sample: stop with its file name, or skip it (counted and reported)"
+    )
+    verify: bool = setting(
+        True, "check the header of every file of a rank's part before training (image data sets)"
     )
 
 

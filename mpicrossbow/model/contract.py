@@ -1,6 +1,10 @@
-"""The model contract: how a model file tells mpicrossbow what to train, in either of two forms.
+"""The model contract: how a model file tells mpicrossbow what to train, in one of three forms.
 
-**Torch-native** (primary). ``MODELCLASS`` is a class whose keyword arguments come from ``[model]`` and which
+**A plain network.** ``MODELCLASS`` is a ``torch.nn.Module`` subclass, or any callable returning one
+(``MODELFILE=torchvision.models``, ``MODELCLASS=resnet50``), built with the ``[model]`` keys as keyword
+arguments; the data comes from ``[data] dataset`` (see :mod:`mpicrossbow.model.dataset_model`).
+
+**Torch-native**. ``MODELCLASS`` is a class whose keyword arguments come from ``[model]`` and which
 has
 
 * ``module() -> nn.Module`` — build one fresh replica (the framework makes one per learner);
@@ -98,8 +102,8 @@ def _import_module(modelfile: str) -> Any:
         raise
 
 
-def load_model_class(modelfile: str, modelclass: str) -> type:
-    """The class MODELCLASS from MODELFILE; any import failure becomes one ContractError line."""
+def load_model_class(modelfile: str, modelclass: str) -> Any:
+    """MODELCLASS (a class or a function) from MODELFILE; an import failure is one ContractError line."""
     try:
         module = _import_module(modelfile)
     except ContractError:
@@ -115,19 +119,27 @@ def load_model_class(modelfile: str, modelclass: str) -> type:
             f"MODELFILE '{modelfile}' failed to import: {type(exc).__name__}: {exc}"
         ) from None
     cls = getattr(module, modelclass, None)
-    if not isinstance(cls, type):
+    if not callable(cls):
         found = sorted(
-            n for n, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__
+            n
+            for n, v in vars(module).items()
+            if callable(v) and getattr(v, "__module__", None) == module.__name__ and not n.startswith("_")
         )
         raise ContractError(
             f"MODELCLASS '{modelclass}' not found in {modelfile}; "
-            f"classes there: {', '.join(found) or '(none)'}"
+            f"classes and functions there: {', '.join(found) or '(none)'}"
         )
     return cls
 
 
-def contract_form(cls: type) -> Literal["torch", "theano"]:
-    """Which contract ``cls`` follows; ContractError names what is missing when it follows neither fully."""
+def contract_form(cls: Any) -> Literal["torch", "theano", "module"]:
+    """Which contract ``cls`` follows; ContractError names what is missing when it follows none fully.
+
+    ``module``: an ``nn.Module`` subclass or a function (anything callable that is not a class), whose
+    result is checked to be an ``nn.Module`` when the first replica is built.
+    """
+    if not isinstance(cls, type) or issubclass(cls, nn.Module):
+        return "module"
     if any(hasattr(cls, m) for m in ("train_iter", "compile_iter_fns")):
         missing = [m for m in THEANO_METHODS if not callable(getattr(cls, m, None))]
         if missing:
@@ -139,7 +151,8 @@ def contract_form(cls: type) -> Literal["torch", "theano"]:
     if missing:
         raise ContractError(
             f"{cls.__name__} is missing {', '.join(m + '()' for m in missing)}; a torch-native model needs "
-            f"module() and data(shard); a Theano-MPI-form model needs {', '.join(THEANO_METHODS)}"
+            f"module() and data(shard); a Theano-MPI-form model needs {', '.join(THEANO_METHODS)}; "
+            "or name a torch.nn.Module subclass (or a function returning one) and set [data] dataset"
         )
     for m in TORCH_MEMBERS:
         if getattr(cls, m) is getattr(TorchModel, m):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -59,6 +60,10 @@ class LearnerPool(ABC):
     def take_stats(self) -> tuple[float, float, float]:
         """(loss sum, hits, samples) of training since the last call, summed over learners."""
 
+    def take_data_wait(self) -> float:
+        """Seconds the learners waited for their next batch since the last call (the loop's data wait)."""
+        return 0.0
+
     def state_dict(self) -> dict[str, Any]:
         """Every learner's replica, buffers, optimizer state and running stats, for a checkpoint."""
         raise NotImplementedError(f"{type(self).__name__} cannot be checkpointed")
@@ -99,6 +104,47 @@ class LearnerPool(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release data files and model resources."""
+
+
+class TimedBatches:
+    """A learner's batches for one epoch that add the time each ``next()`` waited to ``clock[0]``.
+
+    A pipeline that keeps up hands over a prefetched batch at once; the sum is what the GPU (or CPU) sat
+    idle for data. ``skip(count)`` passes the first batches over, without loading them when the batches
+    know how (:class:`~mpicrossbow.data.loader.Batches`).
+    """
+
+    def __init__(self, batches: Any, clock: list[float]) -> None:
+        self.batches, self.clock = iter(batches), clock
+
+    def __iter__(self) -> TimedBatches:
+        """Itself: one pass."""
+        return self
+
+    def __next__(self) -> Any:
+        """The next batch, timed."""
+        started = time.perf_counter()
+        try:
+            return next(self.batches)
+        finally:
+            self.clock[0] += time.perf_counter() - started
+
+    def skip(self, count: int) -> None:
+        """Pass over the next ``count`` batches (resuming mid-epoch)."""
+        skip = getattr(self.batches, "skip", None)
+        if callable(skip):
+            skip(count)
+            return
+        for _ in range(count):
+            next(self.batches)
+
+
+def close_datas(datas: Sequence[Any]) -> None:
+    """Close the DataClasses that hold resources (a DataLoader's worker processes, open files)."""
+    for data in datas:
+        close = getattr(data, "close", None)
+        if callable(close):
+            close()
 
 
 def next_batch(batches: Iterator[Any], count: int, expected: int) -> Any:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ from torch import nn
 
 from ..errors import CheckpointError, ContractError
 from ..model.contract import TorchModel
-from .base import LearnerPool, next_batch, params_loaded, summed
+from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
 from .flat import empty_flat, point_into
 from .fuse import FlatSlots, FusedNetwork
 from .learner import evaluate
@@ -125,7 +125,8 @@ class FusedPool(LearnerPool):
         self.model, self.spec, self.device, self.m = model, spec, device, learners
         replicas = [model.module().to(device) for _ in range(learners)]
         self.datas, self._n_batch_train = learner_data(model, spec)
-        self._iters: list[Iterator[Any]] = []
+        self._iters: list[TimedBatches] = []
+        self._waited = [0.0]
 
         param_lists, buffer_lists = _replica_tensors(replicas, owner)
         first_params, first_buffers = param_lists[0], buffer_lists[0]
@@ -180,7 +181,7 @@ class FusedPool(LearnerPool):
 
     def start_epoch(self, epoch: int) -> None:
         """Start every learner's reshuffled pass over its shard."""
-        self._iters = [iter(d.train_batches(epoch)) for d in self.datas]
+        self._iters = [TimedBatches(d.train_batches(epoch), self._waited) for d in self.datas]
 
     def _next_batches(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every learner's next batch, stacked to ``(m, N, …)`` inputs and ``(m, N)`` targets."""
@@ -268,8 +269,16 @@ class FusedPool(LearnerPool):
     def skip(self, count: int) -> None:
         """Pass over each learner's first ``count`` batches of this epoch (resuming mid-epoch)."""
         for batches in self._iters:
-            for _ in range(count):
-                next(batches)
+            batches.skip(count)
+
+    def close(self) -> None:
+        """Stop the learners' data loaders."""
+        close_datas(self.datas)
+
+    def take_data_wait(self) -> float:
+        """Seconds the learners waited for batches since the last call."""
+        waited, self._waited[0] = self._waited[0], 0.0
+        return waited
 
     def state_dict(self) -> dict[str, Any]:
         """All replicas (rows), the fused optimizer's state and the running stats."""
@@ -304,6 +313,7 @@ class FusedPool(LearnerPool):
         """
         old_m, old_params, old_buffers = self.m, self.params2d.clone(), self.buffers2d.clone()
         old_state = self.optimizer.state_dict()["state"]
+        close_datas(self.datas)
         fresh = FusedPool(self.model, self.spec.resized(learners))
         rows = [j if j < old_m else 0 for j in range(learners)]
         fresh.params2d.copy_(old_params[rows])

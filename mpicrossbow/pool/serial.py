@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -11,7 +11,7 @@ import torch
 from ..errors import CheckpointError, DataError
 from ..model.contract import check_data
 from ..model.shard import Shard
-from .base import LearnerPool, next_batch, params_loaded, summed
+from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
 from .learner import Learner
 from .spec import PoolSpec
 
@@ -54,11 +54,17 @@ class SerialPool(LearnerPool):
             Learner(model.module(), model, spec.optim, spec.device) for _ in range(spec.learners)
         ]
         self._load_data()
-        self._iters: list[Iterator[Any]] = []
+        self._iters: list[TimedBatches] = []
+        self._waited = [0.0]
 
     def _load_data(self) -> None:
-        """Every learner's shard (see :func:`learner_data`)."""
+        """Every learner's shard (see :func:`learner_data`); the previous shards' loaders are closed."""
+        close_datas(getattr(self, "datas", []))
         self.datas, self._n_batch_train = learner_data(self.model, self.spec)
+
+    def close(self) -> None:
+        """Stop the learners' data loaders."""
+        close_datas(self.datas)
 
     def resize(self, learners: int) -> None:
         """Keep the first ``learners`` replicas, or add copies of learner 0; reshard the data.
@@ -91,7 +97,7 @@ class SerialPool(LearnerPool):
 
     def start_epoch(self, epoch: int) -> None:
         """Start every learner's reshuffled pass over its shard."""
-        self._iters = [iter(d.train_batches(epoch)) for d in self.datas]
+        self._iters = [TimedBatches(d.train_batches(epoch), self._waited) for d in self.datas]
 
     def compute(self, count: int) -> None:
         """Forward and backward of each learner on its next batch."""
@@ -101,8 +107,12 @@ class SerialPool(LearnerPool):
     def skip(self, count: int) -> None:
         """Pass over each learner's first ``count`` batches of this epoch (resuming mid-epoch)."""
         for batches in self._iters:
-            for _ in range(count):
-                next(batches)
+            batches.skip(count)
+
+    def take_data_wait(self) -> float:
+        """Seconds the learners waited for batches since the last call."""
+        waited, self._waited[0] = self._waited[0], 0.0
+        return waited
 
     def nonfinite(self) -> list[int]:
         """Learners whose last loss was not finite; one host synchronisation for all of them."""

@@ -88,6 +88,7 @@ class TrainLoop:
         pool.set_lr(lr_at(parts.config.optim, self.epoch) if self.lr < 0 else self.lr, self.epoch)
         if self.skip:
             pool.skip(self.skip)
+        pool.take_data_wait()  # from this epoch's first step on
         started = time.perf_counter()
         end = min(per_epoch, self.skip + self.budget - self.step) if self.budget else per_epoch
         for count in range(self.skip, end):
@@ -135,6 +136,7 @@ class TrainLoop:
         parts, every = self.parts, self.parts.config.session.validate_every
         self._beat("validate")
         learners = len(parts.pool.learners)
+        waited = parts.pool.take_data_wait() / seconds if seconds > 0 else 0.0
         loss_sum, hits, n = self.reduce(parts.pool.take_stats())
         self.out.samples += n
         self.out.train = per_sample(loss_sum, hits, n)
@@ -142,7 +144,7 @@ class TrainLoop:
         val = self.validate() if last or (every and (self.epoch + 1) % every == 0) else None
         self.out.val = val if val is not None else self.out.val
         parts.reporter.epoch(
-            self.epoch, self.step, self.lr, learners, self.out.train, val, self.out.exchange_s
+            self.epoch, self.step, self.lr, learners, self.out.train, val, (self.out.exchange_s, waited)
         )
         if parts.tuner is not None and not last:
             self._tune(n, seconds)

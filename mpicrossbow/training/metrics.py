@@ -1,7 +1,8 @@
 """Metrics of a run, written by rank 0 to ``metrics.h5`` in the run folder and flushed every epoch.
 
 Layout: group ``train`` with one row per epoch, averaged over every rank (``step``, ``epoch``, ``loss``,
-``accuracy``, ``lr``, ``time``, ``learners`` per rank); group ``val`` with one row per validation
+``accuracy``, ``lr``, ``time``, ``learners`` per rank, ``data_wait``: the share of the epoch's training time
+rank 0's learners waited for a batch); group ``val`` with one row per validation
 (``epoch``, ``step``, ``loss``, ``accuracy``, ``time``, ``exchange_share``); the resolved cfg text is the
 file attribute ``config``; ``learners`` (final count per rank) and, with ``[pool] learners = auto``,
 ``autotune_history`` (learners, samples/s per check) are attributes too.
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 # h5py is imported where a file is opened: only rank 0 writes metrics, and the other ranks should not pay
 # for importing it (about 0.1 s) when their data comes from elsewhere.
 
-TRAIN_COLUMNS = ("step", "epoch", "loss", "accuracy", "lr", "time", "learners")
+TRAIN_COLUMNS = ("step", "epoch", "loss", "accuracy", "lr", "time", "learners", "data_wait")
 VAL_COLUMNS = ("epoch", "step", "loss", "accuracy", "time", "exchange_share")
 
 
@@ -63,6 +64,10 @@ class MetricsWriter:
     def _append(self, group: str, row: dict[str, float]) -> None:
         g = self.file[group]
         for key, value in row.items():
+            if key not in g:  # a column newer than the file being resumed: earlier rows are unknown
+                rows = g["step"].shape[0] if "step" in g else 0
+                unknown = [float("nan")] * rows
+                g.create_dataset(key, data=unknown, maxshape=(None,), chunks=(1024,), dtype="f8")
             ds = g[key]
             ds.resize((ds.shape[0] + 1,))
             ds[-1] = value

@@ -3,21 +3,27 @@ names, the Theano-MPI form through its adapter (one learner, serial)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from ..config import Config
 from ..config.fields import call_kwargs
-from ..errors import ContractError
+from ..data.loader import LoaderOptions, pin_memory_for
+from ..data.registry import build_dataset
+from ..errors import ConfigError, ContractError
 from ..launch.world import World
 from ..model.contract import contract_form, load_model_class
+from ..model.dataset_model import DatasetModel, check_labels, datasets_data
 from ..model.shard import Shard
 from ..pool.base import LearnerPool
 from ..pool.engines import ENGINES
 from ..pool.spec import PoolSpec
 from ..pool.theano import TheanoPool
 from ..rules.base import Rule
+
+log = logging.getLogger(__name__)
 
 
 def construct(cls: type, kwargs: dict[str, Any], positional: bool = False) -> Any:
@@ -57,14 +63,52 @@ def build_pool(
             )
         kwargs = {**theano_config(config, world, device), **config.model_params}
         return TheanoPool(construct(cls, kwargs, positional=True)), None
-    model = construct(cls, call_kwargs(cls, config.model_params, "model"))
+    model = torch_model(config, cls, device, learners)
     trains = rule.trains(world.rank, world.size)
     index, count = rule.train_shard(world.rank, world.size) if trains else (0, 1)
     span = rule.train_span(world.rank, world.size) if trains else None
     batch, seed = config.data.batch_size, config.session.seed
     spec = PoolSpec(index, count, batch, config.optim, device, seed=seed, learners=learners, span=span)
     pool = ENGINES.get(config.pool.engine)(model, spec)
+    if config.data.dataset:
+        check_labels(pool.learners[0].module, model.train_set, config.data.dataset, device)
     if rule.synchronous:
         return pool, None
     whole = count == 1 and learners == 1  # learner 0 already holds the whole set
     return pool, pool.datas[0] if whole else model.data(Shard(0, 1, batch, seed))
+
+
+def torch_model(config: Config, cls: Any, device: torch.device, learners: int) -> Any:
+    """The torch-native model: ``cls`` built from ``[model]``, or a plain network wrapped with the cfg's data.
+
+    With ``[data] dataset`` set, both splits are built once here and every learner's ``data(shard)`` reads
+    its part of them through a DataLoader (replacing a torch-native model's own ``data()``); the rank's
+    ``[data] workers`` are shared out among its ``learners``.
+    """
+    kwargs = call_kwargs(cls, config.model_params, "model")
+    form = contract_form(cls)
+    data = config.data
+    if not data.dataset:
+        if form == "module":
+            raise ConfigError(
+                f"MODELCLASS {config.modelclass} is a plain network (no data() of its own): name its data "
+                "with [data] dataset = digits | mnist1d | mnist | cifar10 | imagefolder | shards | "
+                "package.module:callable"
+            )
+        return construct(cls, kwargs)
+    train_set = build_dataset(data.dataset, "train", config.dataset_params, data)
+    val_set = build_dataset(data.dataset, "val", config.dataset_params, data)
+    options = LoaderOptions(
+        workers=-(-data.workers // learners),
+        prefetch=data.prefetch,
+        pin_memory=pin_memory_for(data.pin_memory, device),
+        on_bad_sample=data.on_bad_sample,
+        verify=data.verify,
+    )
+    if form == "module":
+        return DatasetModel(cls, kwargs, train_set, val_set, options)
+    model = construct(cls, kwargs)
+    log.info("data: [data] dataset = %s replaces %s.data()", data.dataset, config.modelclass)
+    model.data = datasets_data(train_set, val_set, options)
+    model.train_set = train_set
+    return model

@@ -125,11 +125,15 @@ class Reporter:
         learners: int,
         train: tuple[float, float],
         val: tuple[float, float] | None,
-        exchange_s: float,
+        times: tuple[float, float],
     ) -> None:
-        """Rank 0: the train row of ``epoch`` (0-based), the validation row if validated, one console line."""
+        """Rank 0: the train row of ``epoch`` (0-based), the validation row if validated, one console line.
+
+        ``times``: seconds spent in the exchange so far, and the share of this epoch's training time the
+        learners waited for data (rank 0's)."""
         if self.world.rank != 0:
             return
+        exchange_s, data_wait = times
         wall = self.wall
         share = exchange_s / wall if wall > 0 else 0.0
         text = f"epoch {epoch + 1} step {step}: train loss {train[0]:.4f} acc {train[1]:.4f}"
@@ -142,6 +146,7 @@ class Reporter:
                 lr=lr,
                 time=wall,
                 learners=learners,
+                data_wait=data_wait,
             )
         if val is not None:
             text += f" | val loss {val[0]:.4f} acc {val[1]:.4f}"
@@ -149,7 +154,7 @@ class Reporter:
                 self.metrics.val(
                     epoch=epoch + 1, step=step, loss=val[0], accuracy=val[1], time=wall, exchange_share=share
                 )
-        text += f" | lr {lr:.4g} | {wall:.1f}s, exchange {share:.0%}"
+        text += f" | lr {lr:.4g} | {wall:.1f}s, exchange {share:.0%}, data wait {data_wait:.0%}"
         if self.bar is not None:
             if val is not None:
                 self.bar.set_postfix_str(f"val acc {val[1]:.4f}")

@@ -1,0 +1,2 @@
+"""Data sets by name and the parallel input pipeline: any map-style ``torch.utils.data.Dataset`` trained
+through a ``DataLoader``, sharded over ranks × learners with equal batches, reshuffled per epoch."""
