@@ -53,12 +53,12 @@ def draw_shape(kind: str, size: int, rng: np.random.Generator) -> Image.Image:
     """One ``size``×``size`` RGB image of a ``kind`` shape, every random choice drawn from ``rng``."""
     background = rng.integers(0, 256, size=3)
     foreground = rng.integers(0, 256, size=3)
-    while np.abs(foreground - background).sum() < 150:  # keep the shape visible against its background
+    while np.abs(foreground - background).sum() < 240:  # keep the shape visible against its background
         foreground = rng.integers(0, 256, size=3)
-    noise = rng.normal(0.0, 18.0, size=(size, size, 3))
+    noise = rng.normal(0.0, 12.0, size=(size, size, 3))
     pixels = np.clip(background + noise, 0, 255).astype(np.uint8)
     image = Image.fromarray(pixels, "RGB")
-    radius = size * rng.uniform(0.18, 0.42)
+    radius = size * rng.uniform(0.25, 0.45)
     cx, cy = (rng.uniform(radius, size - radius) for _ in range(2))
     fill = tuple(int(c) for c in foreground)
     draw = ImageDraw.Draw(image)
