@@ -64,12 +64,15 @@ def build_dataset(name: str, split: str, params: Mapping[str, Any], data: DataSe
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     factory = dataset_factory(name)
     kwargs = call_kwargs(factory, params, "dataset")
+    if "split" in kwargs:
+        raise ConfigError("[dataset] split: the framework builds both splits (train, val); remove the key")
     accepted = inspect.signature(factory).parameters
     for option in IMAGE_OPTIONS:
         if option in accepted and option not in kwargs:
             kwargs[option] = getattr(data, option)
     try:
-        dataset = factory(split, **kwargs)
+        by_name = "split" in accepted and next(iter(accepted)) != "split"  # e.g. ImageFolder(root, split)
+        dataset = factory(split=split, **kwargs) if by_name else factory(split, **kwargs)
     except UsageError:
         raise
     except (OSError, ValueError, TypeError, KeyError) as exc:
