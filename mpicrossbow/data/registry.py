@@ -75,6 +75,11 @@ def build_dataset(name: str, split: str, params: Mapping[str, Any], data: DataSe
         dataset = factory(split=split, **kwargs) if by_name else factory(split, **kwargs)
     except UsageError:
         raise
+    except ImportError as exc:
+        raise DataError(
+            f"[data] dataset '{name}' needs the package '{exc.name}', which is not installed "
+            f"(pip install {exc.name})"
+        ) from None
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise DataError(f"[data] dataset '{name}' ({split}): {type(exc).__name__}: {exc}") from None
     check_map_style(dataset, name, split)
