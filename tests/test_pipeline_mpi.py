@@ -1,5 +1,6 @@
 """A user's own network and data set in real MPI jobs: training to target with BSP and with SMA (2 learners
-a rank), exact resume with DataLoader workers, and bad input ending every rank with one line.
+a rank) on the digits and on MNIST-1D, exact resume with DataLoader workers, and bad input ending every rank
+with one line.
 
 The network is tests/user_project/net.py (a plain ``nn.Module``), the data set the ``module:callable``
 factory tests/user_project/datasets.py (digits with per-sample noise from torch's global generator).
@@ -45,6 +46,24 @@ def test_a_plain_network_and_a_dataset_factory_train_to_target(
     wait = metrics["train"]["data_wait"]
     assert len(wait) == 10 and np.all((wait >= 0) & (wait < 1)), wait
     assert "data wait" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("rule", "target"),
+    [(("RULE=BSP",), 0.94), (("RULE=SMA", "pool.learners=2"), 0.93)],
+    ids=["BSP", "SMA-m2"],
+)
+def test_the_mnist1d_cnn_reaches_the_papers_accuracy(
+    mpiexec: str, tmp_path: Path, rule: tuple[str, ...], target: float
+) -> None:
+    """models/mnist1d.py's plain CNN and the factory named as module:callable (the paper: 94 %)."""
+    args = [*launcher(), "-cfg", "launch/mnist1d.cfg", f"session.output={tmp_path / 'runs'}",
+            "data.dataset=mpicrossbow.data.mnist1d:mnist1d", f"dataset.cache={tmp_path / 'cache'}",
+            *rule]  # fmt: skip
+    proc = run_mpi(mpiexec, 2, args, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracy = read_metrics(only_run(tmp_path / "runs") / "metrics.h5")["val"]["accuracy"]
+    assert len(accuracy) == 50 and accuracy[-1] >= target, accuracy
 
 
 def test_a_resumed_run_with_loader_workers_is_bitwise_equal(mpiexec: str, tmp_path: Path) -> None:
