@@ -102,7 +102,7 @@ class Shards(EncodedImages):
                 f"{self.root / INDEX}: {split} has {len(self.targets)} labels for "
                 f"{self.offsets[-1]} samples; {REPACK}"
             )
-        self._open: dict[int, h5py.File] = {}
+        self._open: dict[int, tuple[h5py.File, h5py.Dataset]] = {}  # shard → (file, its images)
         self._pid = os.getpid()
         logger.info("%s/%s: %d images in %d shards", self.root, split, len(self.targets), len(self.files))
 
@@ -126,15 +126,15 @@ class Shards(EncodedImages):
                     raise OSError(f"{count} samples, index.json says {self.counts[shard]}")
             except (OSError, KeyError) as error:
                 raise DataError(f"{path}: truncated or corrupt shard ({error}); {REPACK}") from None
-            self._open[shard] = f
-        return self._open[shard]
+            self._open[shard] = (f, f["images"])
+        return self._open[shard][0]
 
     def encoded(self, index: int) -> bytes:
         """The encoded bytes of sample ``index``, read from its shard."""
         shard, row = self.locate(index)
-        f = self.shard(shard)
+        self.shard(shard)
         try:
-            return f["images"][row].tobytes()
+            return self._open[shard][1][row].tobytes()
         except (OSError, KeyError) as error:
             raise DataError(f"{self.files[shard]}: truncated or corrupt shard ({error}); {REPACK}") from None
 
@@ -159,6 +159,6 @@ class Shards(EncodedImages):
 
     def close(self) -> None:
         """Close this process's open shard files."""
-        for f in self._open.values():
+        for f, _ in self._open.values():
             f.close()
         self._open = {}

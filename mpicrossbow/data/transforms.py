@@ -57,6 +57,9 @@ CENTRE_FRACTION = 0.875
 DRAFT_GAP = 2.0
 #: Pillow's ``reducing_gap`` for the one resample (integer box reduction first when the factor is larger).
 REDUCING_GAP = 3.0
+#: x ↦ (x / 255 − mean) / std as x · scale + shift, per channel.
+_SCALE = torch.tensor([1.0 / (255.0 * s) for s in STD], dtype=torch.float32).view(3, 1, 1)
+_SHIFT = torch.tensor([-m / s for m, s in zip(MEAN, STD, strict=True)], dtype=torch.float32).view(3, 1, 1)
 #: (left, top, right, bottom) in pixels of the image as stored.
 Box = tuple[float, float, float, float]
 
@@ -98,21 +101,18 @@ def centre_crop_box(width: int, height: int, image_size: int) -> Box:
     return left * sx, top * sy, (left + crop_w) * sx, (top + crop_h) * sy
 
 
-def open_image(data: bytes, name: str) -> Image.Image:
-    """A lazily decoded Pillow image of ``data`` (only the header is read), or a DataError naming ``name``."""
-    try:
-        return Image.open(io.BytesIO(data))
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
-        raise DataError(f"{name}: not a decodable image ({error})") from None
+class UndecodableImage(Exception):
+    """Pillow could not read or decode an image; the message is Pillow's reason. The caller names the file
+    (finding the name can cost a read, so it is done only when an image fails)."""
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
-    """An RGB Pillow image as float32 (3, H, W) in [0, 1], normalised with :data:`MEAN` and :data:`STD`."""
-    pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
-    out = pixels.to(torch.float32).div_(255.0)
-    mean = torch.tensor(MEAN, dtype=torch.float32).view(3, 1, 1)
-    std = torch.tensor(STD, dtype=torch.float32).view(3, 1, 1)
-    return out.sub_(mean).div_(std).contiguous()
+    """An RGB Pillow image as float32 (3, H, W) in [0, 1], normalised with :data:`MEAN` and :data:`STD`
+    (one strided copy to float, then one multiply and one add in place)."""
+    pixels = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)
+    out = torch.empty(pixels.shape, dtype=torch.float32)
+    out.copy_(pixels)
+    return out.mul_(_SCALE).add_(_SHIFT)
 
 
 def crop_resize(image: Image.Image, box: Box, size: int) -> Image.Image:
@@ -163,17 +163,27 @@ class ImageTransform:
             return random_resized_crop_box(width, height)
         return centre_crop_box(width, height, self.image_size)
 
-    def __call__(self, data: bytes, name: str) -> torch.Tensor:
-        """Decode ``data`` (the file ``name``) and transform it; a DataError naming ``name`` if it fails."""
-        image = open_image(data, name)
+    def decode(self, data: bytes) -> torch.Tensor:
+        """Decode ``data`` and transform it; :class:`UndecodableImage` (the reason) if it fails."""
+        try:
+            image = Image.open(io.BytesIO(data))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+            raise UndecodableImage(str(error)) from None
         try:
             box = self.box(*image.size)
             flip = self.augment == "standard" and self.train and torch.rand(1).item() < 0.5
             out = crop_resize(image, box, self.image_size)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
-            raise DataError(f"{name}: not a decodable image ({error})") from None
+            raise UndecodableImage(str(error)) from None
         finally:
             image.close()
         if flip:
             out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return to_tensor(out)
+
+    def __call__(self, data: bytes, name: str) -> torch.Tensor:
+        """:meth:`decode`, failing as a one-line DataError naming ``name`` (the file)."""
+        try:
+            return self.decode(data)
+        except UndecodableImage as error:
+            raise DataError(f"{name}: not a decodable image ({error})") from None
