@@ -17,6 +17,7 @@ from mpicrossbow.data.images import ImageFolder
 from mpicrossbow.data.pack import main as pack_main
 from mpicrossbow.data.pack import pack
 from mpicrossbow.data.shapes import SHAPES, make_shapes
+from mpicrossbow.data.shapes import main as shapes_main
 from mpicrossbow.data.shards import Shards
 from mpicrossbow.data.transforms import MEAN, STD, ImageTransform, centre_crop_box, random_resized_crop_box
 from mpicrossbow.errors import ConfigError, DataError
@@ -65,6 +66,12 @@ def test_shapes_are_deterministic_and_laid_out_by_split_and_class(shapes: Path, 
     assert first.read_bytes() != (other / "train" / "circle" / "00000.jpg").read_bytes()
     with Image.open(first) as image:
         assert image.size == (SIZE, SIZE) and image.format == "JPEG"
+    assert (
+        shapes_main([str(tmp_path / "cli"), "--train", "1", "--val", "1", "--size", "16", "--seed", "3"]) == 0
+    )
+    assert sorted(p.relative_to(tmp_path / "cli").as_posix() for p in (tmp_path / "cli").rglob("*.jpg")) == [
+        f"{split}/{kind}/00000.jpg" for split in ("train", "val") for kind in sorted(SHAPES[:4])
+    ]
 
 
 def test_image_folder_lists_classes_samples_and_targets(shapes: Path) -> None:
@@ -256,6 +263,10 @@ def test_truncated_shard_and_missing_index_are_data_errors(packed: Path, tmp_pat
     with pytest.raises(DataError, match="re-run") as error:
         shards[shards.offsets[1]]
     assert str(cut) in one_line(error)
+    with pytest.raises(
+        DataError, match="re-run"
+    ):  # a broken shard is not a bad sample: skip does not hide it
+        Shards(dst, "train", image_size=16, on_bad_sample="skip")[shards.offsets[1]]
     (dst / "index.json").unlink()
     with pytest.raises(DataError, match=r"index\.json") as error:
         Shards(dst, "train")
