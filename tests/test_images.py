@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import DataLoader
 
 from mpicrossbow.data.images import ImageFolder
 from mpicrossbow.data.pack import main as pack_main
@@ -271,3 +272,12 @@ def test_truncated_shard_and_missing_index_are_data_errors(packed: Path, tmp_pat
     with pytest.raises(DataError, match=r"index\.json") as error:
         Shards(dst, "train")
     assert "re-run" in one_line(error)
+
+
+def test_shards_through_forked_dataloader_workers(packed: Path) -> None:
+    shards = Shards(packed, "val", augment="none", image_size=8)
+    shards[0]  # the parent holds an open shard before the workers fork
+    alone = torch.cat([x for x, _ in DataLoader(shards, batch_size=4)])
+    forked = DataLoader(shards, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    assert torch.equal(torch.cat([x for x, _ in forked]), alone)
+    shards.close()
