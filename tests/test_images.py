@@ -215,11 +215,15 @@ def test_shards_hold_the_folder_and_give_the_same_tensors(shapes: Path, packed: 
         assert shards.verify(range(len(shards))) == []
 
 
-def test_shards_open_lazily_and_pickle_without_handles(packed: Path) -> None:
+def test_shards_open_lazily_and_pickle_without_handles(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shards = Shards(packed, "train", image_size=16)
     assert shards._open == {}
+    shards[0]
     shards[len(shards) - 1]
-    assert set(shards._open) == {2}
+    assert set(shards._open) == {0, 2}
+    monkeypatch.setattr("mpicrossbow.data.shards.MAX_OPEN", 1)
+    shards[shards.offsets[1]]
+    assert set(shards._open) == {1}
     copy = pickle.loads(pickle.dumps(shards))
     assert copy._open == {} and copy.encoded(0) == shards.encoded(0)
     shards.close()
@@ -268,6 +272,10 @@ def test_truncated_shard_and_missing_index_are_data_errors(packed: Path, tmp_pat
         DataError, match="re-run"
     ):  # a broken shard is not a bad sample: skip does not hide it
         Shards(dst, "train", image_size=16, on_bad_sample="skip")[shards.offsets[1]]
+    (dst / "index.json").write_text('{"format": "mpicrossbow-shards-1", "splits": {"train": {}}}')
+    with pytest.raises(DataError, match="malformed") as error:
+        Shards(dst, "train")
+    assert str(dst / "index.json") in one_line(error)
     (dst / "index.json").unlink()
     with pytest.raises(DataError, match=r"index\.json") as error:
         Shards(dst, "train")

@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 INDEX = "index.json"
 #: ``format`` of an index.json this module reads.
 FORMAT = "mpicrossbow-shards-1"
+#: Shard files one process keeps open at most (a rank's contiguous range spans few shards).
+MAX_OPEN = 16
 #: What to tell the user when a packed folder is broken.
 REPACK = "re-run python -m mpicrossbow.data.pack"
 
@@ -89,14 +91,17 @@ class Shards(EncodedImages):
         index = read_index(self.root)
         if split not in index.get("splits", {}):
             raise DataError(f"{self.root / INDEX}: no {split} split (packed: {', '.join(index['splits'])})")
-        entry = index["splits"][split]
-        self.classes = list(index["classes"])
-        self.files = [self.root / s["file"] for s in entry["shards"]]
-        self.counts = [int(s["count"]) for s in entry["shards"]]
+        try:
+            entry = index["splits"][split]
+            self.classes = [str(c) for c in index["classes"]]
+            self.files = [self.root / s["file"] for s in entry["shards"]]
+            self.counts = [int(s["count"]) for s in entry["shards"]]
+            self.targets = [int(t) for t in entry["labels"]]
+        except (KeyError, TypeError, ValueError) as error:
+            raise DataError(f"{self.root / INDEX}: malformed ({error!r} in {split}); {REPACK}") from None
         self.offsets = [0]
         for count in self.counts:
             self.offsets.append(self.offsets[-1] + count)
-        self.targets = [int(t) for t in entry["labels"]]
         if len(self.targets) != self.offsets[-1]:
             raise DataError(
                 f"{self.root / INDEX}: {split} has {len(self.targets)} labels for "
@@ -121,11 +126,17 @@ class Shards(EncodedImages):
             path = self.files[shard]
             try:
                 f = h5py.File(path, "r")
+            except OSError as error:
+                raise DataError(f"{path}: truncated or corrupt shard ({error}); {REPACK}") from None
+            try:
                 count = len(f["labels"])
                 if len(f["images"]) != count or count != self.counts[shard]:
                     raise OSError(f"{count} samples, index.json says {self.counts[shard]}")
             except (OSError, KeyError) as error:
+                f.close()
                 raise DataError(f"{path}: truncated or corrupt shard ({error}); {REPACK}") from None
+            while len(self._open) >= MAX_OPEN:  # close the shards opened first
+                self._open.pop(next(iter(self._open)))[0].close()
             self._open[shard] = (f, f["images"])
         return self._open[shard][0]
 
