@@ -43,8 +43,9 @@ logger = logging.getLogger(__name__)
 INDEX = "index.json"
 #: ``format`` of an index.json this module reads.
 FORMAT = "mpicrossbow-shards-1"
-#: Shard files one process keeps open at most (a rank's contiguous range spans few shards).
-MAX_OPEN = 16
+#: Shard files one process keeps open at most (beyond it the first opened is closed): a rank's range
+#: spans about shards ÷ (ranks × learners) + 1 of them; each open file holds a descriptor.
+MAX_OPEN = 128
 #: What to tell the user when a packed folder is broken.
 REPACK = "re-run python -m mpicrossbow.data.pack"
 
