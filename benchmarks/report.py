@@ -79,13 +79,16 @@ def versions() -> str:
     )
 
 
-def append_result(name: str, title: str, table: str, notes: str = "") -> Path:
-    """Append one dated section (command, versions, machine, table) to ``results/<name>.md``."""
+def append_result(
+    name: str, title: str, table: str, notes: str = "", versions_line: str | None = None
+) -> Path:
+    """Append one dated section (command, versions, machine, table) to ``results/<name>.md``;
+    ``versions_line`` replaces the default versions (for benchmarks that use no MPI)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.md"
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     body = (
-        f"\n## {title} — {stamp}\n\n- command: `{command()}`\n- versions: {versions()}\n"
+        f"\n## {title} — {stamp}\n\n- command: `{command()}`\n- versions: {versions_line or versions()}\n"
         f"- machine: {machine()}\n\n{table}\n"
     )
     if notes:

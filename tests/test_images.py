@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import DataLoader
 
 from mpicrossbow.data.images import ImageFolder
 from mpicrossbow.data.pack import main as pack_main
 from mpicrossbow.data.pack import pack
 from mpicrossbow.data.shapes import SHAPES, make_shapes
+from mpicrossbow.data.shapes import main as shapes_main
 from mpicrossbow.data.shards import Shards
 from mpicrossbow.data.transforms import MEAN, STD, ImageTransform, centre_crop_box, random_resized_crop_box
 from mpicrossbow.errors import ConfigError, DataError
@@ -65,6 +67,12 @@ def test_shapes_are_deterministic_and_laid_out_by_split_and_class(shapes: Path, 
     assert first.read_bytes() != (other / "train" / "circle" / "00000.jpg").read_bytes()
     with Image.open(first) as image:
         assert image.size == (SIZE, SIZE) and image.format == "JPEG"
+    assert (
+        shapes_main([str(tmp_path / "cli"), "--train", "1", "--val", "1", "--size", "16", "--seed", "3"]) == 0
+    )
+    assert sorted(p.relative_to(tmp_path / "cli").as_posix() for p in (tmp_path / "cli").rglob("*.jpg")) == [
+        f"{split}/{kind}/00000.jpg" for split in ("train", "val") for kind in sorted(SHAPES[:4])
+    ]
 
 
 def test_image_folder_lists_classes_samples_and_targets(shapes: Path) -> None:
@@ -207,11 +215,15 @@ def test_shards_hold_the_folder_and_give_the_same_tensors(shapes: Path, packed: 
         assert shards.verify(range(len(shards))) == []
 
 
-def test_shards_open_lazily_and_pickle_without_handles(packed: Path) -> None:
+def test_shards_open_lazily_and_pickle_without_handles(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shards = Shards(packed, "train", image_size=16)
     assert shards._open == {}
+    shards[0]
     shards[len(shards) - 1]
-    assert set(shards._open) == {2}
+    assert set(shards._open) == {0, 2}
+    monkeypatch.setattr("mpicrossbow.data.shards.MAX_OPEN", 1)
+    shards[shards.offsets[1]]
+    assert set(shards._open) == {1}
     copy = pickle.loads(pickle.dumps(shards))
     assert copy._open == {} and copy.encoded(0) == shards.encoded(0)
     shards.close()
@@ -256,7 +268,24 @@ def test_truncated_shard_and_missing_index_are_data_errors(packed: Path, tmp_pat
     with pytest.raises(DataError, match="re-run") as error:
         shards[shards.offsets[1]]
     assert str(cut) in one_line(error)
+    with pytest.raises(
+        DataError, match="re-run"
+    ):  # a broken shard is not a bad sample: skip does not hide it
+        Shards(dst, "train", image_size=16, on_bad_sample="skip")[shards.offsets[1]]
+    (dst / "index.json").write_text('{"format": "mpicrossbow-shards-1", "splits": {"train": {}}}')
+    with pytest.raises(DataError, match="malformed") as error:
+        Shards(dst, "train")
+    assert str(dst / "index.json") in one_line(error)
     (dst / "index.json").unlink()
     with pytest.raises(DataError, match=r"index\.json") as error:
         Shards(dst, "train")
     assert "re-run" in one_line(error)
+
+
+def test_shards_through_forked_dataloader_workers(packed: Path) -> None:
+    shards = Shards(packed, "val", augment="none", image_size=8)
+    shards[0]  # the parent holds an open shard before the workers fork
+    alone = torch.cat([x for x, _ in DataLoader(shards, batch_size=4)])
+    forked = DataLoader(shards, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    assert torch.equal(torch.cat([x for x, _ in forked]), alone)
+    shards.close()

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from mpicrossbow.data.transforms import ImageTransform
+from mpicrossbow.data.transforms import ImageTransform, UndecodableImage
 from mpicrossbow.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,10 @@ class EncodedImages(Dataset):
         current = index
         for _ in range(len(self)):
             try:
-                return self.transform(self.encoded(current), self.name(current)), self.targets[current]
+                try:
+                    return self.transform.decode(self.encoded(current)), self.targets[current]
+                except UndecodableImage as reason:
+                    raise DataError(f"{self.name(current)}: not a decodable image ({reason})") from None
             except DataError as error:
                 if self.on_bad_sample == "error":
                     raise

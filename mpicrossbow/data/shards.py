@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 INDEX = "index.json"
 #: ``format`` of an index.json this module reads.
 FORMAT = "mpicrossbow-shards-1"
+#: Shard files one process keeps open at most (beyond it the first opened is closed): a rank's range
+#: spans about shards ÷ (ranks × learners) + 1 of them; each open file holds a descriptor.
+MAX_OPEN = 128
 #: What to tell the user when a packed folder is broken.
 REPACK = "re-run python -m mpicrossbow.data.pack"
 
@@ -89,20 +92,23 @@ class Shards(EncodedImages):
         index = read_index(self.root)
         if split not in index.get("splits", {}):
             raise DataError(f"{self.root / INDEX}: no {split} split (packed: {', '.join(index['splits'])})")
-        entry = index["splits"][split]
-        self.classes = list(index["classes"])
-        self.files = [self.root / s["file"] for s in entry["shards"]]
-        self.counts = [int(s["count"]) for s in entry["shards"]]
+        try:
+            entry = index["splits"][split]
+            self.classes = [str(c) for c in index["classes"]]
+            self.files = [self.root / s["file"] for s in entry["shards"]]
+            self.counts = [int(s["count"]) for s in entry["shards"]]
+            self.targets = [int(t) for t in entry["labels"]]
+        except (KeyError, TypeError, ValueError) as error:
+            raise DataError(f"{self.root / INDEX}: malformed ({error!r} in {split}); {REPACK}") from None
         self.offsets = [0]
         for count in self.counts:
             self.offsets.append(self.offsets[-1] + count)
-        self.targets = [int(t) for t in entry["labels"]]
         if len(self.targets) != self.offsets[-1]:
             raise DataError(
                 f"{self.root / INDEX}: {split} has {len(self.targets)} labels for "
                 f"{self.offsets[-1]} samples; {REPACK}"
             )
-        self._open: dict[int, h5py.File] = {}
+        self._open: dict[int, tuple[h5py.File, h5py.Dataset]] = {}  # shard → (file, its images)
         self._pid = os.getpid()
         logger.info("%s/%s: %d images in %d shards", self.root, split, len(self.targets), len(self.files))
 
@@ -121,20 +127,26 @@ class Shards(EncodedImages):
             path = self.files[shard]
             try:
                 f = h5py.File(path, "r")
+            except OSError as error:
+                raise DataError(f"{path}: truncated or corrupt shard ({error}); {REPACK}") from None
+            try:
                 count = len(f["labels"])
                 if len(f["images"]) != count or count != self.counts[shard]:
                     raise OSError(f"{count} samples, index.json says {self.counts[shard]}")
             except (OSError, KeyError) as error:
+                f.close()
                 raise DataError(f"{path}: truncated or corrupt shard ({error}); {REPACK}") from None
-            self._open[shard] = f
-        return self._open[shard]
+            while len(self._open) >= MAX_OPEN:  # close the shards opened first
+                self._open.pop(next(iter(self._open)))[0].close()
+            self._open[shard] = (f, f["images"])
+        return self._open[shard][0]
 
     def encoded(self, index: int) -> bytes:
         """The encoded bytes of sample ``index``, read from its shard."""
         shard, row = self.locate(index)
-        f = self.shard(shard)
+        self.shard(shard)
         try:
-            return f["images"][row].tobytes()
+            return self._open[shard][1][row].tobytes()
         except (OSError, KeyError) as error:
             raise DataError(f"{self.files[shard]}: truncated or corrupt shard ({error}); {REPACK}") from None
 
@@ -159,6 +171,6 @@ class Shards(EncodedImages):
 
     def close(self) -> None:
         """Close this process's open shard files."""
-        for f in self._open.values():
+        for f, _ in self._open.values():
             f.close()
         self._open = {}

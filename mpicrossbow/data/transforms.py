@@ -15,16 +15,27 @@ The crop is drawn from the image's header size, before any pixel is decoded.
 Speed. The crop box is known before decoding, so a JPEG is decoded at reduced size when the crop is much
 larger than the output (libjpeg's DCT scaling by 1/2, 1/4 or 1/8, Pillow's ``Image.draft``), keeping at
 least :data:`DRAFT_GAP` × ``image_size`` pixels across the crop, and the crop and the resize are one
-bilinear (antialiased) resample, ``Image.resize(size, box=crop_box, reducing_gap=...)``. Measured on 2
-shared cores (benchmarks/results/input.md, medians per image, full decode → reduced decode):
+bilinear (antialiased) resample, ``Image.resize(size, box=crop_box, reducing_gap=...)``.
 
-============================  =========================  =========================
-JPEG                          Pillow                     simplejpeg
-============================  =========================  =========================
-256×256 (no reduction)        see docs/data.md           see docs/data.md
-============================  =========================  =========================
+The decoder is Pillow. Measured on 2 shared cores on generated noisy JPEGs (quality 90;
+benchmarks/results/input.md): ms per image, median of interleaved rounds, ratio to Pillow's full decode;
+"reduced" = the smallest DCT scale keeping ≥ 224 px:
 
-Pillow is the decoder here: see docs/data.md for the figures and the reasons.
+==========  ===========  ==============  ===============  ==================  ========================
+JPEG        Pillow full  Pillow reduced  simplejpeg full  simplejpeg reduced  simplejpeg full → Pillow
+==========  ===========  ==============  ===============  ==================  ========================
+256×256     0.33         0.33 (1.00)     0.27 (0.82)      0.47 (1.43)         0.33 (1.00)
+500×375     0.76         0.75 (0.99)     0.66 (0.87)      0.87 (1.15)         0.75 (0.99)
+1024×768    3.37         2.58 (0.76)     2.59 (0.77)      2.41 (0.72)         2.98 (0.88)
+2048×1536   21.06        16.06 (0.76)    16.94 (0.80)     7.81 (0.37)         18.01 (0.85)
+==========  ===========  ==============  ===============  ==================  ========================
+
+simplejpeg decodes to a numpy array 13–18 % faster up to ImageNet's typical 500×375, but the crop and
+resize need a Pillow image, and wrapping the array in one costs that back (0.99–1.00); it is clearly ahead
+only on large JPEGs at reduced size (1.4–2× in two runs at 2048×1536). Pillow is always installed, reads
+every format, and gives the same pixels on every machine; making the decoder depend on whether an optional
+package is installed would make augmented samples differ between machines. This transform's validation
+path on a 2048×1536 JPEG took 0.28× the time of the naive full decode, resize and crop.
 """
 
 from __future__ import annotations
@@ -57,6 +68,9 @@ CENTRE_FRACTION = 0.875
 DRAFT_GAP = 2.0
 #: Pillow's ``reducing_gap`` for the one resample (integer box reduction first when the factor is larger).
 REDUCING_GAP = 3.0
+#: x ↦ (x / 255 − mean) / std as x · scale + shift, per channel.
+_SCALE = torch.tensor([1.0 / (255.0 * s) for s in STD], dtype=torch.float32).view(3, 1, 1)
+_SHIFT = torch.tensor([-m / s for m, s in zip(MEAN, STD, strict=True)], dtype=torch.float32).view(3, 1, 1)
 #: (left, top, right, bottom) in pixels of the image as stored.
 Box = tuple[float, float, float, float]
 
@@ -98,21 +112,18 @@ def centre_crop_box(width: int, height: int, image_size: int) -> Box:
     return left * sx, top * sy, (left + crop_w) * sx, (top + crop_h) * sy
 
 
-def open_image(data: bytes, name: str) -> Image.Image:
-    """A lazily decoded Pillow image of ``data`` (only the header is read), or a DataError naming ``name``."""
-    try:
-        return Image.open(io.BytesIO(data))
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
-        raise DataError(f"{name}: not a decodable image ({error})") from None
+class UndecodableImage(Exception):
+    """Pillow could not read or decode an image; the message is Pillow's reason. The caller names the file
+    (finding the name can cost a read, so it is done only when an image fails)."""
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
-    """An RGB Pillow image as float32 (3, H, W) in [0, 1], normalised with :data:`MEAN` and :data:`STD`."""
-    pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
-    out = pixels.to(torch.float32).div_(255.0)
-    mean = torch.tensor(MEAN, dtype=torch.float32).view(3, 1, 1)
-    std = torch.tensor(STD, dtype=torch.float32).view(3, 1, 1)
-    return out.sub_(mean).div_(std).contiguous()
+    """An RGB Pillow image as float32 (3, H, W) in [0, 1], normalised with :data:`MEAN` and :data:`STD`
+    (one strided copy to float, then one multiply and one add in place)."""
+    pixels = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)
+    out = torch.empty(pixels.shape, dtype=torch.float32)
+    out.copy_(pixels)
+    return out.mul_(_SCALE).add_(_SHIFT)
 
 
 def crop_resize(image: Image.Image, box: Box, size: int) -> Image.Image:
@@ -163,17 +174,27 @@ class ImageTransform:
             return random_resized_crop_box(width, height)
         return centre_crop_box(width, height, self.image_size)
 
-    def __call__(self, data: bytes, name: str) -> torch.Tensor:
-        """Decode ``data`` (the file ``name``) and transform it; a DataError naming ``name`` if it fails."""
-        image = open_image(data, name)
+    def decode(self, data: bytes) -> torch.Tensor:
+        """Decode ``data`` and transform it; :class:`UndecodableImage` (the reason) if it fails."""
+        try:
+            image = Image.open(io.BytesIO(data))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+            raise UndecodableImage(str(error)) from None
         try:
             box = self.box(*image.size)
             flip = self.augment == "standard" and self.train and torch.rand(1).item() < 0.5
             out = crop_resize(image, box, self.image_size)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
-            raise DataError(f"{name}: not a decodable image ({error})") from None
+            raise UndecodableImage(str(error)) from None
         finally:
             image.close()
         if flip:
             out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return to_tensor(out)
+
+    def __call__(self, data: bytes, name: str) -> torch.Tensor:
+        """:meth:`decode`, failing as a one-line DataError naming ``name`` (the file)."""
+        try:
+            return self.decode(data)
+        except UndecodableImage as error:
+            raise DataError(f"{name}: not a decodable image ({error})") from None
