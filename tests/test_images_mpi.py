@@ -4,6 +4,8 @@ as shards, through DataLoader workers, under ``mpiexec -n 2``; both read every s
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -77,3 +79,36 @@ def test_resnet18_trains_an_epoch_on_images_with_loader_workers(
     assert list(metrics["train"]["step"]) == [256 // (2 * BATCH)]
     assert np.isfinite(metrics["train"]["loss"][0]) and np.isfinite(metrics["val"]["loss"][0])
     assert "resnet18 from models.imagenet_resnet" in proc.stderr
+
+
+@pytest.mark.mpi
+def test_bad_image_folders_end_every_rank_with_one_line_or_are_skipped(
+    mpiexec: str, tmp_path: Path, images: tuple[Path, Path]
+) -> None:
+    """A missing root, an empty class folder and a garbage .jpg (error / skip), before the first step."""
+    bad = tmp_path / "bad"
+    shutil.copytree(images[0], bad)
+    (bad / "train" / "circle" / "zz-garbage.jpg").write_bytes(b"\xff\xd8 not really a JPEG" * 10)
+
+    def launch(*overrides: str) -> subprocess.CompletedProcess[str]:
+        args = [*launcher(), "-cfg", "launch/resnet18_shapes.cfg", f"session.output={tmp_path / 'runs'}",
+                "session.steps=1", "data.workers=1", *overrides]  # fmt: skip
+        return run_mpi(mpiexec, 2, args, timeout=120)
+
+    def one_error(proc: subprocess.CompletedProcess[str]) -> str:
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("crossbow-launch: error:")]
+        assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        return errors[0]
+
+    assert f"[dataset] root '{tmp_path / 'nowhere'}': no such folder" in one_error(
+        launch(f"dataset.root={tmp_path / 'nowhere'}")
+    )
+    garbage = one_error(launch(f"dataset.root={bad}"))
+    assert f"{bad}/train/circle/zz-garbage.jpg: not a decodable image" in garbage
+    assert "set [data] on_bad_sample = skip" in garbage
+    skipped = launch(f"dataset.root={bad}", "data.on_bad_sample=skip")
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert "zz-garbage.jpg" in skipped.stderr
+    (bad / "train" / "empty").mkdir()
+    assert f"{bad}/train/empty: empty class folder" in one_error(launch(f"dataset.root={bad}"))

@@ -3,6 +3,8 @@ seeding), the data-set registry, and plain networks entering the model contract.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -192,3 +194,22 @@ def test_a_callable_that_returns_no_network_is_a_contract_error() -> None:
 def test_a_part_smaller_than_a_batch_is_one_line() -> None:
     with pytest.raises(DataError, match="fewer than one batch of 512"):
         LoaderData(NoisyDigits("train"), NoisyDigits("val"), Shard(0, 4, 512), LoaderOptions())
+
+
+def test_mnist_and_cifar10_folders_by_name(tmp_path: Path) -> None:
+    from data.cifar import write_cifar10_batch
+    from data.idx import write_idx
+
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 30), ("t10k", 10)):
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
+        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n, dtype=np.uint8))
+    for name, n in (("data_batch_1.bin", 20), ("data_batch_2.bin", 20), ("test_batch.bin", 8)):
+        x = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
+        write_cifar10_batch(tmp_path / name, x, rng.integers(0, 10, n, dtype=np.uint8))
+    data = DataSection()
+    mnist = [build_dataset("mnist", split, {"root": str(tmp_path)}, data) for split in ("train", "val")]
+    cifar = [build_dataset("cifar10", split, {"root": str(tmp_path)}, data) for split in ("train", "val")]
+    assert [len(d) for d in mnist] == [30, 10] and mnist[0][0][0].shape == (1, 28, 28)
+    assert [len(d) for d in cifar] == [40, 8] and cifar[0][0][0].shape == (3, 32, 32)
+    assert float(mnist[0][0][0].max()) <= 1.0 and cifar[0].classes[0] == "airplane"
