@@ -22,6 +22,19 @@ logger = logging.getLogger(__name__)
 DEFAULT_PATH = Path(__file__).with_name("digits.h5")
 
 
+def split_rows(path: Path, val_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """(sorted training rows, sorted validation rows, pixel scale) of the file's fixed split."""
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    n_total = hdf5_length(path)
+    scale = float(hdf5_attrs(path).get("scale", 0))
+    if scale <= 0:
+        raise DataError(f"{path}: file attribute 'scale' is missing or not positive")
+    perm = np.random.default_rng(split_seed).permutation(n_total)
+    n_val = round(n_total * val_fraction)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val]), scale
+
+
 class Digits(ShardedArrays):
     """This rank's share of the digits: x float32 in [0, 1], shape (N, 1, 8, 8); y int64 labels 0..9.
 
@@ -33,18 +46,10 @@ class Digits(ShardedArrays):
         self, shard: Shard, path: str | Path | None = None, val_fraction: float = 0.2, split_seed: int = 0
     ) -> None:
         """Split the file, read this rank's train rows and validation slice, and scale the pixels."""
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
         path = DEFAULT_PATH if path is None else Path(path)
-        n_total = hdf5_length(path)
-        scale = float(hdf5_attrs(path).get("scale", 0))
-        if scale <= 0:
-            raise DataError(f"{path}: file attribute 'scale' is missing or not positive")
-        perm = np.random.default_rng(split_seed).permutation(n_total)
-        n_val = round(n_total * val_fraction)
-        val_rows, train_rows = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+        train_rows, val_rows, scale = split_rows(path, val_fraction, split_seed)
         x_train, y_train = read_hdf5_rows(path, train_rows[train_indices(len(train_rows), shard, split_seed)])
-        x_val, y_val = read_hdf5_rows(path, val_rows[val_indices(n_val, shard)])
+        x_val, y_val = read_hdf5_rows(path, val_rows[val_indices(len(val_rows), shard)])
         if x_train.shape[1:] != (1, 8, 8):
             raise DataError(f"{path}: x rows have shape {x_train.shape[1:]}, expected (1, 8, 8)")
         super().__init__(
@@ -64,15 +69,7 @@ def digits_dataset(
 
     The same fixed split as :class:`Digits`: x float32 in [0, 1] of shape (N, 1, 8, 8), y labels 0..9.
     """
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"[dataset] val_fraction must be in (0, 1), got {val_fraction}")
     file = DEFAULT_PATH if path is None else Path(path)
-    n_total = hdf5_length(file)
-    scale = float(hdf5_attrs(file).get("scale", 0))
-    if scale <= 0:
-        raise DataError(f"{file}: file attribute 'scale' is missing or not positive")
-    perm = np.random.default_rng(split_seed).permutation(n_total)
-    n_val = round(n_total * val_fraction)
-    rows = np.sort(perm[:n_val] if split == "val" else perm[n_val:])
-    x, y = read_hdf5_rows(file, rows)
+    train_rows, val_rows, scale = split_rows(file, val_fraction, split_seed)
+    x, y = read_hdf5_rows(file, val_rows if split == "val" else train_rows)
     return ArrayDataset(x.astype(np.float32) / scale, y, str(file))
