@@ -121,7 +121,11 @@ def test_rank_that_raises_ends_the_whole_job_naming_it(mpiexec: str, tmp_path: P
     [
         (2, ["MODELFILE={bad}"], "MODELFILE '{bad}': syntax error in {bad} line 2: "),
         (4, ["DEVICES=cpu0,cpu1"], "DEVICES lists 2 device(s) (cpu0,cpu1) but the job has 4 rank(s)"),
-        (2, ["MODELCLASS=Nope"], "'Nope' not found in models.mlp; classes and functions there: MLP"),
+        (
+            2,
+            ["MODELCLASS=Nope"],
+            "MODELCLASS 'Nope' not found in models.mlp; classes and functions there: MLP",
+        ),
         (2, ["optim.lr=-1"], "[optim] lr: -1.0 is out of range; must be > 0"),
     ],
 )
