@@ -1,11 +1,13 @@
 """Learner-pool engines side by side: samples/s of the serial and fused engines against learners per rank.
 
-One process, one rank's view: for each model, learner count m and per-learner batch, build a SerialPool and
-a FusedPool from the same seed and time ``compute()`` + ``apply()`` (forward, backward, optimizer step, batch
-assembly included) in alternating rounds, so machine noise hits both alike; report the median samples/s and
-the fused ÷ serial ratio. Torch threads are set explicitly (1 = one MPI rank's share of a 2-core machine when
-two ranks run; 2 = the whole machine). With CUDA present the same grid runs on the GPU too; without it that
-part is skipped with a note (the ``streams`` engine (CUDA only) is not measured by this script yet).
+One process, one rank's view: for each model, learner count m and per-learner batch b, build a SerialPool and
+a FusedPool from the same seed, and the bound — one replica at batch m·b, the most that fusing m replicas of
+batch b can reach on this device — and time ``compute()`` + ``apply()`` (forward, backward, optimizer step,
+batch assembly included) in alternating rounds, so machine noise hits all three alike; report the median
+samples/s, fused ÷ serial and fused ÷ bound. Torch threads are set explicitly (1 = one MPI rank's share of a
+2-core machine when two ranks run; 2 = the whole machine). With CUDA present the same grid runs on the GPU
+too; without it that part is skipped with a note (the ``streams`` engine (CUDA only) is not measured by this
+script yet).
 
     python -m benchmarks.pool             # full grid, 1 and 2 threads; appends to results/pool.md + PNG
     python -m benchmarks.pool --quick     # m ∈ {1, 8}, batch ∈ {4, 16}, 1 thread, short rounds
@@ -33,7 +35,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--learners", default="1,2,4,8,16", help="comma-separated learner counts m")
     parser.add_argument("--batches", default="4,16,64", help="comma-separated per-learner batch sizes")
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
-    parser.add_argument("--models", default=None, help="subset of mlp,lenet8,lenet28,resnet20 (default all)")
+    parser.add_argument(
+        "--models",
+        default=None,
+        help="subset of mlp,lenet8,lenet28,resnet20,mnist1d,transformer (default all)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="timed alternating rounds per engine")
     parser.add_argument("--round-seconds", type=float, default=0.5, help="target length of one round")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
@@ -42,7 +48,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.learners, args.batches, args.threads = "1,8", "4,16", "1"
         args.models = args.models or "mlp,lenet8,resnet20"
         args.rounds, args.round_seconds = 3, 0.2
-    args.models = args.models or "mlp,lenet8,lenet28,resnet20"
+    args.models = args.models or "mlp,lenet8,lenet28,resnet20,mnist1d,transformer"
     return args
 
 
@@ -61,10 +67,38 @@ def models() -> dict[str, Any]:
             return Synthetic(shard, shape=(1, 28, 28), n_train=2048, seed=shard.seed)
 
     return {
+        **plain_models(),
         "mlp": ("MLP 64-128-128-10 (digits 8×8)", MLP()),
         "lenet8": ("LeNet (digits 8×8)", LeNet()),
         "lenet28": ("LeNet (synthetic 28×28)", SyntheticLeNet(image_size=28)),
         "resnet20": ("ResNet-20 (synthetic 32×32)", ResNet20()),
+    }
+
+
+def plain_models() -> dict[str, Any]:
+    """Plain ``nn.Module`` networks on random data (the vmap path of the fused engine)."""
+    import torch
+
+    from models.mnist1d import MNIST1DCNN
+    from models.transformer import Tokens, TransformerBlock
+    from mpicrossbow.data.arrays import ArrayDataset
+    from mpicrossbow.data.loader import LoaderOptions
+    from mpicrossbow.model.dataset_model import DatasetModel
+
+    gen = torch.Generator().manual_seed(0)
+    signals = [
+        ArrayDataset(torch.randn(n, 40, generator=gen), torch.randint(0, 10, (n,)), "random")
+        for n in (4096, 64)
+    ]
+    return {
+        "mnist1d": (
+            "MNIST-1D CNN (random 40-point signals)",
+            DatasetModel(MNIST1DCNN, {}, *signals, LoaderOptions()),
+        ),
+        "transformer": (
+            "Transformer block (random 12-token sequences)",
+            DatasetModel(TransformerBlock, {}, Tokens(4096), Tokens(64, seed=1), LoaderOptions()),
+        ),
     }
 
 
@@ -79,6 +113,7 @@ class Row:
     batch: int
     serial: float
     fused: float
+    bound: float
     cpu_ratio: float
     steps: int
 
@@ -102,8 +137,9 @@ def run_steps(pool: Any, steps: int, state: dict[str, int]) -> None:
 
 def measure(
     model: Any, m: int, batch: int, args: argparse.Namespace, device: Any
-) -> tuple[float, float, float, int]:
-    """Median samples/s of serial and fused over alternating rounds, the CPU-time ratio, steps per round."""
+) -> tuple[float, float, float, float, int]:
+    """Median samples/s of serial, fused and the bound over alternating rounds, the CPU-time ratio of serial
+    to fused, steps per round."""
     import torch
 
     from mpicrossbow.config import OptimSection
@@ -111,9 +147,10 @@ def measure(
 
     optim = OptimSection(lr=0.01, momentum=0.9, weight_decay=5e-4)
     pools = {}
-    for name, cls in (("serial", SerialPool), ("fused", FusedPool)):
+    for name, cls, b, learners in (("serial", SerialPool, batch, m), ("fused", FusedPool, batch, m),
+                                   ("bound", SerialPool, m * batch, 1)):  # fmt: skip
         torch.manual_seed(0)
-        pools[name] = cls(model, PoolSpec(0, 1, batch, optim, device, seed=0, learners=m))
+        pools[name] = cls(model, PoolSpec(0, 1, b, optim, device, seed=0, learners=learners))
         pools[name].start_epoch(0)
     states = {name: {"epoch": 0, "count": 0} for name in pools}
 
@@ -129,9 +166,9 @@ def measure(
     run_steps(pools["serial"], 1, states["serial"])
     sync()
     steps = max(1, min(100, round(args.round_seconds / max(time.perf_counter() - t0, 1e-6))))
-    times: dict[str, list[float]] = {"serial": [], "fused": []}
-    cpu: dict[str, list[float]] = {"serial": [], "fused": []}
-    order = ["serial", "fused"]
+    times: dict[str, list[float]] = {"serial": [], "fused": [], "bound": []}
+    cpu: dict[str, list[float]] = {"serial": [], "fused": [], "bound": []}
+    order = ["serial", "fused", "bound"]
     for r in range(args.rounds):
         for name in order if r % 2 == 0 else order[::-1]:
             sync()
@@ -142,7 +179,8 @@ def measure(
             cpu[name].append(time.process_time() - c0)
     n = steps * m * batch
     cpu_ratio = statistics.median(cpu["serial"]) / max(statistics.median(cpu["fused"]), 1e-9)
-    return n / statistics.median(times["serial"]), n / statistics.median(times["fused"]), cpu_ratio, steps
+    rate = {name: n / statistics.median(times[name]) for name in order}
+    return rate["serial"], rate["fused"], rate["bound"], cpu_ratio, steps
 
 
 def table(rows: list[Row]) -> str:
@@ -150,15 +188,15 @@ def table(rows: list[Row]) -> str:
     one = {(r.model, r.device, r.threads, r.batch): r.serial for r in rows if r.m == 1}
     lines = [
         "| model | device | threads | m | batch/learner | serial samples/s | fused samples/s "
-        "| fused ÷ serial | by CPU time | fused ÷ one learner |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| bound: 1 × batch m·b | fused ÷ serial | by CPU time | fused ÷ bound | fused ÷ one learner |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         base = one.get((r.model, r.device, r.threads, r.batch))
         versus_one = f"{r.fused / base:.2f}" if base else "–"
         lines.append(
             f"| {r.model} | {r.device} | {r.threads} | {r.m} | {r.batch} | {r.serial:,.0f} | {r.fused:,.0f} "
-            f"| {r.ratio:.2f} | {r.cpu_ratio:.2f} | {versus_one} |"
+            f"| {r.bound:,.0f} | {r.ratio:.2f} | {r.cpu_ratio:.2f} | {r.fused / r.bound:.2f} | {versus_one} |"
         )
     return "\n".join(lines)
 
@@ -273,8 +311,10 @@ def main() -> int:
                 label, model = catalogue[key]
                 for batch in batches:
                     for m in learners:
-                        serial, fused, cpu_ratio, steps = measure(model, m, batch, args, device)
-                        row = Row(label, device.type, threads, m, batch, serial, fused, cpu_ratio, steps)
+                        serial, fused, bound, cpu_ratio, steps = measure(model, m, batch, args, device)
+                        row = Row(
+                            label, device.type, threads, m, batch, serial, fused, bound, cpu_ratio, steps
+                        )
                         rows.append(row)
                         print(table([row]).splitlines()[-1], flush=True)
     text = table(rows) + "\n\n" + layout_costs(catalogue)

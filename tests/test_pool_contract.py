@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from conftest import NormedMLP
 from mpicrossbow.config import OptimSection
@@ -34,6 +35,7 @@ OPTIM = OptimSection(lr=0.1, momentum=0.9)
 #: How each engine refuses the checkpoint of a 2-learner pool in a 1-learner pool (a CheckpointError).
 FEWER_LEARNERS = {
     "FUSED": "another model or learner count",
+    "FUSED-VMAP": "another model or learner count",
     "SERIAL": "checkpoint holds 2 learner(s) per rank, this pool has 1",
     "STREAMS": "checkpoint holds 2 learner(s) per rank, this pool has 1",
 }
@@ -46,7 +48,7 @@ def engine_params() -> list[Any]:
     return [
         pytest.param(name, id=name.lower(), marks=[pytest.mark.cuda, no_gpu] if name in NEEDS_CUDA else [])
         for name in ENGINES.names()
-    ]
+    ] + [pytest.param("FUSED-VMAP", id="fused-vmap")]  # the fused engine's path for networks it cannot widen
 
 
 ENGINE = pytest.mark.parametrize("engine", engine_params())
@@ -63,7 +65,29 @@ def make_pool(
     """An ``engine`` pool of BatchNorm MLP replicas (torch seed ``seed``) on the digits."""
     torch.manual_seed(seed)
     spec = PoolSpec(rank, size, BATCH, OPTIM, device(engine), seed=SEED, learners=learners)
+    if engine == "FUSED-VMAP":
+        return ENGINES.get("FUSED")(WrappedNormedMLP(hidden=hidden), spec)
     return ENGINES.get(engine)(NormedMLP(hidden=hidden), spec)
+
+
+class Wrapped(nn.Module):
+    """A network in a container of the user's own: the fused engine runs it through vmap."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The body's output."""
+        return self.body(x)
+
+
+class WrappedNormedMLP(NormedMLP):
+    """NormedMLP's replicas inside :class:`Wrapped`."""
+
+    def module(self) -> nn.Module:
+        """The same replica as NormedMLP's, wrapped."""
+        return Wrapped(super().module())
 
 
 def shards(learners: int, rank: int = 0, size: int = 1) -> list[Shard]:

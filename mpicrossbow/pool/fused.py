@@ -31,9 +31,10 @@ rather than a few per layer — the same arithmetic, element by element.
 **Limits.** An elementwise optimizer (SGD, momentum, Nesterov, weight decay, Adam, AdamW, RMSprop) updates
 each replica exactly as its own optimizer would. Optimizers that couple elements of one tensor (LARS/LAMB
 trust ratios, norm-based clipping inside the optimizer, Shampoo) would mix replicas and are not supported.
-A network with a layer the fuser does not know raises a ContractError naming it (no silent serial
-fallback: an engine that quietly ran serially would make every fused-vs-serial measurement a lie); choose
-``engine = serial`` for such models. Frozen parameters (``requires_grad=False``) are rejected likewise.
+A network with a layer the layer-by-layer fuser does not know runs through ``torch.func.vmap`` instead
+(:mod:`.vmapped`): still one operator call for all replicas, never a silent serial loop; the log says which
+path was taken and which operators PyTorch itself had to loop over. Frozen parameters
+(``requires_grad=False``) are rejected.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from .fuse import FlatSlots, FusedNetwork
 from .learner import evaluate
 from .serial import learner_data
 from .spec import PoolSpec
+from .vmapped import VmappedNetwork
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +155,7 @@ class FusedPool(LearnerPool):
             _offsets(first_params),
             _offsets(first_buffers),
         )
-        self.fused = FusedNetwork(replicas[0], slots)
+        self.fused = fused_network(replicas[0], slots, owner)
         self.fused_params = slots.ordered_params()
         #: Column offset of each fused parameter in a row, in the order of ``fused_params``.
         self.fused_offsets = sorted(slots.fused_params)
@@ -357,6 +359,20 @@ class FusedPool(LearnerPool):
         with params_loaded(self.learners[0], params) as learner:
             sets = [data] if data is not None else self.datas
             return summed([evaluate(learner.module, self.model, self.device, d.val_batches()) for d in sets])
+
+
+def fused_network(root: nn.Module, slots: FlatSlots, owner: str) -> nn.Module:
+    """The layer-by-layer fused network where every layer is one the fuser widens, else the vmap path."""
+    try:
+        return FusedNetwork(root, slots)
+    except ContractError as exc:
+        slots.fused_params.clear()
+        log.info(
+            "fused engine: %s; %s's replicas run under torch.func.vmap instead",
+            exc.args[0].split(";")[0],
+            owner,
+        )
+        return VmappedNetwork(root, slots)
 
 
 def _offsets(tensors: list[torch.Tensor]) -> dict[int, int]:
