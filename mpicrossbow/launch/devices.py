@@ -44,8 +44,9 @@ class DeviceSpec:
         if self.kind == "cpu":
             return torch.device("cpu")
         if not torch.cuda.is_available():
-            raise ConfigError(
-                f"DEVICES: {self} requested but CUDA is not available (torch {torch.__version__})"
+            raise ConfigError(  # the same words on every rank, so a job prints it once
+                f"DEVICES names CUDA devices but CUDA is not available here (torch {torch.__version__}): "
+                "run on a GPU node with a CUDA build of torch, or set DEVICES=cpu"
             )
         index = self.index or 0
         if index >= torch.cuda.device_count():
