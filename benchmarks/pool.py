@@ -82,8 +82,8 @@ def plain_models() -> dict[str, Any]:
     from models.mnist1d import MNIST1DCNN
     from models.transformer import Tokens, TransformerBlock
     from mpicrossbow.data.arrays import ArrayDataset
+    from mpicrossbow.data.dataset_model import DatasetModel
     from mpicrossbow.data.loader import LoaderOptions
-    from mpicrossbow.model.dataset_model import DatasetModel
 
     gen = torch.Generator().manual_seed(0)
     signals = [

@@ -28,8 +28,8 @@ from models.transformer import Tokens, TransformerBlock
 from models.vgg import VGG
 from mpicrossbow.config import OptimSection
 from mpicrossbow.data.arrays import ArrayDataset
+from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.data.loader import LoaderOptions
-from mpicrossbow.model.dataset_model import DatasetModel
 from mpicrossbow.pool import FusedPool, SerialPool
 from mpicrossbow.pool.fuse import FusedConv2d
 from mpicrossbow.pool.spec import PoolSpec

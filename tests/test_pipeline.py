@@ -13,12 +13,12 @@ from user_project.net import DigitsNet, digits_net
 
 from mpicrossbow.config import load_config
 from mpicrossbow.config.sections import DataSection
+from mpicrossbow.data.dataset_model import DatasetModel, check_labels
 from mpicrossbow.data.loader import LoaderData, LoaderOptions, pin_memory_for
 from mpicrossbow.data.registry import build_dataset
 from mpicrossbow.data.sampler import EpochBatches, sample_seeds, train_part, val_part
 from mpicrossbow.errors import ConfigError, ContractError, DataError
 from mpicrossbow.model.contract import contract_form, load_model_class
-from mpicrossbow.model.dataset_model import DatasetModel, check_labels
 from mpicrossbow.model.shard import Shard
 from mpicrossbow.training.replicas import torch_model
 

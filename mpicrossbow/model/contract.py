@@ -2,7 +2,7 @@
 
 **A plain network.** ``MODELCLASS`` is a ``torch.nn.Module`` subclass, or any callable returning one
 (``MODELFILE=torchvision.models``, ``MODELCLASS=resnet50``), built with the ``[model]`` keys as keyword
-arguments; the data comes from ``[data] dataset`` (see :mod:`mpicrossbow.model.dataset_model`).
+arguments; the data comes from ``[data] dataset`` (see :mod:`mpicrossbow.data.dataset_model`).
 
 **Torch-native**. ``MODELCLASS`` is a class whose keyword arguments come from ``[model]`` and which
 has

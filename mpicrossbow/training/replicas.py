@@ -10,12 +10,12 @@ import torch
 
 from ..config import Config
 from ..config.fields import call_kwargs
+from ..data.dataset_model import DatasetModel, check_labels, datasets_data
 from ..data.loader import LoaderOptions, pin_memory_for
 from ..data.registry import build_dataset
 from ..errors import ConfigError, ContractError
 from ..launch.world import World
 from ..model.contract import contract_form, load_model_class
-from ..model.dataset_model import DatasetModel, check_labels, datasets_data
 from ..model.shard import Shard
 from ..pool.base import LearnerPool
 from ..pool.engines import ENGINES

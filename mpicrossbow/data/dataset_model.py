@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data.loader import LoaderData, LoaderOptions
-from ..data.registry import labels_of
 from ..errors import ContractError, DataError
-from .contract import TorchModel
-from .shard import Shard
+from ..model.contract import TorchModel
+from ..model.shard import Shard
+from .loader import LoaderData, LoaderOptions
+from .registry import labels_of
 
 
 class DatasetModel(TorchModel):
