@@ -68,6 +68,20 @@ def assert_rows_equal(serial: SerialPool, fused: FusedPool, attr: str, tol: floa
         assert diff <= tol * scale, f"learner {j}: {attr} differ by {diff} (largest entry {scale})"
 
 
+def train_alongside(serial: SerialPool, fused: FusedPool) -> None:
+    """STEPS steps of both pools on the same batches: gradients equal each step, weights and buffers after."""
+    serial.start_epoch(0)
+    fused.start_epoch(0)
+    for step in range(STEPS):
+        serial.compute(step)
+        fused.compute(step)
+        assert_rows_equal(serial, fused, "grads", GRAD_TOL)
+        serial.apply()
+        fused.apply()
+    assert_rows_equal(serial, fused, "params")
+    assert_rows_equal(serial, fused, "buffers")
+
+
 class SmoothedAdamMLP(MLP):
     """An MLP with its own loss and optimizer: the fused engine's per-replica loss and fused-params paths."""
 
@@ -96,16 +110,7 @@ def test_fused_equals_serial_after_k_steps(name: str, m: int) -> None:
                 conv.mode = "grouped"
     assert_rows_equal(serial, fused, "params")
     assert_rows_equal(serial, fused, "buffers")
-    serial.start_epoch(0)
-    fused.start_epoch(0)
-    for step in range(STEPS):
-        serial.compute(step)
-        fused.compute(step)
-        assert_rows_equal(serial, fused, "grads", GRAD_TOL)
-        serial.apply()
-        fused.apply()
-    assert_rows_equal(serial, fused, "params")
-    assert_rows_equal(serial, fused, "buffers")
+    train_alongside(serial, fused)
     if name == "resnet20":  # the BatchNorm running statistics really moved
         assert not torch.equal(fused.learners[0].buffers, pools(MODELS[name](), 1)[1].learners[0].buffers)
     s, f = serial.take_stats(), fused.take_stats()
@@ -220,16 +225,7 @@ def test_any_network_fuses_through_vmap_and_equals_serial(
         serial, fused = pools(VMAP_MODELS[name](), 3)
     assert isinstance(fused.fused, VmappedNetwork)
     assert "run under torch.func.vmap" in caplog.text
-    serial.start_epoch(0)
-    fused.start_epoch(0)
-    for step in range(STEPS):
-        serial.compute(step)
-        fused.compute(step)
-        assert_rows_equal(serial, fused, "grads", GRAD_TOL)
-        serial.apply()
-        fused.apply()
-    assert_rows_equal(serial, fused, "params")
-    assert_rows_equal(serial, fused, "buffers")
+    train_alongside(serial, fused)
     assert serial.take_stats()[1] == fused.take_stats()[1]
     assert serial.validate() == pytest.approx(fused.validate(), rel=1e-5)
 
