@@ -55,15 +55,6 @@ class DatasetModel(TorchModel):
         return LoaderData(self.train_set, self.val_set, shard, self.options)
 
 
-def datasets_data(train_set: Any, val_set: Any, options: LoaderOptions) -> Callable[[Shard], LoaderData]:
-    """A ``data(shard)`` over the two data sets, for a torch-native model when the cfg names one."""
-
-    def data(shard: Shard) -> LoaderData:
-        return LoaderData(train_set, val_set, shard, options)
-
-    return data
-
-
 def check_labels(module: nn.Module, train_set: Any, source: str, device: torch.device) -> int:
     """Before training: the model's outputs cover every label of the data set; the number of outputs.
 

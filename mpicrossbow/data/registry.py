@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config.fields import call_kwargs
 from ..config.sections import DataSection
 from ..errors import ConfigError, ContractError, DataError, UsageError
+from ..model.contract import search_working_directory
 
 #: Built-in name → ``module:callable`` (imported when used; ``data.*`` is the repository's readers package).
 BUILTIN: dict[str, str] = {
@@ -44,8 +43,7 @@ def dataset_factory(name: str) -> Callable[..., Any]:
             f"[data] dataset: unknown data set '{name}'; valid: {valid}, or package.module:callable"
         )
     module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as for MODELFILE: your modules are found from where you run
+    search_working_directory()  # as for MODELFILE
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -77,10 +77,16 @@ class TorchModel:
         return (output.argmax(dim=1) == target).sum()
 
 
+def search_working_directory() -> None:
+    """Put the working directory on ``sys.path``: Theano-MPI's convention, a user's modules (model files,
+    data-set factories) are found from where the job runs."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def _import_module(modelfile: str) -> Any:
     """Import MODELFILE given as a dotted module (``models.lenet``, from the working directory) or a path."""
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # Theano-MPI's convention: model files are found from where you run
+    search_working_directory()
     if modelfile.endswith(".py") or os.sep in modelfile:
         path = Path(modelfile)
         if not path.is_file():

@@ -3,6 +3,7 @@ names, the Theano-MPI form through its adapter (one learner, serial)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -10,8 +11,8 @@ import torch
 
 from ..config import Config
 from ..config.fields import call_kwargs
-from ..data.dataset_model import DatasetModel, check_labels, datasets_data
-from ..data.loader import LoaderOptions, pin_memory_for
+from ..data.dataset_model import DatasetModel, check_labels
+from ..data.loader import LoaderData, LoaderOptions, pin_memory_for
 from ..data.registry import build_dataset
 from ..errors import ConfigError, ContractError
 from ..launch.world import World
@@ -109,6 +110,6 @@ def torch_model(config: Config, cls: Any, device: torch.device, learners: int) -
         return DatasetModel(cls, kwargs, train_set, val_set, options)
     model = construct(cls, kwargs)
     log.info("data: [data] dataset = %s replaces %s.data()", data.dataset, config.modelclass)
-    model.data = datasets_data(train_set, val_set, options)
+    model.data = functools.partial(LoaderData, train_set, val_set, options=options)  # data(shard)
     model.train_set = train_set
     return model
