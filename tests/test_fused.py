@@ -45,12 +45,15 @@ ATOL = 1e-5
 GRAD_TOL = 3e-5
 
 
-def pools(model: Any, m: int, batch: int = 8, rank: int = 0, size: int = 1) -> tuple[SerialPool, FusedPool]:
-    """A serial and a fused pool whose replicas start equal."""
+def pools(
+    model: Any, m: int, batch: int = 8, rank: int = 0, size: int = 1, fuse: str = "always"
+) -> tuple[SerialPool, FusedPool]:
+    """A serial and a fused pool whose replicas start equal (the fused one in form ``fuse``: by default
+    always the fused network, which is what these tests compare)."""
     torch.manual_seed(0)
     serial = SerialPool(model, PoolSpec(rank, size, batch, OPTIM, CPU, seed=3, learners=m))
     torch.manual_seed(0)
-    fused = FusedPool(model, PoolSpec(rank, size, batch, OPTIM, CPU, seed=3, learners=m))
+    fused = FusedPool(model, PoolSpec(rank, size, batch, OPTIM, CPU, seed=3, learners=m, fuse=fuse))
     return serial, fused
 
 
@@ -123,7 +126,7 @@ def test_fused_equals_serial_after_k_steps(name: str, m: int) -> None:
 def test_vgg_fused_forward_equals_each_replica() -> None:
     model = VGG(dataset="digits", width=0.125)
     torch.manual_seed(0)
-    fused = FusedPool(model, PoolSpec(0, 1, 4, OPTIM, CPU, learners=2))
+    fused = FusedPool(model, PoolSpec(0, 1, 4, OPTIM, CPU, learners=2, fuse="always"))
     x = torch.randn(2, 4, 1, 8, 8)
     fused.fused.eval()
     with torch.no_grad():
@@ -136,7 +139,7 @@ def test_vgg_fused_forward_equals_each_replica() -> None:
 def test_rows_alias_the_fused_weights() -> None:
     model = MLP(hidden=16)
     torch.manual_seed(0)
-    fused = FusedPool(model, PoolSpec(0, 1, 4, OPTIM, CPU, learners=3))
+    fused = FusedPool(model, PoolSpec(0, 1, 4, OPTIM, CPU, learners=3, fuse="always"))
     for j, learner in enumerate(fused.learners):
         assert learner.params.is_contiguous() and learner.params.ndim == 1
         assert learner.params.data_ptr() == fused.params2d[j].data_ptr()
@@ -275,7 +278,9 @@ def test_unfold_convolution_equals_grouped_in_float64() -> None:
         grads = {}
         for mode in ("grouped", "unfold"):
             torch.manual_seed(3)
-            pool = FusedPool(ResNet20(dataset="digits"), PoolSpec(0, 1, 8, OPTIM, CPU, seed=3, learners=3))
+            pool = FusedPool(
+                ResNet20(dataset="digits"), PoolSpec(0, 1, 8, OPTIM, CPU, seed=3, learners=3, fuse="always")
+            )
             for conv in pool.fused.modules():
                 if isinstance(conv, FusedConv2d):
                     conv.mode = mode
@@ -288,3 +293,34 @@ def test_unfold_convolution_equals_grouped_in_float64() -> None:
         torch.set_default_dtype(previous)
     torch.testing.assert_close(grads["unfold"], grads["grouped"], rtol=0, atol=1e-10)
     assert grads["grouped"].abs().max() > 0.1
+
+
+@pytest.mark.parametrize("name", ["resnet20", "custom-loss-adam"])
+def test_replicas_one_after_another_equal_serial(name: str) -> None:
+    """``fuse = never``: the fused engine's unfused form (each replica on its own row, one flat optimizer)
+    trains exactly as the serial engine, BatchNorm statistics and a custom loss and optimizer included."""
+    serial, fused = pools(MODELS[name](), 3, fuse="never")
+    train_alongside(serial, fused)
+    assert fused.choice.chosen == "unfused"
+    assert serial.take_stats() == pytest.approx(fused.take_stats(), rel=1e-6)
+
+
+def test_auto_times_both_forms_then_keeps_one(caplog: pytest.LogCaptureFixture) -> None:
+    """``fuse = auto``: the first steps alternate the two forms (both train the same replicas, so the pool
+    stays equal to the serial engine throughout), then one form is kept and the decision is logged."""
+    serial, fused = pools(MLP(hidden=32), 3, fuse="auto")
+    ran = []
+    serial.start_epoch(0)
+    fused.start_epoch(0)
+    with caplog.at_level("INFO", logger="mpicrossbow.pool.form"):
+        for step in range(fused.choice.steps_to_decide + 2):
+            ran.append(fused.choice.form())
+            serial.compute(step)
+            fused.compute(step)
+            assert_rows_equal(serial, fused, "grads", GRAD_TOL)
+            serial.apply()
+            fused.apply()
+    assert set(ran[:-2]) == {"fused", "unfused"} and ran[-1] == ran[-2] == fused.choice.chosen
+    assert len(fused.choice.times["fused"]) == len(fused.choice.times["unfused"]) == fused.choice.rounds
+    assert "ms a step fused" in caplog.text and "ms one replica after another" in caplog.text
+    assert_rows_equal(serial, fused, "params")

@@ -12,6 +12,7 @@ test_streams.py.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ OPTIM = OptimSection(lr=0.1, momentum=0.9)
 FEWER_LEARNERS = {
     "FUSED": "another model or learner count",
     "FUSED-VMAP": "another model or learner count",
+    "FUSED-UNFUSED": "another model or learner count",
     "SERIAL": "checkpoint holds 2 learner(s) per rank, this pool has 1",
     "STREAMS": "checkpoint holds 2 learner(s) per rank, this pool has 1",
 }
@@ -48,7 +50,10 @@ def engine_params() -> list[Any]:
     return [
         pytest.param(name, id=name.lower(), marks=[pytest.mark.cuda, no_gpu] if name in NEEDS_CUDA else [])
         for name in ENGINES.names()
-    ] + [pytest.param("FUSED-VMAP", id="fused-vmap")]  # the fused engine's path for networks it cannot widen
+    ] + [
+        pytest.param("FUSED-VMAP", id="fused-vmap"),  # the fused engine's path for networks it cannot widen
+        pytest.param("FUSED-UNFUSED", id="fused-unfused"),  # its replicas one after another (fuse = never)
+    ]
 
 
 ENGINE = pytest.mark.parametrize("engine", engine_params())
@@ -66,7 +71,9 @@ def make_pool(
     torch.manual_seed(seed)
     spec = PoolSpec(rank, size, BATCH, OPTIM, device(engine), seed=SEED, learners=learners)
     if engine == "FUSED-VMAP":
-        return ENGINES.get("FUSED")(WrappedNormedMLP(hidden=hidden), spec)
+        return ENGINES.get("FUSED")(WrappedNormedMLP(hidden=hidden), dataclasses.replace(spec, fuse="always"))
+    if engine == "FUSED-UNFUSED":
+        return ENGINES.get("FUSED")(NormedMLP(hidden=hidden), dataclasses.replace(spec, fuse="never"))
     return ENGINES.get(engine)(NormedMLP(hidden=hidden), spec)
 
 

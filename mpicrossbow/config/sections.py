@@ -110,6 +110,11 @@ class PoolSection:
         "serial: one learner after another; fused: the replicas as one wider model; "
         "streams: one CUDA stream per learner",
     )
+    fuse: Literal["auto", "always", "never"] = setting(
+        "auto",
+        "engine = fused: always one fused network; never the replicas one after another (one flat "
+        "optimizer); auto times both on the first training steps and keeps the faster",
+    )
     max_learners: int = setting(16, "learners = auto: the most learners per rank the tuner tries", ge=1)
     tune_threshold: float = setting(
         0.1, "learners = auto: add a learner while throughput rises by more than this fraction", ge=0

@@ -60,6 +60,19 @@ def point_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
         offset += n
 
 
+def point_grads_into(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Give every parameter a ``.grad``: its slice of the 1-D ``flat``, in order (as :func:`point_into`).
+
+    The fused engine's replicas thus accumulate their gradients straight into their row of the pool's
+    gradient buffer when they run one after another.
+    """
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p)
+        offset += n
+
+
 def attach_flat_grads(params: Sequence[torch.nn.Parameter], flat_params: torch.Tensor) -> torch.Tensor:
     """Give every parameter a ``.grad`` that is a view of one zeroed flat buffer shaped like ``flat_params``.
 
@@ -68,9 +81,5 @@ def attach_flat_grads(params: Sequence[torch.nn.Parameter], flat_params: torch.T
     True)``): zero the flat buffer instead.
     """
     grads = empty_flat(flat_params.numel(), flat_params.device, flat_params.dtype).zero_()
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = grads[offset : offset + n].view_as(p)
-        offset += n
+    point_grads_into(params, grads)
     return grads

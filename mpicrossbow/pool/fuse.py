@@ -214,17 +214,17 @@ class FusedConv2d(nn.Module):
             run = getattr(self, mode)
             times = []
             for _ in range(repeats + 1):  # the first call warms up
-                _synchronize(x.device)
+                synchronize(x.device)
                 t0 = time.perf_counter()
                 out = run(probe)
                 torch.autograd.grad(out, [probe, *params], torch.ones_like(out))
-                _synchronize(x.device)
+                synchronize(x.device)
                 times.append(time.perf_counter() - t0)
             best[mode] = min(times[1:])
         return min(best, key=best.__getitem__)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     """Wait for queued kernels, so a timing measures them (no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

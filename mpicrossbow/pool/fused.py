@@ -40,6 +40,7 @@ path was taken and which operators PyTorch itself had to loop over. Frozen param
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -51,8 +52,9 @@ from torch import nn
 from ..errors import CheckpointError, ContractError
 from ..model.contract import TorchModel
 from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
-from .flat import empty_flat, point_into
-from .fuse import FlatSlots, FusedNetwork
+from .flat import empty_flat, point_grads_into, point_into
+from .form import FUSED, FormChoice
+from .fuse import FlatSlots, FusedNetwork, synchronize
 from .learner import evaluate
 from .serial import learner_data
 from .spec import PoolSpec
@@ -144,6 +146,7 @@ class FusedPool(LearnerPool):
         self.learners = []
         for j, replica in enumerate(replicas):
             point_into(param_lists[j], self.params2d[j])
+            point_grads_into(param_lists[j], self.grads2d[j])
             if buffer_lists[j]:
                 point_into(buffer_lists[j], self.buffers2d[j])
             self.learners.append(FusedLearner(replica, self.params2d[j], self.grads2d[j], self.buffers2d[j]))
@@ -175,6 +178,9 @@ class FusedPool(LearnerPool):
         self._hit_counts = torch.zeros(learners, dtype=torch.float64, device=device)
         self._samples = 0  # per learner: every learner takes a full batch each step
         self._last_losses = torch.zeros(learners, device=device)
+        for j, learner in enumerate(self.learners):  # a view: a fault injected into it is seen by nonfinite()
+            learner.last_loss = self._last_losses[j]
+        self.choice = FormChoice(spec.fuse)
 
     @property
     def n_batch_train(self) -> int:
@@ -218,25 +224,56 @@ class FusedPool(LearnerPool):
         )
 
     def compute(self, count: int) -> None:
-        """Zero the gradients, then one fused forward and backward of every learner on its next batch."""
+        """Zero the gradients, then every learner's forward and backward on its next batch, in the form
+        :attr:`choice` says (one fused network, or the replicas one after another; see :mod:`.form`)."""
         inputs, targets = self._next_batches(count)
+        self.grads2d.zero_()
+        timing = self.choice.timing
+        if timing:
+            synchronize(self.device)
+            started = time.perf_counter()
+        if self.choice.form() == FUSED:
+            losses, hits = self._fused_step(inputs, targets)
+        else:
+            losses, hits = self._unfused_step(inputs, targets)
+        if timing:
+            synchronize(self.device)
+        self.choice.record(time.perf_counter() - started if timing else None)
+        with torch.no_grad():
+            self._last_losses.copy_(losses)
+            finite = torch.isfinite(losses)
+            n = targets.shape[1]
+            self._loss_sums.add_(torch.where(finite, losses.double() * n, 0.0))
+            self._hit_counts.add_(torch.where(finite, hits.double(), 0.0))
+            self._samples += n
+
+    def _fused_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward and backward of the fused network; (each replica's loss, its hits)."""
         if not self.fused.training:
             self.fused.train()
-        self.grads2d.zero_()
         output = self.fused(inputs)
         losses = self._losses(output, targets)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
             losses.sum().backward()
         with torch.no_grad():
-            self._last_losses = losses.detach()
-            for j, learner in enumerate(self.learners):
-                learner.last_loss = self._last_losses[j]
-            finite = torch.isfinite(self._last_losses)
-            n = targets.shape[1]
-            self._loss_sums.add_(torch.where(finite, self._last_losses.double() * n, 0.0))
-            self._hit_counts.add_(torch.where(finite, self._hits(output, targets).double(), 0.0))
-            self._samples += n
+            return losses.detach(), self._hits(output, targets)
+
+    def _unfused_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each replica's own forward and backward, one after another, on the pool's shared rows."""
+        losses, hits = [], []
+        for learner, x, y in zip(self.learners, inputs, targets, strict=True):
+            module = learner.module
+            if not module.training:
+                module.train()
+            output = module(x)
+            loss = self.model.loss(output, y)
+            loss.backward()
+            with torch.no_grad():
+                losses.append(loss.detach())
+                hit = self.model.correct(output, y)
+                hits.append(torch.as_tensor(hit, dtype=torch.float64, device=x.device))
+        return torch.stack(losses), torch.stack(hits)
 
     def grad_layout(self) -> list[tuple[int, int]] | None:
         """Each fused parameter's (column offset, numel of one replica's slice) in a row of ``grads2d``."""
@@ -290,6 +327,7 @@ class FusedPool(LearnerPool):
             "optimizer": self.optimizer.state_dict(),
             "stats": torch.stack([self._loss_sums, self._hit_counts]),
             "samples": self._samples,
+            "form": self.choice.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -306,6 +344,8 @@ class FusedPool(LearnerPool):
         self._loss_sums.copy_(state["stats"][0])
         self._hit_counts.copy_(state["stats"][1])
         self._samples = int(state["samples"])
+        if "form" in state:
+            self.choice.load_state_dict(state["form"])
 
     def resize(self, learners: int) -> None:
         """Rebuild for ``learners`` replicas between epochs (auto-tuner); rows kept, new rows copy row 0.

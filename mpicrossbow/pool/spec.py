@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -34,6 +35,9 @@ class PoolSpec:
     learners: int = 1
     #: ``(start, end)`` fraction of the training set this rank reads instead of its equal shard.
     span: tuple[float, float] | None = None
+    #: The fused engine's form: ``always`` one fused network, ``never`` the replicas one after another on the
+    #: fused engine's shared buffers, ``auto`` whichever of the two the first training steps time faster.
+    fuse: Literal["auto", "always", "never"] = "auto"
 
     def resized(self, learners: int) -> PoolSpec:
         """The same spec with another learner count (the auto-tuner)."""
