@@ -116,6 +116,8 @@ class Row:
     bound: float
     cpu_ratio: float
     steps: int
+    #: The form the fused engine chose (``[pool] fuse = auto``): fused network or replicas one after another.
+    form: str = "fused"
 
     @property
     def ratio(self) -> float:
@@ -137,9 +139,9 @@ def run_steps(pool: Any, steps: int, state: dict[str, int]) -> None:
 
 def measure(
     model: Any, m: int, batch: int, args: argparse.Namespace, device: Any
-) -> tuple[float, float, float, float, int]:
+) -> tuple[float, float, float, float, int, str]:
     """Median samples/s of serial, fused and the bound over alternating rounds, the CPU-time ratio of serial
-    to fused, steps per round."""
+    to fused, steps per round, and the form the fused engine chose."""
     import torch
 
     from mpicrossbow.config import OptimSection
@@ -158,9 +160,11 @@ def measure(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    # Warm up both, and size a round from the serial engine's step time.
+    # Warm up all three (the fused engine until it has chosen its form), and size a round from the serial
+    # engine's step time.
     for name, pool in pools.items():
-        run_steps(pool, 2, states[name])
+        choice = getattr(pool, "choice", None)
+        run_steps(pool, 2 + (choice.steps_to_decide if choice is not None else 0), states[name])
     sync()
     t0 = time.perf_counter()
     run_steps(pools["serial"], 1, states["serial"])
@@ -180,7 +184,8 @@ def measure(
     n = steps * m * batch
     cpu_ratio = statistics.median(cpu["serial"]) / max(statistics.median(cpu["fused"]), 1e-9)
     rate = {name: n / statistics.median(times[name]) for name in order}
-    return rate["serial"], rate["fused"], rate["bound"], cpu_ratio, steps
+    form = pools["fused"].choice.chosen or "fused"
+    return rate["serial"], rate["fused"], rate["bound"], cpu_ratio, steps, form
 
 
 def table(rows: list[Row]) -> str:
@@ -188,15 +193,17 @@ def table(rows: list[Row]) -> str:
     one = {(r.model, r.device, r.threads, r.batch): r.serial for r in rows if r.m == 1}
     lines = [
         "| model | device | threads | m | batch/learner | serial samples/s | fused samples/s "
-        "| bound: 1 × batch m·b | fused ÷ serial | by CPU time | fused ÷ bound | fused ÷ one learner |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| bound: 1 × batch m·b | fused ÷ serial | by CPU time | fused ÷ bound | fused ÷ one learner "
+        "| fused form |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         base = one.get((r.model, r.device, r.threads, r.batch))
         versus_one = f"{r.fused / base:.2f}" if base else "–"
         lines.append(
             f"| {r.model} | {r.device} | {r.threads} | {r.m} | {r.batch} | {r.serial:,.0f} | {r.fused:,.0f} "
-            f"| {r.bound:,.0f} | {r.ratio:.2f} | {r.cpu_ratio:.2f} | {r.fused / r.bound:.2f} | {versus_one} |"
+            f"| {r.bound:,.0f} | {r.ratio:.2f} | {r.cpu_ratio:.2f} | {r.fused / r.bound:.2f} | {versus_one} "
+            f"| {r.form} |"
         )
     return "\n".join(lines)
 
@@ -311,10 +318,8 @@ def main() -> int:
                 label, model = catalogue[key]
                 for batch in batches:
                     for m in learners:
-                        serial, fused, bound, cpu_ratio, steps = measure(model, m, batch, args, device)
-                        row = Row(
-                            label, device.type, threads, m, batch, serial, fused, bound, cpu_ratio, steps
-                        )
+                        *rates, steps, form = measure(model, m, batch, args, device)
+                        row = Row(label, device.type, threads, m, batch, *rates, steps, form)
                         rows.append(row)
                         print(table([row]).splitlines()[-1], flush=True)
     text = table(rows) + "\n\n" + layout_costs(catalogue)
