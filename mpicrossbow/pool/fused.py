@@ -280,10 +280,15 @@ class FusedPool(LearnerPool):
         return [(o, p.numel() // self.m) for o, p in zip(self.fused_offsets, self.fused_params, strict=True)]
 
     def watch_gradients(self, ready: Callable[[int, int], None]) -> Callable[[], None]:
-        """A post-accumulate-grad hook on every fused parameter: ``ready(i, m)``, all replicas at once."""
+        """A post-accumulate-grad hook on every fused parameter, ``ready(i, m)`` (the fused form: all replicas
+        at once), and on every replica's parameter, ``ready(i, 1)`` (the replicas one after another)."""
         handles = [
             p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i, self.m))
             for i, p in enumerate(self.fused_params)
+        ] + [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i, 1))
+            for learner in self.learners
+            for i, p in enumerate(learner.module.parameters())
         ]
 
         def unwatch() -> None:
