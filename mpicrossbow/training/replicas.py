@@ -69,9 +69,7 @@ def build_pool(
     index, count = rule.train_shard(world.rank, world.size) if trains else (0, 1)
     span = rule.train_span(world.rank, world.size) if trains else None
     batch, seed = config.data.batch_size, config.session.seed
-    spec = PoolSpec(
-        index, count, batch, config.optim, device, seed, learners, span, fuse=config.pool.fuse
-    )
+    spec = PoolSpec(index, count, batch, config.optim, device, seed, learners, span, fuse=config.pool.fuse)
     pool = ENGINES.get(config.pool.engine)(model, spec)
     if config.data.dataset:
         check_labels(pool.learners[0].module, model.train_set, config.data.dataset, device)
