@@ -31,7 +31,8 @@ timeout --kill-after=10 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda t
 tests_line=$(grep -E '(passed|skipped|failed|error|deselected)' "$summary" | tail -n 1 || true)
 echo "== gpu.sh: CUDA tests ended with exit status $tests_rc: $tests_line"
 
-if [[ $("$PYTHON" -m benchmarks.gpu cuda) != 1 ]]; then
+cuda=$("$PYTHON" -m benchmarks.gpu cuda) # a Python that cannot answer stops the script here
+if [[ $cuda != 1 ]]; then
     echo "gpu.sh: the GPU tables need a CUDA device (torch.cuda.is_available() is False): not measured, nothing written"
     exit "$tests_rc"
 fi
