@@ -14,6 +14,14 @@ sample. Per size, after a warm-up round, every round runs each method once, in a
 round, so machine noise hits all methods alike; large sizes get fewer rounds. A sample is the slowest rank's
 time for one call (for small sizes, the mean over a batch of calls), between barriers. Reported: median time,
 algorithm bandwidth (bytes / median time) and the median's ratio to memcpy's and to raw mpi4py's.
+
+``--device cuda`` allreduces a CUDA buffer instead (rank r on GPU ``r mod GPUs``, every call followed by a
+CUDA synchronisation inside the timed region): the framework's MPICommunicator staged through pinned host
+memory, the same with device pointers handed to a CUDA-aware MPI (only where the MPI says it is one), NCCL
+(only with one GPU per rank: NCCL refuses two ranks on one GPU) and one device-to-device copy; ratios are to
+the staged MPI path. Whatever cannot run is listed with its reason under the table.
+
+    python -m benchmarks.exchange --device cuda --ranks 2 --sizes 16K,1M,16M,100M --out gpu
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import RESULTS, append_result, relaunch, under_mpi
+from benchmarks.report import RESULTS, append_result, gpu_versions, relaunch, under_mpi, versions
 
 SHM = "framework, shared memory (SharedMemoryCommunicator)"
 ZERO = "framework, shared memory, buffer in the window (shared_buffer: no copy in or out)"
@@ -37,6 +45,10 @@ PLAIN = "framework, plain MPICommunicator"
 RAW = "raw mpi4py Allreduce"
 GLOO = "torch.distributed gloo all_reduce"
 MEMCPY = "memcpy of the same bytes (1 thread)"
+STAGED = "framework MPICommunicator, staged through pinned host memory"
+AWARE = "framework MPICommunicator, CUDA-aware MPI (device pointers)"
+NCCL = "torch.distributed nccl all_reduce"
+D2D = "device-to-device copy of the same bytes"
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 #: Untimed rounds per size before the timed ones.
 WARMUP = 3
@@ -69,6 +81,8 @@ def parse_args() -> argparse.Namespace:
         default="",
         help="extra shared-memory rows, e.g. 1:flags,16:barrier (chunk MB : sync; no minimum size)",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the buffer lives")
+    parser.add_argument("--out", default="exchange", help="results/<OUT>.md to append to (gpu.sh: gpu)")
     parser.add_argument("--json", help="(internal) where a launched world writes its samples")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write to results/")
     return parser.parse_args()
@@ -123,28 +137,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         }
         for name, comm in variants.items():
             methods[name] = lambda comm=comm: comm.allreduce(buf)  # type: ignore[misc]
-        for name, call in methods.items():  # each method sums correctly (memcpy: copies)
-            buf.fill_(1)
-            window_buf.fill_(1)
-            call()
-            want = 1.0 if name == MEMCPY else float(world.Get_size())
-            got = {MEMCPY: dst, ZERO: window_buf}.get(name, buf)[[0, -1]].tolist()
-            assert got == [want, want], f"{name} at {size} B gave {got}, want {want}"
-        calls = max(1, min(100, int(1e6 // size)))  # batch tiny calls so one sample is not all timer noise
-        names = list(methods)
-        samples: dict[str, list[float]] = {name: [] for name in names}
-        for round_ in range(WARMUP + rounds_for(size, args)):
-            shift = round_ % len(names)
-            for name in names[shift:] + names[:shift]:
-                buf.zero_()
-                window_buf.zero_()
-                world.Barrier()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    methods[name]()
-                elapsed = world.allreduce((time.perf_counter() - start) / calls, op=MPI.MAX)
-                if round_ >= WARMUP:
-                    samples[name].append(elapsed)
+        buffers = {name: {MEMCPY: dst, ZERO: window_buf}.get(name, buf) for name in methods}
+        samples = time_methods(world, methods, buffers, MEMCPY, size, args)
         zero_copy.close()
         return samples
 
@@ -156,12 +150,143 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return out if world.Get_rank() == 0 else {}
 
 
+def cuda_plan(ranks: int, gpus: int, cuda_aware: bool, vendor: str) -> tuple[list[str], dict[str, str]]:
+    """Which CUDA methods can run at ``ranks`` ranks on one node with ``gpus`` GPUs, and why each of the
+    others cannot: (methods to time, {method: reason it is skipped})."""
+    methods, skipped = [STAGED, D2D], {}
+    if cuda_aware:
+        methods.insert(1, AWARE)
+    else:
+        skipped[AWARE] = (
+            f"this MPI ({vendor}) does not report CUDA support (MPICROSSBOW_CUDA_AWARE=1 forces it)"
+        )
+    if gpus >= ranks:
+        methods.insert(-1, NCCL)
+    else:
+        skipped[NCCL] = (
+            f"needs one GPU per rank ({ranks} ranks, {gpus} GPU(s)): NCCL refuses two ranks on one GPU"
+        )
+    return methods, skipped
+
+
+def with_cuda_aware(flag: str) -> Any:
+    """An MPICommunicator over COMM_WORLD built with ``MPICROSSBOW_CUDA_AWARE=flag`` (read at construction:
+    "0" stages through pinned host memory, "1" hands device pointers to MPI); the environment is put back."""
+    from mpi4py import MPI
+
+    from mpicrossbow.comm.mpi import MPICommunicator
+
+    before = os.environ.get("MPICROSSBOW_CUDA_AWARE")
+    os.environ["MPICROSSBOW_CUDA_AWARE"] = flag
+    try:
+        return MPICommunicator(MPI.COMM_WORLD)
+    finally:
+        if before is None:
+            del os.environ["MPICROSSBOW_CUDA_AWARE"]
+        else:
+            os.environ["MPICROSSBOW_CUDA_AWARE"] = before
+
+
+def cuda_methods(comms: dict[str, Any], buf: Any, dst: Any) -> dict[str, Callable[[], object]]:
+    """Each communicator's allreduce of ``buf`` and the copy ``buf`` → ``dst``, each followed by a CUDA
+    synchronisation, so a timed call ends when the GPU's work (NCCL's kernel, a staging copy) has."""
+    import torch
+
+    def synced(call: Callable[[], object]) -> Callable[[], object]:
+        return lambda: (call(), torch.cuda.synchronize())
+
+    methods = {name: synced(lambda c=comm: c.allreduce(buf)) for name, comm in comms.items()}
+    methods[D2D] = synced(lambda: dst.copy_(buf))
+    return methods
+
+
+def measure_cuda(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`measure` on a CUDA buffer: staged and CUDA-aware MPI, NCCL and a device copy, as
+    :func:`cuda_plan` allows; rank 0 returns the samples (others: {})."""
+    import torch
+    from mpi4py import MPI
+
+    from mpicrossbow.comm.mpi import mpi_cuda_aware
+    from mpicrossbow.comm.torchdist import TorchDistCommunicator
+
+    world = MPI.COMM_WORLD
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    gpus = torch.cuda.device_count()
+    torch.cuda.set_device(local.Get_rank() % gpus)
+    names, skipped = cuda_plan(local.Get_size(), gpus, mpi_cuda_aware(), MPI.get_vendor()[0])
+    local.Free()
+    comms = {STAGED: with_cuda_aware("0")} | ({AWARE: with_cuda_aware("1")} if AWARE in names else {})
+    if NCCL in names:
+        comms[NCCL] = TorchDistCommunicator.from_mpi(world, backend="nccl")
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    out: dict[str, Any] = {"ranks": world.Get_size(), "sizes": sizes, "samples": {}, "rounds": {}}
+    out |= {"mpi": MPI.get_vendor()[0], "reference": STAGED, "copy": D2D, "skipped": skipped}
+    for size in sizes:
+        buf = torch.empty(size // 4, device="cuda", dtype=torch.float32)
+        dst = torch.empty_like(buf)
+        methods = cuda_methods(comms, buf, dst)
+        buffers = {name: dst if name == D2D else buf for name in methods}
+        out["samples"][str(size)] = time_methods(
+            world, methods, buffers, D2D, size, args, settle=torch.cuda.synchronize
+        )
+        out["rounds"][str(size)] = rounds_for(size, args)
+    for comm in comms.values():
+        comm.close()
+    return out if world.Get_rank() == 0 else {}
+
+
+def time_methods(
+    world: Any,
+    methods: dict[str, Callable[[], object]],
+    buffers: dict[str, Any],
+    copy: str,
+    size: int,
+    args: argparse.Namespace,
+    settle: Callable[[], object] | None = None,
+) -> dict[str, list[float]]:
+    """Check that every method sums (``copy``: copies) into its buffer in ``buffers``, then time them all in
+    rotating rounds, the buffers zeroed before each sample (then ``settle()``: a CUDA zeroing must finish
+    before the clock starts): the slowest rank's seconds per call, by name."""
+    from mpi4py import MPI
+
+    inputs = list({id(b): b for b in buffers.values()}.values())
+    for name, call in methods.items():
+        for b in inputs:
+            b.fill_(1)
+        if name == copy:
+            buffers[name].zero_()  # the copy's destination: only the copy can make it 1
+        call()
+        want = 1.0 if name == copy else float(world.Get_size())
+        got = buffers[name][[0, -1]].tolist()
+        assert got == [want, want], f"{name} at {size} B gave {got}, want {want}"
+    calls = max(1, min(100, int(1e6 // size)))  # batch tiny calls so one sample is not all timer noise
+    names = list(methods)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(WARMUP + rounds_for(size, args)):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            for b in inputs:
+                b.zero_()
+            if settle is not None:
+                settle()
+            world.Barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                methods[name]()
+            elapsed = world.allreduce((time.perf_counter() - start) / calls, op=MPI.MAX)
+            if round_ >= WARMUP:
+                samples[name].append(elapsed)
+    return samples
+
+
 def table(result: dict[str, Any]) -> str:
-    """One markdown table per world size: a row per (size, method)."""
+    """One markdown table per world size: a row per (size, method); then the methods skipped and why."""
+    reference, copy = result.get("reference", RAW), result.get("copy", MEMCPY)
+    names = {RAW: "raw mpi4py", STAGED: "staged MPI", MEMCPY: "memcpy", D2D: "device copy"}
     rows = [
         f"### {result['ranks']} ranks",
         "",
-        "| size | method | median ms | algbw GB/s | ÷ memcpy | ÷ raw mpi4py | rounds |",
+        f"| size | method | median ms | algbw GB/s | ÷ {names[copy]} | ÷ {names[reference]} | rounds |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for size in result["sizes"]:
@@ -169,10 +294,11 @@ def table(result: dict[str, Any]) -> str:
         median = {n: statistics.median(s) for n, s in samples.items()}
         for name, m in median.items():
             rows.append(
-                f"| {label(size)} | {name} | {1e3 * m:.3f} | {size / m / 1e9:.2f} | {m / median[MEMCPY]:.2f} "
-                f"| {m / median[RAW]:.3f} | {result['rounds'][str(size)]} |"
+                f"| {label(size)} | {name} | {1e3 * m:.3f} | {size / m / 1e9:.2f} | {m / median[copy]:.2f} "
+                f"| {m / median[reference]:.3f} | {result['rounds'][str(size)]} |"
             )
-    return "\n".join(rows)
+    rows += ["", *(f"- {name}: skipped, {why}" for name, why in result.get("skipped", {}).items())]
+    return "\n".join(rows).rstrip()
 
 
 def plot(results: list[dict[str, Any]], path: Path, mpi: str) -> None:
@@ -206,7 +332,7 @@ def summary(results: list[dict[str, Any]]) -> str:
     lines = []
     for result in results:
         key = str(100 << 20)
-        if key in result["samples"]:
+        if key in result["samples"] and SHM in result["samples"][key]:
             s = result["samples"][key]
             shm, raw = statistics.median(s[SHM]), statistics.median(s[RAW])
             lines.append(
@@ -219,8 +345,9 @@ def summary(results: list[dict[str, Any]]) -> str:
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    """Print the tables; unless --no-write, append them to exchange.md and write the plot."""
+    """Print the tables; unless --no-write, append them to results/<out>.md and (CPU) write the plot."""
     mpi = results[0]["mpi"]
+    cuda = args.device == "cuda"
     vendor = mpi.lower().replace(" ", "")
     text = "\n\n".join([*(table(r) for r in results), summary(results)])
     print(text, flush=True)
@@ -228,25 +355,39 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         return
     png = RESULTS / f"exchange-{vendor}.png"
     sizes = ", ".join(label(size) for size in results[0]["sizes"])
-    if len(results[0]["sizes"]) > 1:  # one size makes no curve: keep the last full run's plot
+    drawn = len(results[0]["sizes"]) > 1 and not cuda  # one size makes no curve: keep the last full plot
+    if drawn:
         plot(results, png, mpi)
     path = append_result(
-        "exchange",
-        f"Allreduce of {sizes} B, {', '.join(str(r['ranks']) for r in results)} ranks",
+        args.out,
+        f"Allreduce{' of a CUDA buffer' if cuda else ''} of {sizes} B, "
+        f"{', '.join(str(r['ranks']) for r in results)} ranks",
         text,
-        f"Plot: ![bandwidth against size]({png.name})" if len(results[0]["sizes"]) > 1 else "",
+        f"Plot: ![bandwidth against size]({png.name})" if drawn else "",
+        versions_line=f"{versions()}; {gpu_versions()}" if cuda else None,
     )
     print("appended to", path)
 
 
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), asked in the launching process before any rank starts."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main() -> int:
+    """Measure in this MPI world, or re-launch under mpiexec once per --ranks entry, then report."""
     args = parse_args()
     if under_mpi():
-        result = measure(args)
+        result = measure_cuda(args) if args.device == "cuda" else measure(args)
         if result and args.json:
             Path(args.json).write_text(json.dumps(result), encoding="utf-8")
         elif result:
             report([result], args)
+        return 0
+    if args.device == "cuda" and not cuda_available():
+        print("exchange over CUDA: needs a CUDA device, and this machine has none: skipped", flush=True)
         return 0
     results = []
     with tempfile.TemporaryDirectory() as tmp:

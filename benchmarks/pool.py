@@ -5,12 +5,14 @@ a FusedPool from the same seed, and the bound — one replica at batch m·b, the
 batch b can reach on this device — and time ``compute()`` + ``apply()`` (forward, backward, optimizer step,
 batch assembly included) in alternating rounds, so machine noise hits all three alike; report the median
 samples/s, fused ÷ serial and fused ÷ bound. Torch threads are set explicitly (1 = one MPI rank's share of a
-2-core machine when two ranks run; 2 = the whole machine). With CUDA present the same grid runs on the GPU
-too; without it that part is skipped with a note (the ``streams`` engine (CUDA only) is not measured by this
-script yet).
+2-core machine when two ranks run; 2 = the whole machine). ``--device cuda`` runs the grid on the GPU instead
+(CUDA synchronised around every timed round), where ``--engines serial,fused,streams`` adds the streams engine
+(one CUDA stream per learner) as a column; benchmarks/gpu.sh runs it that way and writes to results/gpu.md
+(``--out gpu``).
 
     python -m benchmarks.pool             # full grid, 1 and 2 threads; appends to results/pool.md + PNG
     python -m benchmarks.pool --quick     # m ∈ {1, 8}, batch ∈ {4, 16}, 1 thread, short rounds
+    python -m benchmarks.pool --device cuda --engines serial,fused,streams --models resnet50 --out gpu
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import RESULTS, append_result
+from benchmarks.report import RESULTS, append_result, gpu_versions, versions
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -38,8 +40,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--models",
         default=None,
-        help="subset of mlp,lenet8,lenet28,resnet20,mnist1d,transformer (default all)",
+        help="subset of mlp,lenet8,lenet28,resnet20,mnist1d,transformer,resnet50 (default all but resnet50)",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the pools train")
+    parser.add_argument(
+        "--engines", default="serial,fused", help="comma list of serial,fused,streams (streams: cuda only)"
+    )
+    parser.add_argument("--out", default="pool", help="results/<OUT>.md to append to (gpu.sh: gpu)")
     parser.add_argument("--rounds", type=int, default=5, help="timed alternating rounds per engine")
     parser.add_argument("--round-seconds", type=float, default=0.5, help="target length of one round")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
@@ -49,7 +56,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.models = args.models or "mlp,lenet8,resnet20"
         args.rounds, args.round_seconds = 3, 0.2
     args.models = args.models or "mlp,lenet8,lenet28,resnet20,mnist1d,transformer"
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not {"serial", "fused"} <= set(args.engines) <= set(ENGINES):
+        parser.error(
+            f"--engines must name serial and fused, and may add streams; got {','.join(args.engines)}"
+        )
+    if "streams" in args.engines and args.device != "cuda":
+        parser.error("--engines streams needs --device cuda (the streams engine runs on CUDA devices only)")
     return args
+
+
+#: Engines this script can time (the bound is always measured: one serial learner at batch m·b).
+ENGINES = ("serial", "fused", "streams")
+
+
+def check_device(device: str) -> None:
+    """Exit with one clear line when ``--device cuda`` is asked for on a machine without CUDA."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks.pool: --device cuda needs a CUDA device, and torch.cuda.is_available() is False")
 
 
 def models() -> dict[str, Any]:
@@ -68,6 +94,7 @@ def models() -> dict[str, Any]:
 
     return {
         **plain_models(),
+        "resnet50": ("ResNet-50, torchvision layout (synthetic 3×64×64)", resnet50_model()),
         "mlp": ("MLP 64-128-128-10 (digits 8×8)", MLP()),
         "lenet8": ("LeNet (digits 8×8)", LeNet()),
         "lenet28": ("LeNet (synthetic 28×28)", SyntheticLeNet(image_size=28)),
@@ -102,6 +129,32 @@ def plain_models() -> dict[str, Any]:
     }
 
 
+def resnet50_model() -> Any:
+    """ResNet-50 in torchvision's layout (models/imagenet_resnet.py, 10 classes), 1,024 random 3×64×64 images.
+
+    64×64 rather than ImageNet's 224: the stem divides by 4, so the four stages see 16, 8, 4 and 2 pixels a
+    side (every BatchNorm still over more than one pixel, unlike 32×32 where the last stage is 1×1), and one
+    sample costs about 8 % of a 224×224 one, so m = 16 learners × batch 32 = 512 images a step fit the GPU
+    tables' time budget and a GPU's memory (16 replicas of 25.5 M parameters, with gradients and momentum,
+    are ~5 GB per engine). Its residual ``forward()`` is not a layer the fuser widens: the vmap path.
+    """
+    import torch
+
+    from models.imagenet_resnet import resnet50
+    from mpicrossbow.data.arrays import ArrayDataset
+    from mpicrossbow.data.dataset_model import DatasetModel
+    from mpicrossbow.data.loader import LoaderOptions
+
+    gen = torch.Generator().manual_seed(0)
+    images = [
+        ArrayDataset(
+            torch.randn(n, 3, 64, 64, generator=gen), torch.randint(0, 10, (n,), generator=gen), "random"
+        )
+        for n in (1024, 64)
+    ]
+    return DatasetModel(resnet50, {"num_classes": 10}, *images, LoaderOptions())
+
+
 @dataclass
 class Row:
     """One measured configuration."""
@@ -116,6 +169,7 @@ class Row:
     bound: float
     cpu_ratio: float
     steps: int
+    streams: float | None = None
     #: The form the fused engine chose (``[pool] fuse = auto``): fused network or replicas one after another.
     form: str = "fused"
 
@@ -139,18 +193,20 @@ def run_steps(pool: Any, steps: int, state: dict[str, int]) -> None:
 
 def measure(
     model: Any, m: int, batch: int, args: argparse.Namespace, device: Any
-) -> tuple[float, float, float, float, int, str]:
-    """Median samples/s of serial, fused and the bound over alternating rounds, the CPU-time ratio of serial
-    to fused, steps per round, and the form the fused engine chose."""
+) -> tuple[dict[str, float], float, int, str]:
+    """Median samples/s of every engine in ``args.engines`` and of the bound (by name) over alternating
+    rounds, the CPU-time ratio of serial to fused, steps per round, the form the fused engine chose."""
     import torch
 
     from mpicrossbow.config import OptimSection
     from mpicrossbow.pool import FusedPool, PoolSpec, SerialPool
+    from mpicrossbow.pool.streams import StreamsPool
 
     optim = OptimSection(lr=0.01, momentum=0.9, weight_decay=5e-4)
     pools = {}
-    for name, cls, b, learners in (("serial", SerialPool, batch, m), ("fused", FusedPool, batch, m),
-                                   ("bound", SerialPool, m * batch, 1)):  # fmt: skip
+    engines = {"serial": SerialPool, "fused": FusedPool, "streams": StreamsPool}
+    for name, cls, b, learners in [*((e, engines[e], batch, m) for e in args.engines),
+                                   ("bound", SerialPool, m * batch, 1)]:  # fmt: skip
         torch.manual_seed(0)
         pools[name] = cls(model, PoolSpec(0, 1, b, optim, device, seed=0, learners=learners))
         pools[name].start_epoch(0)
@@ -160,7 +216,7 @@ def measure(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    # Warm up all three (the fused engine until it has chosen its form), and size a round from the serial
+    # Warm up every pool (the fused engine until it has chosen its form), and size a round from the serial
     # engine's step time.
     for name, pool in pools.items():
         choice = getattr(pool, "choice", None)
@@ -170,9 +226,9 @@ def measure(
     run_steps(pools["serial"], 1, states["serial"])
     sync()
     steps = max(1, min(100, round(args.round_seconds / max(time.perf_counter() - t0, 1e-6))))
-    times: dict[str, list[float]] = {"serial": [], "fused": [], "bound": []}
-    cpu: dict[str, list[float]] = {"serial": [], "fused": [], "bound": []}
-    order = ["serial", "fused", "bound"]
+    order = list(pools)
+    times: dict[str, list[float]] = {name: [] for name in order}
+    cpu: dict[str, list[float]] = {name: [] for name in order}
     for r in range(args.rounds):
         for name in order if r % 2 == 0 else order[::-1]:
             sync()
@@ -184,26 +240,30 @@ def measure(
     n = steps * m * batch
     cpu_ratio = statistics.median(cpu["serial"]) / max(statistics.median(cpu["fused"]), 1e-9)
     rate = {name: n / statistics.median(times[name]) for name in order}
-    form = pools["fused"].choice.chosen or "fused"
-    return rate["serial"], rate["fused"], rate["bound"], cpu_ratio, steps, form
+    return rate, cpu_ratio, steps, pools["fused"].choice.chosen or "fused"
 
 
 def table(rows: list[Row]) -> str:
-    """Markdown table of the rows; 'fused ÷ one learner' divides by the serial m = 1 row of that setting."""
+    """Markdown table of the rows; 'fused ÷ one learner' divides by the serial m = 1 row of that setting.
+    Where any row measured the streams engine, two more columns: its samples/s and streams ÷ serial."""
     one = {(r.model, r.device, r.threads, r.batch): r.serial for r in rows if r.m == 1}
+    streams = any(r.streams is not None for r in rows)
     lines = [
         "| model | device | threads | m | batch/learner | serial samples/s | fused samples/s "
         "| bound: 1 × batch m·b | fused ÷ serial | by CPU time | fused ÷ bound | fused ÷ one learner "
-        "| fused form |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| fused form |" + (" streams samples/s | streams ÷ serial |" if streams else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|---:|" if streams else ""),
     ]
     for r in rows:
         base = one.get((r.model, r.device, r.threads, r.batch))
         versus_one = f"{r.fused / base:.2f}" if base else "–"
+        extra = ""
+        if streams:
+            extra = " – | – |" if r.streams is None else f" {r.streams:,.0f} | {r.streams / r.serial:.2f} |"
         lines.append(
             f"| {r.model} | {r.device} | {r.threads} | {r.m} | {r.batch} | {r.serial:,.0f} | {r.fused:,.0f} "
             f"| {r.bound:,.0f} | {r.ratio:.2f} | {r.cpu_ratio:.2f} | {r.fused / r.bound:.2f} | {versus_one} "
-            f"| {r.form} |"
+            f"| {r.form} |" + extra
         )
     return "\n".join(lines)
 
@@ -297,8 +357,9 @@ def layout_costs(catalogue: dict[str, Any], m: int = 8, batch: int = 16) -> str:
 
 
 def main() -> int:
-    """Measure the grid, print the table, append it to results/pool.md and draw the PNG."""
+    """Measure the grid, print the table, append it to results/<out>.md and (CPU rows) draw the PNG."""
     args = parse_args(sys.argv[1:])
+    check_device(args.device)
     import torch
 
     catalogue = models()
@@ -308,43 +369,52 @@ def main() -> int:
         sys.exit(f"unknown model(s) {unknown}; choose from {', '.join(catalogue)}")
     learners = [int(v) for v in args.learners.split(",")]
     batches = [int(v) for v in args.batches.split(",")]
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    device = torch.device(args.device)
     rows: list[Row] = []
-    for device in devices:
-        thread_counts = [int(v) for v in args.threads.split(",")] if device.type == "cpu" else [1]
-        for threads in thread_counts:
-            torch.set_num_threads(threads)
-            for key in wanted:
-                label, model = catalogue[key]
-                for batch in batches:
-                    for m in learners:
-                        *rates, steps, form = measure(model, m, batch, args, device)
-                        row = Row(label, device.type, threads, m, batch, *rates, steps, form)
-                        rows.append(row)
-                        print(table([row]).splitlines()[-1], flush=True)
-    text = table(rows) + "\n\n" + layout_costs(catalogue)
+    thread_counts = [int(v) for v in args.threads.split(",")] if device.type == "cpu" else [1]
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        for key in wanted:
+            label, model = catalogue[key]
+            for batch in batches:
+                for m in learners:
+                    rate, cpu_ratio, steps, form = measure(model, m, batch, args, device)
+                    row = Row(label, device.type, threads, m, batch, rate["serial"], rate["fused"],
+                              rate["bound"], cpu_ratio, steps, rate.get("streams"), form)  # fmt: skip
+                    rows.append(row)
+                    print(table([row]).splitlines()[-1], flush=True)
+    text = table(rows) + ("\n\n" + layout_costs(catalogue) if device.type == "cpu" else "")
     print(text)
+    if not args.no_write:
+        write(rows, text, args)
+    return 0
+
+
+def write(rows: list[Row], text: str, args: argparse.Namespace) -> None:
+    """Append the table to results/<out>.md (the GPU's name and CUDA versions with CUDA rows); draw the PNG
+    of CPU rows."""
     head = (
         f"{args.rounds} alternating timed rounds per engine (median) of about {args.round_seconds} s "
-        "each, after 2 warm-up steps; one step = every learner's batch assembly, forward, backward and SGD "
+        "each, after 2 warm-up steps (the fused engine's also after its choice of form: 8 more steps, "
+        "[pool] fuse = auto); one step = every learner's batch assembly, forward, backward and SGD "
         "step "
         "(momentum 0.9, weight decay 5e-4). samples/s = m × batch × steps ÷ wall time; 'by CPU time' is "
         "the same ratio from this process's CPU time, which other jobs on a shared machine disturb less."
     )
-    gpu = (
-        "CUDA present: GPU rows above."
-        if torch.cuda.is_available()
-        else "No CUDA device on this machine: the GPU rows (fused vs serial on a GPU, and the streams "
-        "engine) are skipped; run this script on a GPU machine to add them."
-    )
-    if not args.no_write:
-        png = RESULTS / ("pool-quick.png" if args.quick else "pool.png")
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        plot(rows, png)
-        title = "Serial vs fused learner pool" + (" (--quick)" if args.quick else "")
-        path = append_result("pool", title, head + "\n\n" + text, f"{gpu}\n\nPlot: `{png.name}`.")
-        print("appended to", path, "and drew", png)
-    return 0
+    title = "Serial vs fused learner pool" + (" (--quick)" if args.quick else "")
+    if args.device == "cuda":
+        title = f"{title}, on the GPU ({', '.join(args.engines)})"
+        path = append_result(
+            args.out, title, head + "\n\n" + text, versions_line=f"{versions()}; {gpu_versions()}"
+        )
+        print("appended to", path)
+        return
+    gpu = "CPU rows; `--device cuda` (benchmarks/gpu.sh) measures the engines, streams included, on a GPU."
+    png = RESULTS / (f"{args.out}-quick.png" if args.quick else f"{args.out}.png")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    plot(rows, png)
+    path = append_result(args.out, title, head + "\n\n" + text, f"{gpu}\n\nPlot: `{png.name}`.")
+    print("appended to", path, "and drew", png)
 
 
 if __name__ == "__main__":

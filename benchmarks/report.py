@@ -79,6 +79,34 @@ def versions() -> str:
     )
 
 
+def gpu_versions() -> str:
+    """CUDA, cuDNN and NCCL versions as torch was built with, the driver (from ``nvidia-smi`` where it is on
+    PATH) and every visible GPU's name and memory; a short note where torch sees no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    driver = "unknown (no nvidia-smi on PATH)"
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            query = [smi, "--query-gpu=driver_version", "--format=csv,noheader"]
+            out = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout
+            driver = out.splitlines()[0].strip() if out.strip() else driver
+        except (OSError, subprocess.SubprocessError):
+            pass
+    nccl = "none"
+    if torch.distributed.is_available() and torch.distributed.is_nccl_available():
+        built = torch.cuda.nccl.version()  # a tuple (2, 21, 5) in recent torch, an int in older ones
+        nccl = ".".join(map(str, built)) if isinstance(built, tuple) else str(built)
+    gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    names = ", ".join(f"{p.name} ({p.total_memory / 2**30:.0f} GiB)" for p in gpus)
+    return (
+        f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}, driver {driver}; "
+        f"{len(gpus)} GPU(s): {names}"
+    )
+
+
 def append_result(
     name: str, title: str, table: str, notes: str = "", versions_line: str | None = None
 ) -> Path:
