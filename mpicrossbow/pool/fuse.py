@@ -316,7 +316,12 @@ class FusedFlatten(nn.Module):
 
 
 class FusedImageOp(nn.Module):
-    """A per-channel image operator (pooling) applied once to the grouped layout."""
+    """A per-channel image operator (pooling) applied once to the grouped layout, channels-last.
+
+    A convolution in the ``split`` form hands over an NCHW tensor (the concatenation of m outputs); CPU max
+    pooling of NCHW is an order of magnitude slower than of channels-last (measured on a ``(4, 48, 28, 28)``
+    input, one thread: 787 µs against 49 µs forward), so such an input is converted first (one copy).
+    """
 
     def __init__(self, layer: nn.Module, slots: FlatSlots) -> None:
         super().__init__()
@@ -326,7 +331,7 @@ class FusedImageOp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The operator on every replica's channels at once."""
-        return self.op(grouped(x, self.m))
+        return self.op(grouped(x, self.m).contiguous(memory_format=torch.channels_last))
 
 
 class FusedResidual(nn.Module):

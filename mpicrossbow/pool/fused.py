@@ -24,9 +24,10 @@ inspecting one replica.
 default cross-entropy (and the default top-1 ``correct``), it is computed for all replicas in one call.
 
 **Optimizer.** Built once, ``model.optimizer(fused_params, optim)``, over the ``(m, …)`` fused parameters;
-when the model keeps TorchModel's default recipe (one SGD parameter group) it is given the whole
-``params2d`` as one parameter instead (grad ``grads2d``), so a step is a few ops on one contiguous tensor
-rather than a few per layer — the same arithmetic, element by element.
+when the model keeps TorchModel's default recipe (one SGD parameter group) it is given
+the m rows of ``params2d`` as its parameters instead (grads the rows of ``grads2d``), as PyTorch's fused SGD
+kernel where it applies (:func:`rows_sgd`), so a step is one pass over m contiguous tensors rather than a few
+ops per layer — the same arithmetic, element by element.
 
 **Limits.** An elementwise optimizer (SGD, momentum, Nesterov, weight decay, Adam, AdamW, RMSprop) updates
 each replica exactly as its own optimizer would. Optimizers that couple elements of one tensor (LARS/LAMB
@@ -49,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import OptimSection
 from ..errors import CheckpointError, ContractError
 from ..model.contract import TorchModel
 from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
@@ -165,11 +167,12 @@ class FusedPool(LearnerPool):
         if len(self.fused_params) != len(first_params):
             raise ContractError(f"{owner}: some parameters are not used by any fusable layer")
         if getattr(type(model), "optimizer", None) is TorchModel.optimizer:
-            # The default recipe is one elementwise parameter group: give it the whole (m, P) buffer as one
-            # parameter, so a step is a handful of ops on one contiguous tensor (see the module docstring).
-            flat = nn.Parameter(self.params2d)
-            flat.grad = self.grads2d
-            self.optimizer = model.optimizer([flat], spec.optim)
+            # The default recipe is one elementwise parameter group: give it the m contiguous rows as its
+            # parameters, so a step is a few ops on m flat tensors (see the module docstring).
+            rows = [nn.Parameter(row) for row in self.params2d]
+            for row, grad in zip(rows, self.grads2d, strict=True):
+                row.grad = grad
+            self.optimizer = rows_sgd(rows, spec.optim) or model.optimizer(rows, spec.optim)
         else:
             self.optimizer = model.optimizer(self.fused_params, spec.optim)
         self._default_loss = getattr(type(model), "loss", None) is TorchModel.loss
@@ -365,12 +368,14 @@ class FusedPool(LearnerPool):
         rows = [j if j < old_m else 0 for j in range(learners)]
         fresh.params2d.copy_(old_params[rows])
         fresh.buffers2d.copy_(old_buffers[rows])
-        flat = len(fresh.optimizer.param_groups[0]["params"]) == 1 and 0 in old_state
-        if flat and isinstance(old_state[0].get("momentum_buffer"), torch.Tensor):
-            fresh.optimizer.state[fresh.optimizer.param_groups[0]["params"][0]] = {
-                **old_state[0],
-                "momentum_buffer": old_state[0]["momentum_buffer"][rows].clone(),
-            }
+        new_params = fresh.optimizer.param_groups[0]["params"]
+        by_row = len(new_params) == learners and len(old_state) == old_m
+        if by_row and all(isinstance(s.get("momentum_buffer"), torch.Tensor) for s in old_state.values()):
+            for param, src in zip(new_params, rows, strict=True):
+                fresh.optimizer.state[param] = {
+                    **old_state[src],
+                    "momentum_buffer": old_state[src]["momentum_buffer"].clone(),
+                }
         elif old_state:
             log.warning("fused pool resized to %d learners: optimizer state restarts", learners)
         for group in fresh.optimizer.param_groups:
@@ -418,6 +423,29 @@ def fused_network(root: nn.Module, slots: FlatSlots, owner: str) -> nn.Module:
             owner,
         )
         return VmappedNetwork(root, slots)
+
+
+def rows_sgd(rows: list[nn.Parameter], optim: OptimSection) -> torch.optim.Optimizer | None:
+    """The default recipe's SGD over the m flat rows as PyTorch's fused single-pass kernel.
+
+    Weight decay, momentum and the update in one pass instead of three or four: measured 1.7–2.7× faster
+    than the default (for-each) SGD on 8 rows of 26 k and 107 k float32 values, one thread, with the same
+    state (``momentum_buffer``) and the same arithmetic to float32 round-off. One parameter per row, not
+    one ``(m, P)`` parameter: the kernel rounds an element by its position in the tensor (vector body or
+    scalar tail), so only rows that each start a tensor are updated bitwise alike, as BSP's identical
+    replicas must be. Only float32 and float64, where the kernel's results match the default's; None
+    otherwise (the caller then builds the default).
+    """
+    if rows[0].dtype not in (torch.float32, torch.float64):
+        return None
+    return torch.optim.SGD(
+        rows,
+        lr=optim.lr,
+        momentum=optim.momentum,
+        weight_decay=optim.weight_decay,
+        nesterov=optim.nesterov,
+        fused=True,
+    )
 
 
 def _offsets(tensors: list[torch.Tensor]) -> dict[int, int]:
