@@ -32,8 +32,8 @@ from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.data.loader import LoaderOptions
 from mpicrossbow.pool import FusedPool, SerialPool
 from mpicrossbow.pool.fuse import FusedConv2d
+from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.spec import PoolSpec
-from mpicrossbow.pool.vmapped import VmappedNetwork
 from mpicrossbow.rules import BSP, SMA
 
 CPU = torch.device("cpu")
@@ -221,14 +221,16 @@ def dtype_of(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.mark.parametrize("name", list(VMAP_MODELS))
-def test_any_network_fuses_through_vmap_and_equals_serial(
+def test_any_network_fuses_through_its_own_forward_and_equals_serial(
     name: str, caplog: pytest.LogCaptureFixture, dtype_of: None
 ) -> None:
-    with caplog.at_level("INFO", logger="mpicrossbow.pool.fused"):
+    with caplog.at_level("INFO", logger="mpicrossbow.pool"):
         serial, fused = pools(VMAP_MODELS[name](), 3)
-    assert isinstance(fused.fused, VmappedNetwork)
-    assert "run under torch.func.vmap" in caplog.text
-    train_alongside(serial, fused)
+        assert isinstance(fused.fused, ReplicatedNetwork)
+        assert "forward runs once on every replica's values" in caplog.text
+        train_alongside(serial, fused)
+    assert fused.fused.fallback is None, caplog.text  # no vmap needed
+    assert not fused.fused.looped, f"ran once per replica: {fused.fused.looped}"
     assert serial.take_stats()[1] == fused.take_stats()[1]
     assert serial.validate() == pytest.approx(fused.validate(), rel=1e-5)
 

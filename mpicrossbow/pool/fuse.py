@@ -178,6 +178,8 @@ class FusedConv2d(nn.Module):
         self.stride, self.padding, self.dilation = layer.stride, layer.padding, layer.dilation
         self.replica_groups = layer.groups
         self.kernel_size = layer.kernel_size
+        #: A 1-D convolution runs as a 2-D one over ``(…, 1, L)`` (its kernel gains an axis).
+        self.one_d = self.weight.ndim == 4
         self.mode: str | None = "grouped" if self.m == 1 else None
         plain = layer.groups == 1 and not isinstance(layer.padding, str)
         self.modes = self.MODES if plain else ("grouped", "split")
@@ -192,6 +194,7 @@ class FusedConv2d(nn.Module):
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """One convolution with m × groups groups (the weight view is reshaped, one copy)."""
         weight = self.weight.reshape(-1, *self.weight.shape[2:])
+        weight = weight.unsqueeze(-2) if self.one_d else weight
         bias = self.bias.reshape(-1) if self.bias is not None else None
         groups = self.replica_groups * self.m
         return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, groups)  # type: ignore[arg-type]
@@ -201,7 +204,7 @@ class FusedConv2d(nn.Module):
         outs = [
             F.conv2d(
                 part,
-                self.weight[j],
+                self.weight[j].unsqueeze(-2) if self.one_d else self.weight[j],
                 self.bias[j] if self.bias is not None else None,
                 self.stride,
                 self.padding,  # type: ignore[arg-type]
@@ -278,25 +281,45 @@ class FusedBatchNorm(nn.Module):
             self.batches_tracked += 1
             factor = 1.0 / self.batches_tracked if self.momentum is None else self.momentum
         use_batch = self.training or self.running_mean is None
-        mean = self.running_mean.reshape(-1) if self.running_mean is not None else None
-        var = self.running_var.reshape(-1) if self.running_var is not None else None
-        weight = self.weight.reshape(-1) if self.weight is not None else None
-        bias = self.bias.reshape(-1) if self.bias is not None else None
         if self.two_d:
             inputs = grouped(x, self.m)
         else:
             if x.ndim != 3:
                 raise ContractError(f"fused BatchNorm1d expects (m, N, C) inputs, got shape {tuple(x.shape)}")
             inputs = x.transpose(0, 1).reshape(x.shape[1], -1)
-        out = F.batch_norm(inputs, mean, var, weight, bias, use_batch, factor, self.eps)
-        scratch = mean is not None and mean._base is None  # reshape copied (m > 1) rather than viewed
-        if self.training and scratch and self.running_mean is not None and var is not None:
-            with torch.no_grad():  # the scratch copies got the update; write it back into each row
-                self.running_mean.copy_(mean.view_as(self.running_mean))
-                self.running_var.copy_(var.view_as(self.running_var))  # type: ignore[union-attr]
+        stats = (self.running_mean, self.running_var, self.weight, self.bias)
+        out = batch_norm_rows(inputs, *stats, use_batch, factor, self.eps)
         if self.two_d:
             return out
         return out.view(x.shape[1], self.m, -1).transpose(0, 1)
+
+
+def batch_norm_rows(
+    inputs: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    use_batch: bool,
+    momentum: float,
+    eps: float,
+) -> torch.Tensor:
+    """Batch norm of ``inputs`` ``(N, m·C, …)`` with each replica's ``(m, C)`` rows of statistics and affine.
+
+    The rows are strided views of the pool's buffers; ``batch_norm`` updates running statistics in place
+    only in contiguous tensors, so it gets contiguous copies, written back into the rows after training.
+    """
+    mean = running_mean.reshape(-1) if running_mean is not None else None
+    var = running_var.reshape(-1) if running_var is not None else None
+    flat_weight = weight.reshape(-1) if weight is not None else None
+    flat_bias = bias.reshape(-1) if bias is not None else None
+    out = F.batch_norm(inputs, mean, var, flat_weight, flat_bias, use_batch, momentum, eps)
+    scratch = mean is not None and mean._base is None  # reshape copied (m > 1) rather than viewed
+    if use_batch and scratch and running_mean is not None and running_var is not None and var is not None:
+        with torch.no_grad():  # the scratch copies got the update; write it back into each row
+            running_mean.copy_(mean.view_as(running_mean))
+            running_var.copy_(var.view_as(running_var))
+    return out
 
 
 class FusedFlatten(nn.Module):

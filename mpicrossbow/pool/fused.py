@@ -58,9 +58,9 @@ from .flat import empty_flat, point_grads_into, point_into
 from .form import FUSED, FormChoice
 from .fuse import FlatSlots, FusedNetwork, synchronize
 from .learner import evaluate
+from .replicated_network import ReplicatedNetwork
 from .serial import learner_data
 from .spec import PoolSpec
-from .vmapped import VmappedNetwork
 
 log = logging.getLogger(__name__)
 
@@ -412,17 +412,18 @@ class FusedPool(LearnerPool):
 
 
 def fused_network(root: nn.Module, slots: FlatSlots, owner: str) -> nn.Module:
-    """The layer-by-layer fused network where every layer is one the fuser widens, else the vmap path."""
+    """The layer-by-layer fused network where every layer is one the fuser widens, else replica 0's forward
+    on every replica's values (:mod:`.replicated_network`, itself falling back to ``torch.func.vmap``)."""
     try:
         return FusedNetwork(root, slots)
     except ContractError as exc:
         slots.fused_params.clear()
         log.info(
-            "fused engine: %s; %s's replicas run under torch.func.vmap instead",
+            "fused engine: %s; %s's forward runs once on every replica's values instead",
             exc.args[0].split(";")[0],
             owner,
         )
-        return VmappedNetwork(root, slots)
+        return ReplicatedNetwork(root, slots)
 
 
 def rows_sgd(rows: list[nn.Parameter], optim: OptimSection) -> torch.optim.Optimizer | None:

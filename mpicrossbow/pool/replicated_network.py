@@ -1,0 +1,97 @@
+"""The fused engine's path for any network: replica 0's own ``forward()`` run once on every replica's values.
+
+The layer-by-layer fuser (:mod:`.fuse`) rebuilds an ``nn.Sequential`` of known layers. Everything else — a
+``Conv1d``, a ``LayerNorm``, an embedding, attention, a residual ``forward()`` written the usual way — runs
+here: a copy of replica 0's module is called with a :class:`~mpicrossbow.pool.replicated.Replicated` input
+holding the m learners' batches, so its Python (shape checks, branches on shapes, submodules, hooks) runs
+once, and every operator it reaches runs once for all m replicas with each replica's own weights
+(:mod:`.replicated_ops`); an operator without a fused form runs once per replica on its slice, and the
+log names it. Measured against ``torch.func.vmap`` on the same networks (benchmarks/results/pool.md): it
+avoids vmap's per-operator batching overhead and picks each convolution's fastest form.
+
+What this path cannot follow (control flow on tensor values, arithmetic on a parameter outside any operator
+on the input, in-place writes into the input) shows in the first training forward as a ContractError;
+from then on the network runs under ``torch.func.vmap`` (:mod:`.vmapped`), the running statistics that
+the failed forward touched restored first.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+
+from ..errors import ContractError
+from .fuse import FlatSlots
+from .replicated import Replicated, Replication
+from .replicated_ops import RULES
+from .vmapped import VmappedNetwork
+
+log = logging.getLogger(__name__)
+
+
+class ReplicatedNetwork(nn.Module):
+    """Every replica's forward as one call of replica 0's ``forward()``: ``(m, N, *sample)`` in and out."""
+
+    def __init__(self, root: nn.Module, slots: FlatSlots) -> None:
+        super().__init__()
+        self.m = slots.m
+        # The template runs the Python of the forward; its own tensors are swapped for the pool's rows in
+        # every operator, and are kept out of parameters() and state_dict().
+        template = copy.deepcopy(root)
+        object.__setattr__(self, "template", template)
+        object.__setattr__(self, "root", root)
+        self._slots = slots
+        rows: dict[int, torch.Tensor] = {}
+        for name, param in root.named_parameters():
+            rows[id(template.get_parameter(name))] = slots.param(param)
+        for name, buffer in root.named_buffers():
+            if buffer.is_floating_point():
+                view = slots.buffer(buffer)
+                assert view is not None
+                rows[id(template.get_buffer(name))] = view
+        self.replication = Replication(self.m, rows, RULES)
+        self.replication.guard([*template.parameters(), *template.buffers()])
+        self.fallback: VmappedNetwork | None = None
+        self._proven = False
+
+    def train(self, mode: bool = True) -> ReplicatedNetwork:
+        """Set training mode here and on the template (dropout, batch norm), and on the vmap fallback."""
+        self.template.train(mode)
+        if self.fallback is not None:
+            self.fallback.train(mode)
+        return super().train(mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Every replica's output on its own batch, ``x`` being ``(m, N, *sample)``."""
+        if self.fallback is not None:
+            return self.fallback(x)
+        if self._proven:
+            return self._run(x)
+        saved = self._slots.buffers.clone()
+        try:
+            out = self._run(x)
+        except ContractError as exc:
+            self._slots.buffers.copy_(saved)
+            log.info("fused engine: %s; the replicas run under torch.func.vmap instead", exc.args[0])
+            self.fallback = VmappedNetwork(self.root, self._slots)
+            self.fallback.train(self.training)
+            return self.fallback(x)
+        self._proven = True
+        return out
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        """The template's forward on the replicated input."""
+        if self.template.training != self.training:
+            self.template.train(self.training)
+        out = self.template(self.replication.wrap(x))
+        if not isinstance(out, Replicated):
+            raise ContractError("the network's output is not a tensor computed from its input")
+        return out.data
+
+    @property
+    def looped(self) -> set[str]:
+        """Operators that ran once per replica (no fused form), as logged."""
+        return self.fallback.looped if self.fallback is not None else self.replication.looped
