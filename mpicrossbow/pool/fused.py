@@ -184,6 +184,7 @@ class FusedPool(LearnerPool):
         for j, learner in enumerate(self.learners):  # a view: a fault injected into it is seen by nonfinite()
             learner.last_loss = self._last_losses[j]
         self.choice = FormChoice(spec.fuse)
+        self._fused_ran = False
 
     @property
     def n_batch_train(self) -> int:
@@ -236,7 +237,8 @@ class FusedPool(LearnerPool):
             synchronize(self.device)
             started = time.perf_counter()
         if self.choice.form() == FUSED:
-            losses, hits = self._fused_step(inputs, targets)
+            step = self._fused_step if self._fused_ran else self._first_fused_step
+            losses, hits = step(inputs, targets)
         else:
             losses, hits = self._unfused_step(inputs, targets)
         if timing:
@@ -249,6 +251,27 @@ class FusedPool(LearnerPool):
             self._loss_sums.add_(torch.where(finite, losses.double() * n, 0.0))
             self._hit_counts.add_(torch.where(finite, hits.double(), 0.0))
             self._samples += n
+
+    def _first_fused_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first fused step, guarded: a network no fused form can run (vmap refuses control flow on
+        values, for one) trains with its replicas one after another instead, never refused."""
+        saved = self.buffers2d.clone()
+        try:
+            result = self._fused_step(inputs, targets)
+        except Exception as exc:  # any failure of the fused forms; the unfused form reports real errors
+            self.buffers2d.copy_(saved)
+            self.grads2d.zero_()
+            log.info(
+                "fused engine: no fused form runs %s (%s); its replicas run one after another",
+                type(self.learners[0].module).__name__,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
+            self.choice = FormChoice("never")
+            return self._unfused_step(inputs, targets)
+        self._fused_ran = True
+        return result
 
     def _fused_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward and backward of the fused network; (each replica's loss, its hits)."""

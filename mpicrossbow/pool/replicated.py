@@ -203,7 +203,7 @@ class Replication:
 
     def per_replica(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func`` once per replica on its slice (and its own parameters), the results stacked."""
-        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        name = getattr(func, "__name__", None) or repr(func)
         if name.endswith("_") and not name.endswith("__"):
             raise ContractError(f"the forward calls the in-place {name}")
         if name not in self.looped:

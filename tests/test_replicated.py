@@ -1,0 +1,212 @@
+"""The fused engine's path for any network, node kind by node kind: each equals the serial engine.
+
+Every case is a small network built around one kind of operator; the fused pool (``fuse = always``) must
+train exactly as the serial engine for a few steps (gradients every step, weights and running statistics
+after; test_fused.py's ``train_alongside``), run that operator for all replicas at once (nothing looped
+once per replica unless the case says so) and never need ``torch.func.vmap``. Then what the path cannot
+follow: an operator with no fused form runs once per replica (logged), and a forward it cannot follow falls
+back to vmap with the running statistics of the failed attempt restored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_fused import plain, pools, train_alongside
+from torch import nn
+
+from models.transformer import Tokens
+from mpicrossbow.data.dataset_model import DatasetModel
+from mpicrossbow.data.loader import LoaderOptions
+from mpicrossbow.pool.replicated_network import ReplicatedNetwork
+from mpicrossbow.pool.vmapped import VmappedNetwork
+
+
+class Conv1dNet(nn.Module):
+    """Conv1d (strided, grouped), BatchNorm1d over (N, C, L), MaxPool1d, AdaptiveAvgPool1d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 8, 3, stride=2, padding=1)
+        self.grouped = nn.Conv1d(8, 8, 3, padding=1, groups=2)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool1d(torch.relu(self.norm(self.grouped(self.conv(x)))), 2)
+        return self.head(F.adaptive_avg_pool1d(h, 1).flatten(1))
+
+
+class Conv2dNet(nn.Module):
+    """Conv2d, BatchNorm2d, GroupNorm, a residual forward, AvgPool2d, AdaptiveAvgPool2d, torch.flatten."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.conv2 = nn.Conv2d(6, 6, 3, padding=1, bias=False)
+        self.gn = nn.GroupNorm(2, 6)
+        self.fc = nn.Linear(6, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv1(x)))
+        h = F.relu(self.gn(self.conv2(h)) + h)
+        h = F.avg_pool2d(h, 2)
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(h, 1), 1))
+
+
+class ShapesNet(nn.Module):
+    """view, reshape, unflatten, permute, transpose, cat, chunk, indexing, unsqueeze, matmul of two
+    activations, softmax and a parameter used in arithmetic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.scale = nn.Parameter(torch.ones(4))
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.size(0)
+        h = self.proj(x.view(n, -1)).unflatten(1, (4, 4))  # (N, 4, 4)
+        h = h * self.scale + h.permute(0, 2, 1)
+        a, b = h.chunk(2, dim=-1)
+        h = torch.cat([a, b], dim=2).transpose(1, 2)
+        attn = torch.softmax(h @ h.transpose(-2, -1), dim=-1)
+        h = (attn @ h)[:, :3].unsqueeze(1).reshape(n, 12)
+        return self.head(h)
+
+
+class TokenNet(nn.Module):
+    """Embedding, LayerNorm, nn.MultiheadAttention (self-attention, batch first), a functional
+    scaled_dot_product_attention, GELU, dropout and a mean over tokens."""
+
+    def __init__(self, vocab: int = 32, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.norm = nn.LayerNorm(width)
+        self.ff = nn.Sequential(nn.Linear(width, 32), nn.GELU(), nn.Dropout(0.0), nn.Linear(32, width))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        h = self.norm(h + a)
+        q = h.view(*h.shape[:2], 2, 8).transpose(1, 2)
+        h = h + F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(h.shape)
+        return self.head(self.ff(h).mean(dim=1))
+
+
+def tokens(factory: Callable[[], nn.Module]) -> Any:
+    """``factory``'s network on random token sequences."""
+    return DatasetModel(factory, {}, Tokens(96), Tokens(32, seed=1), LoaderOptions())
+
+
+CASES: dict[str, Callable[[], Any]] = {
+    "conv1d-batchnorm1d-pool1d": lambda: plain(Conv1dNet, (2, 16), 3),
+    "conv2d-batchnorm-groupnorm-residual-pool2d": lambda: plain(Conv2dNet, (1, 8, 8), 10),
+    "shapes-and-functional-calls": lambda: plain(ShapesNet, (4, 4), 5),
+    "embedding-layernorm-attention": lambda: tokens(TokenNet),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_node_kind_fuses_and_equals_serial(name: str) -> None:
+    serial, fused = pools(CASES[name](), 3)
+    assert isinstance(fused.fused, ReplicatedNetwork)
+    train_alongside(serial, fused)
+    assert fused.fused.fallback is None
+    assert not fused.fused.looped, f"ran once per replica: {fused.fused.looped}"
+    assert serial.take_stats()[1] == fused.take_stats()[1]
+
+
+class DropoutNet(nn.Module):
+    """Dropout on the input, then a linear map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.drop(x.flatten(1)))
+
+
+def test_dropout_draws_a_mask_per_replica() -> None:
+    _, fused = pools(plain(DropoutNet, (1, 8, 8), 10), 3)
+    fused.params2d.copy_(fused.params2d[0].expand_as(fused.params2d))  # three identical replicas
+    x = torch.randn(1, 4, 1, 8, 8).expand(3, 4, 1, 8, 8)
+    fused.fused.train()
+    out = fused.fused(x)
+    assert not torch.equal(out[0], out[1]) and not torch.equal(out[1], out[2])
+    fused.fused.eval()
+    out = fused.fused(x)
+    assert torch.equal(out[0], out[1])
+
+
+class CumulativeNet(nn.Module):
+    """An operator without a fused form (cumulative product)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cumprod(torch.sigmoid(x.flatten(1)), dim=1))
+
+
+def test_an_operator_without_a_fused_form_runs_once_per_replica(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="mpicrossbow.pool"):
+        serial, fused = pools(plain(CumulativeNet, (1, 8, 8), 10), 3)
+        train_alongside(serial, fused)
+    assert fused.fused.looped == {"cumprod"} and fused.fused.fallback is None
+    assert "cumprod has no fused form here, so it runs once per replica" in caplog.text
+
+
+class ValueBranchNet(nn.Module):
+    """Batch norm first (its running statistics move), then a branch on the values: vmap's case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(64)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x.flatten(1))
+        return self.fc(torch.where(h > 0, h, -h)) if bool(h.sum() > -1e9) else self.fc(h)
+
+
+class DerivedWeightNet(nn.Module):
+    """A weight transformed outside any operator on the input (it would carry replica 0's values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 64) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1) @ self.weight.t()
+
+
+def test_a_forward_it_cannot_follow_falls_back_to_vmap(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="mpicrossbow.pool"):
+        serial, fused = pools(plain(DerivedWeightNet, (1, 8, 8), 10), 3)
+        train_alongside(serial, fused)
+    assert isinstance(fused.fused.fallback, VmappedNetwork) and fused.choice.chosen == "fused"
+    assert "computed from a parameter" in caplog.text and "run under torch.func.vmap instead" in caplog.text
+
+
+def test_a_network_no_fused_form_runs_trains_its_replicas_one_after_another(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Neither path follows a branch on values: the pool trains unfused, exactly as serial, and the batch
+    norm statistics the failed attempts moved are restored first."""
+    with caplog.at_level("INFO", logger="mpicrossbow.pool"):
+        serial, fused = pools(plain(ValueBranchNet, (1, 8, 8), 10), 3)
+        train_alongside(serial, fused)
+    assert fused.choice.chosen == "unfused"
+    assert "branches on a tensor's values" in caplog.text
+    assert "no fused form runs ValueBranchNet" in caplog.text and "run one after another" in caplog.text
