@@ -312,6 +312,54 @@ def median_seconds(fn: Any, repeat: int = 30) -> float:
     return statistics.median(times)
 
 
+def forward_paths(catalogue: dict[str, Any], m: int = 8, rounds: int = 5) -> str:
+    """The fused engine's two paths for a network the layer fuser cannot widen, side by side.
+
+    Its own ``forward()`` on every replica's values (the default) against ``torch.func.vmap`` over the
+    replicas (what it falls back to), both fused (``fuse = always``), alternating rounds of 20 steps on one
+    thread; median samples/s.
+    """
+    import torch
+
+    from mpicrossbow.config import OptimSection
+    from mpicrossbow.pool import FusedPool, PoolSpec
+    from mpicrossbow.pool.vmapped import VmappedNetwork
+
+    lines = [
+        f"The fused engine's paths for any network, m = {m}, 1 thread ({rounds} alternating rounds of 20 "
+        "steps, median samples/s):",
+        "",
+        "| model | batch/learner | own forward on every replica's values | torch.func.vmap | ratio |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    torch.set_num_threads(1)
+    for key in ("mnist1d", "transformer"):
+        label, model = catalogue[key]
+        for batch in (4, 16):
+            pools = {}
+            for name in ("replicated", "vmap"):
+                torch.manual_seed(0)
+                spec = PoolSpec(0, 1, batch, OptimSection(lr=0.01, momentum=0.9), torch.device("cpu"),
+                                learners=m, fuse="always")  # fmt: skip
+                pools[name] = FusedPool(model, spec)
+                pools[name].start_epoch(0)
+            pools["vmap"].fused.fallback = VmappedNetwork(pools["vmap"].fused.root, pools["vmap"].fused.slots)
+            states = {name: {"epoch": 0, "count": 0} for name in pools}
+            times: dict[str, list[float]] = {name: [] for name in pools}
+            for r in range(rounds + 1):
+                for name in pools if r % 2 == 0 else list(pools)[::-1]:
+                    t0 = time.perf_counter()
+                    run_steps(pools[name], 20, states[name])
+                    if r:  # the first round warms up
+                        times[name].append(time.perf_counter() - t0)
+            rate = {name: 20 * m * batch / statistics.median(t) for name, t in times.items()}
+            lines.append(
+                f"| {label} | {batch} | {rate['replicated']:,.0f} | {rate['vmap']:,.0f} "
+                f"| {rate['replicated'] / rate['vmap']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
 def layout_costs(catalogue: dict[str, Any], m: int = 8, batch: int = 16) -> str:
     """What the fused pool's strided views cost against the copy-in/copy-out alternative, per step.
 
@@ -383,7 +431,8 @@ def main() -> int:
                               rate["bound"], cpu_ratio, steps, rate.get("streams"), form)  # fmt: skip
                     rows.append(row)
                     print(table([row]).splitlines()[-1], flush=True)
-    text = table(rows) + ("\n\n" + layout_costs(catalogue) if device.type == "cpu" else "")
+    extra = "\n\n" + layout_costs(catalogue) + "\n\n" + forward_paths(catalogue)
+    text = table(rows) + (extra if device.type == "cpu" and not args.quick else "")
     print(text)
     if not args.no_write:
         write(rows, text, args)

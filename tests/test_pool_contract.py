@@ -27,7 +27,9 @@ from mpicrossbow.errors import CheckpointError, DataError
 from mpicrossbow.model.shard import Shard
 from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.engines import ENGINES
+from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.spec import PoolSpec
+from mpicrossbow.pool.vmapped import VmappedNetwork
 from mpicrossbow.training.checkpoint import FORMAT_VERSION, atomic_save, safe_load
 
 #: Engines that run only on a CUDA device; every other engine runs on the CPU.
@@ -36,6 +38,7 @@ OPTIM = OptimSection(lr=0.1, momentum=0.9)
 #: How each engine refuses the checkpoint of a 2-learner pool in a 1-learner pool (a CheckpointError).
 FEWER_LEARNERS = {
     "FUSED": "another model or learner count",
+    "FUSED-REPLICATED": "another model or learner count",
     "FUSED-VMAP": "another model or learner count",
     "FUSED-UNFUSED": "another model or learner count",
     "SERIAL": "checkpoint holds 2 learner(s) per rank, this pool has 1",
@@ -51,7 +54,8 @@ def engine_params() -> list[Any]:
         pytest.param(name, id=name.lower(), marks=[pytest.mark.cuda, no_gpu] if name in NEEDS_CUDA else [])
         for name in ENGINES.names()
     ] + [
-        pytest.param("FUSED-VMAP", id="fused-vmap"),  # the fused engine's path for networks it cannot widen
+        pytest.param("FUSED-REPLICATED", id="fused-replicated"),  # its path for any network
+        pytest.param("FUSED-VMAP", id="fused-vmap"),  # and for a forward that path cannot follow
         pytest.param("FUSED-UNFUSED", id="fused-unfused"),  # its replicas one after another (fuse = never)
     ]
 
@@ -70,31 +74,39 @@ def make_pool(
     """An ``engine`` pool of BatchNorm MLP replicas (torch seed ``seed``) on the digits."""
     torch.manual_seed(seed)
     spec = PoolSpec(rank, size, BATCH, OPTIM, device(engine), seed=SEED, learners=learners)
-    if engine == "FUSED-VMAP":
-        return ENGINES.get("FUSED")(WrappedNormedMLP(hidden=hidden), dataclasses.replace(spec, fuse="always"))
+    if engine in ("FUSED-REPLICATED", "FUSED-VMAP"):
+        model = WrappedNormedMLP(hidden=hidden, derived=engine == "FUSED-VMAP")
+        return ENGINES.get("FUSED")(model, dataclasses.replace(spec, fuse="always"))
     if engine == "FUSED-UNFUSED":
         return ENGINES.get("FUSED")(NormedMLP(hidden=hidden), dataclasses.replace(spec, fuse="never"))
     return ENGINES.get(engine)(NormedMLP(hidden=hidden), spec)
 
 
 class Wrapped(nn.Module):
-    """A network in a container of the user's own: the fused engine runs it through vmap."""
+    """A network in a container of the user's own: the fused engine runs its forward on every replica's
+    values; with ``derived`` a gain computed from a parameter outside any operator on the input, which
+    that path cannot follow: then vmap runs it."""
 
-    def __init__(self, body: nn.Module) -> None:
+    def __init__(self, body: nn.Module, derived: bool) -> None:
         super().__init__()
-        self.body = body
+        self.body, self.derived = body, derived
+        self.gain = nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The body's output."""
-        return self.body(x)
+        """The body's output times the gain."""
+        return self.body(x) * (self.gain.clone() if self.derived else self.gain)
 
 
 class WrappedNormedMLP(NormedMLP):
     """NormedMLP's replicas inside :class:`Wrapped`."""
 
+    def __init__(self, hidden: int = 8, derived: bool = False) -> None:
+        super().__init__(hidden=hidden)
+        self.derived = derived
+
     def module(self) -> nn.Module:
         """The same replica as NormedMLP's, wrapped."""
-        return Wrapped(super().module())
+        return Wrapped(super().module(), self.derived)
 
 
 def shards(learners: int, rank: int = 0, size: int = 1) -> list[Shard]:
@@ -290,3 +302,11 @@ def test_nonfinite_names_the_learner_whose_loss_is_not_finite(engine: str) -> No
     pool.learners[1].params.fill_(float("nan"))
     pool.compute(1)
     assert pool.nonfinite() == [1]
+
+
+def test_the_fused_bindings_take_the_paths_they_name() -> None:
+    """FUSED-REPLICATED runs its forward on every replica's values; FUSED-VMAP falls back to vmap."""
+    for engine, fallback in (("FUSED-REPLICATED", type(None)), ("FUSED-VMAP", VmappedNetwork)):
+        pool = make_pool(engine)
+        train(pool, 1)
+        assert isinstance(pool.fused, ReplicatedNetwork) and isinstance(pool.fused.fallback, fallback)

@@ -32,10 +32,11 @@ ops per layer — the same arithmetic, element by element.
 **Limits.** An elementwise optimizer (SGD, momentum, Nesterov, weight decay, Adam, AdamW, RMSprop) updates
 each replica exactly as its own optimizer would. Optimizers that couple elements of one tensor (LARS/LAMB
 trust ratios, norm-based clipping inside the optimizer, Shampoo) would mix replicas and are not supported.
-A network with a layer the layer-by-layer fuser does not know runs through ``torch.func.vmap`` instead
-(:mod:`.vmapped`): still one operator call for all replicas, never a silent serial loop; the log says which
-path was taken and which operators PyTorch itself had to loop over. Frozen parameters
-(``requires_grad=False``) are rejected.
+A network with a layer the layer-by-layer fuser does not know runs its own ``forward()`` once on every
+replica's values (:mod:`.replicated_network`): one operator call for all replicas where a rule exists, one
+call per replica where not, and ``torch.func.vmap`` (:mod:`.vmapped`) where that forward cannot be followed;
+a network no fused form runs trains its replicas one after another. The log says which path was taken and
+which operators ran once per replica. Frozen parameters (``requires_grad=False``) are rejected.
 """
 
 from __future__ import annotations

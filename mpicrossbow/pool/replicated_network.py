@@ -43,7 +43,7 @@ class ReplicatedNetwork(nn.Module):
         template = copy.deepcopy(root)
         object.__setattr__(self, "template", template)
         object.__setattr__(self, "root", root)
-        self._slots = slots
+        self.slots = slots
         rows: dict[int, torch.Tensor] = {}
         for name, param in root.named_parameters():
             rows[id(template.get_parameter(name))] = slots.param(param)
@@ -70,13 +70,13 @@ class ReplicatedNetwork(nn.Module):
             return self.fallback(x)
         if self._proven:
             return self._run(x)
-        saved = self._slots.buffers.clone()
+        saved = self.slots.buffers.clone()
         try:
             out = self._run(x)
         except ContractError as exc:
-            self._slots.buffers.copy_(saved)
+            self.slots.buffers.copy_(saved)
             log.info("fused engine: %s; the replicas run under torch.func.vmap instead", exc.args[0])
-            self.fallback = VmappedNetwork(self.root, self._slots)
+            self.fallback = VmappedNetwork(self.root, self.slots)
             self.fallback.train(self.training)
             return self.fallback(x)
         self._proven = True

@@ -1,8 +1,7 @@
-"""The fused engine's path for any network: m replicas run as one vectorised call of ``torch.func.vmap``.
+"""The fused engine's last path: m replicas run as one vectorised call of ``torch.func.vmap``.
 
-The layer-by-layer fuser (:mod:`.fuse`) knows a fixed set of layers and how to widen each (a grouped
-convolution, a batched matmul). Everything else — a ``Conv1d``, a ``LayerNorm``, attention, a residual
-``forward()`` written the usual way — takes this path: replica 0's module is the template, and
+A network whose forward :mod:`.replicated_network` cannot follow (a tensor computed from a parameter
+outside any operator on the input) takes this path: replica 0's module is the template, and
 ``vmap(functional_call(template, …))`` runs it over the replica dimension with every replica's parameters
 and buffers, so each operator runs once for all m replicas through PyTorch's batching rules (a convolution
 becomes one grouped convolution, a matmul one batched matmul), and operators without a batching rule are
