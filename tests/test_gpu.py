@@ -28,9 +28,10 @@ from mpicrossbow.data.arrays import ArrayDataset
 from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.data.loader import LoaderOptions
 from mpicrossbow.pool import FusedPool, SerialPool
+from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.spec import PoolSpec
+from mpicrossbow.pool.staging import PinnedStaging
 from mpicrossbow.pool.streams import StreamsPool
-from mpicrossbow.pool.vmapped import VmappedNetwork
 
 GPU_SH = REPO / "benchmarks" / "gpu.sh"
 GPU_MD = REPO / "benchmarks" / "results" / "gpu.md"
@@ -94,15 +95,30 @@ def assert_learners_close(serial: Any, other: Any, rtol: float, atol: float) -> 
         torch.testing.assert_close(b.buffers, a.buffers, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("make", [LeNet, mnist1d_cnn], ids=["lenet-layer-by-layer", "mnist1d-cnn-vmap"])
+@pytest.mark.parametrize(
+    "make", [LeNet, mnist1d_cnn], ids=["lenet-layer-by-layer", "mnist1d-cnn-replicated-forward"]
+)
 @pytest.mark.usefixtures("exact_cuda")
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_fused_equals_serial_on_cuda(make: Any) -> None:
     serial, fused = train_side_by_side(make(), FusedPool)
-    assert isinstance(fused.fused, VmappedNetwork) == (make is mnist1d_cnn)  # the path each model takes
+    assert isinstance(fused.fused, ReplicatedNetwork) == (make is mnist1d_cnn)  # the path each model takes
+    assert fused._staging is not None  # batches reached the GPU through pinned buffers
     assert_learners_close(serial, fused, rtol=1e-4, atol=1e-5)
     assert serial.take_stats()[1] == fused.take_stats()[1]  # the same hits
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_staging_never_overwrites_a_batch_in_flight() -> None:
+    """Ten stacked batches through the two alternating pinned buffers arrive intact and in order."""
+    staging = PinnedStaging(torch.device("cuda", 0))
+    sent = [[torch.full((4, 3), float(10 * step + j)) for j in range(2)] for step in range(10)]
+    arrived = [staging.stacked("inputs", batch) for batch in sent]
+    torch.cuda.synchronize()
+    for batch, got in zip(sent, arrived, strict=True):
+        assert got.is_cuda and torch.equal(got.cpu(), torch.stack(batch))
 
 
 @pytest.mark.usefixtures("exact_cuda")

@@ -59,6 +59,20 @@ class Conv2dNet(nn.Module):
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(h, 1), 1))
 
 
+class Conv3dNet(nn.Module):
+    """Conv3d (grouped too) and BatchNorm3d on volumes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 4, 3, padding=1)
+        self.grouped = nn.Conv3d(4, 4, 3, stride=2, padding=1, groups=2, bias=False)
+        self.norm = nn.BatchNorm3d(4)
+        self.fc = nn.Linear(4 * 2 * 2 * 2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.norm(self.grouped(F.relu(self.conv(x))))).flatten(1))
+
+
 class ShapesNet(nn.Module):
     """view, reshape, unflatten, permute, transpose, cat, chunk, indexing, unsqueeze, matmul of two
     activations, softmax and a parameter used in arithmetic."""
@@ -109,6 +123,7 @@ def tokens(factory: Callable[[], nn.Module]) -> Any:
 CASES: dict[str, Callable[[], Any]] = {
     "conv1d-batchnorm1d-pool1d": lambda: plain(Conv1dNet, (2, 16), 3),
     "conv2d-batchnorm-groupnorm-residual-pool2d": lambda: plain(Conv2dNet, (1, 8, 8), 10),
+    "conv3d-batchnorm3d": lambda: plain(Conv3dNet, (1, 4, 4, 4), 3),
     "shapes-and-functional-calls": lambda: plain(ShapesNet, (4, 4), 5),
     "embedding-layernorm-attention": lambda: tokens(TokenNet),
 }

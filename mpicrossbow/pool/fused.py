@@ -62,6 +62,7 @@ from .learner import evaluate
 from .replicated_network import ReplicatedNetwork
 from .serial import learner_data
 from .spec import PoolSpec
+from .staging import PinnedStaging
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,8 @@ class FusedPool(LearnerPool):
         self.datas, self._n_batch_train = learner_data(model, spec)
         self._iters: list[TimedBatches] = []
         self._waited = [0.0]
+        #: Pinned, asynchronous host → device copies of the stacked batches (CUDA only).
+        self._staging = PinnedStaging(device) if device.type == "cuda" else None
 
         param_lists, buffer_lists = _replica_tensors(replicas, owner)
         first_params, first_buffers = param_lists[0], buffer_lists[0]
@@ -203,6 +206,8 @@ class FusedPool(LearnerPool):
             x, y = next_batch(batches, count, self.n_batch_train)
             inputs.append(x)
             targets.append(y)
+        if self._staging is not None and inputs[0].device.type == "cpu":
+            return self._staging.stacked("inputs", inputs), self._staging.stacked("targets", targets)
         x, y = torch.stack(inputs), torch.stack(targets)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 

@@ -9,7 +9,8 @@ A replica's tensor of shape ``S`` is held as ``data`` of shape ``(m, *S)``. Rule
   dimension moves up by one; a reduction over everything (no ``dim``) runs once per replica instead;
 * **shapes** (``view``, ``reshape``, ``expand``, ``permute``, indexing): ``m`` goes in front;
 * **layers with weights**: ``linear`` → one batched matmul; ``conv1d``/``conv2d`` → a grouped convolution,
-  m convolutions or im2col + one batched matmul, timed per call site (as the layer fuser does); batch norm,
+  m convolutions or im2col + one batched matmul, timed per call site (as the layer fuser does); ``conv3d``
+  → one grouped convolution; batch norm,
   group norm → one call over m × C channels with each replica's statistics; layer norm → one call, then
   each replica's affine; embedding → one lookup in the m tables stacked; self-attention
   (``multi_head_attention_forward`` without masks) → batched projections and one
@@ -243,6 +244,33 @@ def conv(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     data = x.data.unsqueeze(-2) if one_d else x.data
     y = batched(layer(data), ctx.m)
     return ctx.wrap(y.squeeze(-2) if one_d else y)
+
+
+def conv3d(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``F.conv3d`` with a replica's kernel: one grouped convolution over m × C channels."""
+    call = arguments(
+        "input weight bias stride padding dilation groups",
+        args,
+        kwargs,
+        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
+    )
+    x, weight, bias = call.input, ctx.rows(call.weight), ctx.rows(call.bias)
+    if not isinstance(x, Replicated) or weight is None or x.ndim != 5:
+        return NotImplemented
+    if call.bias is not None and bias is None:
+        return NotImplemented
+    m = ctx.m
+    flat_bias = bias.reshape(-1) if bias is not None else None
+    y = F.conv3d(
+        _channels_together(x.data),
+        weight.reshape(-1, *weight.shape[2:]),
+        flat_bias,
+        call.stride,
+        call.padding,
+        call.dilation,
+        call.groups * m,
+    )
+    return ctx.wrap(_channels_apart(y, m))
 
 
 def _channels_together(data: torch.Tensor) -> torch.Tensor:
@@ -542,6 +570,7 @@ RULES: dict[Any, Rule] = {
     F.linear: linear,
     F.conv1d: conv,
     F.conv2d: conv,
+    F.conv3d: conv3d,
     F.batch_norm: batch_norm,
     F.group_norm: group_norm,
     F.layer_norm: layer_norm,
