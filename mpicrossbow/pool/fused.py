@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import OptimSection
+from ..data.joint import JointBatches
 from ..errors import CheckpointError, ContractError
 from ..model.contract import TorchModel
 from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
@@ -196,11 +197,20 @@ class FusedPool(LearnerPool):
         return self._n_batch_train
 
     def start_epoch(self, epoch: int) -> None:
-        """Start every learner's reshuffled pass over its shard."""
-        self._iters = [TimedBatches(d.train_batches(epoch), self._waited) for d in self.datas]
+        """Start every learner's reshuffled pass over its shard (one joint pass where the data allows)."""
+        if JointBatches.serves(self.datas):
+            self._iters = [TimedBatches(JointBatches(self.datas, epoch), self._waited)]
+        else:
+            self._iters = [TimedBatches(d.train_batches(epoch), self._waited) for d in self.datas]
 
     def _next_batches(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every learner's next batch, stacked to ``(m, N, …)`` inputs and ``(m, N)`` targets."""
+        if isinstance(self._iters[0].batches, JointBatches):
+            x, y = next_batch(self._iters[0], count, self.n_batch_train)
+            if self._staging is not None:
+                staged = self._staging.stacked
+                return staged("inputs", x.unbind()), staged("targets", y.unbind())
+            return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         inputs, targets = [], []
         for batches in self._iters:
             x, y = next_batch(batches, count, self.n_batch_train)
