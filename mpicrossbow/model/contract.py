@@ -64,17 +64,21 @@ class TorchModel:
 
     def optimizer(self, params: Any, optim: OptimSection) -> torch.optim.Optimizer:
         """The local optimizer of one replica; SGD with ``[optim]``'s lr, momentum and weight decay."""
-        return torch.optim.SGD(
-            params,
-            lr=optim.lr,
-            momentum=optim.momentum,
-            weight_decay=optim.weight_decay,
-            nesterov=optim.nesterov,
-        )
+        return torch.optim.SGD(params, **sgd_settings(optim))
 
     def correct(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor | int:
         """Number of top-1 hits in a batch (a 0-dim tensor avoids a device sync per step)."""
         return (output.argmax(dim=1) == target).sum()
+
+
+def sgd_settings(optim: OptimSection) -> dict[str, Any]:
+    """The default recipe's ``torch.optim.SGD`` keywords from ``[optim]`` (every engine builds it alike)."""
+    return {
+        "lr": optim.lr,
+        "momentum": optim.momentum,
+        "weight_decay": optim.weight_decay,
+        "nesterov": optim.nesterov,
+    }
 
 
 def search_working_directory() -> None:

@@ -54,7 +54,7 @@ from torch import nn
 from ..config import OptimSection
 from ..data.joint import JointBatches
 from ..errors import CheckpointError, ContractError
-from ..model.contract import TorchModel
+from ..model.contract import TorchModel, sgd_settings
 from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
 from .flat import empty_flat, point_grads_into, point_into
 from .form import FUSED, FormChoice
@@ -478,14 +478,7 @@ def rows_sgd(rows: list[nn.Parameter], optim: OptimSection) -> torch.optim.Optim
     """
     if rows[0].dtype not in (torch.float32, torch.float64):
         return None
-    return torch.optim.SGD(
-        rows,
-        lr=optim.lr,
-        momentum=optim.momentum,
-        weight_decay=optim.weight_decay,
-        nesterov=optim.nesterov,
-        fused=True,
-    )
+    return torch.optim.SGD(rows, **sgd_settings(optim), fused=True)
 
 
 def _offsets(tensors: list[torch.Tensor]) -> dict[int, int]:

@@ -90,13 +90,24 @@ def replica_rank(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return max(v.ndim for v in _values(args, kwargs) if isinstance(v, Replicated))
 
 
-def elementwise(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """An elementwise operator on the stacked values; an in-place one returns its (same) first operand."""
+def aligned(
+    ctx: Replication, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]] | None:
+    """Every argument as an operand at the highest replica rank among them (:func:`align`); None where one
+    cannot be (the operator then runs once per replica)."""
     rank = replica_rank(args, kwargs)
     try:
-        a, k = _mapped(lambda v: align(ctx, v, rank), args, kwargs)
+        return _mapped(lambda v: align(ctx, v, rank), args, kwargs)
     except _Loop:
+        return None
+
+
+def elementwise(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An elementwise operator on the stacked values; an in-place one returns its (same) first operand."""
+    operands = aligned(ctx, args, kwargs)
+    if operands is None:
         return NotImplemented
+    a, k = operands
     result = func(*a, **k)
     if isinstance(args[0], Replicated) and result is a[0]:
         return args[0]
@@ -365,13 +376,13 @@ def embedding(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[s
 
 def attention(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.scaled_dot_product_attention`` over the stacked values (it takes any leading dimensions)."""
-    rank = replica_rank(args, kwargs)
-    try:
-        a, k = _mapped(lambda v: align(ctx, v, rank), args, kwargs)
-    except _Loop:
+    operands = aligned(ctx, args, kwargs)
+    if operands is None:
         return NotImplemented
+    a, k = operands
     q = a[0]
-    if q.ndim >= 4 and len(a) == 3 and not k.get("attn_mask") and all(t.shape[:2] == q.shape[:2] for t in a):
+    merge = len(a) == 3 and k.get("attn_mask") is None and q.ndim >= 4
+    if merge and all(t.shape[:2] == q.shape[:2] for t in a):
         # m and the first batch dimension merged: CPU attention kernels take 4-D inputs fastest.
         y = func(*(t.reshape(-1, *t.shape[2:]) for t in a), **k)
         return ctx.wrap(y.view(*q.shape[:2], *y.shape[1:]))
