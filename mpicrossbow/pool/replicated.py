@@ -96,6 +96,16 @@ class Replicated:
         """The values' layout (strided)."""
         return self.data.layout
 
+    @property
+    def mT(self) -> Any:
+        """The last two dimensions swapped."""
+        return self.ctx.call(torch.Tensor.transpose, (self, -2, -1), {})
+
+    @property
+    def T(self) -> Any:
+        """A 2-D replica tensor transposed."""
+        return self.ctx.call(torch.Tensor.t, (self,), {})
+
     def __bool__(self) -> bool:
         """Control flow on tensor values cannot run once for every replica."""
         raise ContractError("the forward branches on a tensor's values")

@@ -73,9 +73,10 @@ class ReplicatedNetwork(nn.Module):
         saved = self.slots.buffers.clone()
         try:
             out = self._run(x)
-        except ContractError as exc:
+        except Exception as exc:  # what this path cannot follow, or an operator it mishandles: vmap's turn
             self.slots.buffers.copy_(saved)
-            log.info("fused engine: %s; the replicas run under torch.func.vmap instead", exc.args[0])
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            log.info("fused engine: %s; the replicas run under torch.func.vmap instead", reason)
             self.fallback = VmappedNetwork(self.root, self.slots)
             self.fallback.train(self.training)
             return self.fallback(x)

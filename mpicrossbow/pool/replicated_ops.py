@@ -517,7 +517,22 @@ _ELEMENTWISE = [
     F.threshold,
     F.dropout,
     F.alpha_dropout,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.full_like,
+    torch.empty_like,
+    torch.rand_like,
+    torch.randn_like,
 ]
+
+def padded(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``F.pad`` with constant padding: it pads the last dimensions, the same in the stacked values."""
+    call = arguments("input pad mode value", args, kwargs, {"mode": "constant", "value": None})
+    x = call.input
+    if not isinstance(x, Replicated) or call.mode != "constant" or len(call.pad) > 2 * x.ndim:
+        return NotImplemented
+    return ctx.wrap(F.pad(x.data, call.pad, "constant", call.value))
+
 
 #: Operator → its rule for every replica at once; anything else runs once per replica.
 RULES: dict[Any, Rule] = {
@@ -573,6 +588,7 @@ RULES: dict[Any, Rule] = {
     **dict.fromkeys((T.chunk, torch.chunk, T.split, torch.split), dims((2, "dim", 0))),
     **dict.fromkeys((torch.cat, torch.concat, torch.stack), dims((1, "dim", 0))),
     F.normalize: dims((2, "dim", 1)),
+    F.pad: padded,
     **dict.fromkeys((T.view, T.reshape, torch.reshape, T.expand), reshaped),
     **dict.fromkeys((T.permute, torch.permute), permuted),
     T.t: transposed_2d,
