@@ -525,6 +525,7 @@ _ELEMENTWISE = [
     torch.randn_like,
 ]
 
+
 def padded(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.pad`` with constant padding: it pads the last dimensions, the same in the stacked values."""
     call = arguments("input pad mode value", args, kwargs, {"mode": "constant", "value": None})
