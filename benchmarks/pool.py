@@ -444,7 +444,7 @@ def write(rows: list[Row], text: str, args: argparse.Namespace) -> None:
     of CPU rows."""
     head = (
         f"{args.rounds} alternating timed rounds per engine (median) of about {args.round_seconds} s "
-        "each, after 2 warm-up steps (the fused engine's also after its choice of form: 8 more steps, "
+        "each, after 2 warm-up steps (the fused engine's until it has chosen its form, "
         "[pool] fuse = auto); one step = every learner's batch assembly, forward, backward and SGD "
         "step "
         "(momentum 0.9, weight decay 5e-4). samples/s = m × batch × steps ÷ wall time; 'by CPU time' is "

@@ -6,16 +6,17 @@ convolutions that oneDNN runs slower than plain ones, batched matmuls, the repli
 every operator) makes it slower than m plain replicas (measured: 0.77–0.86× at batch 128 on ResNet-20 and
 LeNet, benchmarks/results/pool.md). Whether it pays depends on the model, the batch and the device, so it is
 measured rather than guessed: with ``[pool] fuse = auto`` the first training steps alternate the two forms —
-one untimed warm-up step each, then ``rounds`` timed steps each in the order ABBA… — and the form with the
-smaller median forward + backward time is kept. Both forms compute every replica's own forward and backward
-on the same storage (same parameters, gradients and running statistics), so the trial steps are real
-training steps: nothing is thrown away, and the choice changes only speed and float round-off.
+one untimed warm-up step each, then ``rounds`` timed steps each in the order ABBA… — and the form whose
+fastest forward + backward is faster is kept (load from other processes only adds time, so the minimum is
+the steadiest estimate; a median of three once kept the slower form of an MLP at batch 128). Both forms
+compute every replica's own forward and backward on the same storage (same parameters, gradients and
+running statistics), so the trial steps are real training steps: nothing is thrown away, and the choice
+changes only speed and float round-off.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ class FormChoice:
     """
 
     mode: str = "auto"
-    rounds: int = 3
+    rounds: int = 4
     #: The form every later step runs; None while ``auto`` is still timing.
     chosen: str | None = field(default=None, init=False)
     #: Timed seconds per form (the trial's record, logged with the decision).
@@ -69,13 +70,13 @@ class FormChoice:
         if timed and seconds is not None:
             self.times[form].append(seconds)
         if not self._schedule:
-            medians = {f: statistics.median(t) for f, t in self.times.items()}
-            self.chosen = min(medians, key=medians.__getitem__)
+            fastest = {f: min(t) for f, t in self.times.items()}
+            self.chosen = min(fastest, key=fastest.__getitem__)
             log.info(
                 "fused engine: forward + backward %.3f ms a step fused, %.3f ms one replica after another; "
                 "runs %s from now on",
-                medians[FUSED] * 1e3,
-                medians[UNFUSED] * 1e3,
+                fastest[FUSED] * 1e3,
+                fastest[UNFUSED] * 1e3,
                 "fused" if self.chosen == FUSED else "the replicas one after another",
             )
 
