@@ -326,3 +326,9 @@ def test_auto_times_both_forms_then_keeps_one(caplog: pytest.LogCaptureFixture) 
     assert len(fused.choice.times["fused"]) == len(fused.choice.times["unfused"]) == fused.choice.rounds
     assert "ms a step fused" in caplog.text and "ms one replica after another" in caplog.text
     assert_rows_equal(serial, fused, "params")
+
+
+def test_auto_runs_one_learner_unfused_without_a_trial() -> None:
+    """One learner has nothing to fuse: ``fuse = auto`` keeps it the plain replica it is from step 0."""
+    _, fused = pools(MLP(hidden=32), 1, fuse="auto")
+    assert fused.choice.chosen == "unfused" and fused.choice.steps_to_decide == 0

@@ -188,7 +188,8 @@ class FusedPool(LearnerPool):
         self._last_losses = torch.zeros(learners, device=device)
         for j, learner in enumerate(self.learners):  # a view: a fault injected into it is seen by nonfinite()
             learner.last_loss = self._last_losses[j]
-        self.choice = FormChoice(spec.fuse)
+        # One learner has nothing to fuse: auto runs it as the plain replica it is, without a trial.
+        self.choice = FormChoice("never" if spec.fuse == "auto" and learners == 1 else spec.fuse)
         self._fused_ran = False
 
     @property
