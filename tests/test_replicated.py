@@ -19,10 +19,14 @@ import torch.nn.functional as F
 from test_fused import plain, pools, train_alongside
 from torch import nn
 
+from models.imagenet_resnet import resnet50
 from models.transformer import Tokens
+from mpicrossbow.config import OptimSection
 from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.data.loader import LoaderOptions
+from mpicrossbow.pool import FusedPool
 from mpicrossbow.pool.replicated_network import ReplicatedNetwork
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.pool.vmapped import VmappedNetwork
 
 
@@ -138,6 +142,26 @@ def test_each_node_kind_fuses_and_equals_serial(name: str) -> None:
     assert fused.fused.fallback is None
     assert not fused.fused.looped, f"ran once per replica: {fused.fused.looped}"
     assert serial.take_stats()[1] == fused.take_stats()[1]
+
+
+def test_resnet50_in_torchvision_layout_runs_fused_and_equals_each_replica() -> None:
+    """ResNet-50's Bottleneck blocks (1×1 and strided 3×3 convolutions, downsampling shortcuts): the fused
+    training forward of 2 replicas equals each replica's own, every operator fused. (Training is what the
+    ResNet-18 case of test_fused.py checks; ResNet-50's 2 × 25.6 M parameters make its training slow here.
+    64×64 images keep layer4's maps at 2×2: batch norm over 1×1 maps of 2 samples turns float round-off
+    into differences of order 1, in float64 too, measured.)"""
+    torch.manual_seed(0)
+    model = plain(lambda: resnet50(num_classes=4), (3, 64, 64), 4)
+    fused = FusedPool(
+        model, PoolSpec(0, 1, 2, OptimSection(), torch.device("cpu"), learners=2, fuse="always")
+    )
+    x = torch.randn(2, 2, 3, 64, 64)
+    fused.fused.train()
+    out = fused.fused(x)
+    assert fused.fused.fallback is None and not fused.fused.looped
+    for j, learner in enumerate(fused.learners):
+        learner.module.train()
+        torch.testing.assert_close(out[j], learner.module(x[j]), rtol=1e-3, atol=1e-3)
 
 
 class DropoutNet(nn.Module):
