@@ -217,14 +217,15 @@ def linear(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str,
     return ctx.wrap(y.view(*x.data.shape[:-1], y.shape[-1]))
 
 
+def conv_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The arguments of ``F.conv1d`` / ``conv2d`` / ``conv3d``, with their defaults, as a namespace."""
+    defaults = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+    return arguments("input weight bias stride padding dilation groups", args, kwargs, defaults)
+
+
 def conv(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.conv1d`` / ``F.conv2d`` with a replica's kernel, in the fastest of three forms per call site."""
-    call = arguments(
-        "input weight bias stride padding dilation groups",
-        args,
-        kwargs,
-        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
-    )
+    call = conv_arguments(args, kwargs)
     x, weight = call.input, ctx.rows(call.weight)
     one_d = func is F.conv1d
     if not isinstance(x, Replicated) or weight is None or x.ndim != (3 if one_d else 4):
@@ -259,12 +260,7 @@ def conv(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
 
 def conv3d(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.conv3d`` with a replica's kernel: one grouped convolution over m × C channels."""
-    call = arguments(
-        "input weight bias stride padding dilation groups",
-        args,
-        kwargs,
-        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
-    )
+    call = conv_arguments(args, kwargs)
     x, weight, bias = call.input, ctx.rows(call.weight), ctx.rows(call.bias)
     if not isinstance(x, Replicated) or weight is None or x.ndim != 5:
         return NotImplemented
