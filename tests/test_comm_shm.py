@@ -19,7 +19,7 @@ from mpicrossbow.config import CommSection, load_config
 from mpicrossbow.errors import ConfigError
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "shm_check.py"
-CHECKS = ["one_node", "chunks", "two_nodes", "every_rank_a_node", "shared_buffer", "mismatch", "factory"]
+CHECKS = ["one_node", "chunks", "two_nodes", "every_rank_a_node", "shared_buffer", "share", "mismatch", "factory"]
 SHM = Path("/dev/shm")
 
 
@@ -52,7 +52,7 @@ def test_shared_memory_allreduce(comm_job: Callable[[int], CommJob], n: int) -> 
 
 @pytest.mark.mpi
 def test_no_segment_left_after_a_rank_fails(mpiexec: str) -> None:
-    """A rank raises with windows in use and the job is aborted: no window segment stays behind.
+    """A rank raises with windows and shared tensors in use and the job is aborted: no segment stays behind.
 
     (MPICH's own intra-node segment, mapped before any window, is left by MPI_Abort whether or not the job
     made a window — measured with a job that only calls Allreduce and Abort — so only windows count.)"""

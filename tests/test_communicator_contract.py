@@ -276,6 +276,26 @@ def check_in_place(s: Subject, f: Findings) -> None:
     f.settle()
 
 
+def check_share(s: Subject, f: Findings) -> None:
+    """``share`` (a pool's flat buffer, placed for the exchange) keeps the values, and a view taken before it
+    keeps seeing the tensor: sums of the whole tensor and of a slice land in both, every step alike."""
+    c = s.comm
+    t = data(c.rank, N, device=s.device)
+    window = t[10:20]
+    c.share(t)
+    f.equal(t, data(c.rank, N, device=s.device), "share changed the values")
+    for step in range(2):
+        t.copy_(data(c.rank, N, device=s.device))
+        c.allreduce(t)
+        want = reduced(c, ReduceOp.SUM, range(c.size), N)
+        f.equal(t, want, f"step {step}: sum of the shared tensor")
+        f.equal(window, want[10:20], f"step {step}: view taken before share")
+        t[: N // 2].copy_(data(c.rank, N // 2, device=s.device))
+        c.allreduce(t[: N // 2])
+        f.equal(t[: N // 2], reduced(c, ReduceOp.SUM, range(c.size), N // 2), f"step {step}: sum of a slice")
+    f.settle()
+
+
 def check_broadcast(s: Subject, f: Findings) -> None:
     """From every root, blocking and async, several dtypes: every rank (the root too) ends with the root's
     values as they travel."""

@@ -150,6 +150,12 @@ class Communicator(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot tell which ranks share a node")
 
+    def share(self, tensor: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Place ``tensor``'s memory where this group sums it fastest: collective, every rank passes a tensor
+        of the same size, views of it keep working. A no-op here; the shared-memory communicator moves it
+        into node-shared memory, so its allreduces copy nothing in or out. Callers share the buffers they
+        exchange every step (the pool's flat storage, a rule's exchange buffer), once."""
+
     @property
     def overlaps(self) -> bool:
         """Whether ``allreduce(..., async_op=True)`` proceeds while the caller computes: True for MPI's

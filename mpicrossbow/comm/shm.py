@@ -25,10 +25,15 @@ header and polls the others' (``MPI_Win_sync`` between polls, the core yielded a
 sync of every allreduce the ranks compare what they are reducing (size, dtype, path) and all raise the same
 ``ValueError`` if they differ, instead of summing unrelated memory.
 
-**No copy at all**: :meth:`SharedMemoryCommunicator.shared_buffer` hands out a tensor that lives in its own
-shared window. An allreduce of it (or of a slice at the same offset on every rank) skips steps 1 and 4:
-node rank r sums slice r of every rank's buffer (same order) and writes the sum into all of them — one read
-and one write of the buffer per rank, the traffic of one memcpy.
+**No copy at all**: :meth:`SharedMemoryCommunicator.share` moves a tensor's memory (its whole storage, so
+every view follows) into a node-shared segment in place and maps every node peer's counterpart; the session
+does this for the pool's flat parameter, gradient and buffer storage and the rules for their exchange
+buffers, so it is the default path of training. (:meth:`SharedMemoryCommunicator.shared_buffer` hands out a
+fresh tensor in its own window instead.) An allreduce of such a tensor (or of a slice at the same offset on
+every rank) skips steps 1 and 4: node rank r sums slice r of every rank's buffer (same order) and writes the
+sum into all of them — one read and one write of the buffer per rank, the traffic of one memcpy. Across
+nodes the leaders then allreduce their node sums in place and the other ranks copy the result from their
+leader's buffer (one copy instead of two; 16-bit dtypes take the copying path there, to sum in float32).
 
 Summation order, bit for bit: the sum is ``S = Σ_nodes N_k`` with ``N_k = ((x_0 + x_1) + x_2) + ...`` over
 node k's ranks in node-rank order, each addition rounded in the accumulation dtype (float32 for float32,
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Literal
 
 import numpy as np
@@ -149,11 +155,75 @@ class _Buffer:
         mine = self.segments[node.Get_rank()]
         self.start, self.stop = mine.data_ptr(), mine.data_ptr() + mine.numel()
 
+    def alive(self) -> bool:
+        """Always: the window lives until :meth:`free`."""
+        return True
+
     def free(self) -> None:
         """End the epoch and free the window (collective over the node)."""
         self.segments = []
         self.win.Unlock_all()
         self.win.Free()
+
+
+class _Moved:
+    """A tensor's storage moved into node-shared memory in place (torch's descriptor-backed shared memory,
+    a mechanism of ``torch.multiprocessing``), with every node peer's counterpart mapped (:func:`_map_peers`).
+
+    Valid while the tensor handed to :meth:`SharedMemoryCommunicator.share` lives (a weak reference): a pool
+    that rebuilds its buffers drops the old entry, and memory reused at the same address is never mistaken
+    for it. The memory is freed when the last process unmaps it.
+    """
+
+    def __init__(self, owner: torch.Tensor, segments: list[torch.Tensor]) -> None:
+        self.owner = weakref.ref(owner)
+        self.segments = segments
+        self.start = owner.untyped_storage().data_ptr()
+        self.stop = self.start + owner.untyped_storage().nbytes()
+
+    def alive(self) -> bool:
+        """Whether the tensor it was made for still exists and still holds this storage."""
+        owner = self.owner()
+        return owner is not None and owner.untyped_storage().data_ptr() == self.start
+
+    def free(self) -> None:
+        """Drop the mappings (local: each process unmaps its own)."""
+        self.segments = []
+
+
+def _map_peers(
+    gathered: list[tuple[int, int, int] | None], me: int, storage: torch.UntypedStorage
+) -> list[torch.Tensor] | None:
+    """Every node rank's segment as bytes (this rank's own ``storage``), from the ``(pid, fd, bytes)`` each
+    published; None if a segment is missing, of another size, or cannot be opened.
+
+    torch's descriptor-backed shared memory has no name from the start (``shm_open`` then ``shm_unlink``):
+    nothing can be left in ``/dev/shm``, however a job ends — a job ended by ``MPI_Abort`` kills torch's
+    shared-memory manager, which would otherwise leave named segments behind (measured). A peer opens the
+    owner's descriptor through ``/proc/<pid>/fd``, which Linux allows between processes of one user.
+    """
+    segments = []
+    for q, entry in enumerate(gathered):
+        if entry is None or entry[2] != storage.nbytes():
+            return None
+        if q == me:
+            segments.append(_bytes_of(storage))
+            continue
+        pid, fd, nbytes = entry
+        try:
+            opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        except OSError:
+            return None
+        try:
+            segments.append(_bytes_of(torch.UntypedStorage._new_shared_fd_cpu(opened, nbytes)))
+        finally:
+            os.close(opened)
+    return segments
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The whole storage as a flat uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 class SharedMemoryCommunicator(MPICommunicator):
@@ -199,7 +269,7 @@ class SharedMemoryCommunicator(MPICommunicator):
         self.window_bytes = window_bytes
         self.min_bytes = min_bytes
         self._window: _Window | None = None
-        self._buffers: list[_Buffer] = []
+        self._buffers: list[_Buffer | _Moved] = []
         self._tiles: dict[torch.dtype, torch.Tensor] = {}
         self._parity = 0
 
@@ -251,8 +321,8 @@ class SharedMemoryCommunicator(MPICommunicator):
         self._ensure_window()
         flat = tensor.detach().view(-1)
         nbytes = flat.numel() * flat.element_size()
-        buffer = next((b for b in self._buffers if b.start <= flat.data_ptr() < b.stop), None)
-        if buffer is not None and self.nodes == 1:
+        buffer = self._shared_holding(flat)
+        if buffer is not None and (self.nodes == 1 or flat.dtype == ACCUMULATE[flat.dtype]):
             self._in_place(flat, buffer, flat.data_ptr() - buffer.start)
             return DoneHandle()
         self._publish(0, 0, nbytes, flat.dtype)
@@ -272,6 +342,53 @@ class SharedMemoryCommunicator(MPICommunicator):
             log.debug(
                 "shared window: %d B per slot, %d rank(s) on this node", self.window_bytes, self.node_size
             )
+
+    def _shared_holding(self, flat: torch.Tensor) -> _Buffer | _Moved | None:
+        """The shared buffer ``flat`` lies in, if any (entries whose tensor is gone are dropped first)."""
+        for stale in [b for b in self._buffers if not b.alive()]:
+            stale.free()
+            self._buffers.remove(stale)
+        ptr = flat.data_ptr()
+        return next((b for b in self._buffers if b.start <= ptr and ptr + flat.nbytes <= b.stop), None)
+
+    def share(self, tensor: torch.Tensor) -> None:
+        """Move ``tensor``'s storage into node-shared memory in place and map the node peers' (collective over
+        the node; every rank passes a tensor with a storage of the same size). Every view of the storage
+        follows (a pool's module parameters, its learners' flat rows); allreduces of it then take the
+        zero-copy path. Tensors this path never sums (not a float CPU tensor, or a storage under
+        ``min_bytes``) are left where they are, on every rank alike; so is a storage some rank cannot share
+        (one shared another way already, or a peer's memory it may not open), with a warning.
+        """
+        storage = tensor.untyped_storage()
+        if (
+            self._closed
+            or tensor.device.type != "cpu"
+            or tensor.dtype not in ACCUMULATE
+            or storage.nbytes() < max(self.min_bytes, 1)
+        ):
+            return
+        problem = ""
+        try:
+            fd, _ = storage._share_fd_cpu_()
+            mine: tuple[int, int, int] | None = (os.getpid(), fd, storage.nbytes())
+        except RuntimeError as exc:  # a storage shared another way already (a DataLoader worker's, say)
+            mine, problem = None, str(exc).splitlines()[0]
+        gathered = self._node.allgather(mine)
+        segments = _map_peers(gathered, self._node.Get_rank(), storage) if mine else None
+        if segments is None and not problem:
+            problem = "a node peer's segment could not be opened through /proc"
+        reasons = self._node.allgather(problem)
+        if any(reasons):
+            log.warning(
+                "shared memory: a %d B buffer stays private, its allreduces copy in and out (%s)",
+                storage.nbytes(),
+                "; ".join(f"node rank {q}: {r}" for q, r in enumerate(reasons) if r),
+            )
+            return
+        assert segments is not None
+        self._buffers = [b for b in self._buffers if b.start != storage.data_ptr()]
+        self._buffers.append(_Moved(tensor, segments))
+        log.debug("shared memory: %d B buffer shared with %d node rank(s)", storage.nbytes(), len(gathered))
 
     def shared_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A zeroed 1-D CPU tensor that lives in node-shared memory (collective over the node; every rank
@@ -309,9 +426,10 @@ class SharedMemoryCommunicator(MPICommunicator):
             )
             raise ValueError(f"ranks called allreduce on different buffers: {described}")
 
-    def _in_place(self, flat: torch.Tensor, buffer: _Buffer, offset: int) -> None:
+    def _in_place(self, flat: torch.Tensor, buffer: _Buffer | _Moved, offset: int) -> None:
         """Zero-copy allreduce of a slice of a shared buffer: sync; node rank r sums slice r of every
-        rank's buffer, tile by tile (the accumulator stays in cache), and writes it into all of them; sync."""
+        rank's buffer, tile by tile (the accumulator stays in cache), and writes it into all of them; sync.
+        Several nodes: then the leaders allreduce in place, sync, the others copy their leader's, sync."""
         dtype, acc = flat.dtype, ACCUMULATE[flat.dtype]
         n, p, me, nbytes = (
             flat.numel(),
@@ -340,6 +458,13 @@ class SharedMemoryCommunicator(MPICommunicator):
             for term in terms:
                 term.copy_(out)
         self._sync()
+        if self.nodes > 1:
+            if self._leaders != MPI.COMM_NULL:
+                self._leaders.Allreduce(MPI.IN_PLACE, flat.numpy(), MPI.SUM)
+            self._sync()
+            if me:
+                flat.copy_(views[0])
+            self._sync()  # the leader's buffer is read until here
 
     def _scratch(self, acc: torch.dtype) -> torch.Tensor:
         """A private accumulator tile per accumulation dtype."""

@@ -73,6 +73,7 @@ class Rule:
         """Attach to the communicator and pool; every learner starts from rank 0's learner 0, bit for bit
         (the broadcast bypasses ``[comm] compression``)."""
         self.comm, self.pool = comm, pool
+        self.share_pool()
         first = pool.learners[0]
         for flat in (first.params, first.buffers):
             if flat.numel():
@@ -82,6 +83,17 @@ class Rule:
             learner.buffers.copy_(first.buffers)
         self.on_bind()
         return self
+
+    def share_pool(self) -> None:
+        """Let the communicator place learner 0's flat parameters, gradients and buffers (on the fused
+        engine: all learners' rows, one storage each) where it sums them without copying; collective.
+        :meth:`average` sums into exactly these."""
+        assert self.comm is not None and self.pool is not None
+        first = self.pool.learners[0]
+        for attr in ("params", "grads", "buffers"):
+            flat = getattr(first, attr, None)
+            if isinstance(flat, torch.Tensor) and flat.numel():
+                self.comm.share(flat)
 
     def on_bind(self) -> None:
         """Allocate rule state once comm and pool are known."""
@@ -99,6 +111,12 @@ class Rule:
     def eval_params(self) -> torch.Tensor | None:
         """Flat weights to validate and save, or None for learner 0's own."""
         return None
+
+    def resized(self) -> None:
+        """The pool has new learners (collective, every rank alike): share its new buffers, then
+        :meth:`on_resize`."""
+        self.share_pool()
+        self.on_resize()
 
     def on_resize(self) -> None:
         """The pool's learner count changed (``[pool] learners = auto``); resize per-learner state.

@@ -168,6 +168,8 @@ class EASGD(Rule):
                 "EASGD: k·α = %d × %g > 1: the centre overshoots (the paper needs β = kα < 1)", k, self.alpha
             )
         self.diffs = [torch.zeros_like(self.centre) for _ in self.pool.learners]
+        if self.synchronous:
+            self.comm.share(self.diffs[0])  # the buffer every τ-th step's allreduce sums
 
     # -------------------------------------------------------------- exchange
     def exchange(self, step: int) -> None:

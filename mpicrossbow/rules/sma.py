@@ -57,7 +57,7 @@ class SMA(Rule):
 
         Learners added by the auto-tuner start from z, as every learner did.
         """
-        assert self.pool is not None
+        assert self.pool is not None and self.comm is not None
         self._complete()
         for learner in self.pool.learners[len(getattr(self, "corrections", [])) :]:
             learner.params.copy_(self.z)
@@ -66,6 +66,7 @@ class SMA(Rule):
         if k * self.alpha > 1:
             log.warning("SMA: k·α = %d × %g > 1; docs/rules.md measured divergence there", k, self.alpha)
         self.corrections = [torch.zeros_like(self.z) for _ in self.pool.learners]
+        self.comm.share(self.corrections[0])  # the buffer every step's allreduce sums
 
     def _complete(self) -> None:
         """Finish the last step's allreduce and move z: z ← z + Σc + μ (z − z_prev)."""

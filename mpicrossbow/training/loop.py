@@ -163,7 +163,7 @@ class TrainLoop:
         after = parts.tuner.observe(samples / max(slowest, 1e-9))
         if after != before:
             parts.pool.resize(after)
-            parts.rule.on_resize()
+            parts.rule.resized()
         parts.reporter.autotune_history(parts.tuner.history)
         per_epoch = parts.pool.n_batch_train
         if self.budget:

@@ -18,6 +18,7 @@ import hashlib
 import os
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from verdicts import WORLD, run_main, say
 
@@ -160,6 +161,43 @@ def check_shared_buffer() -> None:
     node.Free()
 
 
+def check_share() -> None:
+    """Tensors moved into shared memory in place (``share``), as the pool's flat buffers are: every view
+    follows the move and sees the sums; the whole tensor and slices at one offset sum in the documented order
+    on one node and across fake nodes (leaders in place, the others copying their leader's); a tensor that
+    is dropped leaves no entry that memory reused later could be mistaken for."""
+    half = WORLD.size // 2
+    node = WORLD.Split(int(WORLD.rank >= half), key=WORLD.rank)
+    for comm, nodes in (
+        (SharedMemoryCommunicator(WORLD, min_bytes=0), [list(range(WORLD.size))]),
+        (
+            SharedMemoryCommunicator(WORLD, node=node, min_bytes=0),
+            [m for m in (list(range(half)), list(range(half, WORLD.size))) if m],
+        ),
+    ):
+        case = 50_000
+        for dtype in DTYPES:
+            flat = torch.from_numpy(np.zeros(100_003, dtype=np.float64)).to(dtype)
+            view = flat[5:1006]  # as a module parameter is a view of the pool's flat buffer
+            comm.share(flat)
+            assert flat.untyped_storage().is_shared() or WORLD.size == 1
+            assert view.data_ptr() == flat.data_ptr() + 5 * flat.element_size(), "a view lost the buffer"
+            for lo, hi in ((0, 100_003), (5, 1006), (99_000, 100_003)):
+                case += 1
+                flat[lo:hi] = data(WORLD.rank, hi - lo, dtype, case)
+                comm.allreduce(flat[lo:hi]).wait()
+                want = reference(nodes, hi - lo, dtype, case)
+                assert torch.equal(flat[lo:hi], want), f"shared {dtype} [{lo}:{hi}] nodes={nodes}"
+            assert torch.equal(view, flat[5:1006])
+            del flat, view
+            fresh = data(WORLD.rank, 100_003, dtype, case + 1)  # may reuse the freed address
+            comm.allreduce(fresh)
+            assert torch.equal(fresh, reference(nodes, 100_003, dtype, case + 1)), f"after drop {dtype}"
+        report_segments()
+        comm.close()
+    node.Free()
+
+
 def check_mismatch() -> None:
     """Ranks allreducing different sizes, or a shared buffer at different offsets, all get one ValueError,
     and the next allreduce works."""
@@ -205,6 +243,7 @@ CHECKS: list[tuple[str, Callable[[], None]]] = [
         "two_nodes",
         "every_rank_a_node",
         "shared_buffer",
+        "share",
         "mismatch",
         "factory",
     )
@@ -220,6 +259,9 @@ def main() -> int:
     t = torch.ones(1000)
     comm.allreduce(t)
     comm.shared_buffer(1000)
+    moved = torch.ones(100_000)
+    comm.share(moved)
+    comm.allreduce(moved)
     report_segments()
     if WORLD.rank == WORLD.size - 1:
         raise RuntimeError("injected failure with the window allocated")
