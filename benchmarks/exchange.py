@@ -141,7 +141,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         }
         for name, comm in variants.items():
             methods[name] = lambda comm=comm: comm.allreduce(buf)  # type: ignore[misc]
-        buffers = {name: {MEMCPY: dst, ZERO: window_buf, DEFAULT: pool_buf}.get(name, buf) for name in methods}
+        own = {MEMCPY: dst, ZERO: window_buf, DEFAULT: pool_buf}
+        buffers = {name: own.get(name, buf) for name in methods}
         samples = time_methods(world, methods, buffers, MEMCPY, size, args)
         zero_copy.close()
         return samples

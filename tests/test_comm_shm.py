@@ -19,7 +19,16 @@ from mpicrossbow.config import CommSection, load_config
 from mpicrossbow.errors import ConfigError
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "shm_check.py"
-CHECKS = ["one_node", "chunks", "two_nodes", "every_rank_a_node", "shared_buffer", "share", "mismatch", "factory"]
+CHECKS = [
+    "one_node",
+    "chunks",
+    "two_nodes",
+    "every_rank_a_node",
+    "shared_buffer",
+    "share",
+    "mismatch",
+    "factory",
+]
 SHM = Path("/dev/shm")
 
 

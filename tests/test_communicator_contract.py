@@ -296,6 +296,22 @@ def check_share(s: Subject, f: Findings) -> None:
     f.settle()
 
 
+def check_allreduce_mean(s: Subject, f: Findings) -> None:
+    """``allreduce_mean(t, k)`` leaves exactly what ``allreduce(t)`` then ``t.div_(k)`` leaves, on a shared
+    tensor (the pool's flat buffer, where an implementation may divide inside its reduction) and a plain one;
+    ``k = 1`` is the sum."""
+    c = s.comm
+    shared = data(c.rank, N, device=s.device)
+    c.share(shared)
+    for label, t in (("shared", shared), ("plain", data(c.rank, N, device=s.device))):
+        for count in (1, 3 * c.size):
+            t.copy_(data(c.rank, N, device=s.device))
+            c.allreduce_mean(t, count)
+            want = reduced(c, ReduceOp.SUM, range(c.size), N)
+            f.equal(t, want / count if count != 1 else want, f"{label} mean over {count}")
+    f.settle()
+
+
 def check_broadcast(s: Subject, f: Findings) -> None:
     """From every root, blocking and async, several dtypes: every rank (the root too) ends with the root's
     values as they travel."""

@@ -170,6 +170,15 @@ class Communicator(ABC):
         (:mod:`mpicrossbow.comm.compressed`). Rules use it for transfers that must arrive bit for bit."""
         return self
 
+    def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
+        """Sum ``tensor`` over the ranks in place, then divide it by ``count`` (the contributions summed:
+        ranks × learners); blocking. Exactly ``allreduce`` then ``div_(count)``; an implementation may fold
+        the division into its reduction (the shared-memory one divides each tile while it is in cache,
+        saving a pass over the buffer)."""
+        self.allreduce(tensor).wait()
+        if count != 1:
+            tensor.div_(count)
+
     def allreduce_scalars(self, values: list[float], op: ReduceOp = ReduceOp.SUM) -> list[float]:
         """Allreduce a short list of Python floats (metrics, counters) in float64; blocking."""
         t = torch.tensor(values, dtype=torch.float64)

@@ -426,7 +426,24 @@ class SharedMemoryCommunicator(MPICommunicator):
             )
             raise ValueError(f"ranks called allreduce on different buffers: {described}")
 
-    def _in_place(self, flat: torch.Tensor, buffer: _Buffer | _Moved, offset: int) -> None:
+    def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
+        """As :meth:`Communicator.allreduce_mean`; on the zero-copy path of one node each tile is divided
+        while in cache (the same per-element sum and one division: the same bits as ``div_`` after)."""
+        flat = tensor.detach().view(-1) if tensor.is_contiguous() else None
+        buffer = self._shared_holding(flat) if flat is not None and tensor.device.type == "cpu" else None
+        if (
+            buffer is None
+            or self.nodes > 1
+            or tensor.dtype != ACCUMULATE.get(tensor.dtype)
+            or flat.numel() * flat.element_size() < self.min_bytes
+            or self._closed
+        ):
+            super().allreduce_mean(tensor, count)
+            return
+        self._ensure_window()  # its headers synchronise the ranks
+        self._in_place(flat, buffer, flat.data_ptr() - buffer.start, count)
+
+    def _in_place(self, flat: torch.Tensor, buffer: _Buffer | _Moved, offset: int, divisor: int = 1) -> None:
         """Zero-copy allreduce of a slice of a shared buffer: sync; node rank r sums slice r of every
         rank's buffer, tile by tile (the accumulator stays in cache), and writes it into all of them; sync.
         Several nodes: then the leaders allreduce in place, sync, the others copy their leader's, sync."""
@@ -455,6 +472,8 @@ class SharedMemoryCommunicator(MPICommunicator):
                     out.add_(terms[1])
             for term in terms[2:]:
                 out.add_(term)
+            if divisor != 1:
+                out.div_(divisor)
             for term in terms:
                 term.copy_(out)
         self._sync()

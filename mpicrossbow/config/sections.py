@@ -22,7 +22,19 @@ class SessionSection:
     seed: int = setting(0, "seed for initial weights (broadcast from rank 0) and per-rank shuffling")
     output: str = setting("runs", "folder that receives one sub-folder per run")
     name: str = setting("", "run folder name (default: <modelclass>-<rule>-<date>-<time>)")
-    validate_every: int = setting(1, "validate every N epochs (0: only after the last)", ge=0)
+    validate_every: float = setting(
+        1.0,
+        "validate every N epochs (0: only after the last; a fraction below 1: that often within an epoch, "
+        "e.g. 0.25 = four times an epoch)",
+        ge=0,
+    )
+    target_accuracy: float = setting(
+        0.0,
+        "stop at the first validation with at least this accuracy (0: off; 0.94 = 94 %); the time to it "
+        "(training only, validation left out) is logged and kept in metrics.h5",
+        ge=0,
+        le=1,
+    )
     progress: Literal["auto", "bar", "log", "off"] = setting(
         "auto", "rank 0 console output: a tqdm bar on a terminal, log lines otherwise"
     )
@@ -40,6 +52,13 @@ class SessionSection:
     on_nan: Literal["stop", "skip"] = setting(
         "stop", "a learner's loss is NaN or infinite: stop the job with a message, or skip that batch"
     )
+
+    def __post_init__(self) -> None:
+        if self.validate_every > 1 and self.validate_every != round(self.validate_every):
+            raise ValueError(
+                f"validate_every = {self.validate_every:g}: use a whole number of epochs, or a fraction "
+                "below 1 (validations within an epoch)"
+            )
 
 
 @dataclass(frozen=True)

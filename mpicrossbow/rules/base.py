@@ -166,8 +166,7 @@ class Rule:
         total = flats[0]
         for other in flats[1:]:
             total.add_(other)
-        comm.allreduce(total).wait()
-        total.div_(comm.size * len(flats))
+        comm.allreduce_mean(total, comm.size * len(flats))
         for other in flats[1:]:
             other.copy_(total)
 

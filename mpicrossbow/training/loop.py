@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..comm.base import ReduceOp
@@ -22,6 +22,7 @@ from .parts import RankParts
 from .schedule import lr_at
 from .signals import SignalStop
 from .step import train_step
+from .validations import Validations
 
 NAN2 = (math.nan, math.nan)
 
@@ -38,6 +39,12 @@ class LoopOutcome:
     samples: float = 0.0
     #: A signal stopped training early (every rank saved a checkpoint first).
     stopped: bool = False
+    #: ``(training seconds, epochs, validation accuracy)`` of every validation (:mod:`.validations`).
+    curve: list[tuple[float, float, float]] = field(default_factory=list)
+    #: ``(training seconds, epochs)`` when ``[session] target_accuracy`` was first reached, or None.
+    target: tuple[float, float] | None = None
+    #: Seconds of the loop's steps, validations left out (:attr:`.validations.Validations.training_seconds`).
+    train_s: float = 0.0
 
 
 class TrainLoop:
@@ -61,12 +68,17 @@ class TrainLoop:
         self.skip, self.lr = int(position.get("count", 0)), float(position.get("lr", -1.0))
         self.saved_at = self.step if parts.checkpoints.resume is not None else -1
         self.out = LoopOutcome()
+        self.at_epochs = float(self.epoch)  # epochs done, with the current one's fraction
+        self.checks = Validations(validate, cfg.session.validate_every, cfg.session.target_accuracy)
 
     def run(self) -> LoopOutcome:
         """Train to the step or epoch budget, or until a signal stops every rank (after a checkpoint)."""
         parts, ckpt = self.parts, self.parts.config.checkpoint
         parts.reporter.open_bar(self.budget or self.epochs * parts.pool.n_batch_train, initial=self.step)
-        while self.epoch < self.epochs and (not self.budget or self.step < self.budget):
+        self.checks.start()
+        while (
+            self.epoch < self.epochs and (not self.budget or self.step < self.budget) and not self.checks.done
+        ):
             if self._epoch():
                 self.out.val, self.out.stopped = self.validate(), True
                 return self._outcome()
@@ -78,6 +90,8 @@ class TrainLoop:
 
     def _outcome(self) -> LoopOutcome:
         self.out.epochs, self.out.steps = self.epoch, self.step
+        self.out.curve, self.out.target = list(self.checks.curve), self.checks.reached
+        self.out.train_s = self.checks.training_seconds
         return self.out
 
     def _epoch(self) -> bool:
@@ -93,6 +107,12 @@ class TrainLoop:
         end = min(per_epoch, self.skip + self.budget - self.step) if self.budget else per_epoch
         for count in range(self.skip, end):
             self._step(count, per_epoch)
+            self.at_epochs = self.epoch + (count + 1) / per_epoch
+            if self.checks.due_within_epoch(count + 1, per_epoch):
+                self._beat("validate")
+                self.checks.run(self.step, self.at_epochs)
+                if self.checks.done:
+                    break
             if ckpt.every_steps and self.step % ckpt.every_steps == 0:
                 self._save(count + 1)
             if self.signals is not None and self.signals(self.step):
@@ -132,8 +152,9 @@ class TrainLoop:
             self.parts.watchdog.beat(self.step, phase)
 
     def _end_epoch(self, seconds: float) -> None:
-        """Statistics, validation, the report row, the auto-tuner and epoch checkpoints."""
-        parts, every = self.parts, self.parts.config.session.validate_every
+        """Statistics, validation, the report row, the auto-tuner and epoch checkpoints (the epoch may end
+        early: the target accuracy was reached)."""
+        parts = self.parts
         self._beat("validate")
         learners = len(parts.pool.learners)
         waited = parts.pool.take_data_wait() / seconds if seconds > 0 else 0.0
@@ -141,8 +162,11 @@ class TrainLoop:
         self.out.samples += n
         self.out.train = per_sample(loss_sum, hits, n)
         last = self.epoch == self.epochs - 1 or bool(self.budget and self.step >= self.budget)
-        val = self.validate() if last or (every and (self.epoch + 1) % every == 0) else None
+        last = last or self.checks.done
+        due = self.checks.due_at_epoch_end(self.epoch, last)
+        val = self.checks.run(self.step, self.at_epochs) if due else None
         self.out.val = val if val is not None else self.out.val
+        last = last or self.checks.done
         parts.reporter.epoch(
             self.epoch, self.step, self.lr, learners, self.out.train, val, (self.out.exchange_s, waited)
         )

@@ -64,6 +64,10 @@ class RunMode(ABC):
             exchange_seconds=outcome.exchange_s,
             samples_per_second=samples / wall if wall > 0 else 0.0,
             stopped=outcome.stopped,
+            train_seconds=outcome.train_s if parts.trains else math.nan,
+            target_seconds=outcome.target[0] if outcome.target else math.nan,
+            target_epochs=outcome.target[1] if outcome.target else math.nan,
+            curve=tuple(outcome.curve),
         )
         reporter.close(result, len(parts.pool.learners))
         return result

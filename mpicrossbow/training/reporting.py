@@ -220,6 +220,6 @@ class Reporter:
             return
         attrs: dict[str, Any] = {}
         if result is not None:
-            attrs = {k: v for k, v in dataclasses.asdict(result).items() if k != "run_dir"}
+            attrs = {k: v for k, v in dataclasses.asdict(result).items() if k not in ("run_dir", "curve")}
             attrs["learners"] = learners
         self.metrics.close(**attrs)

@@ -110,6 +110,11 @@ class Session:
                 f"[pool] learners = auto needs a synchronous rule (every rank must change its learner count "
                 f"at the same step); RULE={cfg.rule} is asynchronous: set [pool] learners to a number"
             )
+        if cfg.session.target_accuracy and not rule.synchronous:
+            raise ConfigError(
+                f"[session] target_accuracy needs a synchronous rule (every rank must stop at the same "
+                f"step); RULE={cfg.rule} is asynchronous: set a number of epochs instead"
+            )
         if (cfg.checkpoint.enabled or cfg.checkpoint.resume) and not rule.synchronous:
             raise ConfigError(
                 f"[checkpoint] every_steps/every_epochs/resume need a synchronous rule; RULE={cfg.rule} is "

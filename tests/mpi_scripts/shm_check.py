@@ -165,7 +165,15 @@ def check_share() -> None:
     """Tensors moved into shared memory in place (``share``), as the pool's flat buffers are: every view
     follows the move and sees the sums; the whole tensor and slices at one offset sum in the documented order
     on one node and across fake nodes (leaders in place, the others copying their leader's); a tensor that
-    is dropped leaves no entry that memory reused later could be mistaken for."""
+    is dropped leaves no entry that memory reused later could be mistaken for; a mean (BSP's step) divides
+    in the tiles, as the first call of a fresh communicator too."""
+    fresh = SharedMemoryCommunicator(WORLD, min_bytes=0)
+    first = data(WORLD.rank, 1001, torch.float32, 49_999)
+    fresh.share(first)
+    fresh.allreduce_mean(first, 2 * WORLD.size)
+    want = reference([list(range(WORLD.size))], 1001, torch.float32, 49_999) / (2 * WORLD.size)
+    assert torch.equal(first, want), "mean of a shared tensor as the first call"
+    fresh.close()
     half = WORLD.size // 2
     node = WORLD.Split(int(WORLD.rank >= half), key=WORLD.rank)
     for comm, nodes in (

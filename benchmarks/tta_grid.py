@@ -1,0 +1,249 @@
+"""The showdown's grid (benchmarks/tta.cfg) and what its runs add up to: configurations, medians, winners.
+
+A :class:`Task` is a model, a data set, a target accuracy and the optimizer family both sides train with; a
+:class:`Setup` is one configuration of one side (DDP's global batch, or mpicrossbow's rule × learners ×
+engine) at one learning rate; a run is a setup at one seed. :func:`summarise` takes the runs of a task to
+one row per setup (medians over seeds) and :func:`winners` picks each side's fastest to the target.
+"""
+
+from __future__ import annotations
+
+import configparser
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DDP, XB = "DDP", "mpicrossbow"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of the showdown (a ``[task NAME]`` section)."""
+
+    name: str
+    modelfile: str
+    modelclass: str
+    dataset: str
+    target: float
+    max_epochs: int
+    momentum: float
+    weight_decay: float
+    warmup_epochs: float
+    milestones: tuple[int, ...]
+    gamma: float
+    base_lr: float
+    base_batch: int
+
+    def lr(self, factor: float, batch: int) -> float:
+        """``factor`` × the linear-scaling centre for an optimizer step that averages ``batch`` samples."""
+        return factor * self.base_lr * batch / self.base_batch
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration at one learning rate: DDP (``global_batch``) or mpicrossbow (the rest)."""
+
+    side: str
+    lr: float
+    global_batch: int = 0
+    rule: str = ""
+    learners: int = 0
+    engine: str = ""
+    batch: int = 0
+
+    @property
+    def label(self) -> str:
+        """How the tables name it."""
+        if self.side == DDP:
+            return f"DDP global batch {self.global_batch}, lr {self.lr:g}"
+        return f"{self.rule} {self.learners} learner(s) x b{self.batch} {self.engine}, lr {self.lr:g}"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Everything in benchmarks/tta.cfg."""
+
+    ranks: int
+    threads: int
+    seeds: tuple[int, ...]
+    validate_every: float
+    tasks: dict[str, Task]
+    ddp_batches: tuple[int, ...]
+    ddp_factors: tuple[float, ...]
+    rules: tuple[str, ...]
+    learners: tuple[int, ...]
+    engines: tuple[str, ...]
+    batch: int
+    xb_factors: tuple[float, ...]
+
+    def setups(self, task: Task) -> list[Setup]:
+        """Every configuration of both sides at each of its learning rates, DDP's first."""
+        out = [
+            Setup(DDP, task.lr(f, batch), global_batch=batch)
+            for batch in self.ddp_batches
+            for f in self.ddp_factors
+        ]
+        for rule in self.rules:
+            for m in self.learners:
+                averaged = self.ranks * m * self.batch if rule == "BSP" else self.batch
+                for engine in self.engines:
+                    out += [
+                        Setup(
+                            XB, task.lr(f, averaged), rule=rule, learners=m, engine=engine, batch=self.batch
+                        )
+                        for f in self.xb_factors
+                    ]
+        return out
+
+
+def load_grid(path: str | Path, narrow: dict[str, str] | None = None) -> Grid:
+    """Read the grid; ``narrow`` replaces lists by key (``seeds``, ``tasks``, ``global_batches``, ``rules``,
+    ``learners``, ``engines``): what a command line narrows or widens without editing the file."""
+    cfg = configparser.ConfigParser(inline_comment_prefixes=("#",))
+    if not cfg.read(path, encoding="utf-8"):
+        raise SystemExit(f"tta: no grid file {path}")
+    narrow = narrow or {}
+    show, ddp, xb = cfg["showdown"], cfg["ddp"], cfg["mpicrossbow"]
+    tasks = {}
+    for name in _names(narrow.get("tasks") or show["tasks"]):
+        if f"task {name}" not in cfg:
+            raise SystemExit(f"tta: no [task {name}] in {path}")
+        t = cfg[f"task {name}"]
+        tasks[name] = Task(
+            name=name,
+            modelfile=t["modelfile"],
+            modelclass=t["modelclass"],
+            dataset=t["dataset"],
+            target=t.getfloat("target"),
+            max_epochs=t.getint("max_epochs"),
+            momentum=t.getfloat("momentum"),
+            weight_decay=t.getfloat("weight_decay"),
+            warmup_epochs=t.getfloat("warmup_epochs"),
+            milestones=tuple(_ints(t["milestones"])),
+            gamma=t.getfloat("gamma"),
+            base_lr=t.getfloat("base_lr"),
+            base_batch=t.getint("base_batch"),
+        )
+    return Grid(
+        ranks=show.getint("ranks"),
+        threads=show.getint("threads"),
+        seeds=tuple(_ints(narrow.get("seeds") or show["seeds"])),
+        validate_every=show.getfloat("validate_every"),
+        tasks=tasks,
+        ddp_batches=tuple(_ints(narrow.get("global_batches") or ddp["global_batches"])),
+        ddp_factors=tuple(_floats(ddp["lr_factors"])),
+        rules=tuple(_names(narrow.get("rules") or xb["rules"])),
+        learners=tuple(_ints(narrow.get("learners") or xb["learners"])),
+        engines=tuple(_names(narrow.get("engines") or xb["engines"])),
+        batch=xb.getint("batch"),
+        xb_factors=tuple(_floats(xb["lr_factors"])),
+    )
+
+
+@dataclass
+class Run:
+    """What one run measured (training time leaves validation out; NaN where the target was not reached)."""
+
+    setup: Setup
+    seed: int
+    seconds: float
+    epochs: float
+    samples_per_s: float
+    final_accuracy: float
+    curve: list[tuple[float, float, float]] = field(default_factory=list)
+
+    @property
+    def reached(self) -> bool:
+        """The run reached the target."""
+        return not math.isnan(self.seconds)
+
+    def as_dict(self) -> dict[str, Any]:
+        """For the JSON of all runs."""
+        return {
+            "setup": self.setup.__dict__,
+            "seed": self.seed,
+            "seconds": self.seconds,
+            "epochs": self.epochs,
+            "samples_per_s": self.samples_per_s,
+            "final_accuracy": self.final_accuracy,
+            "curve": self.curve,
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Run:
+        """Back from :meth:`as_dict`."""
+        curve = [tuple(p) for p in d["curve"]]
+        return Run(Setup(**d["setup"]), d["seed"], d["seconds"], d["epochs"], d["samples_per_s"],
+                   d["final_accuracy"], curve)  # type: ignore[arg-type]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Row:
+    """One setup over its seeds: medians, with a run that missed the target counting as infinitely slow."""
+
+    setup: Setup
+    reached: int
+    seeds: int
+    seconds: float
+    epochs: float
+    samples_per_s: float
+    final_accuracy: float
+    median_run: Run
+
+
+def _median_missing_last(values: Iterable[float]) -> float:
+    """Median with NaN (target missed) ranked above every number; NaN when most missed."""
+    ranked = sorted(values, key=lambda v: (math.isnan(v), v))
+    mid = ranked[(len(ranked) - 1) // 2] if len(ranked) % 2 else None
+    if mid is not None:
+        return mid
+    low, high = ranked[len(ranked) // 2 - 1], ranked[len(ranked) // 2]
+    return math.nan if math.isnan(high) else (low + high) / 2
+
+
+def summarise(runs: Sequence[Run]) -> list[Row]:
+    """One row per setup, fastest median time to target first (setups that mostly missed it last)."""
+    by_setup: dict[Setup, list[Run]] = {}
+    for run in runs:
+        by_setup.setdefault(run.setup, []).append(run)
+    rows = []
+    for setup, group in by_setup.items():
+        seconds = _median_missing_last(r.seconds for r in group)
+        ranked = sorted(group, key=lambda r: (math.isnan(r.seconds), r.seconds))
+        rows.append(
+            Row(
+                setup=setup,
+                reached=sum(r.reached for r in group),
+                seeds=len(group),
+                seconds=seconds,
+                epochs=_median_missing_last(r.epochs for r in group),
+                samples_per_s=statistics.median(r.samples_per_s for r in group),
+                final_accuracy=statistics.median(r.final_accuracy for r in group),
+                median_run=ranked[(len(ranked) - 1) // 2],
+            )
+        )
+    return sorted(rows, key=lambda r: (math.isnan(r.seconds), r.seconds, r.setup.label))
+
+
+def winners(rows: Sequence[Row]) -> dict[str, Row | None]:
+    """Each side's fastest setup to the target (None: no setup of that side reached it on most seeds)."""
+    best: dict[str, Row | None] = {DDP: None, XB: None}
+    for row in rows:
+        if not math.isnan(row.seconds) and best[row.setup.side] is None:
+            best[row.setup.side] = row
+    return best
