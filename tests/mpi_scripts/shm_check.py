@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -132,9 +132,9 @@ def check_every_rank_a_node() -> None:
     node.Free()
 
 
-def check_shared_buffer() -> None:
-    """Window-backed buffers: zero-copy on one node (whole buffer and a slice at the same offset), the copy
-    path across fake nodes; equal to the documented order either way."""
+def one_node_then_two() -> Iterator[tuple[SharedMemoryCommunicator, list[list[int]]]]:
+    """A communicator over the whole job as one node, then one over a fake split into two nodes, each with
+    its nodes' ranks; each is closed when the loop moves on."""
     half = WORLD.size // 2
     node = WORLD.Split(int(WORLD.rank >= half), key=WORLD.rank)
     for comm, nodes in (
@@ -144,6 +144,15 @@ def check_shared_buffer() -> None:
             [m for m in (list(range(half)), list(range(half, WORLD.size))) if m],
         ),
     ):
+        yield comm, nodes
+        comm.close()
+    node.Free()
+
+
+def check_shared_buffer() -> None:
+    """Window-backed buffers: zero-copy on one node (whole buffer and a slice at the same offset), and across
+    fake nodes (in place; the copying path for 16-bit dtypes); equal to the documented order either way."""
+    for comm, nodes in one_node_then_two():
         case = 40_000
         for dtype in DTYPES:
             buf = comm.shared_buffer(100_003, dtype)
@@ -157,8 +166,6 @@ def check_shared_buffer() -> None:
                 want = reference(nodes, hi - lo, dtype, case)
                 assert torch.equal(buf[lo:hi], want), f"shared {dtype} [{lo}:{hi}] nodes={nodes}"
         report_segments()
-        comm.close()
-    node.Free()
 
 
 def check_share() -> None:
@@ -174,15 +181,7 @@ def check_share() -> None:
     want = reference([list(range(WORLD.size))], 1001, torch.float32, 49_999) / (2 * WORLD.size)
     assert torch.equal(first, want), "mean of a shared tensor as the first call"
     fresh.close()
-    half = WORLD.size // 2
-    node = WORLD.Split(int(WORLD.rank >= half), key=WORLD.rank)
-    for comm, nodes in (
-        (SharedMemoryCommunicator(WORLD, min_bytes=0), [list(range(WORLD.size))]),
-        (
-            SharedMemoryCommunicator(WORLD, node=node, min_bytes=0),
-            [m for m in (list(range(half)), list(range(half, WORLD.size))) if m],
-        ),
-    ):
+    for comm, nodes in one_node_then_two():
         case = 50_000
         for dtype in DTYPES:
             flat = torch.from_numpy(np.zeros(100_003, dtype=np.float64)).to(dtype)
@@ -202,8 +201,6 @@ def check_share() -> None:
             comm.allreduce(fresh)
             assert torch.equal(fresh, reference(nodes, 100_003, dtype, case + 1)), f"after drop {dtype}"
         report_segments()
-        comm.close()
-    node.Free()
 
 
 def check_mismatch() -> None:
