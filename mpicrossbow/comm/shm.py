@@ -435,7 +435,7 @@ class SharedMemoryCommunicator(MPICommunicator):
             buffer is None
             or self.nodes > 1
             or tensor.dtype != ACCUMULATE.get(tensor.dtype)
-            or flat.numel() * flat.element_size() < self.min_bytes
+            or flat.nbytes < self.min_bytes
             or self._closed
         ):
             super().allreduce_mean(tensor, count)

@@ -22,9 +22,7 @@ from .parts import RankParts
 from .schedule import lr_at
 from .signals import SignalStop
 from .step import train_step
-from .validations import Validations
-
-NAN2 = (math.nan, math.nan)
+from .validations import NAN2, Validations
 
 
 @dataclass
@@ -162,11 +160,11 @@ class TrainLoop:
         self.out.samples += n
         self.out.train = per_sample(loss_sum, hits, n)
         last = self.epoch == self.epochs - 1 or bool(self.budget and self.step >= self.budget)
-        last = last or self.checks.done
+        last = last or self.checks.done  # reached at a validation within this epoch
         due = self.checks.due_at_epoch_end(self.epoch, last)
         val = self.checks.run(self.step, self.at_epochs) if due else None
         self.out.val = val if val is not None else self.out.val
-        last = last or self.checks.done
+        last = last or self.checks.done  # reached at this epoch's end
         parts.reporter.epoch(
             self.epoch, self.step, self.lr, learners, self.out.train, val, (self.out.exchange_s, waited)
         )
