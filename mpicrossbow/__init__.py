@@ -1,7 +1,10 @@
 """mpicrossbow: train PyTorch models on HPC clusters with MPI — learner pools and pluggable exchange rules.
 
-Start a job with ``crossbow-launch -cfg session.cfg`` (under ``mpirun`` or on its own), or from Python with
-``rule = BSP(); rule.init(devices=[...], modelfile=..., modelclass=...); rule.wait()``.
+Start a job with ``crossbow-launch -cfg session.cfg`` (under ``mpirun`` or on its own), from Python with
+``rule = BSP(); rule.init(devices=[...], modelfile=..., modelclass=...); rule.wait()``, or put a rule into
+your own training loop: ``import mpicrossbow as xb``, ``xb.init()``, ``xb.shard(...)``,
+``xb.distribute(model, optimizer, rule="SMA")``, ``with xb.consensus(model): ...``, ``xb.finish()``
+(:mod:`mpicrossbow.embed`).
 
 Names are resolved on first use (PEP 562), so ``crossbow-launch`` on its way to ``mpiexec`` imports no torch.
 Every rule class exported here (``BSP``, ``SMA``, ``EASGD``, ..., and ``Rule`` for your own) carries
@@ -42,6 +45,15 @@ _LAZY = {
     "Residual": "mpicrossbow.model",
     "JobFailed": "mpicrossbow.compat.jobs",
     "RunResult": "mpicrossbow.training.result",
+    # the embedded API: import mpicrossbow as xb; xb.init(); xb.distribute(model, optimizer, rule="SMA")
+    "init": "mpicrossbow.embed",
+    "shard": "mpicrossbow.embed",
+    "distribute": "mpicrossbow.embed",
+    "consensus": "mpicrossbow.embed",
+    "finish": "mpicrossbow.embed",
+    "checkpoint": "mpicrossbow.embed",
+    "restore": "mpicrossbow.embed",
+    "trains": "mpicrossbow.embed",
 }
 
 __all__ = [

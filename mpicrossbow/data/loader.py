@@ -94,18 +94,7 @@ class LoaderData:
 
     def _loader(self, dataset: Any, sampler: Any, persistent: bool) -> DataLoader:
         """A DataLoader over ``dataset`` indexed by ``(index, seed)`` batches from ``sampler``."""
-        workers = self.options.workers
-        return DataLoader(
-            Seeded(dataset),
-            batch_sampler=sampler,
-            num_workers=workers,
-            prefetch_factor=self.options.prefetch if workers else None,
-            persistent_workers=persistent and workers > 0,
-            pin_memory=self.options.pin_memory,
-            worker_init_fn=quiet_worker if workers else None,
-            # Its own generator: each pass draws a base seed, which must not come from the global one.
-            generator=torch.Generator().manual_seed(self.shard.seed),
-        )
+        return seeded_loader(dataset, sampler, self.options, self.shard.seed, persistent)
 
     def train_batches(self, epoch: int) -> Batches:
         """Exactly ``n_batch_train`` full batches, in epoch ``epoch``'s order."""
@@ -122,6 +111,28 @@ class LoaderData:
         iterator = getattr(self.loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+
+
+def seeded_loader(
+    dataset: Any, sampler: Any, options: LoaderOptions, seed: int, persistent: bool
+) -> DataLoader:
+    """A DataLoader over ``dataset`` whose batches of ``(index, sample seed)`` come from ``sampler``.
+
+    Workers, prefetching and pinning follow ``options``; the loader draws its workers' base seeds from its
+    own generator seeded with ``seed``, never from the global one, so a run repeats whatever the model code
+    draws. Shared by the pools' :class:`LoaderData` and the embedded API's ``xb.shard``.
+    """
+    workers = options.workers
+    return DataLoader(
+        Seeded(dataset),
+        batch_sampler=sampler,
+        num_workers=workers,
+        prefetch_factor=options.prefetch if workers else None,
+        persistent_workers=persistent and workers > 0,
+        pin_memory=options.pin_memory,
+        worker_init_fn=quiet_worker if workers else None,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def check_files(dataset: Any, indices: np.ndarray, on_bad_sample: str) -> None:

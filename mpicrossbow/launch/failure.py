@@ -31,9 +31,10 @@ ERROR_PREFIX = "crossbow-launch: error: "
 ABORT_GRACE_S = 0.2
 
 
-def say(message: str) -> None:
-    """Write one failure line to stderr, in the form every tool around crossbow-launch recognises."""
-    sys.stderr.write(f"{ERROR_PREFIX}{message}\n")
+def say(message: str, prefix: str = ERROR_PREFIX) -> None:
+    """Write one failure line to stderr, in the form every tool around crossbow-launch recognises (the
+    embedded API's lines start with its own ``prefix``)."""
+    sys.stderr.write(f"{prefix}{message}\n")
     sys.stderr.flush()
 
 
@@ -46,7 +47,7 @@ def where(exc: BaseException) -> str:
     return f"{Path(last.filename).name}:{last.lineno} in {last.name}"
 
 
-def agree(world: World, prepare: Callable[[], object]) -> int:
+def agree(world: World, prepare: Callable[[], object], prefix: str = ERROR_PREFIX) -> int:
     """Run ``prepare`` (no communication inside), then agree across ranks whether it worked.
 
     Returns 0 on success everywhere; otherwise rank 0 prints each distinct problem once and every rank
@@ -69,11 +70,11 @@ def agree(world: World, prepare: Callable[[], object]) -> int:
             seen.setdefault(text, []).append(rank)
         for text, ranks in seen.items():
             everyone = len(ranks) == world.size
-            say(text if everyone else f"rank {','.join(map(str, ranks))}: {text}")
+            say(text if everyone else f"rank {','.join(map(str, ranks))}: {text}", prefix)
     return USAGE_EXIT_CODE if all(kind == "usage" for _, (kind, _) in failed) else 1
 
 
-def abort(world: World, exc: BaseException, run_dir: Path | None) -> NoReturn:
+def abort(world: World, exc: BaseException, run_dir: Path | None, prefix: str = ERROR_PREFIX) -> NoReturn:
     """Print one line naming this rank and the cause, keep the traceback in a file, abort every rank."""
     if isinstance(exc, KeyboardInterrupt):
         text, code = "interrupted", 130
@@ -92,7 +93,8 @@ def abort(world: World, exc: BaseException, run_dir: Path | None) -> NoReturn:
         and not isinstance(exc, (KeyboardInterrupt, StorageError))
     ):
         detail = write_traceback(exc, run_dir / f"rank{world.rank}.traceback")
-    abort_job(world, f"rank {world.rank} of {world.size} on {world.hostname} failed: {text}{detail}", code)
+    line = f"rank {world.rank} of {world.size} on {world.hostname} failed: {text}{detail}"
+    abort_job(world, line, code, prefix=prefix)
 
 
 def write_traceback(exc: BaseException, path: Path) -> str:
@@ -109,14 +111,16 @@ def write_traceback(exc: BaseException, path: Path) -> str:
     return f"; traceback in {path}"
 
 
-def abort_job(world: World, line: str, code: int = 1, record: bool = True) -> NoReturn:
+def abort_job(
+    world: World, line: str, code: int = 1, record: bool = True, prefix: str = ERROR_PREFIX
+) -> NoReturn:
     """Print ``line`` as the job's failure line and end every rank (``MPI_Abort``) with status ``code``.
 
     Safe from a second thread (the watchdog's): MPI_Abort needs no progress from the thread that is stuck.
     Launchers report the ranks they killed (srun: 137), not ``code``; with ``record`` the status is also
     written to the file ``$CROSSBOW_STATUS_FILE`` names (the sbatch templates set it and exit with it).
     """
-    say(line)
+    say(line, prefix)
     if record:
         record_status(code)
     if world.mpi is not None and world.size > 1:

@@ -90,6 +90,8 @@ class World:
     hostname: str
     launcher: str | None
     mpi: Any = None  # the mpi4py COMM_WORLD, None in a plain single process without MPI
+    #: The torch device this rank drives, once chosen (``xb.init``); None before.
+    device: Any = None
 
     def allgather(self, value: T) -> list[T]:
         """Every rank's ``value``, in rank order (a collective; ``[value]`` without MPI)."""

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from abc import abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -12,25 +12,18 @@ import torch
 
 from ..errors import DataError
 from .learner import Learner
+from .replicas import Replicas
 
 
-class LearnerPool(ABC):
+class LearnerPool(Replicas):
     """m learners inside one rank, each with its own replica, optimizer state and batches.
 
     The session drives a step as ``compute()`` (forward and backward of every learner), the rule's
-    ``on_gradients``, ``apply()`` (every optimizer step) and the rule's ``exchange``. Rules touch only the
-    learners' flat ``params``, ``grads`` and ``buffers``.
+    ``on_gradients``, ``apply()`` (every optimizer step) and the rule's ``exchange``. Rules see only the
+    :class:`~.replicas.Replicas` part: the learners' flat ``params``, ``grads`` and ``buffers``.
     """
 
     learners: list[Learner]
-
-    #: False when the model updates itself inside its step (Theano-MPI form): no gradients to exchange.
-    has_gradients: bool = True
-
-    @property
-    @abstractmethod
-    def n_batch_train(self) -> int:
-        """Steps per epoch; identical on every rank."""
 
     @abstractmethod
     def start_epoch(self, epoch: int) -> None:
@@ -76,33 +69,11 @@ class LearnerPool(ABC):
         """After :meth:`start_epoch`, pass over the first ``count`` batches without training (resume)."""
         raise NotImplementedError(f"{type(self).__name__} cannot resume inside an epoch")
 
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """Every optimizer that steps this pool's replicas (one per learner, or one for all when fused)."""
-        return [learner.optimizer for learner in self.learners]  # type: ignore[attr-defined]
-
-    def nonfinite(self) -> list[int]:
-        """Learners whose last training loss was NaN or infinite (one host synchronisation)."""
-        return []
-
-    def grad_layout(self) -> list[tuple[int, int]] | None:
-        """(offset, numel) of every parameter in a learner's flat gradient, in flat order; None when this
-        engine cannot report gradients as backward produces them (then :meth:`watch_gradients` is unused)."""
-        return None
-
-    def watch_gradients(self, ready: Callable[[int, int], None]) -> Callable[[], None]:
-        """Call ``ready(i, n)`` each time backward has finished parameter i's gradient (i indexes
-        :meth:`grad_layout`) for n of the learners; returns a function that stops watching.
-
-        Lets a rule start exchanging gradients while backward still runs (BSP's buckets).
-        """
-        raise NotImplementedError(f"{type(self).__name__} cannot report gradients during backward")
-
     def resize(self, learners: int) -> None:
         """Change the number of learners between epochs (the auto-tuner); engines that can override this."""
         raise NotImplementedError(f"{type(self).__name__} cannot change its number of learners")
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release data files and model resources."""
 
 

@@ -28,7 +28,7 @@ from ..config.fields import build
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..pool.base import LearnerPool
+    from ..pool.replicas import Replicas
 
 
 class Rule:
@@ -66,10 +66,10 @@ class Rule:
     def __init__(self, **hyper: Any) -> None:
         self.hyper = build(self.Config, hyper, "rule")
         self.comm: Communicator | None = None
-        self.pool: LearnerPool | None = None
+        self.pool: Replicas | None = None
 
     # ----------------------------------------------------------------- binding
-    def bind(self, comm: Communicator, pool: LearnerPool) -> Rule:
+    def bind(self, comm: Communicator, pool: Replicas) -> Rule:
         """Attach to the communicator and pool; every learner starts from rank 0's learner 0, bit for bit
         (the broadcast bypasses ``[comm] compression``)."""
         self.comm, self.pool = comm, pool
@@ -111,6 +111,12 @@ class Rule:
     def eval_params(self) -> torch.Tensor | None:
         """Flat weights to validate and save, or None for learner 0's own."""
         return None
+
+    def local_consensus(self) -> torch.Tensor | None:
+        """The consensus weights this rank holds without communicating (None: its own replica): what an
+        asynchronous rule can show mid-run, e.g. the server's w as last pulled. Defaults to
+        :meth:`eval_params`."""
+        return self.eval_params()
 
     def resized(self) -> None:
         """The pool has new learners (collective, every rank alike): share its new buffers, then

@@ -384,6 +384,10 @@ class ServerRule(Rule):
         """The servers' w (on a single server at any time; elsewhere only after sync_state)."""
         return self.w if (self.server is not None and self.servers == 1) or self._synced else None
 
+    def local_consensus(self) -> torch.Tensor | None:
+        """A worker's w as it last pulled it from the servers; a server's as :meth:`eval_params`."""
+        return self.w if self.server is None else self.eval_params()
+
     def state_dict(self) -> dict[str, Any]:
         """w and the counters."""
         state = {**super().state_dict(), "w": self.w.clone(), "steps": self._steps}

@@ -11,7 +11,6 @@ itself lives in :mod:`.loop` and :mod:`.modes`; the Session only assembles and c
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 from pathlib import Path
@@ -22,11 +21,12 @@ import torch
 from ..comm import make_communicator
 from ..comm.base import Communicator
 from ..config import Config
-from ..errors import ConfigError, ContractError
+from ..errors import ConfigError
 from ..launch.binding import Binding
 from ..launch.devices import device_for_rank
 from ..launch.failure import abort_job
 from ..launch.world import World
+from ..model.consistency import check_same_shapes
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
 from ..rules.registry import resolve
@@ -131,16 +131,7 @@ class Session:
         assert self.pool is not None
         learner = self.pool.learners[0]
         mine = [tuple(p.shape) for p in getattr(learner, "param_list", [learner.params])]
-        everyone = self.world.allgather(mine)
-        for rank, shapes in enumerate(everyone):
-            if shapes != everyone[0]:
-                count = sum(math.prod(s) for s in shapes)
-                first = sum(math.prod(s) for s in everyone[0])
-                raise ContractError(
-                    f"the model differs across ranks: rank 0 has {len(everyone[0])} parameter tensors "
-                    f"({first:,} values), rank {rank} has {len(shapes)} ({count:,} values); "
-                    "every rank must build the same network"
-                )
+        check_same_shapes(self.world, mine)
 
     # ---------------------------------------------------------- collective
     def prepare_collective(self) -> None:

@@ -1,0 +1,8 @@
+"""The embedded API (``import mpicrossbow as xb``): every rule inside your own PyTorch training loop.
+
+See :mod:`mpicrossbow.embed.api` and docs/embedded.md.
+"""
+
+from .api import checkpoint, consensus, distribute, finish, init, restore, shard, trains
+
+__all__ = ["checkpoint", "consensus", "distribute", "finish", "init", "restore", "shard", "trains"]

@@ -1,0 +1,312 @@
+"""The embedded API: a rule inside your own training loop, in a few added lines.
+
+    import mpicrossbow as xb
+
+    xb.init()                                                   # the MPI world, this rank's device
+    loader = xb.shard(train_set, batch_size=64, seed=1)         # this rank's share, new order per epoch
+    model, optimizer = xb.distribute(model, optimizer, rule="SMA")
+    for epoch in range(epochs):
+        for x, y in loader:                                     # your loop, unchanged
+            optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+        with xb.consensus(model):                               # the rule's model, for validation or saving
+            validate(model)
+    xb.finish()                                                 # drain; the model now holds the consensus
+
+One process-wide state holds the world (``init``) and the current job (``distribute`` to ``finish``); a
+finished job may be followed by another ``distribute``. Failures follow ``crossbow-launch``'s protocol: bad
+input found before the ranks talk is one line from rank 0 and the same exit status everywhere; an exception
+on any rank later ends the whole job with one line naming the rank (the traceback goes to a file the line
+names); a rank that leaves the script with its job unfinished ends the job instead of leaving peers waiting.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import secrets
+import sys
+import tempfile
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm import make_communicator
+from ..config.fields import build
+from ..config.sections import CommSection, NumaSection
+from ..data.loader import LoaderOptions
+from ..errors import UsageError
+from ..launch.binding import bind as bind_cores
+from ..launch.binding import gather_facts
+from ..launch.devices import device_for_rank, parse_devices
+from ..launch.failure import abort, abort_job, agree
+from ..launch.world import World, detect_world
+from ..log import setup_logging
+from ..model.consistency import check_same_shapes
+from ..pool.base import params_loaded
+from ..rules.base import Rule
+from ..rules.registry import build_rule
+from .job import EmbeddedJob
+from .own_model import OwnModel
+from .sharded_loader import Part, ShardedLoader
+
+log = logging.getLogger(__name__)
+
+#: How the embedded API's failure lines start.
+PREFIX = "mpicrossbow: error: "
+
+
+@dataclass
+class _Process:
+    """What this process knows: its world, the communicator settings, its loaders and the current job."""
+
+    world: World | None = None
+    comm: CommSection = field(default_factory=CommSection)
+    job: EmbeddedJob | None = None
+    part: Part | None = None
+    loaders: weakref.WeakSet[ShardedLoader] = field(default_factory=weakref.WeakSet)
+    tracebacks: Path | None = None
+
+
+_state = _Process()
+
+
+def init(
+    devices: str | None = None,
+    *,
+    bind: str = "none",
+    comm: Mapping[str, Any] | None = None,
+    log_level: str = "info",
+) -> World:
+    """Join the MPI world (mpiexec, srun, or a plain single process) and pick this rank's device.
+
+    ``devices`` is a DEVICES list (``cuda0,cuda1``, ``cpu``; one entry per rank, or ``cpu`` for all); by
+    default rank r drives CUDA device ``local_rank % count`` when CUDA exists (made the current device, so
+    ``torch.device("cuda")`` means it), else the CPU. ``bind`` pins the rank's threads as ``[numa] bind``
+    does (``none``, ``core``, ``numa``, ``socket``, ``gpu``); ``comm`` holds ``[comm]`` keys (backend,
+    compression, ...). Collective; calling it again returns the same World. Bad arguments end every rank
+    with one line and status 2.
+    """
+    if _state.world is not None:
+        return _state.world
+    world = detect_world()
+    setup_logging(world.rank, world.size, log_level.upper() if world.rank == 0 else None)
+    _install_failure_hooks()
+    chosen: dict[str, Any] = {}
+
+    def prepare() -> None:
+        chosen["comm"] = build(CommSection, dict(comm or {}), "comm")
+        chosen["numa"] = build(NumaSection, {"bind": bind}, "numa")
+        chosen["device"] = choose_device(devices, world)
+
+    _agree(world, prepare)
+    device = chosen["device"]
+    facts = gather_facts(world, str(device))
+    _agree(world, lambda: chosen.update(binding=bind_cores(chosen["numa"].bind, facts, world.rank)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _state.comm = chosen["comm"]
+    _state.tracebacks = Path(tempfile.gettempdir()) / f"mpicrossbow-{world.bcast(secrets.token_hex(4))}"
+    _state.world = replace(world, device=device)
+    log.info("%d rank(s); rank 0 on %s, %d thread(s)", world.size, device, torch.get_num_threads())
+    return _state.world
+
+
+def choose_device(devices: str | None, world: World) -> torch.device:
+    """``devices``' entry for this rank, or CUDA device ``local_rank % count`` (the CPU without CUDA)."""
+    if devices:
+        return device_for_rank(parse_devices(devices), world.rank, world.size).torch_device()
+    if torch.cuda.is_available():
+        return torch.device("cuda", world.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def shard(
+    dataset: Any, batch_size: int, seed: int = 0, *, workers: int = 0, prefetch: int = 2
+) -> ShardedLoader:
+    """A DataLoader of this rank's equal share of map-style ``dataset``, in a new order every epoch.
+
+    The same pipeline as ``crossbow-launch`` (same data, batch size and seed: the same batches); ``workers``
+    processes load ``prefetch`` batches ahead. Iterate it once per epoch; a rank the rule keeps out of
+    training (a parameter server) gets no batches. See :mod:`.sharded_loader`.
+    """
+    world = init()
+    options = LoaderOptions(workers=workers, prefetch=prefetch, pin_memory=world.device.type == "cuda")
+    loader = ShardedLoader(dataset, batch_size, seed, _current_part, options)
+    _state.loaders.add(loader)
+    return loader
+
+
+def _current_part() -> Part:
+    """The part the current rule gives this rank (``rank`` of ``size`` before any ``distribute``)."""
+    if _state.part is not None:
+        return _state.part
+    world = init()
+    return Part(world.rank, world.size)
+
+
+def distribute(
+    model: nn.Module, optimizer: torch.optim.Optimizer, rule: str | Rule = "BSP", **hyper: Any
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Put ``model`` and ``optimizer`` under ``rule`` and return them.
+
+    ``rule`` is a registry name with its ``[rule]`` keys as keywords (``rule="EASGD", mode="async"``), the
+    same as one string for a command line (``"EASGD mode=async tau=4"``), or a Rule instance.
+
+    Every rank starts from rank 0's weights. Afterwards ``optimizer.step()`` runs the rule's exchange where
+    the rule needs it (gradient averaging before the update, model averaging or elastic pulls after it,
+    asynchronous messages without waiting). On a rank the rule keeps out of training (parameter servers:
+    ranks 0..S-1; the asynchronous EASGD centre: rank 0) this call serves until every worker has called
+    :func:`finish`, and returns the final model. Collective.
+    """
+    world = init()
+    if _state.job is not None and not _state.job.finished:
+        raise UsageError("xb.distribute: a model is already distributed; call xb.finish() before another")
+    built: dict[str, Any] = {}
+
+    def prepare() -> None:
+        chosen = _make_rule(rule, hyper)
+        trains = chosen.trains(world.rank, world.size)
+        part = Part(world.rank, world.size, trains=False)
+        if trains:
+            index, count = chosen.train_shard(world.rank, world.size)
+            part = Part(index, count, chosen.train_span(world.rank, world.size))
+        for loader in _state.loaders:
+            loader.check_part(part)
+        own = OwnModel(model, optimizer, _steps_per_epoch)
+        built.update(rule=chosen, trains=trains, part=part, own=own)
+
+    _agree(world, prepare)
+    own: OwnModel = built["own"]
+    _agree(world, lambda: check_same_shapes(world, [tuple(p.shape) for p in own.learner.param_list]))
+    chosen: Rule = built["rule"]
+    _state.part = built["part"]
+    comm = make_communicator(_state.comm, world.device, world.mpi)
+    chosen.bind(comm, own)
+    job = _state.job = EmbeddedJob(world, chosen, comm, own, built["trains"])
+    if not job.trains:
+        job.serve()
+        # This rank's optimizer never steps: a scheduler's "step() before optimizer.step()" is expected.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+    return model, optimizer
+
+
+def _make_rule(rule: str | Rule, hyper: Mapping[str, Any]) -> Rule:
+    if isinstance(rule, Rule):
+        if hyper:
+            raise UsageError(
+                f"xb.distribute: {sorted(hyper)} given with a Rule instance; pass them to its constructor"
+            )
+        return rule
+    if not isinstance(rule, str):
+        raise UsageError(f"xb.distribute: rule must be a name or a Rule instance, got {type(rule).__name__}")
+    name, *settings = rule.split()
+    given = {}
+    for item in settings:
+        key, equals, value = item.partition("=")
+        if not equals or not key:
+            raise UsageError(f"xb.distribute: rule {rule!r}: '{item}' is not key=value")
+        given[key] = value
+    return build_rule(name, {**given, **hyper})
+
+
+def _steps_per_epoch() -> int | None:
+    """Batches per epoch of the first live loader from :func:`shard`, or None."""
+    return next((len(loader) for loader in _state.loaders), None)
+
+
+def _job(what: str) -> EmbeddedJob:
+    if _state.job is None:
+        raise UsageError(f"{what} before xb.distribute(model, optimizer, rule=...)")
+    return _state.job
+
+
+@contextmanager
+def consensus(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block ``model`` holds the rule's consensus weights (SMA's z, EASGD's centre, the server's
+    w, GOSGD's weighted mean after the end, BSP's shared weights), afterwards its own replica again.
+
+    For a synchronous rule it is collective: every rank enters the block at the same point (where every
+    rank validates). An asynchronous rule shows what this rank holds without communicating until
+    :func:`finish`, then the final consensus. See :mod:`.job`.
+    """
+    job = _job("xb.consensus")
+    if model is not job.module:
+        raise UsageError("xb.consensus(model): this is not the model given to xb.distribute")
+    with params_loaded(job.own.learner, job.consensus()):
+        yield model
+
+
+def finish() -> None:
+    """Drain everything in flight, agree on the consensus and leave it in the model's weights. Collective;
+    call it on every rank after the training loop (a no-op without a running job)."""
+    if _state.job is not None:
+        _state.job.finish()
+    _state.part, _state.loaders = None, weakref.WeakSet()  # the next job cuts its own loaders' parts
+
+
+def checkpoint(path: str | Path) -> None:
+    """Collective: save the rule's state (SMA's z, EASGD's centre, step counts) into folder ``path``; save
+    your model's and optimizer's ``state_dict`` beside it. Synchronous rules only."""
+    _job("xb.checkpoint").checkpoint(Path(path))
+
+
+def restore(path: str | Path) -> None:
+    """Load what :func:`checkpoint` saved into the running job (after ``xb.distribute`` and your own
+    ``load_state_dict`` calls)."""
+    _job("xb.restore").restore(Path(path))
+
+
+def trains() -> bool:
+    """Whether this rank trains under the current rule (False on a parameter server's ranks)."""
+    return _state.job.trains if _state.job is not None else True
+
+
+# ------------------------------------------------------------------ failures
+def _agree(world: World, prepare: Any) -> None:
+    """Run ``prepare`` on every rank; if it failed anywhere, rank 0 has printed why and every rank exits."""
+    code = agree(world, prepare, PREFIX)
+    if code:
+        raise SystemExit(code)
+
+
+def _install_failure_hooks() -> None:
+    """An uncaught exception ends every rank (one line); leaving with a job unfinished ends the job."""
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        world = _state.world
+        if world is None or world.size == 1:
+            previous(kind, exc, tb)
+            return
+        assert _state.tracebacks is not None
+        _state.tracebacks.mkdir(exist_ok=True)
+        abort(world, exc, _state.tracebacks, PREFIX)
+
+    sys.excepthook = excepthook
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    """The script ended with a job still running: finish it alone, or end the whole job (peers may wait)."""
+    job, world = _state.job, _state.world
+    if job is None or job.finished or world is None:
+        return
+    if world.size == 1:
+        log.warning("xb.finish() was not called; finishing RULE=%s at exit", job.rule.name)
+        job.finish()
+        return
+    abort_job(
+        world,
+        f"rank {world.rank} of {world.size} on {world.hostname} reached the end of the script with RULE="
+        f"{job.rule.name} unfinished: call xb.finish() on every rank after training",
+        1,
+        prefix=PREFIX,
+    )

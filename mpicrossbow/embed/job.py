@@ -1,0 +1,125 @@
+"""EmbeddedJob: one distributed model in a user's own loop, from ``xb.distribute`` to ``xb.finish``.
+
+``xb.distribute`` assembles it (:mod:`.api`); this class runs what follows. Its states:
+
+* **running** — the rule's hooks sit around the user's ``optimizer.step()`` (:class:`.step_hooks.StepHooks`).
+  A rank the rule keeps out of training (a parameter server, the asynchronous EASGD centre) never runs:
+  :meth:`serve` answers the workers inside ``xb.distribute`` until every worker has finished.
+* **finished** — :meth:`finish` drained everything in flight (``rule.finish()``), made the consensus
+  consistent on every rank (``rule.sync_state()``, a collective) and left it in the model's weights; the
+  hooks are gone and later ``optimizer.step()`` calls are plain local steps.
+
+:meth:`consensus` is what ``with xb.consensus(model)`` shows: for a synchronous rule the rule's model after
+``sync_state`` (a collective: every rank enters the block together, as every rank validates together in
+``crossbow-launch``); for an asynchronous rule before the end, what this rank holds without communicating
+(the server's w as last pulled, or its own replica); after the end, the rule's final model everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..comm.base import Communicator
+from ..errors import CheckpointError, UsageError
+from ..launch.world import World
+from ..rules.base import Rule
+from ..training.checkpoint import FORMAT_VERSION, META, atomic_save, rank_file, safe_load
+from .own_model import OwnModel
+from .step_hooks import StepHooks
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedJob:
+    """The rule, communicator, replica and hooks of one ``xb.distribute`` (see the module doc)."""
+
+    def __init__(self, world: World, rule: Rule, comm: Communicator, own: OwnModel, trains: bool) -> None:
+        self.world, self.rule, self.comm, self.own, self.trains = world, rule, comm, own, trains
+        self.hooks: StepHooks | None = StepHooks(own, rule) if trains else None
+        self.finished = False
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The user's model."""
+        return self.own.learner.module
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken under the rule on this rank."""
+        return self.hooks.step if self.hooks is not None else 0
+
+    def serve(self) -> None:
+        """A rank that does not train: the rule's server loop until every worker finished, then the end."""
+        log.info("rank %d serves for RULE=%s until every worker finished", self.world.rank, self.rule.name)
+
+        def progress(params: torch.Tensor, epoch: float) -> None:
+            log.info("serving: the workers are at epoch %.2f", epoch)
+
+        self.rule.serve(progress)
+        self.finish()
+
+    def consensus(self) -> torch.Tensor | None:
+        """The weights ``xb.consensus`` shows (None: this rank's own replica); see the module doc."""
+        if self.finished:
+            return self.rule.eval_params()
+        if self.rule.synchronous:
+            self.rule.sync_state()
+            return self.rule.eval_params()
+        return self.rule.local_consensus()
+
+    def finish(self) -> None:
+        """Drain, agree on the consensus, leave it in the model, remove the hooks; idempotent. Collective."""
+        if self.finished:
+            return
+        if self.hooks is not None:
+            self.hooks.remove()
+        self.rule.finish()
+        self.rule.sync_state()
+        final = self.rule.eval_params()
+        if final is not None:
+            self.own.learner.params.copy_(final)
+        self.comm.close()
+        self.finished = True
+        log.info("RULE=%s finished after %d step(s) on this rank", self.rule.name, self.steps)
+
+    # ------------------------------------------------------------ checkpoints
+    def checkpoint(self, path: Path) -> None:
+        """Collective: every rank writes the rule's state and its step count into folder ``path``
+        (``rank-NNNNN.pt``, atomically), then rank 0 writes ``meta.pt``; the user saves the model's and the
+        optimizer's own ``state_dict`` beside it."""
+        self._check_checkpointable("xb.checkpoint")
+        if self.world.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        self.world.bcast(None)  # the folder exists before any rank writes into it
+        state = {"version": FORMAT_VERSION, "rule": self.rule.state_dict(), "step": self.steps}
+        atomic_save(state, rank_file(path, self.world.rank))
+        self.world.allgather(None)  # every rank's file is complete before the meta file vouches for them
+        if self.world.rank == 0:
+            meta = {"version": FORMAT_VERSION, "rule": self.rule.name, "size": self.world.size}
+            atomic_save(meta, path / META)
+
+    def restore(self, path: Path) -> None:
+        """Load what :meth:`checkpoint` wrote (same rule and rank count) into the running job."""
+        self._check_checkpointable("xb.restore")
+        meta = safe_load(path / META, "meta file")
+        if meta.get("rule") != self.rule.name or meta.get("size") != self.world.size:
+            raise CheckpointError(
+                f"checkpoint {path} was written by RULE={meta.get('rule')} on {meta.get('size')} rank(s); "
+                f"this job runs RULE={self.rule.name} on {self.world.size}"
+            )
+        state = safe_load(rank_file(path, self.world.rank), "rank file")
+        self.rule.load_state_dict(state["rule"])
+        assert self.hooks is not None
+        self.hooks.step = int(state["step"])
+
+    def _check_checkpointable(self, what: str) -> None:
+        if self.finished:
+            raise UsageError(f"{what} after xb.finish(): the rule's state is gone; call it before")
+        if not self.rule.synchronous:
+            raise UsageError(
+                f"{what} needs a synchronous rule (every rank at the same step); RULE={self.rule.name} is "
+                "asynchronous: save the model after xb.finish() instead"
+            )
