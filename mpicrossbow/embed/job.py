@@ -76,6 +76,7 @@ class EmbeddedJob:
             return
         if self.hooks is not None:
             self.hooks.remove()
+        self.own.learner.release()
         self.rule.finish()
         self.rule.sync_state()
         final = self.rule.eval_params()

@@ -7,7 +7,7 @@ optimizer and any learning-rate scheduler keep the very same tensor objects, so 
 notice; only the storage moved.
 
 Backward writes into the flat gradient as long as each ``.grad`` is its view. The optimizer's ``zero_grad``
-is redirected to zero that buffer in place (:class:`~mpicrossbow.embed.step_hooks.StepHooks`);
+is redirected to zero that buffer in place (until :meth:`OwnLearner.release`);
 ``module.zero_grad()`` or a hand-written ``p.grad = None`` makes autograd allocate fresh tensors, which
 :meth:`OwnLearner.gather_grads` copies back in before the rule reads them (one copy, only then).
 """
@@ -40,6 +40,7 @@ class OwnLearner:
             flatten_into_buffer(float_buffers) if float_buffers else torch.zeros(0, device=self.device)
         )
         self._views = [p.grad for p in self.param_list]
+        optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
 
     def gather_grads(self) -> None:
         """Make every ``.grad`` its view of :attr:`grads` again, copying a gradient autograd put elsewhere
@@ -64,6 +65,11 @@ class OwnLearner:
         for p, view in zip(self.param_list, self._views, strict=True):
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
+
+    def release(self) -> None:
+        """Give the optimizer its own ``zero_grad`` back (the job is over)."""
+        if "zero_grad" in vars(self.optimizer):
+            del self.optimizer.zero_grad
 
 
 def check_model(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -8,8 +8,7 @@ gossip, pushes to a server). In the user's loop the same order follows from torc
 * a **step post-hook** calls ``exchange(step)`` and counts the step;
 * a **forward pre-hook** on the module (training mode only) tells the rule when the learning rate changed
   (the user's scheduler), before the forward pass: SMA restarts its replicas from z there, as it does under
-  ``crossbow-launch``, where the rate is set before the step's forward pass;
-* ``optimizer.zero_grad`` zeroes the flat gradient in place instead of setting ``.grad`` to None.
+  ``crossbow-launch``, where the rate is set before the step's forward pass.
 
 Asynchronous rules need nothing more: their ``exchange`` never waits for a collective. :meth:`remove`
 takes every hook away again (``xb.finish``).
@@ -38,7 +37,6 @@ class StepHooks:
             optimizer.register_step_post_hook(self._after),
             learner.module.register_forward_pre_hook(self._forward),
         ]
-        optimizer.zero_grad = learner.zero_grad  # type: ignore[method-assign]
 
     def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.own.learner.gather_grads()
@@ -61,10 +59,7 @@ class StepHooks:
         self.lr = lr
 
     def remove(self) -> None:
-        """Take every hook away; the optimizer's own ``zero_grad`` comes back."""
+        """Take every hook away."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        optimizer = self.own.learner.optimizer
-        if "zero_grad" in vars(optimizer):
-            del optimizer.zero_grad

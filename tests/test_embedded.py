@@ -1,0 +1,183 @@
+"""The embedded API's parts without MPI: the example's diff, xb.shard's batches, the hooks around a user's
+optimizer and the checks on a user's model (the API under mpiexec: tests/test_embedded_mpi.py)."""
+
+from __future__ import annotations
+
+import difflib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import REPO
+from data.digits import digits_dataset
+from mpicrossbow.data.loader import LoaderData, LoaderOptions
+from mpicrossbow.embed.own_model import OwnModel
+from mpicrossbow.embed.sharded_loader import Part, ShardedLoader
+from mpicrossbow.embed.step_hooks import StepHooks
+from mpicrossbow.errors import ContractError, DataError, UsageError
+from mpicrossbow.model.shard import Shard
+from mpicrossbow.rules.base import Rule
+
+
+def test_the_example_adds_at_most_eight_lines_to_the_plain_script() -> None:
+    """examples/train_digits.py is examples/train_digits_plain.py plus at most 8 lines (and fewer removed)."""
+    plain = (REPO / "examples" / "train_digits_plain.py").read_text().splitlines()
+    mpi = (REPO / "examples" / "train_digits.py").read_text().splitlines()
+    diff = [
+        line for line in difflib.unified_diff(plain, mpi, lineterm="", n=0) if line[:3] not in ("---", "+++")
+    ]
+    added = [line for line in diff if line.startswith("+")]
+    removed = [line for line in diff if line.startswith("-")]
+    assert 0 < len(added) <= 8 and len(removed) <= len(added), "\n".join(diff)
+    moved = {line.strip() for line in plain}  # a plain line indented into a ``with xb.consensus`` block
+    new = [line for line in added if line[1:].strip() not in moved]
+    assert all("xb" in line or "--rule" in line for line in new), new
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple[object, object]:
+    return digits_dataset("train"), digits_dataset("val")
+
+
+def test_shard_gives_crossbow_launchs_batches(digits: tuple[object, object]) -> None:
+    """Rank 1 of 2: the same batches, epoch after epoch, as crossbow-launch's pipeline; a new order each
+    epoch without set_epoch; set_epoch goes back."""
+    train, val = digits
+    loader = ShardedLoader(train, 16, 5, lambda: Part(1, 2), LoaderOptions())
+    reference = LoaderData(train, val, Shard(1, 2, 16, 5), LoaderOptions())
+    assert len(loader) == reference.n_batch_train == len(train) // 2 // 16
+    epochs = []
+    for epoch in range(2):
+        mine = list(loader)
+        theirs = list(reference.train_batches(epoch))
+        assert len(mine) == len(theirs)
+        assert all(
+            torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(mine, theirs, strict=True)
+        )
+        epochs.append(mine)
+    assert not torch.equal(epochs[0][0][1], epochs[1][0][1]), "the second epoch repeated the first's order"
+    loader.set_epoch(0)
+    assert torch.equal(next(iter(loader))[1], epochs[0][0][1])
+
+
+def test_shard_parts_cover_distinct_samples_and_a_server_reads_none(digits: tuple[object, object]) -> None:
+    train, _ = digits
+    firsts = [ShardedLoader(train, 8, 0, lambda r=r: Part(r, 3), LoaderOptions()) for r in range(3)]
+    seen = [set(i for batch in loader._cut() for i, _ in batch) for loader in firsts]
+    assert not (seen[0] & seen[1] or seen[1] & seen[2] or seen[0] & seen[2])
+    server = ShardedLoader(train, 8, 0, lambda: Part(0, 3, trains=False), LoaderOptions())
+    assert len(server) == 0 and list(server) == []
+
+
+def test_shard_refuses_what_it_cannot_serve(digits: tuple[object, object]) -> None:
+    train, _ = digits
+    with pytest.raises(UsageError, match="batch_size must be at least 1"):
+        ShardedLoader(train, 0, 0, lambda: Part(0, 1), LoaderOptions())
+    with pytest.raises(UsageError, match="map-style"):
+        ShardedLoader(iter(range(3)), 4, 0, lambda: Part(0, 1), LoaderOptions())
+    with pytest.raises(DataError, match="fewer than one batch"):
+        len(ShardedLoader(train, 4000, 0, lambda: Part(0, 1), LoaderOptions()))
+    used = ShardedLoader(train, 8, 0, lambda: Part(0, 2), LoaderOptions())
+    len(used)
+    used.check_part(Part(0, 2))
+    with pytest.raises(UsageError, match=r"call xb\.distribute first"):
+        used.check_part(Part(0, 1))
+
+
+class Recorder(Rule):
+    """A rule that records when its hooks run, with the first weight as the optimizer left it."""
+
+    def __init__(self, own: OwnModel) -> None:
+        super().__init__()
+        self.own, self.calls = own, []
+
+    def on_gradients(self, step: int) -> None:
+        self.calls.append(("on_gradients", step, float(self.own.learner.params[0])))
+
+    def exchange(self, step: int) -> None:
+        self.calls.append(("exchange", step, float(self.own.learner.params[0])))
+
+    def on_lr_change(self, old: float, new: float) -> None:
+        self.calls.append(("lr", old, new))
+
+
+def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_hooks_run_the_rule_around_the_users_step_in_crossbow_launchs_order() -> None:
+    """on_gradients before the update, exchange after it, the step counted; a lowered rate is reported at
+    the next training forward pass; remove() gives the optimizer back."""
+    model, optimizer = model_and_optimizer()
+    own = OwnModel(model, optimizer, lambda: None)
+    rule = Recorder(own)
+    hooks = StepHooks(own, rule)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    before = float(own.learner.params[0])
+    for _ in range(2):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    assert [c[:2] for c in rule.calls] == [
+        ("on_gradients", 0),
+        ("exchange", 0),
+        ("on_gradients", 1),
+        ("exchange", 1),
+    ]
+    assert rule.calls[0][2] == before != rule.calls[1][2], (
+        "on_gradients must see the weights before the update"
+    )
+    scheduler.step()
+    model.eval()
+    model(x)
+    assert rule.calls[-1][0] == "exchange", "an evaluation pass reported the rate"
+    model.train()
+    model(x)
+    assert rule.calls[-1] == ("lr", 0.1, 0.05)
+    assert hooks.step == 2 and own.n_batch_train == 1
+    hooks.remove()
+    optimizer.step()
+    assert len(rule.calls) == 5, "a hook outlived remove()"
+    own.learner.release()
+    assert "zero_grad" not in vars(optimizer)
+
+
+def test_the_users_tensors_live_in_the_flat_buffers() -> None:
+    """Parameters, gradients and BatchNorm statistics are views of the flat buffers the rule exchanges;
+    gradients autograd put elsewhere (module.zero_grad()) come back into them."""
+    model, optimizer = model_and_optimizer()
+    own = OwnModel(model, optimizer, lambda: 7)
+    learner = own.learner
+    learner.params.fill_(0.5)
+    assert all(bool((p == 0.5).all()) for p in model.parameters())
+    model.train()
+    model(torch.randn(8, 4))
+    assert learner.buffers.abs().sum() > 0 and learner.buffers.numel() == 6  # running mean and variance
+    model.zero_grad()  # sets every .grad to None
+    F.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 2, (8,))).backward()
+    fresh = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert not torch.equal(learner.grads, fresh)
+    learner.gather_grads()
+    assert torch.equal(learner.grads, fresh)
+    assert [(o, n) for o, n in own.grad_layout()][-1][
+        0
+    ] + 2 == learner.params.numel() and own.n_batch_train == 7
+
+
+def test_models_the_rule_cannot_exchange_are_refused() -> None:
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(ContractError, match="not trainable parameters"):
+        OwnModel(model, torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1), lambda: None)
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ContractError, match="no trainable parameters"):
+        OwnModel(frozen, optimizer, lambda: None)
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
+    with pytest.raises(ContractError, match="one dtype and device"):
+        OwnModel(mixed, torch.optim.SGD(mixed.parameters(), lr=0.1), lambda: None)
+    with pytest.raises(ContractError, match=r"torch\.optim\.Optimizer"):
+        OwnModel(model, "sgd", lambda: None)  # type: ignore[arg-type]
