@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> nn.Module:
         with xb.consensus(model):
             test(model, device, test_loader)
         scheduler.step()
-    xb.finish()
-    if args.save_model:
+    if xb.finish() and args.save_model:
         torch.save(model.state_dict(), args.save_model)
     return model
 

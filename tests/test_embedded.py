@@ -36,6 +36,16 @@ def test_the_example_adds_at_most_eight_lines_to_the_plain_script() -> None:
     assert all("xb" in line or "--rule" in line for line in new), new
 
 
+def test_the_docs_show_the_examples_real_diff() -> None:
+    """docs/embedded.md's diff block is the diff between the two example scripts, line for line."""
+    plain = (REPO / "examples" / "train_digits_plain.py").read_text().splitlines()
+    mpi = (REPO / "examples" / "train_digits.py").read_text().splitlines()
+    diff = [line for line in difflib.unified_diff(plain, mpi, lineterm="", n=0) if line[:1] in "+-"]
+    docs = (REPO / "docs" / "embedded.md").read_text()
+    block = docs.split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
+    assert block == [line for line in diff if line[:3] not in ("---", "+++")]
+
+
 @pytest.fixture(scope="module")
 def digits() -> tuple[object, object]:
     return digits_dataset("train"), digits_dataset("val")

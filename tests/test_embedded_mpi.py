@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_local, run_mpi, verdicts
 
@@ -62,13 +63,35 @@ def test_embedded_api_checks(mpiexec: str, tmp_path: Path, n: int) -> None:
     assert not failed, failed
 
 
-def test_the_example_runs_under_mpiexec_as_the_docs_say(mpiexec: str) -> None:
-    """``mpiexec -n 2 python examples/train_digits.py --rule SMA``: both ranks test the same z each epoch."""
-    args = [sys.executable, "examples/train_digits.py", "--rule", "SMA", "--epochs", "2"]
+def test_the_example_runs_under_mpiexec_as_the_docs_say(mpiexec: str, tmp_path: Path) -> None:
+    """``mpiexec -n 2 python examples/train_digits.py --rule SMA``: both ranks test the same z each epoch;
+    rank 0 alone saves the final model."""
+    saved = tmp_path / "model.pt"
+    args = [
+        sys.executable,
+        "examples/train_digits.py",
+        "--rule",
+        "SMA",
+        "--epochs",
+        "2",
+        "--save-model",
+        str(saved),
+    ]
     proc = run_mpi(mpiexec, 2, args, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tests = [line for line in proc.stdout.splitlines() if line.startswith("Test:")]
     assert len(tests) == 4 and tests[0] == tests[1] and tests[2] == tests[3], tests
+    state = torch.load(saved, weights_only=True)
+    assert set(state) == {
+        "conv1.weight",
+        "conv1.bias",
+        "conv2.weight",
+        "conv2.bias",
+        "fc1.weight",
+        "fc1.bias",
+        "fc2.weight",
+        "fc2.bias",
+    }
 
 
 @pytest.mark.parametrize(

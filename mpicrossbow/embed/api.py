@@ -10,7 +10,8 @@
             optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
         with xb.consensus(model):                               # the rule's model, for validation or saving
             validate(model)
-    xb.finish()                                                 # drain; the model now holds the consensus
+    if xb.finish():                                             # drain; every model holds the consensus
+        torch.save(model.state_dict(), "model.pt")              # rank 0 writes it once
 
 One process-wide state holds the world (``init``) and the current job (``distribute`` to ``finish``); a
 finished job may be followed by another ``distribute``. Failures follow ``crossbow-launch``'s protocol: bad
@@ -244,12 +245,17 @@ def consensus(model: nn.Module) -> Iterator[nn.Module]:
         yield model
 
 
-def finish() -> None:
+def finish() -> bool:
     """Drain everything in flight, agree on the consensus and leave it in the model's weights. Collective;
-    call it on every rank after the training loop (a no-op without a running job)."""
+    call it on every rank after the training loop (nothing to drain without a running job).
+
+    Returns True on rank 0 only: every rank now holds the same model, and ``if xb.finish(): torch.save(...)``
+    writes it once instead of once per rank into the same file.
+    """
     if _state.job is not None:
         _state.job.finish()
     _state.part, _state.loaders = None, weakref.WeakSet()  # the next job cuts its own loaders' parts
+    return init().rank == 0
 
 
 def checkpoint(path: str | Path) -> None:
