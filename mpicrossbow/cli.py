@@ -154,15 +154,9 @@ def clean_shm() -> int:
 def no_pmi() -> int:
     """srun started several tasks without a PMI: the first says which ``--mpi`` to use; all exit 2."""
     if launcher_rank() in (0, None):
-        from .launch.spawn import installed_flavor
+        from .launch.spawn import no_pmi_advice
 
-        flavor = installed_flavor()
-        use = {"mpich": "--mpi=pmi2 (this MPI is MPICH)", "openmpi": "--mpi=pmix (this MPI is Open MPI)"}
-        say(
-            f"srun started {srun_tasks_without_pmi()} tasks without a PMI plug-in, so each would run alone: "
-            f"run srun {use.get(flavor, '--mpi=pmi2 (MPICH) or --mpi=pmix (Open MPI)')}; "
-            "'srun --mpi=list' shows what this Slurm offers"
-        )
+        say(no_pmi_advice(srun_tasks_without_pmi()))
     return USAGE_EXIT_CODE
 
 

@@ -43,12 +43,14 @@ from ..comm import make_communicator
 from ..config.fields import build
 from ..config.sections import CommSection, NumaSection
 from ..data.loader import LoaderOptions
-from ..errors import UsageError
+from ..errors import USAGE_EXIT_CODE, UsageError
 from ..launch.binding import bind as bind_cores
 from ..launch.binding import gather_facts
 from ..launch.devices import device_for_rank, parse_devices
-from ..launch.failure import abort, abort_job, agree
-from ..launch.world import World, detect_world
+from ..launch.failure import abort, abort_job, agree, say
+from ..launch.slurm import srun_tasks_without_pmi
+from ..launch.spawn import no_pmi_advice
+from ..launch.world import World, detect_world, launcher_rank
 from ..log import setup_logging
 from ..model.consistency import check_same_shapes
 from ..pool.base import params_loaded
@@ -97,6 +99,11 @@ def init(
     """
     if _state.world is not None:
         return _state.world
+    tasks = srun_tasks_without_pmi()
+    if tasks:  # every task would see a world of one and train alone
+        if launcher_rank() in (0, None):
+            say(no_pmi_advice(tasks), PREFIX)
+        raise SystemExit(USAGE_EXIT_CODE)
     world = detect_world()
     setup_logging(world.rank, world.size, log_level.upper() if world.rank == 0 else None)
     _install_failure_hooks()

@@ -251,3 +251,13 @@ def spawn(
         cmd, env = spawn_command(mpiexec, flavor, devices, args, hosts, bind), spawn_env(flavor, len(devices))
     with removing_new_segments(), awaiting_orphans():
         return run_job(cmd, env)
+
+
+def no_pmi_advice(tasks: int) -> str:
+    """The one line for a ``srun`` step of ``tasks`` tasks without PMI: which ``--mpi`` this MPI needs."""
+    use = {"mpich": "--mpi=pmi2 (this MPI is MPICH)", "openmpi": "--mpi=pmix (this MPI is Open MPI)"}
+    return (
+        f"srun started {tasks} tasks without a PMI plug-in, so each would run alone: run srun "
+        f"{use.get(installed_flavor(), '--mpi=pmi2 (MPICH) or --mpi=pmix (Open MPI)')}; "
+        "'srun --mpi=list' shows what this Slurm offers"
+    )
