@@ -63,6 +63,17 @@ def test_embedded_api_checks(mpiexec: str, tmp_path: Path, n: int) -> None:
     assert not failed, failed
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_embedded_api_checks_on_a_gpu(tmp_path: Path) -> None:
+    """The checks with every model, batch and flat buffer on CUDA device 0 (NCCL), in one process."""
+    args = [sys.executable, str(SCRIPTS / "embedded_checks.py"), str(tmp_path)]
+    proc = run_local(args, timeout=300, env={"EMBEDDED_DEVICES": "cuda0"})
+    assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    found = verdicts(proc.stdout)
+    assert len(found) == 9 and all(v == "OK" or v.startswith("SKIP") for v in found.values()), found
+
+
 def test_the_example_runs_under_mpiexec_as_the_docs_say(mpiexec: str, tmp_path: Path) -> None:
     """``mpiexec -n 2 python examples/train_digits.py --rule SMA``: both ranks test the same z each epoch;
     rank 0 alone saves the final model."""

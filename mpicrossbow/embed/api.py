@@ -76,6 +76,8 @@ class _Process:
     part: Part | None = None
     loaders: weakref.WeakSet[ShardedLoader] = field(default_factory=weakref.WeakSet)
     tracebacks: Path | None = None
+    #: An uncaught exception is ending the job: the exit hook has nothing to add.
+    failed: bool = False
 
 
 _state = _Process()
@@ -116,8 +118,8 @@ def init(
 
     _agree(world, prepare)
     device = chosen["device"]
-    facts = gather_facts(world, str(device))
-    _agree(world, lambda: chosen.update(binding=bind_cores(chosen["numa"].bind, facts, world.rank)))
+    facts = gather_facts(world, f"cuda{device.index}" if device.type == "cuda" else "cpu")  # DEVICES' form
+    _agree(world, lambda: bind_cores(chosen["numa"].bind, facts, world.rank))  # before CUDA starts
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _state.comm = chosen["comm"]
@@ -300,6 +302,7 @@ def _install_failure_hooks() -> None:
             previous(kind, exc, tb)
             return
         assert _state.tracebacks is not None
+        _state.failed = True  # MPI_Abort may return before the launcher ends this process
         _state.tracebacks.mkdir(exist_ok=True)
         abort(world, exc, _state.tracebacks, PREFIX)
 
@@ -310,7 +313,7 @@ def _install_failure_hooks() -> None:
 def _at_exit() -> None:
     """The script ended with a job still running: finish it alone, or end the whole job (peers may wait)."""
     job, world = _state.job, _state.world
-    if job is None or job.finished or world is None:
+    if job is None or job.finished or world is None or _state.failed:
         return
     if world.size == 1:
         log.warning("xb.finish() was not called; finishing RULE=%s at exit", job.rule.name)

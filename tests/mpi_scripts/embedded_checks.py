@@ -2,6 +2,8 @@
 
     mpiexec -n N python tests/mpi_scripts/embedded_checks.py DIR        (or python ... DIR: one process)
 
+``EMBEDDED_DEVICES`` (default ``cpu``) is ``xb.init``'s DEVICES list: ``cuda0`` runs the checks on a GPU.
+
 Every rank runs each check (tests/mpi_scripts/verdicts.py prints ``CHECK embedded.<name> OK|SKIP|FAIL``).
 The checks use one small network on the digits and each distributes it anew, so they also show that a
 finished job can be followed by another in the same process.
@@ -9,6 +11,7 @@ finished job can be followed by another in the same process.
 
 from __future__ import annotations
 
+import os
 import sys
 import unittest
 from collections.abc import Callable
@@ -30,6 +33,8 @@ from mpicrossbow.errors import UsageError
 
 LR = 0.05
 TRAIN = digits_dataset("train")
+#: This rank's device (``xb.init``'s choice from ``EMBEDDED_DEVICES``).
+DEVICE = torch.device("cpu")
 
 
 def network(norm: bool = False, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -38,13 +43,13 @@ def network(norm: bool = False, seed: int = 0) -> tuple[nn.Module, torch.optim.O
     torch.manual_seed(seed + 101 * WORLD.rank)
     layers: list[nn.Module] = [nn.Flatten(), nn.Linear(64, 32)]
     layers += [nn.BatchNorm1d(32)] if norm else []
-    model = nn.Sequential(*layers, nn.ReLU(), nn.Linear(32, 10))
+    model = nn.Sequential(*layers, nn.ReLU(), nn.Linear(32, 10)).to(DEVICE)
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
 
 def flat(model: nn.Module) -> torch.Tensor:
     """The model's parameters, one vector (a copy)."""
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -68,7 +73,7 @@ def batches(count: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor
     loader = xb.shard(TRAIN, size, seed=3)
     taken = []
     for x, y in loader:
-        taken.append((x, y))
+        taken.append((x.to(DEVICE), y.to(DEVICE)))
         if len(taken) == count:
             break
     return taken
@@ -125,7 +130,7 @@ def check_consensus_shows_z_then_the_replica() -> None:
     with xb.consensus(model) as inside:
         assert inside is model
         z = flat(model)
-        assert torch.equal(z, rule.z), "the block does not show z"
+        assert torch.equal(z, rule.z.cpu()), "the block does not show z"
     assert torch.equal(flat(model), own), "the replica did not come back after the block"
     same_everywhere(z, "z")
     xb.finish()
@@ -232,7 +237,8 @@ def expect(kind: type[BaseException], words: str, call: Callable[[], object]) ->
 
 def main() -> int:
     folder = Path(sys.argv[1])
-    xb.init(devices="cpu")
+    global DEVICE
+    DEVICE = xb.init(devices=os.environ.get("EMBEDDED_DEVICES", "cpu")).device
     checks = [
         ("bsp_is_the_global_batch", check_bsp_is_the_global_batch),
         ("zero_grad_to_none_changes_nothing", check_zero_grad_to_none_changes_nothing),
