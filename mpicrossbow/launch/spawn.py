@@ -249,8 +249,21 @@ def spawn(
         mpiexec = find_mpiexec()
         flavor = mpi_flavor(mpiexec)
         cmd, env = spawn_command(mpiexec, flavor, devices, args, hosts, bind), spawn_env(flavor, len(devices))
+    env.update(terminal_env())
     with removing_new_segments(), awaiting_orphans():
         return run_job(cmd, env)
+
+
+#: Set by the launcher for its ranks when its own stderr is a terminal: the terminal's width in columns. A
+#: rank's stderr is a pipe to the MPI launcher, so without it no rank could know a person is watching.
+TERMINAL_VARIABLE = "CROSSBOW_TERMINAL_COLUMNS"
+
+
+def terminal_env() -> dict[str, str]:
+    """``{TERMINAL_VARIABLE: columns}`` when this process's stderr is a terminal, else nothing."""
+    if not sys.stderr.isatty():
+        return {}
+    return {TERMINAL_VARIABLE: str(shutil.get_terminal_size().columns)}
 
 
 def no_pmi_advice(tasks: int) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..errors import DataError
+from ..trace import complete
 from .learner import Learner
 from .replicas import Replicas
 
@@ -98,7 +99,9 @@ class TimedBatches:
         try:
             return next(self.batches)
         finally:
-            self.clock[0] += time.perf_counter() - started
+            ended = time.perf_counter()
+            self.clock[0] += ended - started
+            complete("data wait", "data", started, ended, track="data")
 
     def skip(self, count: int) -> None:
         """Pass over the next ``count`` batches (resuming mid-epoch)."""

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..comm.base import Communicator, Handle
+from ..trace import instant, span
 from .request_loop import Order, serve_requests
 from .served_stats import ServedStats
 
@@ -77,10 +78,11 @@ class ElasticWorker:
         for x, slot in zip(self.params, self.request[:n].view(len(self.params), -1), strict=True):
             slot.copy_(x)
         self._tail(UPDATE, progress)
-        recv = self.comm.irecv(self.reply, self.server, REPLY_TAG)
-        send = self.comm.isend(self.request, self.server, REQUEST_TAG)
-        recv.wait()  # our own reply, right away: each e_j lands on the weights we sent
-        send.wait()
+        with span("elastic request and reply", "message", track="messages"):
+            recv = self.comm.irecv(self.reply, self.server, REPLY_TAG)
+            send = self.comm.isend(self.request, self.server, REQUEST_TAG)
+            recv.wait()  # our own reply, right away: each e_j lands on the weights we sent
+            send.wait()
         for x, e in zip(self.params, self.reply.view(len(self.params), -1), strict=True):
             x.sub_(e)
         self.requests += len(self.params)
@@ -172,6 +174,7 @@ class ElasticServer:
                 e.mul_(self.alpha)
                 self.centre.add_(e)
             self._sends[w] = self.comm.isend(self._outbox[w], w, REPLY_TAG)
+            instant("elastic update and reply", "message", worker=w)
             self.updates += self.learners
             self._post(w)
         epoch = self.epoch

@@ -48,6 +48,7 @@ import torch
 
 from ..comm.base import Handle
 from ..config.fields import setting
+from ..trace import instant
 from .base import Rule
 from .registry import RULES
 
@@ -141,6 +142,7 @@ class GOSGD(Rule):
             self.posted[src] = None
             return None
         self._merge(int(j), x_s, int(weight * UNIT))
+        instant("gossip merge", "gossip", source_rank=src, learner=int(j), weight=weight)
         self.received[src] += 1
         self._post(src)
         return int(j)
@@ -184,6 +186,8 @@ class GOSGD(Rule):
     def _send(self, dst: int, params: torch.Tensor, weight: float, j: int) -> None:
         assert self.comm is not None
         meta = params.new_tensor([weight, float(j)], dtype=torch.float64)
+        if weight >= 0:
+            instant("gossip send", "gossip", to_rank=dst, learner=j, weight=weight)
         self.outbox.append(
             (self.comm.isend(params, dst, TAG_PARAMS), self.comm.isend(meta, dst, TAG_WEIGHT), params, meta)
         )

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ import torch
 
 from ..comm.base import Communicator, Handle
 from ..pool.flat import empty_flat
+from ..trace import complete
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class Bucket:
     #: Learner-gradients still to come this step: len(params) × learners when the step starts.
     pending: int = 0
     handle: Handle | None = field(default=None, repr=False)
+    #: When its allreduce started (``perf_counter``), for the timeline.
+    started: float = 0.0
 
 
 def plan_buckets(layout: Sequence[tuple[int, int]], bucket_elems: int) -> list[Bucket]:
@@ -171,6 +175,7 @@ class GradBuckets:
                 out.add_(other[lo:hi])
         if flag:
             out[0] = math.nan
+        bucket.started = time.perf_counter()
         bucket.handle = self.comm.allreduce(out, async_op=True)
 
     def _progress(self) -> None:
@@ -190,9 +195,10 @@ class GradBuckets:
             self._next += 1
         self._start(last, flag=bool(self.nonfinite()))
         flag = self.buckets[last].start
-        for bucket in self.buckets:
+        for b, bucket in enumerate(self.buckets):
             assert bucket.handle is not None
             bucket.handle.wait()
+            complete(f"bucket {b}", "bucket", bucket.started, time.perf_counter(), track="buckets")
         self._arm()
         if not math.isfinite(float(self.total[flag])):
             log.info("BSP overlap: a loss was not finite; this step's mean is taken again without it")

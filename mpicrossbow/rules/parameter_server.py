@@ -40,6 +40,7 @@ import torch
 from ..comm.base import Communicator, Handle
 from ..config.fields import setting
 from ..errors import ConfigError
+from ..trace import instant, span
 from .base import Rule
 from .request_loop import Order, serve_requests
 from .served_stats import ServedStats, learners_mean_buffers
@@ -163,7 +164,9 @@ class ParameterServer:
         self.stats.record(r, msg[n:head])
         if float(msg[head]) == DONE:
             self.done.add(r)
+            instant("done", "message", worker=r)
         else:
+            instant("push", "message", worker=r)
             self.received += 1
             if self.policy.accept(self, r):
                 weight = self.policy.weight(self, r)
@@ -196,6 +199,7 @@ class ParameterServer:
             self._outbox[r][n] = self.updates
             self._sends[r] = self.comm.isend(self._outbox[r], r, PULL_TAG)
             self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
+            instant("reply", "message", worker=r, updates=self.updates)
 
 
 @dataclass(frozen=True)
@@ -321,12 +325,13 @@ class ServerRule(Rule):
             for handle in [self.comm.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.servers)]:
                 handle.wait()
             return
-        recvs = [self.comm.irecv(self.replies[j], j, PULL_TAG) for j in range(self.servers)]
-        sends = [self.comm.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.servers)]
-        for handle in recvs:  # held back by a server while this worker is too far ahead (SSP)
-            handle.wait()
-        for handle in sends:
-            handle.wait()
+        with span("push and reply", "message", track="messages", servers=self.servers):
+            recvs = [self.comm.irecv(self.replies[j], j, PULL_TAG) for j in range(self.servers)]
+            sends = [self.comm.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.servers)]
+            for handle in recvs:  # held back by a server while this worker is too far ahead (SSP)
+                handle.wait()
+            for handle in sends:
+                handle.wait()
         for j, (lo, hi) in enumerate(self.bounds):
             self.w[lo:hi].copy_(self.replies[j][: hi - lo])
             self.seen[j] = int(self.replies[j][hi - lo])

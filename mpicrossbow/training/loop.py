@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..comm.base import ReduceOp
+from ..trace import span
 from .evaluation import per_sample
 from .nan_guard import check_finite
 from .parts import RankParts
@@ -72,7 +73,9 @@ class TrainLoop:
     def run(self) -> LoopOutcome:
         """Train to the step or epoch budget, or until a signal stops every rank (after a checkpoint)."""
         parts, ckpt = self.parts, self.parts.config.checkpoint
-        parts.reporter.open_bar(self.budget or self.epochs * parts.pool.n_batch_train, initial=self.step)
+        parts.reporter.open_bar(
+            self.budget or self.epochs * parts.pool.n_batch_train, self.step, self._samples_per_step()
+        )
         self.checks.start()
         while (
             self.epoch < self.epochs and (not self.budget or self.step < self.budget) and not self.checks.done
@@ -108,7 +111,8 @@ class TrainLoop:
             self.at_epochs = self.epoch + (count + 1) / per_epoch
             if self.checks.due_within_epoch(count + 1, per_epoch):
                 self._beat("validate")
-                self.checks.run(self.step, self.at_epochs)
+                with span("validation", "validation"):
+                    self.checks.run(self.step, self.at_epochs)
                 if self.checks.done:
                     break
             if ckpt.every_steps and self.step % ckpt.every_steps == 0:
@@ -126,6 +130,9 @@ class TrainLoop:
         parts = self.parts
         started = time.perf_counter()
         self._beat("compute")
+        timeline = parts.timeline
+        if timeline is not None:
+            timeline.before_step(self.step)
         parts.faults.at_step(self.step)
         lr = lr_at(parts.config.optim, self.epoch + count / per_epoch)
         if lr != self.lr:
@@ -133,7 +140,10 @@ class TrainLoop:
                 parts.rule.on_lr_change(self.lr, lr)
             parts.pool.set_lr(lr, self.epoch)
             self.lr = lr
-        self.out.exchange_s += train_step(parts.pool, parts.rule, self.step, count, self._guard)
+        exchange_s = train_step(parts.pool, parts.rule, self.step, count, self._guard)
+        self.out.exchange_s += exchange_s
+        if timeline is not None and timeline.recording:
+            timeline.exchange_s += exchange_s
         self.step += 1
         parts.reporter.step_done(self.step)
         parts.straggler.after_step(started)
@@ -162,7 +172,8 @@ class TrainLoop:
         last = self.epoch == self.epochs - 1 or bool(self.budget and self.step >= self.budget)
         last = last or self.checks.done  # reached at a validation within this epoch
         due = self.checks.due_at_epoch_end(self.epoch, last)
-        val = self.checks.run(self.step, self.at_epochs) if due else None
+        with span("validation", "validation"):
+            val = self.checks.run(self.step, self.at_epochs) if due else None
         self.out.val = val if val is not None else self.out.val
         last = last or self.checks.done  # reached at this epoch's end
         parts.reporter.epoch(
@@ -191,12 +202,19 @@ class TrainLoop:
         if self.budget:
             self.epochs = self.epoch + 1 + math.ceil((self.budget - self.step) / per_epoch)
         else:
-            parts.reporter.set_bar_total(self.step + (self.epochs - self.epoch - 1) * per_epoch)
+            steps_left = (self.epochs - self.epoch - 1) * per_epoch
+            parts.reporter.set_bar_total(steps_left, self._samples_per_step())
+
+    def _samples_per_step(self) -> int:
+        """Samples one step trains over every rank (rank 0's learners × batch size × ranks)."""
+        parts = self.parts
+        return len(parts.pool.learners) * parts.config.data.batch_size * parts.world.size
 
     def _save(self, count: int) -> None:
         """A checkpoint after the current step (``count`` batches of the current epoch done)."""
         parts = self.parts
         self._beat("save")
         position: dict[str, Any] = {"step": self.step, "epoch": self.epoch, "count": count, "lr": self.lr}
-        parts.checkpoints.save(position, parts.rule, parts.faults)
+        with span("checkpoint", "checkpoint"):
+            parts.checkpoints.save(position, parts.rule, parts.faults)
         self.saved_at = self.step

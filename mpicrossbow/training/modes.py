@@ -45,6 +45,8 @@ class RunMode(ABC):
         outcome = self.train()
         busy = reporter.wall
         parts.rule.finish()
+        if parts.timeline is not None:
+            parts.timeline.finish()
         if parts.trains and busy > 0:
             reporter.rank_rates(outcome.steps / busy, outcome.exchange_s / busy)
         else:
@@ -114,6 +116,8 @@ class Serving(Asynchronous):
 
     def train(self) -> LoopOutcome:
         """The rule's serve loop; the served model is validated and reported as it goes."""
+        if self.parts.timeline is not None:
+            self.parts.timeline.serving()
         self.parts.rule.serve(self.parts.evaluator.served)
         return LoopOutcome()
 

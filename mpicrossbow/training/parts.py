@@ -14,6 +14,7 @@ from .checkpointing import Checkpointing
 from .evaluation import Evaluator
 from .faults import FaultInjector, Straggler
 from .reporting import Reporter
+from .timeline import Timeline
 from .watchdog import Watchdog
 
 
@@ -37,3 +38,5 @@ class RankParts:
     tuner: AutoTuner | None
     #: Whether this rank trains (False: it serves, e.g. a parameter server).
     trains: bool
+    #: The Chrome-trace timeline (``[session] timeline``), else None.
+    timeline: Timeline | None = None

@@ -19,9 +19,11 @@ from typing import Any
 
 from ..config import Config
 from ..launch.slurm import SlurmJob
+from ..launch.spawn import TERMINAL_VARIABLE
 from ..launch.world import World
 from .metrics import MetricsWriter
 from .result import RunResult
+from .tensorboard_log import TensorBoardLog
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,10 @@ class Reporter:
         self.start = time.perf_counter()
         self.rss_start, self.rss_warm = resident_mb(), math.nan
         self.metrics: MetricsWriter | None = None
+        self.tensorboard: TensorBoardLog | None = None
+        self._last_step = 0
         self.bar: Any = None
+        self.samples_per_step = 1
         processes = world.allgather(os.getpid())
         if world.rank != 0:
             return
@@ -77,6 +82,7 @@ class Reporter:
         (run_dir / "session.cfg").write_text(text, encoding="utf-8")
         attrs = {"world_size": world.size, "rule": config.rule, **slurm}
         self.metrics = MetricsWriter(run_dir / "metrics.h5", text, attrs, resume_step=resume_step)
+        self.tensorboard = TensorBoardLog(run_dir, text) if config.session.tensorboard else None
 
     @property
     def wall(self) -> float:
@@ -89,26 +95,45 @@ class Reporter:
         self.rss_start = resident_mb()
 
     # ----------------------------------------------------------- progress
-    def open_bar(self, total: int, initial: int = 0) -> None:
-        """Rank 0's tqdm bar, when ``[session] progress`` asks for one (``auto``: on a terminal)."""
+    def open_bar(self, total: int, initial: int = 0, samples_per_step: int = 1) -> None:
+        """Rank 0's tqdm bar of ``total`` steps, when ``[session] progress`` asks for one (``auto``: when a
+        person watches: this process's stderr is a terminal, or the launcher's was — under the launcher's
+        own mpiexec a rank's stderr is a pipe, so the launcher says so in ``CROSSBOW_TERMINAL_COLUMNS``).
+
+        It counts samples (``samples_per_step`` a step, over every rank), so the rate is samples/s; the
+        postfix holds the epoch, the last training loss and validation accuracy."""
         mode = self.config.session.progress
-        if self.world.rank != 0 or mode in ("off", "log") or (mode == "auto" and not sys.stderr.isatty()):
+        columns = os.environ.get(TERMINAL_VARIABLE, "")
+        watched = sys.stderr.isatty() or columns.isdigit()
+        if self.world.rank != 0 or mode in ("off", "log") or (mode == "auto" and not watched):
             return
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=True)
+        width = {"ncols": int(columns)} if columns.isdigit() and not sys.stderr.isatty() else {}
+        self.samples_per_step = samples_per_step
+        self.bar = tqdm(
+            total=total * samples_per_step,
+            initial=initial * samples_per_step,
+            unit="sample",
+            unit_scale=True,
+            dynamic_ncols=not width,
+            leave=True,
+            **width,
+        )
 
     def step_done(self, step: int) -> None:
         """One more step: advance the bar; sample resident memory once warmed up."""
         if step == RSS_WARM_STEPS:
             self.rss_warm = resident_mb()
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(self.samples_per_step)
 
-    def set_bar_total(self, total: int) -> None:
-        """The auto-tuner changed the steps per epoch: the bar's new total."""
+    def set_bar_total(self, steps_left: int, samples_per_step: int) -> None:
+        """The auto-tuner changed the learners (so the samples of a step and the steps of an epoch): the
+        bar's new total is what it counted so far and ``steps_left`` steps of ``samples_per_step``."""
         if self.bar is not None:
-            self.bar.total = total
+            self.samples_per_step = samples_per_step
+            self.bar.total = self.bar.n + steps_left * samples_per_step
 
     def close_bar(self) -> None:
         """Close the bar (idempotent)."""
@@ -137,27 +162,24 @@ class Reporter:
         wall = self.wall
         share = exchange_s / wall if wall > 0 else 0.0
         text = f"epoch {epoch + 1} step {step}: train loss {train[0]:.4f} acc {train[1]:.4f}"
-        if self.metrics is not None:
-            self.metrics.train(
-                step=step,
-                epoch=epoch + 1,
-                loss=train[0],
-                accuracy=train[1],
-                lr=lr,
-                time=wall,
-                learners=learners,
-                data_wait=data_wait,
-            )
+        self._last_step = step
+        row = {"step": step, "epoch": epoch + 1, "loss": train[0], "accuracy": train[1], "lr": lr}
+        self._row("train", **row, time=wall, learners=learners, data_wait=data_wait)
         if val is not None:
             text += f" | val loss {val[0]:.4f} acc {val[1]:.4f}"
-            if self.metrics is not None:
-                self.metrics.val(
-                    epoch=epoch + 1, step=step, loss=val[0], accuracy=val[1], time=wall, exchange_share=share
-                )
+            self._row(
+                "val",
+                epoch=epoch + 1,
+                step=step,
+                loss=val[0],
+                accuracy=val[1],
+                time=wall,
+                exchange_share=share,
+            )
         text += f" | lr {lr:.4g} | {wall:.1f}s, exchange {share:.0%}, data wait {data_wait:.0%}"
         if self.bar is not None:
-            if val is not None:
-                self.bar.set_postfix_str(f"val acc {val[1]:.4f}")
+            shown = f"epoch {epoch + 1} loss {train[0]:.4f}"
+            self.bar.set_postfix_str(shown + (f" val acc {val[1]:.4f}" if val is not None else ""))
             self.bar.write(text)
         elif self.config.session.progress != "off":
             log.info(text)
@@ -165,18 +187,17 @@ class Reporter:
     def served(self, val: tuple[float, float], epoch: float) -> None:
         """Rank 0: the served model (a parameter server's) after ``epoch`` epochs of the workers."""
         wall = self.wall
-        if self.metrics is not None:
-            self.metrics.val(epoch=epoch, step=0, loss=val[0], accuracy=val[1], time=wall, exchange_share=0.0)
+        self._row("val", epoch=epoch, step=0, loss=val[0], accuracy=val[1], time=wall, exchange_share=0.0)
         log.info("served model after %.2f epoch(s): val loss %.4f acc %.4f | %.1fs", epoch, *val, wall)
 
     def final_model(self, val: tuple[float, float], every_rank: list[float]) -> None:
         """Rank 0, asynchronous rules: the rule's final model, and each rank's own model's accuracy."""
         log.info("final %s model: val loss %.4f acc %.4f", self.config.rule, *val)
         log.info("each rank's own model: %s", ", ".join(f"{a:.4f}" for a in every_rank))
+        self._row(
+            "val", epoch=math.nan, step=0, loss=val[0], accuracy=val[1], time=self.wall, exchange_share=0.0
+        )
         if self.metrics is not None:
-            self.metrics.val(
-                epoch=math.nan, step=0, loss=val[0], accuracy=val[1], time=self.wall, exchange_share=0.0
-            )
             self.metrics.file.attrs["rank_val_accuracy"] = every_rank
 
     def stopped_by_signal(self, step: int, directory: Path | None) -> None:
@@ -194,9 +215,12 @@ class Reporter:
     def rank_rates(self, rate: float, share: float) -> None:
         """Collective: every rank's training steps/s and exchange share (NaN for serving ranks)."""
         pairs = self.world.allgather((rate, share))
+        figures = {"steps_per_second": [p[0] for p in pairs], "exchange_share": [p[1] for p in pairs]}
         if self.metrics is not None:
-            self.metrics.file.attrs["rank_steps_per_second"] = [p[0] for p in pairs]
-            self.metrics.file.attrs["rank_exchange_share"] = [p[1] for p in pairs]
+            for name, values in figures.items():
+                self.metrics.file.attrs[f"rank_{name}"] = values
+        if self.tensorboard is not None:
+            self.tensorboard.ranks(figures, self._last_step)
 
     def rank_health(self, in_flight: int, injected_seconds: float) -> None:
         """Collective: resident memory (start, warmed up, end), requests in flight, injected sleep."""
@@ -213,9 +237,19 @@ class Reporter:
             for i, name in enumerate(names):
                 self.metrics.file.attrs[name] = [row[i] for row in rows]
 
+    def _row(self, table: str, **row: float) -> None:
+        """Rank 0: one row of ``train`` or ``val`` into metrics.h5 and, when on, the TensorBoard events."""
+        if self.metrics is not None:
+            getattr(self.metrics, table)(**row)
+        if self.tensorboard is not None:
+            self.tensorboard.row(table, row)
+
     def close(self, result: RunResult | None = None, learners: int | None = None) -> None:
-        """Write the result's figures as attributes and close the metrics file (idempotent)."""
+        """Write the result's figures as attributes and close the metrics and event files (idempotent)."""
         self.close_bar()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
         if self.metrics is None:
             return
         attrs: dict[str, Any] = {}

@@ -40,6 +40,8 @@ from .replicas import build_pool
 from .reporting import Reporter, make_run_dir
 from .result import RunResult
 from .storage import check_writable
+from .tensorboard_log import check_available as check_tensorboard
+from .timeline import Timeline
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,8 @@ class Session:
                 f"[checkpoint] every_steps/every_epochs/resume need a synchronous rule; RULE={cfg.rule} is "
                 "asynchronous (ranks only meet at the end, so no step is common to all of them)"
             )
+        if cfg.session.tensorboard:
+            check_tensorboard()
         if (cfg.checkpoint.enabled or cfg.checkpoint.resume) and auto:
             raise ConfigError(
                 "[checkpoint] with [pool] learners = auto is not supported: set learners to the count the "
@@ -178,6 +182,11 @@ class Session:
             watchdog=self.watchdog,
             tuner=self.tuner,
             trains=trains,
+            timeline=(
+                Timeline(world, cfg.session.timeline, self.run_dir / "timeline.json")
+                if cfg.session.timeline
+                else None
+            ),
         )
 
     def _start_watchdog(self, run_dir: Path, synchronous: bool) -> Watchdog:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
+from ..trace import complete, span
 
 
 def train_step(
@@ -27,13 +28,18 @@ def train_step(
     ``count`` defaults to ``step`` modulo the steps per epoch. ``guard(step)`` runs between backward and
     the rule's first hook: the loop checks the loss there (NaN policy, fault injection, watchdog phase).
     """
-    pool.compute(step % pool.n_batch_train if count is None else count)
+    with span("forward+backward", "compute", step=step):
+        pool.compute(step % pool.n_batch_train if count is None else count)
     if guard is not None:
         guard(step)
-    start = time.perf_counter()
+    before = time.perf_counter()
     rule.on_gradients(step)
-    hooks = time.perf_counter() - start
-    pool.apply()
-    start = time.perf_counter()
+    between = time.perf_counter()
+    complete("on_gradients", "exchange", before, between)
+    with span("optimizer step", "compute"):
+        pool.apply()
+    after = time.perf_counter()
     rule.exchange(step)
-    return hooks + time.perf_counter() - start
+    end = time.perf_counter()
+    complete("exchange", "exchange", after, end)
+    return (between - before) + (end - after)
