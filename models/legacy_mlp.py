@@ -13,30 +13,8 @@ import torch
 from torch import nn
 
 from data.digits import Digits
+from models.theano_data import BatchesByCount
 from mpicrossbow import Shard
-
-
-class DigitsData:
-    """Theano-MPI-style DataClass: ``n_batch_train``, ``n_batch_val`` and batches by count."""
-
-    def __init__(self, rank: int, size: int, batch_size: int, seed: int) -> None:
-        self.digits = Digits(Shard(rank, size, batch_size, seed))
-        self.n_batch_train = self.digits.n_batch_train
-        self.n_batch_val = self.digits.n_batch_val
-        self.epoch = -1
-        self._train: list[Any] = []
-        self._val = list(self.digits.val_batches())
-
-    def train_batch(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch ``count`` of the current epoch (reshuffled when count wraps to 0)."""
-        if count == 0:
-            self.epoch += 1
-            self._train = list(self.digits.train_batches(self.epoch))
-        return self._train[count]
-
-    def val_batch(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validation batch ``count``."""
-        return self._val[count]
 
 
 class LegacyMLP:
@@ -46,9 +24,8 @@ class LegacyMLP:
         self.config = config
         self.verbose = config["verbose"]
         self.base_lr = float(config.get("lr", 0.1))
-        self.data = DigitsData(
-            config["rank"], config["size"], int(config.get("batch_size", 32)), config["seed"]
-        )
+        shard = Shard(config["rank"], config["size"], int(config.get("batch_size", 32)), config["seed"])
+        self.data = BatchesByCount(Digits(shard))
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
         self.params = list(self.net.parameters())
         self.optimizer: torch.optim.Optimizer | None = None
@@ -71,7 +48,7 @@ class LegacyMLP:
         self.optimizer.zero_grad()
         cost.backward()
         self.optimizer.step()
-        recorder.train_error(count, float(cost), error)
+        recorder.train_error(count, float(cost.detach()), error)
         recorder.end("calc")
 
     def val_iter(self, count: int, recorder: Any) -> None:

@@ -29,12 +29,20 @@ Run under mpirun/mpiexec/srun, every rank trains; run alone, it starts one rank 
 crossbow-launch --clean-shm (no -cfg) removes what failed MPICH jobs left in /dev/shm."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line interface (Theano-MPI's ``-cfg`` spelling, ``--cfg`` and ``-cfg=FILE`` too)."""
+def rules_line() -> str:
+    """The rules RULE= accepts, for ``--help`` (importing them imports torch: only help pays for it)."""
+    from .rules.registry import RULES
+
+    return f"RULE= one of {', '.join(RULES)}, or module:Class for your own (docs/rules.md)."
+
+
+def build_parser(rules: bool = False) -> argparse.ArgumentParser:
+    """The command-line interface (Theano-MPI's ``-cfg`` spelling, ``--cfg`` and ``-cfg=FILE`` too);
+    ``rules``: the help names every rule."""
     parser = argparse.ArgumentParser(
         prog="crossbow-launch",
         description="Train a model with an mpicrossbow session.cfg.",
-        epilog=EPILOG,
+        epilog=f"{rules_line()}\n{EPILOG}" if rules else EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-cfg", "--cfg", metavar="FILE", help="the session.cfg to run (required to train)")
@@ -88,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``crossbow-launch``; returns the exit status."""
-    parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    parser = build_parser(rules=any(a in ("-h", "--help") for a in given))
     args = parser.parse_args(argv)
     setup_logging(tag=LAUNCHER_TAG)  # not a rank yet: the rank tags its lines once MPI is up
     if args.clean_shm:
@@ -125,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             return spawn(
                 config.devices,
                 ["-cfg", args.cfg, *overrides],
-                args.np,
+                args.np or config.size,
                 hostfile=args.hostfile,
                 bind=config.numa.bind,
                 launcher=args.launcher,

@@ -8,7 +8,7 @@ every valid name, so a typo is fixed in one try.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from .errors import ConfigError
@@ -39,6 +39,22 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         """The registered names, sorted."""
         return sorted(self._classes)
+
+    def __iter__(self) -> Iterator[str]:
+        """The registered names, sorted (``list(RULES)``)."""
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        """How many names are registered."""
+        return len(self._classes)
+
+    def __contains__(self, name: object) -> bool:
+        """Whether ``name`` (any case) is registered."""
+        return isinstance(name, str) and name.strip().upper() in self._classes
+
+    def __repr__(self) -> str:
+        """``Registry('rule': ASGD, BSP, ...)``: what ``print(RULES)`` shows."""
+        return f"Registry({self.kind!r}: {', '.join(self.names())})"
 
     def get(self, name: str) -> type[T]:
         """The class registered as ``name``, or the class ``module:Class`` names."""

@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..launch.devices import DeviceSpec, parse_devices
+from ..launch.devices import DeviceSpec, any_size, parse_devices
 from . import sections as s
 from .fields import build
+from .theano_dialect import DIALECT_KEYS, normalise_text, size_of, translate
 
 TOP = "__top__"
 
@@ -64,6 +65,8 @@ class Config:
     modelfile: str
     modelclass: str
     devices: tuple[DeviceSpec, ...]
+    #: Theano-MPI's SIZE: the job's number of ranks, checked when it starts (None: not given).
+    size: int | None = None
     session: s.SessionSection = field(default_factory=s.SessionSection)
     optim: s.OptimSection = field(default_factory=s.OptimSection)
     data: s.DataSection = field(default_factory=s.DataSection)
@@ -90,7 +93,10 @@ class Config:
         ``header``: lines recorded as comments at the top (where and when the run ran)."""
         lines = [f"# resolved from {self.source}", *(f"# {line}" for line in header)]
         lines += [f"RULE={self.rule}", f"MODELFILE={self.modelfile}", f"MODELCLASS={self.modelclass}"]
-        lines.append("DEVICES=" + ",".join(map(str, self.devices)))
+        hosts = any(spec.host for spec in self.devices)  # host:entry groups are separated by spaces
+        lines.append("DEVICES=" + (" " if hosts else ",").join(map(str, self.devices)))
+        if self.size is not None:
+            lines.append(f"SIZE={self.size}")
         for name in SECTIONS:
             lines += ["", f"[{name}]"]
             for key, value in dataclasses.asdict(getattr(self, name)).items():
@@ -123,7 +129,7 @@ def _read(path: Path | None, text: str | None) -> configparser.ConfigParser:
             raise ConfigError(f"{path}: cannot read cfg file: {exc}") from None
     parser = configparser.ConfigParser(interpolation=None, strict=True, inline_comment_prefixes=("#", ";"))
     try:
-        parser.read_string(f"[{TOP}]\n{text}", source=str(path or "<text>"))
+        parser.read_string(f"[{TOP}]\n{normalise_text(text)}", source=str(path or "<text>"))
     except configparser.Error as exc:
         raise ConfigError(f"{path or 'cfg'}: {_parse_error(exc)}") from None
     return parser
@@ -184,9 +190,10 @@ def from_raw(raw: Mapping[str, Mapping[str, Any]], source: str) -> Config:
         if section != TOP and section not in valid_sections:
             raise ConfigError(f"unknown section [{section}]; valid sections: {', '.join(valid_sections)}")
     top = dict(raw.get(TOP, {}))
+    implied = translate(top, raw)  # Theano-MPI's BSP_SYNC_TYPE and BSP_EXCH_STRATEGY
     for key in top:
-        if key not in TOP_KEYS:
-            valid = ", ".join(k.upper() for k in TOP_KEYS)
+        if key not in (*TOP_KEYS, *DIALECT_KEYS):
+            valid = ", ".join(k.upper() for k in (*TOP_KEYS, *DIALECT_KEYS))
             raise ConfigError(
                 f"unknown key '{key.upper()}' before the first section; valid bare keys: {valid}"
             )
@@ -196,14 +203,20 @@ def from_raw(raw: Mapping[str, Mapping[str, Any]], source: str) -> Config:
     devices = top["devices"]
     if isinstance(devices, (list, tuple)):
         devices = ",".join(map(str, devices))
-    sections = {name: build(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
+    specs = parse_devices(str(devices))
+    size = size_of(top, None if any_size(specs) else len(specs))
+    sections = {
+        name: build(cls, {**raw.get(name, {}), **implied.get(name, {})}, name)
+        for name, cls in SECTIONS.items()
+    }
     rule_name = str(top["rule"]).strip()
     return Config(
         rule=rule_name if ":" in rule_name else rule_name.upper(),
         modelfile=str(top["modelfile"]).strip(),
         modelclass=str(top["modelclass"]).strip(),
-        devices=parse_devices(str(devices)),
-        rule_params=dict(raw.get("rule", {})),
+        devices=specs,
+        size=size,
+        rule_params={**raw.get("rule", {}), **implied.get("rule", {})},
         model_params=dict(raw.get("model", {})),
         dataset_params=dict(raw.get("dataset", {})),
         source=source,

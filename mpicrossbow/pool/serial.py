@@ -11,6 +11,7 @@ import torch
 from ..errors import CheckpointError, DataError
 from ..model.contract import check_data
 from ..model.shard import Shard
+from ..trace import span
 from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
 from .learner import Learner
 from .spec import PoolSpec
@@ -101,8 +102,10 @@ class SerialPool(LearnerPool):
 
     def compute(self, count: int) -> None:
         """Forward and backward of each learner on its next batch."""
-        for learner, batches in zip(self.learners, self._iters, strict=True):
-            learner.forward_backward(*next_batch(batches, count, self.n_batch_train))
+        for j, (learner, batches) in enumerate(zip(self.learners, self._iters, strict=True)):
+            batch = next_batch(batches, count, self.n_batch_train)
+            with span(f"learner {j}", "compute", learner=j):  # nested in the step's forward+backward
+                learner.forward_backward(*batch)
 
     def skip(self, count: int) -> None:
         """Pass over each learner's first ``count`` batches of this epoch (resuming mid-epoch)."""

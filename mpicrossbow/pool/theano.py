@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -16,10 +17,15 @@ from .flat import flatten_into_buffer
 
 
 class Recorder:
-    """Theano-MPI's recorder: the model reports per-batch cost and error through it."""
+    """Theano-MPI's recorder: the model reports per-batch cost and error through it.
+
+    ``train`` and ``val`` hold (cost sum, accuracy sum, batches reported). A batch reported without an error
+    rate (a ``train_iter`` that returns only its cost) makes the accuracy sum NaN: not reported, which the
+    log and metrics.h5 show as such, never as 0.
+    """
 
     def __init__(self) -> None:
-        self.train = [0.0, 0.0, 0.0]  # loss sum, hits, batches
+        self.train = [0.0, 0.0, 0.0]  # cost sum, accuracy sum, batches
         self.val = [0.0, 0.0, 0.0]
         self.times: dict[str, float] = {}
         self._t0 = time.perf_counter()
@@ -32,13 +38,29 @@ class Recorder:
         """Stop timing ``phase`` ('calc', 'comm', ...) and add it up."""
         self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - self._t0
 
-    def train_error(self, count: int, cost: float, error: float) -> None:
-        """Record one training batch: mean cost and error rate (0..1)."""
-        self.train = [self.train[0] + float(cost), self.train[1] + 1.0 - float(error), self.train[2] + 1.0]
+    def train_error(self, count: int, cost: float, error: float | None = None) -> None:
+        """Record one training batch: mean cost and error rate (0..1; None: not reported)."""
+        self.train = added(self.train, cost, error)
 
-    def val_error(self, count: int, cost: float, error: float, error_top_5: float | None = None) -> None:
-        """Record one validation batch: mean cost and error rate (0..1)."""
-        self.val = [self.val[0] + float(cost), self.val[1] + 1.0 - float(error), self.val[2] + 1.0]
+    def val_error(
+        self, count: int, cost: float, error: float | None = None, error_top_5: float | None = None
+    ) -> None:
+        """Record one validation batch: mean cost and error rate (0..1; None: not reported)."""
+        self.val = added(self.val, cost, error)
+
+    def returned(self, table: str, before: float, result: Any, count: int) -> None:
+        """What ``train_iter``/``val_iter`` returned — a cost, or ``(cost, error)`` — recorded as a batch when
+        the call reported nothing itself (``before``: the batches reported before the call)."""
+        if result is None or getattr(self, table)[2] != before:
+            return
+        cost, error = result if isinstance(result, (tuple, list)) else (result, None)
+        (self.train_error if table == "train" else self.val_error)(count, cost, error)
+
+
+def added(row: list[float], cost: float, error: float | None) -> list[float]:
+    """``row`` (cost sum, accuracy sum, batches) with one batch more."""
+    accuracy = math.nan if error is None else 1.0 - float(error)
+    return [row[0] + float(cost), row[1] + accuracy, row[2] + 1.0]
 
 
 class _ParamsOnly:
@@ -85,8 +107,10 @@ class TheanoPool(LearnerPool):
         """Nothing to prepare: the model reads its own data."""
 
     def compute(self, count: int) -> None:
-        """One ``train_iter`` (forward, backward and the model's own update)."""
-        self.model.train_iter(count, self.recorder)
+        """One ``train_iter`` (forward, backward and the model's own update); a cost it returns counts when it
+        reported nothing to the recorder."""
+        before = self.recorder.train[2]
+        self.recorder.returned("train", before, self.model.train_iter(count, self.recorder), count)
 
     def apply(self) -> None:
         """Nothing: ``train_iter`` already updated the weights."""
@@ -112,7 +136,8 @@ class TheanoPool(LearnerPool):
         self.recorder.val = [0.0, 0.0, 0.0]
         try:
             for count in range(int(self.model.data.n_batch_val)):
-                self.model.val_iter(count, self.recorder)
+                before = self.recorder.val[2]
+                self.recorder.returned("val", before, self.model.val_iter(count, self.recorder), count)
         finally:
             if saved is not None:
                 flat.copy_(saved)

@@ -46,6 +46,12 @@ class Rule:
         """False when ranks run at their own pace between ``bind`` and ``finish`` (no collectives then)."""
         return True
 
+    @property
+    def needs_gradients(self) -> bool:
+        """True when the rule exchanges gradients, so a model that updates itself (Theano-MPI form) cannot
+        run under it; rules that exchange weights leave it False."""
+        return False
+
     def trains(self, rank: int, size: int) -> bool:
         """Whether ``rank`` trains (False: it runs :meth:`serve`). Called before ``bind``."""
         return True

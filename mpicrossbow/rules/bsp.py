@@ -56,6 +56,11 @@ class BSP(Rule):
 
     name = "BSP"
 
+    @property
+    def needs_gradients(self) -> bool:
+        """``mode = grad`` averages gradients; ``avg`` and ``auto`` run a model that updates itself."""
+        return self.hyper.mode == "grad"
+
     def on_bind(self) -> None:
         """Resolve ``auto`` and reject gradient mode for models that update themselves."""
         assert self.pool is not None

@@ -125,6 +125,11 @@ class EASGD(Rule):
         self.centre = self.pool.learners[0].params.clone()
         self.on_resize()
         k = self.world_learners if self.synchronous else (self.comm.size - 1) * len(self.pool.learners)
+        if self.hyper.momentum is not None and not self.pool.has_gradients:
+            raise ConfigError(
+                "EASGD [rule] momentum (EAMSGD) configures the learners' optimizer, which a Theano-MPI-form "
+                "model keeps to itself: leave momentum unset (the model's own update is the local step)"
+            )
         if self.hyper.momentum is not None:
             for optimizer in self.pool.optimizers:
                 for group in optimizer.param_groups:

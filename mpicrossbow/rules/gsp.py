@@ -58,6 +58,9 @@ def hostnames() -> set[str]:
 class GSP(ServerRule):
     """Synchronous groups of workers, asynchronous across groups with MXNet-G's 1/Y staleness weight."""
 
+    #: A group averages its gradients before the local step.
+    needs_gradients = True
+
     @dataclass(frozen=True)
     class Config(ServerConfig):
         """GSP hyper-parameters."""

@@ -21,8 +21,11 @@ from .reporting import Reporter
 
 
 def per_sample(loss_sum: float, hits: float, n: float) -> tuple[float, float]:
-    """(mean loss, accuracy) from summed ``(loss, hits, samples)``; zero samples give zeros."""
-    return loss_sum / max(n, 1), hits / max(n, 1)
+    """(mean loss, accuracy) from summed ``(loss, hits, samples)``; NaN for what nothing was measured of (no
+    samples, or a model that reports no errors: a NaN sum), never a 0 that looks like a measurement."""
+    if n <= 0:
+        return math.nan, math.nan
+    return loss_sum / n, hits / n
 
 
 class Evaluator:

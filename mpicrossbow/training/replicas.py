@@ -35,11 +35,15 @@ def construct(cls: type, kwargs: dict[str, Any], positional: bool = False) -> An
         raise ContractError(f"{cls.__name__}(...) could not be constructed: {exc}") from None
 
 
-def theano_config(config: Config, world: World, device: torch.device) -> dict[str, Any]:
-    """The dict a Theano-MPI-form model class receives (before the ``[model]`` keys)."""
+def theano_config(
+    config: Config, world: World, device: torch.device, part: tuple[int, int]
+) -> dict[str, Any]:
+    """The dict a Theano-MPI-form model class receives (before the ``[model]`` keys): ``rank`` and ``size``
+    are the data part it reads (``part``: the rule's training shard, e.g. rank − 1 of size − 1 for the
+    workers of a server, or 0 of 1 on a serving rank, which validates the whole set)."""
     return {
-        "rank": world.rank,
-        "size": world.size,
+        "rank": part[0],
+        "size": part[1],
         "device": str(device),
         "verbose": world.rank == 0,
         "seed": config.session.seed,
@@ -55,14 +59,20 @@ def build_pool(
     """This rank's pool, and the whole validation set for ranks that validate alone (else None)."""
     cls = load_model_class(config.modelfile, config.modelclass)
     if contract_form(cls) == "theano":
-        if not rule.synchronous:
-            raise ContractError(f"RULE={config.rule} is asynchronous and needs a torch-native model")
+        if rule.needs_gradients:
+            raise ContractError(
+                f"RULE={config.rule} exchanges gradients, and {config.modelclass} is a Theano-MPI-form model "
+                "that updates its own weights in train_iter; RULE=BSP (mode avg), EASGD, GOSGD, SMA, "
+                "LOCALSGD, DILOCO, ASGD, SSP, PSGD and WEEDOUT exchange weights and run it"
+            )
         if config.pool.learners == "auto" or learners > 1 or config.pool.engine != "serial":
             raise ContractError(
                 f"{config.modelclass} is a Theano-MPI-form model (it trains itself in train_iter): it runs "
                 "one learner per rank; [pool] learners and engine need a torch-native model"
             )
-        kwargs = {**theano_config(config, world, device), **config.model_params}
+        trains = rule.trains(world.rank, world.size)
+        part = rule.train_shard(world.rank, world.size) if trains else (0, 1)
+        kwargs = {**theano_config(config, world, device, part), **config.model_params}
         return TheanoPool(construct(cls, kwargs, positional=True)), None
     model = torch_model(config, cls, device, learners)
     trains = rule.trains(world.rank, world.size)

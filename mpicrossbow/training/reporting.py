@@ -42,6 +42,12 @@ def resident_mb() -> float:
     return math.nan
 
 
+def shown(value: float) -> str:
+    """A measured figure as the log prints it; NaN (nothing measured: a serving rank, a model that reports
+    no cost or error) as ``n/a``, never as a number."""
+    return f"{value:.4f}" if math.isfinite(value) else "n/a"
+
+
 def make_run_dir(config: Config) -> Path:
     """A new run folder ``<output>/<name>`` (``<name>-2``, ``-3``, ... when taken); never an existing one."""
     name = config.session.name or (
@@ -161,12 +167,12 @@ class Reporter:
         exchange_s, data_wait = times
         wall = self.wall
         share = exchange_s / wall if wall > 0 else 0.0
-        text = f"epoch {epoch + 1} step {step}: train loss {train[0]:.4f} acc {train[1]:.4f}"
+        text = f"epoch {epoch + 1} step {step}: train loss {shown(train[0])} acc {shown(train[1])}"
         self._last_step = step
         row = {"step": step, "epoch": epoch + 1, "loss": train[0], "accuracy": train[1], "lr": lr}
         self._row("train", **row, time=wall, learners=learners, data_wait=data_wait)
         if val is not None:
-            text += f" | val loss {val[0]:.4f} acc {val[1]:.4f}"
+            text += f" | val loss {shown(val[0])} acc {shown(val[1])}"
             self._row(
                 "val",
                 epoch=epoch + 1,
@@ -178,8 +184,8 @@ class Reporter:
             )
         text += f" | lr {lr:.4g} | {wall:.1f}s, exchange {share:.0%}, data wait {data_wait:.0%}"
         if self.bar is not None:
-            shown = f"epoch {epoch + 1} loss {train[0]:.4f}"
-            self.bar.set_postfix_str(shown + (f" val acc {val[1]:.4f}" if val is not None else ""))
+            postfix = f"epoch {epoch + 1} loss {shown(train[0])}"
+            self.bar.set_postfix_str(postfix + (f" val acc {shown(val[1])}" if val is not None else ""))
             self.bar.write(text)
         elif self.config.session.progress != "off":
             log.info(text)
@@ -188,12 +194,14 @@ class Reporter:
         """Rank 0: the served model (a parameter server's) after ``epoch`` epochs of the workers."""
         wall = self.wall
         self._row("val", epoch=epoch, step=0, loss=val[0], accuracy=val[1], time=wall, exchange_share=0.0)
-        log.info("served model after %.2f epoch(s): val loss %.4f acc %.4f | %.1fs", epoch, *val, wall)
+        log.info(
+            "served model after %.2f epoch(s): val loss %s acc %s | %.1fs", epoch, *map(shown, val), wall
+        )
 
     def final_model(self, val: tuple[float, float], every_rank: list[float]) -> None:
         """Rank 0, asynchronous rules: the rule's final model, and each rank's own model's accuracy."""
-        log.info("final %s model: val loss %.4f acc %.4f", self.config.rule, *val)
-        log.info("each rank's own model: %s", ", ".join(f"{a:.4f}" for a in every_rank))
+        log.info("final %s model: val loss %s acc %s", self.config.rule, *map(shown, val))
+        log.info("each rank's own model: %s", ", ".join(map(shown, every_rank)))
         self._row(
             "val", epoch=math.nan, step=0, loss=val[0], accuracy=val[1], time=self.wall, exchange_share=0.0
         )

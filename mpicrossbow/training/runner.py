@@ -17,6 +17,7 @@ from ..launch.world import World, detect_world
 from ..log import setup_logging
 from ..rules.base import Rule
 from .preemption import after_signal_stop
+from .reporting import shown
 from .result import RunResult
 from .session import Session
 
@@ -64,9 +65,11 @@ def prepare_session(config: Config, rule: Rule | None = None) -> tuple[World, Se
 
 
 def train(world: World, session: Session) -> RunResult:
-    """Connect the ranks, train to the end and close; any exception aborts the whole job with one line."""
+    """Connect the ranks (unless ``rule.init()`` connected them already), train to the end and close; any
+    exception aborts the whole job with one line."""
     try:
-        session.prepare_collective()
+        if session.parts is None:
+            session.prepare_collective()
         result = session.run()
         session.close()
     except BaseException as exc:
@@ -85,10 +88,10 @@ def run_rank(config: Config, rule: Rule | None = None) -> int:
         return after_signal_stop(world, session.config, Path(result.run_dir))
     if world.rank == 0:
         log.info(
-            "done: %d epoch(s), %d step(s), val accuracy %.4f, %.1f s (exchange %.1f s), results in %s",
+            "done: %d epoch(s), %d step(s), val accuracy %s, %.1f s (exchange %.1f s), results in %s",
             result.epochs,
             result.steps,
-            result.val_accuracy,
+            shown(result.val_accuracy),
             result.wall_seconds,
             result.exchange_seconds,
             result.run_dir,

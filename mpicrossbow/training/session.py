@@ -69,6 +69,10 @@ class Session:
     def prepare_local(self) -> None:
         """Everything that involves no other rank: device, threads, seeds, rule, model, data and replicas."""
         cfg, world = self.config, self.world
+        if cfg.size is not None and cfg.size != world.size:
+            raise ConfigError(
+                f"SIZE={cfg.size} but the job has {world.size} rank(s); start it with -n {cfg.size}"
+            )
         self.device = device_for_rank(cfg.devices, world.rank, world.size).torch_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
