@@ -248,3 +248,29 @@ def test_buckets_are_skipped_when_the_communicator_cannot_overlap() -> None:
     final = [params for per_rank in InProcessWorld(2).run(body) for params in per_rank]
     for got, want in zip(final, reference, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_swap_mode_pairs_ranks_that_trade_their_replicas(size: int) -> None:
+    """Every step each rank of a pair takes its partner's weights (learner by learner); with an odd size the
+    rank left over keeps its own; every rank draws the same pairs without talking."""
+    from mpicrossbow.comm import Communicator, InProcessWorld
+    from mpicrossbow.rules.pair_swap import PairSwap, partner
+
+    def body(comm: Communicator) -> list[list[float]]:
+        flats = [torch.full((5,), 10.0 * comm.rank + j) for j in range(2)]
+        swapper = PairSwap(comm, flats)
+        seen = []
+        for step in range(3):
+            swapper.swap(step)
+            seen.append([float(flat[0]) for flat in flats])
+        return seen
+
+    results = InProcessWorld(size).run(body)
+    holder = {r: r for r in range(size)}  # whose original replica each rank holds
+    for step in range(3):
+        pairs = [partner(r, size, step) for r in range(size)]
+        assert all(p is None or pairs[p] == r for r, p in enumerate(pairs)) and pairs.count(None) == size % 2
+        holder = {r: holder[r] if pairs[r] is None else holder[pairs[r]] for r in range(size)}
+        for r in range(size):
+            assert results[r][step] == [10.0 * holder[r], 10.0 * holder[r] + 1], (step, r)

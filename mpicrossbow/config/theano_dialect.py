@@ -12,12 +12,13 @@ lines (the array becomes ``node0:cuda0 node1:cuda0,cuda1,cuda2``, which DEVICES'
 
 * ``SIZE`` — the number of ranks: checked against DEVICES here and against the job's size when it starts;
 * ``BSP_SYNC_TYPE`` — ``avg`` (average the weights after each step) → ``[rule] mode = avg``; ``cdd`` (average
-  the updates) → ``mode = grad``; RULE=BSP only;
+  the updates) → ``mode = grad``; ``swap`` (its GAN pairing: random pairs of ranks swap weights) → ``mode =
+  swap``; RULE=BSP only;
 * ``BSP_EXCH_STRATEGY`` — ``ar`` (MPI allreduce) → ``[comm] backend = mpi``; ``nccl32`` → ``nccl``;
   ``nccl16`` → ``nccl`` with ``compression = fp16``.
 
-Values Theano-MPI had but this project does not (``swap``, its GAN pairing; ``copper``/``asa`` strategies) are
-one ConfigError naming the supported ones.
+Values Theano-MPI had but this project does not (its ``copper``/``asa`` strategies) are one ConfigError naming
+the supported ones.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 from ..errors import ConfigError
 
 #: BSP_SYNC_TYPE → BSP's ``[rule] mode``.
-SYNC_TYPES = {"avg": "avg", "cdd": "grad"}
+SYNC_TYPES = {"avg": "avg", "cdd": "grad", "swap": "swap"}
 #: BSP_EXCH_STRATEGY → ``[comm]`` keys.
 EXCH_STRATEGIES: dict[str, dict[str, str]] = {
     "ar": {"backend": "mpi"},

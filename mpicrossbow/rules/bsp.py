@@ -12,6 +12,8 @@ Who sends what to whom, and when:
   allreduce of the whole buffer after backward.
 * ``mode = avg`` (Theano-MPI ``avg``, SpeeDO sync): each learner takes its local step, then one allreduce
   sets every replica to ``(1/k) Σ_j w_j``. Momentum buffers stay local.
+* ``mode = swap`` (Theano-MPI ``swap``): no averaging; after each local step the ranks swap their replicas
+  in random pairs (:mod:`mpicrossbow.rules.pair_swap`).
 * ``mode = auto``: ``grad`` when the pool exposes gradients, ``avg`` for Theano-MPI-form models, which
   update themselves inside ``train_iter``.
 
@@ -30,6 +32,7 @@ from ..config.fields import setting
 from ..errors import ConfigError
 from .base import Rule
 from .grad_buckets import GradBuckets, contiguous
+from .pair_swap import PairSwap
 from .registry import RULES
 
 log = logging.getLogger(__name__)
@@ -43,9 +46,10 @@ class BSP(Rule):
     class Config:
         """BSP hyper-parameters."""
 
-        mode: Literal["auto", "grad", "avg"] = setting(
+        mode: Literal["auto", "grad", "avg", "swap"] = setting(
             "auto",
-            "grad: average gradients; avg: average parameters after local steps; auto: grad if possible",
+            "grad: average gradients; avg: average parameters after local steps; swap: ranks swap their "
+            "replicas in random pairs after each step (Theano-MPI's swap); auto: grad if possible",
         )
         bucket_mb: float = setting(
             5.0,
@@ -78,6 +82,8 @@ class BSP(Rule):
         self.buckets: GradBuckets | None = None
         self._unwatch: Callable[[], None] | None = None
         self._watch()
+        assert self.comm is not None
+        self.pairs = PairSwap(self.comm, [learner.params for learner in self.pool.learners])
 
     def _watch(self) -> None:
         """Gradient mode with buckets: plan them and hook them to the pool's backward (or say why not)."""
@@ -122,6 +128,8 @@ class BSP(Rule):
         log.info("BSP now over %d learner(s)", self.world_learners)
         self._stop_watching()
         self._watch()
+        assert self.comm is not None and self.pool is not None
+        self.pairs = PairSwap(self.comm, [learner.params for learner in self.pool.learners])
 
     def on_gradients(self, step: int) -> None:
         """Gradient mode: G = mean of every learner's gradient, before the optimizer step."""
@@ -137,8 +145,11 @@ class BSP(Rule):
         self._stop_watching()
 
     def exchange(self, step: int) -> None:
-        """Parameter mode: every replica becomes the mean replica after the local step."""
-        if self.mode == "avg":
+        """Parameter mode: every replica becomes the mean replica after the local step; swap mode: this
+        step's pair of ranks swap their replicas."""
+        if self.mode == "swap":
+            self.pairs.swap(step)
+        elif self.mode == "avg":
             self.average("params")
             self.average("buffers")
 
