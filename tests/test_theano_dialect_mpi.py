@@ -83,3 +83,14 @@ def test_a_size_the_job_does_not_have_is_one_line(mpiexec: str) -> None:
     lines = [line for line in proc.stderr.splitlines() if line.startswith("crossbow-launch: error:")]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert lines == ["crossbow-launch: error: SIZE=2 but the job has 4 rank(s); start it with -n 2"], lines
+
+
+def test_every_rule_that_exchanges_weights_runs_a_theano_form_model(mpiexec: str, tmp_path: Path) -> None:
+    """The parameter-server rules (rank 0 serves), LOCALSGD and DILOCO on 3 ranks, each to the target."""
+    rules = ("ASGD", "SSP", "PSGD", "WEEDOUT", "LOCALSGD", "DILOCO")
+    runs = [f"{rule}={GOLDEN}/session_single_node.cfg,RULE={rule}" for rule in rules]
+    args = [sys.executable, str(SCRIPTS / "cfg_runs.py"), str(tmp_path), *runs, "--", "DEVICES=cpu"]
+    proc = run_mpi(mpiexec, 3, args, timeout=240)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]
+    accuracy = ran(proc.stdout)
+    assert sorted(accuracy) == sorted(rules) and min(accuracy.values()) >= TARGET, accuracy
