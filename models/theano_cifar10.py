@@ -22,6 +22,7 @@ from torch import nn
 
 from data.cifar import CIFAR10
 from data.synthetic import Synthetic
+from models.legacy_mlp import LegacyMLP
 from models.theano_data import BatchesByCount
 from mpicrossbow import Shard
 
@@ -48,10 +49,11 @@ def network(classes: int = 10) -> nn.Module:
     )
 
 
-class Cifar10_model:  # Theano-MPI's class name, so its cfgs name it unchanged
-    """ModelClass in Theano-MPI's form (see the module doc)."""
+class Cifar10_model(LegacyMLP):  # Theano-MPI's class name, so its cfgs name it unchanged
+    """ModelClass in Theano-MPI's form (see the module doc): LegacyMLP's ``train_iter``, ``val_iter`` and
+    ``cleanup`` on this network, optimizer, data and schedule."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any]) -> None:  # its own network and data: no super().__init__
         self.config = config
         self.verbose = config["verbose"]
         self.base_lr = float(config.get("lr", 0.01))
@@ -69,36 +71,9 @@ class Cifar10_model:  # Theano-MPI's class name, so its cfgs name it unchanged
         """Theano-MPI compiled its Theano functions here; the optimizer is built instead."""
         self.optimizer = torch.optim.SGD(self.params, lr=self.base_lr, momentum=0.9, weight_decay=1e-4)
 
-    def _cost_error(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, float]:
-        x, y = batch
-        out = self.net(x)
-        return nn.functional.cross_entropy(out, y), float((out.argmax(1) != y).float().mean())
-
-    def train_iter(self, count: int, recorder: Any) -> None:
-        """One step on training batch ``count``, the update included; cost and error to the recorder."""
-        assert self.optimizer is not None, "compile_iter_fns() first"
-        recorder.start()
-        self.net.train()
-        cost, error = self._cost_error(self.data.train_batch(count))
-        self.optimizer.zero_grad()
-        cost.backward()
-        self.optimizer.step()
-        recorder.train_error(count, float(cost.detach()), error)
-        recorder.end("calc")
-
-    def val_iter(self, count: int, recorder: Any) -> None:
-        """Cost and error of validation batch ``count`` to the recorder."""
-        self.net.eval()
-        with torch.no_grad():
-            cost, error = self._cost_error(self.data.val_batch(count))
-        recorder.val_error(count, float(cost), error)
-
     def adjust_hyperp(self, epoch: int) -> None:
         """The step schedule: the base rate divided by 10 at each of 50, 60 and 65 seventieths of the run."""
         assert self.optimizer is not None
         drops = sum(epoch >= round(step * self.n_epochs / 70) for step in STEPS_OF_70)
         for group in self.optimizer.param_groups:
             group["lr"] = self.base_lr * 0.1**drops
-
-    def cleanup(self) -> None:
-        """Nothing to release."""
