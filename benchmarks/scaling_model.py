@@ -1,0 +1,166 @@
+"""The cost model of one training step per rule: compute plus the rule's communication, priced per link.
+
+Links follow the alpha–beta model: a message of ``n`` bytes over a link costs ``α + n β`` (latency α in s,
+β = 1 / bandwidth in s/byte). A cluster has ``g`` GPUs (ranks) per node, an intra-node link (shared memory,
+NVLink, PCIe) and an inter-node link (the node's network card).
+
+Collectives (p ranks, n bytes each):
+
+* **ring allreduce**: ``2(p−1) α + 2 (p−1)/p · n β``. Within a node over the intra link; across nodes the ring
+  crosses every node's card once each way, so each card carries the same ``2 (p−1)/p · n`` and the inter link
+  prices it (NCCL's and Horovod's rings);
+* **tree allreduce** (pipelined, as NCCL's at scale): ``2 log2(p) α + 2 n β``; the model takes the cheaper;
+* **point to point**: ``α + n β``.
+
+Rules (``compute`` = one step's forward, backward and update on one rank; ``c`` = the allreduce of the
+model's ``n`` bytes; ``γ`` = seconds per byte of one elementwise pass over the parameters, memory-bound; the
+passes each rule makes are counted from its code, :data:`PASSES`):
+
+* BSP: ``compute + max(0, c − overlap · compute)`` — ``overlap`` is the share of the step the gradient
+  allreduce can hide behind backward (0: none, the conservative default);
+* SMA: ``compute + max(0, c − compute) + 5 n γ`` — its allreduce overlaps the next step's compute where the
+  communicator overlaps at all (NCCL, MPI; not this project's blocking shared-memory one: then ``+ c``);
+* EASGD (sync): ``compute + (c + 3 n γ) / τ``; LOCALSGD: ``+ (c + n γ) / H``; DILOCO: ``+ (c + 4 n γ) / H``;
+* GOSGD: ``compute + p_gossip · (α + n β + 3 n γ)`` — each step a learner sends a snapshot of its weights with
+  probability p, and a receiver merges it;
+* parameter servers (ASGD, SSP, PSGD, WEEDOUT; GSP adds its group's allreduce every step): W = p − S workers
+  push ``n/S`` bytes to each of S servers every τ steps and wait for the reply, ``2 (α + (n/S) β)``, with 4
+  passes of their own (Δ, the push copy, adopting w twice); a server serves one push in
+  ``s = 2 (n/S) β + 2 (n/S) γ`` (receive and reply; apply Δ, copy w out) and is busy a share
+  ``ρ = W s / (τ T)`` of each worker's step time T; while ``ρ < 1`` a push waits ``ρ s / (2 (1 − ρ))`` more
+  (an M/D/1 queue), at ``ρ ≥ 1`` the server is the bottleneck and ``T = W s / τ``.
+
+Efficiency at p ranks = samples/s ÷ (training ranks × one rank's samples/s alone). Known to be wrong where
+the model is silent: stragglers and uneven ranks (it prices the average rank), network congestion from other
+jobs, topology beyond two levels (a fat tree's oversubscription), and compute that changes with the rank
+count (input pipelines, batch-norm statistics).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+#: Elementwise passes over the parameters per exchange, counted from each rule's code: SMA's correction,
+#: subtraction and z update; EASGD's difference, pull and centre move; LOCALSGD's copy of the mean; DILOCO's
+#: outer Nesterov step; GOSGD's snapshot and merge; a server worker's Δ, push copy and adoption; a server's
+#: apply and reply copy per push.
+PASSES = {"SMA": 5, "EASGD": 3, "LOCALSGD": 1, "DILOCO": 4, "GOSGD": 3, "worker": 4, "server": 2}
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link's latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte)."""
+
+    alpha: float
+    beta: float
+
+    def message(self, nbytes: float) -> float:
+        """Seconds to send ``nbytes`` over the link."""
+        return self.alpha + nbytes * self.beta
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs (ranks) per node, the two links, ``gamma`` (s/byte of one elementwise pass over the parameters)
+    and whether the communicator overlaps an allreduce with compute."""
+
+    name: str
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+    gamma: float = 0.0
+    overlaps: bool = True
+    #: Per model: seconds of one step's compute on one GPU (given by the cluster file).
+    compute: dict[str, float] = field(default_factory=dict)
+
+    def link(self, p: int) -> Link:
+        """The link that prices a collective over p ranks: intra-node up to one node, else the network."""
+        return self.intra if p <= self.gpus_per_node else self.inter
+
+
+def ring_allreduce(nbytes: float, p: int, link: Link) -> float:
+    """``2(p−1) α + 2 (p−1)/p · n β`` (0 for one rank)."""
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * nbytes * link.beta
+
+
+def tree_allreduce(nbytes: float, p: int, link: Link) -> float:
+    """Pipelined tree: ``2 log2(p) α + 2 n β`` (0 for one rank)."""
+    if p <= 1:
+        return 0.0
+    return 2 * math.log2(p) * link.alpha + 2 * nbytes * link.beta
+
+
+def allreduce(nbytes: float, p: int, cluster: Cluster) -> float:
+    """The cheaper of ring and tree over the link that p ranks need."""
+    link = cluster.link(p)
+    return min(ring_allreduce(nbytes, p, link), tree_allreduce(nbytes, p, link))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rank's step time, the part that is communication, and how many ranks train."""
+
+    seconds: float
+    comm: float
+    training_ranks: int
+
+
+def server_step(compute: float, nbytes: float, p: int, cluster: Cluster, servers: int, tau: int) -> Step:
+    """A parameter-server rule's worker step (see the module doc): round trip, queueing, server bound."""
+    workers = p - servers
+    shard = nbytes / servers
+    link = cluster.link(p)
+    round_trip = 2 * link.message(shard)
+    service = 2 * shard * link.beta + PASSES["server"] * shard * cluster.gamma
+    step = compute + (round_trip + PASSES["worker"] * nbytes * cluster.gamma) / tau
+    rho = workers * service / (tau * step)
+    if rho >= 1:
+        return Step(workers * service / tau, workers * service / tau - compute, workers)
+    wait = rho * service / (2 * (1 - rho))
+    return Step(step + wait / tau, (round_trip + wait) / tau, workers)
+
+
+def step_time(
+    rule: str,
+    p: int,
+    compute: float,
+    nbytes: float,
+    cluster: Cluster,
+    *,
+    overlap: float = 0.0,
+    period: int = 10,
+    gossip: float = 0.1,
+    servers: int = 1,
+) -> Step:
+    """One step of ``rule`` on p ranks (``period``: τ of EASGD and the servers, H of LOCALSGD/DILOCO)."""
+    rule = rule.upper()
+    if p == 1 and rule not in ("ASGD", "SSP", "PSGD", "WEEDOUT", "GSP"):
+        return Step(compute, 0.0, 1)
+    c = allreduce(nbytes, p, cluster)
+    passes = PASSES.get(rule, 0) * nbytes * cluster.gamma
+    if rule == "BSP":
+        comm = max(0.0, c - overlap * compute)
+    elif rule == "SMA":
+        comm = (max(0.0, c - compute) if cluster.overlaps else c) + passes
+    elif rule in ("EASGD", "LOCALSGD", "DILOCO"):
+        comm = (c + passes) / period
+    elif rule == "GOSGD":
+        comm = gossip * (cluster.link(p).message(nbytes) + passes)
+    elif rule in ("ASGD", "SSP", "PSGD", "WEEDOUT"):
+        return server_step(compute, nbytes, p, cluster, servers, period)
+    elif rule == "GSP":
+        pushed = server_step(compute, nbytes, p, cluster, servers, period)
+        group = allreduce(nbytes, p - servers, cluster)
+        return Step(pushed.seconds + group, pushed.comm + group, pushed.training_ranks)
+    else:
+        raise ValueError(f"no cost model for RULE={rule}")
+    return Step(compute + comm, comm, p)
+
+
+def efficiency(rule: str, p: int, compute: float, nbytes: float, cluster: Cluster, **hyper: float) -> float:
+    """Samples/s at p ranks over (training ranks × one rank alone): 1.0 is perfect scaling."""
+    step = step_time(rule, p, compute, nbytes, cluster, **hyper)  # type: ignore[arg-type]
+    return compute / step.seconds * step.training_ranks / p
