@@ -159,6 +159,7 @@ def measure_here(steps: int) -> dict[str, object]:
     from mpi4py import MPI
 
     from mpicrossbow.comm import make_communicator
+    from mpicrossbow.comm.mpi import MPICommunicator
     from mpicrossbow.config import load_config
     from mpicrossbow.config.sections import CommSection
     from mpicrossbow.training.runner import prepare_session, train
@@ -168,6 +169,9 @@ def measure_here(steps: int) -> dict[str, object]:
     links = time_comm(world, comm)
     overlaps = comm.overlaps
     comm.close()
+    plain = MPICommunicator(world)  # what a split communicator (GSP's groups) is
+    links["group"] = time_comm(world, plain)["allreduce"]
+    plain.close()
     gamma = time_pass(world)
     per_step: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as out:
@@ -213,12 +217,13 @@ def model_bytes() -> int:
     return 4 * (64 * HIDDEN + HIDDEN * HIDDEN + HIDDEN * 10 + 2 * HIDDEN + 10)
 
 
-def fit_link(measured: list[dict[str, object]]) -> Link:
-    """Least-squares α, β over the ring-allreduce and point-to-point times of every measured world."""
+def fit_link(measured: list[dict[str, object]], collective: str = "allreduce") -> Link:
+    """Least-squares α, β over the ring-allreduce (``collective``: the communicator's, or ``group``: plain
+    MPI's) and point-to-point times of every measured world."""
     rows, times = [], []
     for m in measured:
         p = int(m["size"])  # type: ignore[arg-type]
-        for size, seconds in m["links"]["allreduce"]:  # type: ignore[index]
+        for size, seconds in m["links"][collective]:  # type: ignore[index]
             rows.append([2 * (p - 1), 2 * (p - 1) / p * size])
             times.append(seconds)
         for size, seconds in m["links"]["p2p"]:  # type: ignore[index]
@@ -228,12 +233,14 @@ def fit_link(measured: list[dict[str, object]]) -> Link:
     return Link(max(float(alpha), 0.0), max(float(beta), 1e-15))
 
 
-def validation_rows(measured: list[dict[str, object]], link: Link) -> tuple[list[str], float]:
+def validation_rows(measured: list[dict[str, object]], link: Link, group: Link) -> tuple[list[str], float]:
     """Measured vs predicted seconds per step for every rule at every measured size; the worst error."""
     nbytes = model_bytes()
     gamma = statistics.mean(float(m["gamma"]) for m in measured)  # type: ignore[arg-type]
     overlaps = all(bool(m["overlaps"]) for m in measured)
-    here = Cluster("this machine", gpus_per_node=64, intra=link, inter=link, gamma=gamma, overlaps=overlaps)
+    here = Cluster(
+        "here", gpus_per_node=64, intra=link, inter=link, gamma=gamma, overlaps=overlaps, group=group
+    )
     rows = ["| rule | ranks | measured ms/step | predicted | predicted ÷ measured |", "|---|---|---|---|---|"]
     worst = 0.0
     for m in measured:
@@ -275,12 +282,14 @@ def main(argv: list[str]) -> int:
                 if code:
                     return code
                 measured.append(json.loads(into.read_text()))
-        link = fit_link(measured)
-        rows, worst = validation_rows(measured, link)
+        link, group = fit_link(measured), fit_link(measured, "group")
+        rows, worst = validation_rows(measured, link, group)
         pass_ms = statistics.mean(float(m["gamma"]) for m in measured) * model_bytes() * 1e3
         sections.append(
             f"### Validation on this machine\n\nFitted α = {link.alpha * 1e6:.1f} µs, "
-            f"β = {link.beta * 1e9:.3f} ns/B ({1 / link.beta / 1e9:.2f} GB/s). Digits MLP, hidden {HIDDEN}, "
+            f"β = {link.beta * 1e9:.3f} ns/B ({1 / link.beta / 1e9:.2f} GB/s); split communicators "
+            f"(plain MPI: GSP's groups) α = {group.alpha * 1e6:.1f} µs, {1 / group.beta / 1e9:.2f} GB/s. "
+            f"Digits MLP, hidden {HIDDEN}, "
             f"{args.steps} steps per rule; one elementwise pass over its parameters γ n = {pass_ms:.3f} ms "
             "(measured); "
             f"the worst |predicted ÷ measured − 1| is {worst:.0%}.\n\n" + "\n".join(rows)

@@ -23,12 +23,16 @@ passes each rule makes are counted from its code, :data:`PASSES`):
 * EASGD (sync): ``compute + (c + 3 n γ) / τ``; LOCALSGD: ``+ (c + n γ) / H``; DILOCO: ``+ (c + 4 n γ) / H``;
 * GOSGD: ``compute + p_gossip · (α + n β + 3 n γ)`` — each step a learner sends a snapshot of its weights with
   probability p, and a receiver merges it;
-* parameter servers (ASGD, SSP, PSGD, WEEDOUT; GSP adds its group's allreduce every step): W = p − S workers
+* parameter servers (ASGD, SSP, PSGD, WEEDOUT): W = p − S workers
   push ``n/S`` bytes to each of S servers every τ steps and wait for the reply, ``2 (α + (n/S) β)``, with 4
   passes of their own (Δ, the push copy, adopting w twice); a server serves one push in
   ``s = 2 (n/S) β + 2 (n/S) γ`` (receive and reply; apply Δ, copy w out) and is busy a share
   ``ρ = W s / (τ T)`` of each worker's step time T; while ``ρ < 1`` a push waits ``ρ s / (2 (1 − ρ))`` more
-  (an M/D/1 queue), at ``ρ ≥ 1`` the server is the bottleneck and ``T = W s / τ``.
+  (an M/D/1 queue), at ``ρ ≥ 1`` the server is the bottleneck and ``T = W s / τ``;
+* GSP: the W workers average their gradients in their group every step (an allreduce over W ranks) and only
+  each group's leader pushes (``groups`` pushers for the server); after a pull the leader broadcasts w to the
+  group (``log2(W) α + n β``, pipelined). Its groups are split communicators, which carry no shared-memory
+  path: a cluster's ``group`` link prices them (the intra link where none is given).
 
 Efficiency at p ranks = samples/s ÷ (training ranks × one rank's samples/s alone). Known to be wrong where
 the model is silent: stragglers and uneven ranks (it prices the average rank), network congestion from other
@@ -71,6 +75,8 @@ class Cluster:
     inter: Link
     gamma: float = 0.0
     overlaps: bool = True
+    #: The link of split communicators (GSP's groups), when it differs from the cluster's.
+    group: Link | None = None
     #: Per model: seconds of one step's compute on one GPU (given by the cluster file).
     compute: dict[str, float] = field(default_factory=dict)
 
@@ -108,9 +114,18 @@ class Step:
     training_ranks: int
 
 
-def server_step(compute: float, nbytes: float, p: int, cluster: Cluster, servers: int, tau: int) -> Step:
-    """A parameter-server rule's worker step (see the module doc): round trip, queueing, server bound."""
-    workers = p - servers
+def server_step(
+    compute: float,
+    nbytes: float,
+    p: int,
+    cluster: Cluster,
+    servers: int,
+    tau: int,
+    pushers: int | None = None,
+) -> Step:
+    """A parameter-server rule's worker step (see the module doc): round trip, queueing, server bound;
+    ``pushers`` (default: every worker) are the ranks that push."""
+    workers = p - servers if pushers is None else pushers
     shard = nbytes / servers
     link = cluster.link(p)
     round_trip = 2 * link.message(shard)
@@ -118,9 +133,9 @@ def server_step(compute: float, nbytes: float, p: int, cluster: Cluster, servers
     step = compute + (round_trip + PASSES["worker"] * nbytes * cluster.gamma) / tau
     rho = workers * service / (tau * step)
     if rho >= 1:
-        return Step(workers * service / tau, workers * service / tau - compute, workers)
+        return Step(workers * service / tau, workers * service / tau - compute, p - servers)
     wait = rho * service / (2 * (1 - rho))
-    return Step(step + wait / tau, (round_trip + wait) / tau, workers)
+    return Step(step + wait / tau, (round_trip + wait) / tau, p - servers)
 
 
 def step_time(
@@ -134,6 +149,7 @@ def step_time(
     period: int = 10,
     gossip: float = 0.1,
     servers: int = 1,
+    groups: int = 1,
 ) -> Step:
     """One step of ``rule`` on p ranks (``period``: τ of EASGD and the servers, H of LOCALSGD/DILOCO)."""
     rule = rule.upper()
@@ -152,9 +168,12 @@ def step_time(
     elif rule in ("ASGD", "SSP", "PSGD", "WEEDOUT"):
         return server_step(compute, nbytes, p, cluster, servers, period)
     elif rule == "GSP":
-        pushed = server_step(compute, nbytes, p, cluster, servers, period)
-        group = allreduce(nbytes, p - servers, cluster)
-        return Step(pushed.seconds + group, pushed.comm + group, pushed.training_ranks)
+        workers, link = p - servers, cluster.group or cluster.link(p)
+        pushed = server_step(compute, nbytes, p, cluster, servers, period, pushers=groups)
+        average = min(ring_allreduce(nbytes, workers, link), tree_allreduce(nbytes, workers, link))
+        share = (math.log2(workers) * link.alpha + nbytes * link.beta) / period if workers > 1 else 0.0
+        extra = average + share
+        return Step(pushed.seconds + extra, pushed.comm + extra, pushed.training_ranks)
     else:
         raise ValueError(f"no cost model for RULE={rule}")
     return Step(compute + comm, comm, p)
