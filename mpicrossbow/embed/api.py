@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import secrets
 import sys
 import tempfile
@@ -319,10 +320,14 @@ def _at_exit() -> None:
         log.warning("xb.finish() was not called; finishing RULE=%s at exit", job.rule.name)
         job.finish()
         return
-    abort_job(
-        world,
-        f"rank {world.rank} of {world.size} on {world.hostname} reached the end of the script with RULE="
-        f"{job.rule.name} unfinished: call xb.finish() on every rank after training",
-        1,
-        prefix=PREFIX,
-    )
+    try:
+        abort_job(
+            world,
+            f"rank {world.rank} of {world.size} on {world.hostname} reached the end of the script with RULE="
+            f"{job.rule.name} unfinished: call xb.finish() on every rank after training",
+            1,
+            prefix=PREFIX,
+        )
+    except SystemExit as exc:  # MPI_Abort returned first: leave now (SystemExit in an exit hook is printed)
+        sys.stderr.flush()
+        os._exit(exc.code if isinstance(exc.code, int) else 1)
