@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import configparser
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -154,15 +155,14 @@ def time_comm(world: Any, comm: Any) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def measure_here(steps: int) -> dict[str, object]:
-    """Under mpiexec: link timings and every rule's (and the floor's) seconds per step on this world."""
+def measure_here(steps: int, rounds: int) -> dict[str, object]:
+    """Under mpiexec: link timings and every rule's (and the floor's) seconds per step on this world, the
+    median of ``rounds`` interleaved rounds (a shared machine's load drifts: each round runs every rule)."""
     from mpi4py import MPI
 
     from mpicrossbow.comm import make_communicator
     from mpicrossbow.comm.mpi import MPICommunicator
-    from mpicrossbow.config import load_config
     from mpicrossbow.config.sections import CommSection
-    from mpicrossbow.training.runner import prepare_session, train
 
     world = MPI.COMM_WORLD
     comm = make_communicator(CommSection(), "cpu", world)
@@ -173,27 +173,40 @@ def measure_here(steps: int) -> dict[str, object]:
     links["group"] = time_comm(world, plain)["allreduce"]
     plain.close()
     gamma = time_pass(world)
-    per_step: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as out:
-        runs = [
-            ("floor", "LOCALSGD", [f"rule.period={10 * steps}"]),
-            *((r, r, OVERRIDES.get(r, [])) for r in RULES),
-        ]
-        for label, rule, extra in runs:
-            overrides = [
-                f"RULE={rule}", f"session.steps={steps}", "session.validate_every=0", "session.progress=off",
-                "session.log_level=warning", f"session.output={out}", f"model.hidden={HIDDEN}", *extra,
-            ]  # fmt: skip
-            w, session, code = prepare_session(load_config("launch/digits.cfg", overrides))
-            if code:
-                sys.exit(code)
-            result = train(w, session)
-            mine = result.train_seconds if result.train_seconds == result.train_seconds else 0.0
-            per_step[label] = world.allreduce(mine, op=MPI.MAX) / steps
+    per_step = {label: statistics.median(times) for label, times in time_rules(world, steps, rounds).items()}
     return {
         "size": world.size, "rank": world.rank, "links": links, "per_step": per_step, "gamma": gamma,
-        "overlaps": overlaps,
+        "overlaps": overlaps, "cores": len(os.sched_getaffinity(0)),
     }  # fmt: skip
+
+
+def time_rules(world: Any, steps: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per step (slowest rank) of the floor and every rule, ``rounds`` times each, interleaved."""
+    from mpi4py import MPI
+
+    from mpicrossbow.config import load_config
+    from mpicrossbow.training.runner import prepare_session, train
+
+    runs = [
+        ("floor", "LOCALSGD", [f"rule.period={10 * steps}"]),
+        *((r, r, OVERRIDES.get(r, [])) for r in RULES),
+    ]
+    times: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+    with tempfile.TemporaryDirectory() as out:
+        for _ in range(rounds):
+            for label, rule, extra in runs:
+                overrides = [
+                    f"RULE={rule}", f"session.steps={steps}", "session.validate_every=0",
+                    "session.progress=off", "session.log_level=warning", f"session.output={out}",
+                    f"model.hidden={HIDDEN}", *extra,
+                ]  # fmt: skip
+                w, session, code = prepare_session(load_config("launch/digits.cfg", overrides))
+                if code:
+                    sys.exit(code)
+                result = train(w, session)
+                mine = result.train_seconds if result.train_seconds == result.train_seconds else 0.0
+                times[label].append(world.allreduce(mine, op=MPI.MAX) / steps)
+    return times
 
 
 def time_pass(world: Any) -> float:
@@ -238,9 +251,11 @@ def validation_rows(measured: list[dict[str, object]], link: Link, group: Link) 
     nbytes = model_bytes()
     gamma = statistics.mean(float(m["gamma"]) for m in measured)  # type: ignore[arg-type]
     overlaps = all(bool(m["overlaps"]) for m in measured)
+    cores = min(int(m.get("cores", len(os.sched_getaffinity(0)))) for m in measured)  # type: ignore[call-overload]
     here = Cluster(
-        "here", gpus_per_node=64, intra=link, inter=link, gamma=gamma, overlaps=overlaps, group=group
-    )
+        "here", gpus_per_node=64, intra=link, inter=link, gamma=gamma, overlaps=overlaps, group=group,
+        cores=cores,
+    )  # fmt: skip
     rows = ["| rule | ranks | measured ms/step | predicted | predicted ÷ measured |", "|---|---|---|---|---|"]
     worst = 0.0
     for m in measured:
@@ -257,6 +272,24 @@ def validation_rows(measured: list[dict[str, object]], link: Link, group: Link) 
     return rows, worst
 
 
+def shown(path: Path) -> Path:
+    """``path`` relative to the repository when inside it (as the results file names files)."""
+    full = path.resolve()
+    return full.relative_to(REPO) if full.is_relative_to(REPO) else path
+
+
+def measure_worlds(argv: list[str]) -> list[dict[str, object]] | None:
+    """Run the measuring jobs at 2 and 4 ranks; their rank 0's results (None if a job failed)."""
+    measured = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in (2, 4):
+            into = Path(tmp) / f"{ranks}.json"
+            if relaunch("benchmarks.scaling", ranks, [*argv, "--measure-into", str(into)]):
+                return None
+            measured.append(json.loads(into.read_text()))
+    return measured
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__)
     parser.add_argument(
@@ -264,24 +297,26 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--model", default="", help="model of the cluster file's [compute] (default: each)")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every rule (median)")
     parser.add_argument("--no-validate", action="store_true", help="skip the measurements on this machine")
+    parser.add_argument(
+        "--measured", type=Path, help="JSON of an earlier run's measurements: refit without measuring again"
+    )
+    parser.add_argument("--save-measured", type=Path, help="write this run's measurements (JSON) here")
     parser.add_argument("--measure-into", type=Path, help=argparse.SUPPRESS)  # the MPI jobs' output
     args = parser.parse_args(argv)
     if args.measure_into is not None:
-        result = measure_here(args.steps)
+        result = measure_here(args.steps, args.rounds)
         if result["rank"] == 0:
             args.measure_into.write_text(json.dumps(result))
         return 0
     sections = []
     if not args.no_validate:
-        measured = []
-        with tempfile.TemporaryDirectory() as tmp:
-            for ranks in (2, 4):
-                into = Path(tmp) / f"{ranks}.json"
-                code = relaunch("benchmarks.scaling", ranks, [*argv, "--measure-into", str(into)])
-                if code:
-                    return code
-                measured.append(json.loads(into.read_text()))
+        measured = json.loads(args.measured.read_text()) if args.measured else measure_worlds(argv)
+        if measured is None:
+            return 1
+        if args.save_measured:
+            args.save_measured.write_text(json.dumps(measured))
         link, group = fit_link(measured), fit_link(measured, "group")
         rows, worst = validation_rows(measured, link, group)
         pass_ms = statistics.mean(float(m["gamma"]) for m in measured) * model_bytes() * 1e3
@@ -290,7 +325,9 @@ def main(argv: list[str]) -> int:
             f"β = {link.beta * 1e9:.3f} ns/B ({1 / link.beta / 1e9:.2f} GB/s); split communicators "
             f"(plain MPI: GSP's groups) α = {group.alpha * 1e6:.1f} µs, {1 / group.beta / 1e9:.2f} GB/s. "
             f"Digits MLP, hidden {HIDDEN}, "
-            f"{args.steps} steps per rule; one elementwise pass over its parameters γ n = {pass_ms:.3f} ms "
+            f"{args.steps} steps per rule, median of {args.rounds} interleaved rounds; one elementwise pass "
+            "over "
+            f"its parameters γ n = {pass_ms:.3f} ms "
             "(measured); "
             f"the worst |predicted ÷ measured − 1| is {worst:.0%}.\n\n" + "\n".join(rows)
         )
@@ -306,7 +343,7 @@ def main(argv: list[str]) -> int:
             )
             rows = prediction_rows(cluster, model, nbytes, batch)
             sections.append(
-                f"### {model} on {cluster.name} ({path.relative_to(REPO)})\n\n{nbytes / 1e6:.0f} MB of "
+                f"### {model} on {cluster.name} ({shown(path)})\n\n{nbytes / 1e6:.0f} MB of "
                 f"fp32 parameters, {cluster.compute[model] * 1e3:.0f} ms of compute per step, {batch} per "
                 "GPU. Each cell: step time, samples/s, scaling efficiency.\n\n" + "\n".join(rows)
             )

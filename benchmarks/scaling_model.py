@@ -24,8 +24,9 @@ passes each rule makes are counted from its code, :data:`PASSES`):
 * GOSGD: ``compute + p_gossip · (α + n β + 3 n γ)`` — each step a learner sends a snapshot of its weights with
   probability p, and a receiver merges it;
 * parameter servers (ASGD, SSP, PSGD, WEEDOUT): W = p − S workers
-  push ``n/S`` bytes to each of S servers every τ steps and wait for the reply, ``2 (α + (n/S) β)``, with 4
-  passes of their own (Δ, the push copy, adopting w twice); a server serves one push in
+  push ``n/S`` bytes to each of S servers every τ steps and wait for the reply, ``2 (α + (n/S) β)`` plus the
+  server's 2 passes before it replies, with 4 passes of their own (Δ, the push copy, adopting w twice); a
+  server serves one push in
   ``s = 2 (n/S) β + 2 (n/S) γ`` (receive and reply; apply Δ, copy w out) and is busy a share
   ``ρ = W s / (τ T)`` of each worker's step time T; while ``ρ < 1`` a push waits ``ρ s / (2 (1 − ρ))`` more
   (an M/D/1 queue), at ``ρ ≥ 1`` the server is the bottleneck and ``T = W s / τ``;
@@ -33,6 +34,13 @@ passes each rule makes are counted from its code, :data:`PASSES`):
   each group's leader pushes (``groups`` pushers for the server); after a pull the leader broadcasts w to the
   group (``log2(W) α + n β``, pipelined). Its groups are split communicators, which carry no shared-memory
   path: a cluster's ``group`` link prices them (the intra link where none is given).
+
+Ranks sharing cores (``cores`` in a cluster: the cores of one node, when fewer than its ranks, as on a CPU
+test machine; 0 on GPU clusters, where each rank has a core of its own): ``compute`` is then one rank's step
+with the others running beside it (measured so), nothing overlaps (no core is free to drive a message while
+another rank computes), and every rank's communication and elementwise work takes ``p / cores`` times as long
+in wall time. A parameter server's step is at least the CPU seconds of one round — every worker's compute
+(``compute · cores / p``) and exchange, and the server's service of each push — divided by ``cores``.
 
 Efficiency at p ranks = samples/s ÷ (training ranks × one rank's samples/s alone). Known to be wrong where
 the model is silent: stragglers and uneven ranks (it prices the average rank), network congestion from other
@@ -79,6 +87,12 @@ class Cluster:
     group: Link | None = None
     #: Per model: seconds of one step's compute on one GPU (given by the cluster file).
     compute: dict[str, float] = field(default_factory=dict)
+    #: Cores of a node shared by its ranks (0: every rank has its own, as on a GPU cluster).
+    cores: int = 0
+
+    def share(self, p: int) -> float:
+        """How many ranks share one core at p ranks (1 when each has its own)."""
+        return p / self.cores if self.cores and p > self.cores else 1.0
 
     def link(self, p: int) -> Link:
         """The link that prices a collective over p ranks: intra-node up to one node, else the network."""
@@ -128,14 +142,21 @@ def server_step(
     workers = p - servers if pushers is None else pushers
     shard = nbytes / servers
     link = cluster.link(p)
-    round_trip = 2 * link.message(shard)
-    service = 2 * shard * link.beta + PASSES["server"] * shard * cluster.gamma
-    step = compute + (round_trip + PASSES["worker"] * nbytes * cluster.gamma) / tau
+    applying = PASSES["server"] * shard * cluster.gamma  # before the reply leaves: on the worker's path
+    round_trip = 2 * link.message(shard) + applying
+    service = 2 * shard * link.beta + applying
+    exchange = (round_trip + PASSES["worker"] * nbytes * cluster.gamma) / tau
+    step = compute + exchange * cluster.share(p)
     rho = workers * service / (tau * step)
     if rho >= 1:
         return Step(workers * service / tau, workers * service / tau - compute, p - servers)
     wait = rho * service / (2 * (1 - rho))
-    return Step(step + wait / tau, (round_trip + wait) / tau, p - servers)
+    seconds = step + wait / tau
+    if cluster.share(p) > 1:  # the cores' seconds of one round: every worker's step and the server's pushes
+        training = p - servers
+        busy = (training * (compute / cluster.share(p) + exchange) + workers * service / tau) / cluster.cores
+        seconds = max(seconds, busy)
+    return Step(seconds, seconds - compute, p - servers)
 
 
 def step_time(
@@ -157,10 +178,12 @@ def step_time(
         return Step(compute, 0.0, 1)
     c = allreduce(nbytes, p, cluster)
     passes = PASSES.get(rule, 0) * nbytes * cluster.gamma
+    share = cluster.share(p)
+    overlaps = cluster.overlaps and share == 1  # no free core, nothing overlaps
     if rule == "BSP":
-        comm = max(0.0, c - overlap * compute)
+        comm = max(0.0, c - (overlap if overlaps else 0.0) * compute)
     elif rule == "SMA":
-        comm = (max(0.0, c - compute) if cluster.overlaps else c) + passes
+        comm = (max(0.0, c - compute) if overlaps else c) + passes
     elif rule in ("EASGD", "LOCALSGD", "DILOCO"):
         comm = (c + passes) / period
     elif rule == "GOSGD":
@@ -170,13 +193,14 @@ def step_time(
     elif rule == "GSP":
         workers, link = p - servers, cluster.group or cluster.link(p)
         pushed = server_step(compute, nbytes, p, cluster, servers, period, pushers=groups)
+        if workers < 2:
+            return pushed
         average = min(ring_allreduce(nbytes, workers, link), tree_allreduce(nbytes, workers, link))
-        share = (math.log2(workers) * link.alpha + nbytes * link.beta) / period if workers > 1 else 0.0
-        extra = average + share
+        extra = (average + (math.log2(workers) * link.alpha + nbytes * link.beta) / period) * share
         return Step(pushed.seconds + extra, pushed.comm + extra, pushed.training_ranks)
     else:
         raise ValueError(f"no cost model for RULE={rule}")
-    return Step(compute + comm, comm, p)
+    return Step(compute + comm * share, comm * share, p)
 
 
 def efficiency(rule: str, p: int, compute: float, nbytes: float, cluster: Cluster, **hyper: float) -> float:

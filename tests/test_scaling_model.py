@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -63,6 +64,23 @@ def test_a_parameter_server_queues_and_then_bounds_the_step() -> None:
     assert heavy.seconds == pytest.approx(3 * 2e-3)
     # efficiency counts the server's GPU: at best 3 of 4
     assert efficiency("ASGD", 4, 10.0, 1.0, NODE, period=1) == pytest.approx(0.75, rel=1e-3)
+
+
+def test_ranks_sharing_cores_stretch_exchange_and_lose_overlap() -> None:
+    """4 ranks on 2 cores: the allreduce cannot hide behind compute and takes twice as long in wall time;
+    a server round is at least the cores' seconds of every worker's step and every push's service."""
+    shared = dataclasses.replace(NODE, cores=2)
+    c = ring_allreduce(MB, 4, LINK)
+    assert step_time("SMA", 4, 0.01, MB, shared).seconds == pytest.approx(0.01 + 2 * c)
+    assert step_time("BSP", 4, 0.01, MB, shared, overlap=0.5).seconds == pytest.approx(0.01 + 2 * c)
+    assert step_time("BSP", 2, 0.01, MB, shared).seconds == step_time("BSP", 2, 0.01, MB, NODE).seconds
+    # A worker's round trip, 2·(1 µs + 1 ms), takes twice as long; the queue as before (3 pushes of 2 ms)
+    serial = 0.01 + 2 * 2 * 1.001e-3
+    rho = 3 * 2e-3 / serial
+    asgd = step_time("ASGD", 4, 0.01, MB, shared, period=1).seconds
+    assert asgd == pytest.approx(serial + rho * 2e-3 / (2 * (1 - rho)))
+    # never below the cores' seconds of one round: 3 workers' compute (0.01 · 2/4) and round trips, 3 pushes
+    assert asgd >= (3 * (0.005 + 2 * 1.001e-3) + 3 * 2e-3) / 2
 
 
 def test_the_horovod_paper_cluster_scales_inception_and_resnet101_near_90_percent() -> None:
