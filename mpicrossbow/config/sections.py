@@ -191,10 +191,10 @@ class FaultSection:
 
     rank: int = setting(-1, "the rank that fails (-1: none)", ge=-1)
     step: int = setting(0, "the step (0-based, counted over the whole run) at which it fails", ge=0)
-    action: Literal["raise", "exit", "kill", "hang", "nan", "kill_in_save"] = setting(
+    action: Literal["raise", "exit", "kill", "hang", "nan", "kill_in_save", "signal"] = setting(
         "raise",
-        "raise an exception, exit(3), SIGKILL itself, hang, make its loss NaN, or SIGKILL itself "
-        "in the middle of writing the checkpoint of that step",
+        "raise an exception, exit(3), SIGKILL itself, hang, make its loss NaN, SIGKILL itself "
+        "in the middle of writing the checkpoint of that step, or send itself SIGUSR1 (a stop drill)",
     )
 
 

@@ -10,7 +10,9 @@
 * ``finish()`` drains everything in flight, so no message is lost and no rank waits forever.
 * Asynchronous rules set ``synchronous = False``: the session then runs no collective until ``finish()``
   (ranks progress at their own pace; rank 0 validates locally). A rule may keep a rank out of training
-  (``trains``) and give it a ``serve()`` loop instead, e.g. a parameter server.
+  (``trains``) and give it a ``serve()`` loop instead, e.g. a parameter server. Their checkpoints are
+  coordinated snapshots: ``finish()`` drains, every rank saves, ``rearm()`` makes the rule exchange again
+  (``agree_pause`` lets ranks that move in lock-step pause at the same step).
 
 A rule sees only the Communicator and the pool's flat buffers — never files, streams or config text.
 """
@@ -26,6 +28,7 @@ import torch
 from ..comm.base import Communicator
 from ..config.fields import build
 from ..errors import ConfigError
+from .patience import Patience
 
 if TYPE_CHECKING:
     from ..pool.replicas import Replicas
@@ -73,6 +76,11 @@ class Rule:
         self.hyper = build(self.Config, hyper, "rule")
         self.comm: Communicator | None = None
         self.pool: Replicas | None = None
+        #: Called by a serving loop between sweeps of its requests (an asynchronous run's snapshots watch
+        #: for signals there); None: nothing to call.
+        self.tick: Callable[[], None] | None = None
+        #: How long an asynchronous rule's waits on peers may stay silent (``[watchdog]`` sets it).
+        self.patience = Patience()
 
     # ----------------------------------------------------------------- binding
     def bind(self, comm: Communicator, pool: Replicas) -> Rule:
@@ -143,6 +151,16 @@ class Rule:
 
     def finish(self) -> None:
         """Drain messages in flight; after it returns no rank waits on another."""
+
+    def rearm(self) -> None:
+        """After ``finish()`` and a snapshot every rank took together: exchange again as before it (post
+        the receives ``finish`` consumed, forget who said done). Every rank calls it at the same point."""
+
+    def agree_pause(self, wanted: bool) -> bool:
+        """After a step of an asynchronous run: whether this rank pauses for a snapshot, given whether it
+        ``wanted`` to. Ranks that move in lock-step (a group that averages every step) must agree; the
+        default decides alone."""
+        return wanted
 
     @property
     def in_flight(self) -> int:

@@ -153,6 +153,7 @@ class EASGD(Rule):
                 SERVER,
                 stats=lambda: learners_mean_buffers(pool),
             )
+            self._worker.patience = self.patience
         log.info(
             "EASGD async: rank %d %s; %d worker learner(s), α = %g, τ = %d",
             self.comm.rank,
@@ -208,7 +209,7 @@ class EASGD(Rule):
             return
         assert self.pool is not None
         # validate the centre with the workers' BatchNorm statistics, not the server's initial ones
-        self._server.serve(self._server.stats.reporting(self.pool, report))
+        self._server.serve(self._server.stats.reporting(self.pool, report), self.tick, self.patience)
 
     def finish(self) -> None:
         """A worker sends its done message; the server has nothing in flight once ``serve`` returned."""
@@ -216,6 +217,11 @@ class EASGD(Rule):
             self._worker.finish(self._progress())
         if self._server is not None and self._server.in_flight:
             raise RuntimeError(f"EASGD server finished with {self._server.in_flight} message(s) in flight")
+
+    def rearm(self) -> None:
+        """After a snapshot: a worker may send requests again (the server re-posts when it serves)."""
+        if self._worker is not None:
+            self._worker.done = False
 
     @property
     def in_flight(self) -> int:

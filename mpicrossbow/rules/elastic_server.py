@@ -35,6 +35,7 @@ import torch
 
 from ..comm.base import Communicator, Handle
 from ..trace import instant, span
+from .patience import Patience, Silence, wait_for
 from .request_loop import Order, serve_requests
 from .served_stats import ServedStats
 
@@ -70,6 +71,8 @@ class ElasticWorker:
         #: Elastic updates answered so far (one per learner per exchange).
         self.requests = 0
         self.done = False
+        #: How long the centre may stay silent (``[watchdog]``).
+        self.patience = Patience()
 
     def exchange(self, progress: float) -> None:
         """One round trip: snapshots of all learners' weights out, one elastic difference per learner back."""
@@ -81,7 +84,10 @@ class ElasticWorker:
         with span("elastic request and reply", "message", track="messages"):
             recv = self.comm.irecv(self.reply, self.server, REPLY_TAG)
             send = self.comm.isend(self.request, self.server, REQUEST_TAG)
-            recv.wait()  # our own reply, right away: each e_j lands on the weights we sent
+            # our own reply, right away: each e_j lands on the weights we sent
+            wait_for(
+                {self.server: recv}, self.patience, f"worker rank {self.comm.rank}", "for the centre's reply"
+            )
             send.wait()
         for x, e in zip(self.params, self.reply.view(len(self.params), -1), strict=True):
             x.sub_(e)
@@ -143,11 +149,26 @@ class ElasticServer:
         """Epoch-equivalents done: the mean of the workers' progress."""
         return sum(self.progress.values()) / len(self.workers)
 
-    def serve(self, report: Report) -> None:
-        """Answer requests until every worker is done and every reply has been delivered."""
+    def serve(
+        self, report: Report, tick: Callable[[], None] | None = None, patience: Patience | None = None
+    ) -> None:
+        """Answer requests until every worker is done and every reply has been delivered (``tick``
+        between sweeps); a worker not done that stays silent is a stall (``patience``)."""
         for w in self.workers:
             self._post(w)
-        serve_requests(self._recvs, lambda w: self._handle(w, report), self.order, self._sends)
+        silence = Silence(patience or Patience(), f"EASGD centre rank {self.comm.rank}", "for a request",
+                          self.workers)  # fmt: skip
+
+        def sweep() -> None:
+            if tick is not None:
+                tick()
+            silence.check(w for w in self.workers if w in self._recvs)
+
+        def handle(w: int) -> None:
+            silence.heard(w)
+            self._handle(w, report)
+
+        serve_requests(self._recvs, handle, self.order, self._sends, sweep)
         log.info(
             "EASGD server: %d elastic updates from %d worker(s), all done", self.updates, len(self.workers)
         )

@@ -50,6 +50,7 @@ from ..comm.base import Handle
 from ..config.fields import setting
 from ..trace import instant
 from .base import Rule
+from .patience import Silence
 from .registry import RULES
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class GOSGD(Rule):
         self.rng = np.random.default_rng((self.hyper.seed, self.rank))
         self.steps, self.sent, self.received = 0, [0] * self.size, [0] * self.size
         self.finished = False
+        self._awaited = -1
         self.average_params: torch.Tensor | None = None
         self.peers = [s for s in range(self.size) if s != self.rank]
         x = self.xs[0]
@@ -168,8 +170,9 @@ class GOSGD(Rule):
     def _await_scheduled(self, step: int) -> None:
         """Schedule mode: merge exactly what the schedule sent here at ``step``, in source order."""
         assert self.schedule is not None
-        if step < 0:
+        if step < 0 or step == self._awaited:
             return
+        self._awaited = step  # finish() may await the last step's messages before exchange() would
         mine = range(self.rank * self.m, (self.rank + 1) * self.m)
         for g in range(self.k):
             dst = self.schedule(step, g)
@@ -235,8 +238,10 @@ class GOSGD(Rule):
         goodbye = torch.zeros_like(self.xs[0])
         for dst in self.peers:
             self._send(dst, goodbye, -1.0, 0)
+        silence = Silence(self.patience, f"GOSGD rank {self.rank}", "for the goodbye", self.peers)
         while any(h is not None for h in self.posted.values()):
             self._merge_arrived()
+            silence.check(s for s, h in self.posted.items() if h is not None)
             time.sleep(1e-4)
         self._merge_local()
         for sent_params, sent_weight, *_ in self.outbox:
@@ -244,6 +249,12 @@ class GOSGD(Rule):
             sent_weight.wait()
         self.outbox, self.finished = [], True
         log.debug("GOSGD finished: weight %.6g, sent %s, received %s", self.weight, self.sent, self.received)
+
+    def rearm(self) -> None:
+        """After a snapshot: post a receive per peer again (the goodbyes consumed them) and gossip on."""
+        self.finished, self.average_params = False, None
+        for s in self.peers:
+            self._post(s)
 
     @property
     def in_flight(self) -> int:

@@ -25,6 +25,7 @@ import logging
 import socket
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,6 +208,32 @@ class GSP(ServerRule):
                 self.group_ranks,
                 ", ".join(f"{s:.4f}" for s in seconds.tolist()),
             )
+
+    def agree_pause(self, wanted: bool) -> bool:
+        """A group averages every step: its ranks pause for a snapshot at the same step (a 1-value MAX
+        allreduce over the group)."""
+        if self.server is not None or self.group is None or self.group.size == 1:
+            return wanted
+        return self.group.allreduce_scalars([float(wanted)], op=ReduceOp.MAX)[0] > 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The parameter-server state, and a worker's group once formed by speed (None while probing)."""
+        state = super().state_dict()
+        if self.server is None:
+            state["group_ranks"] = None if self._probing else self.group_ranks
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore it; groups formed by speed are split again (every worker restores at once)."""
+        super().load_state_dict(state)
+        groups = state.get("group_ranks")
+        if self.server is None and self._probing and groups is not None:
+            rank = self.workers_comm.rank
+            me = self.workers[rank]
+            index = next(k for k, ranks in enumerate(groups) if me in ranks)
+            self.group_ranks = [list(ranks) for ranks in groups]
+            self.group = self.workers_comm.split(index)
+            self._probing = False
 
     def policy(self) -> GroupStaleness:
         """MXNet-G's staleness weight."""

@@ -42,12 +42,16 @@ from ..config.fields import setting
 from ..errors import ConfigError
 from ..trace import instant, span
 from .base import Rule
+from .patience import Patience, Silence, wait_for
 from .request_loop import Order, serve_requests
 from .served_stats import ServedStats, learners_mean_buffers
 
 log = logging.getLogger(__name__)
 
 PUSH_TAG, PULL_TAG = 7201, 7202
+#: A server's counters that a checkpoint keeps: per worker, and in all.
+SERVER_COUNTS_PER_WORKER = ("clock", "seen", "pulled_at", "progress")
+SERVER_COUNTS = ("updates", "received", "discarded", "holds")
 UPDATE, DONE = 0.0, 1.0
 #: Values after the Δ slice in a push (flag, progress, seen) and after the w slice in a reply (updates).
 PUSH_HEADER, REPLY_HEADER = 3, 1
@@ -146,11 +150,28 @@ class ParameterServer:
         active = [self.clock[r] for r in self.workers if r not in self.done]
         return min(active) if active else math.inf  # type: ignore[return-value]
 
-    def serve(self, report: Report | None) -> None:
-        """Serve pushes until every worker is done and nothing is in flight; ``report`` once per epoch."""
+    def serve(
+        self, report: Report | None, tick: Callable[[], None] | None = None, patience: Patience | None = None
+    ) -> None:
+        """Serve pushes until every worker is done and nothing is in flight; ``report`` once per epoch.
+        Served again after a snapshot, it starts with every worker training again. A worker neither done
+        nor waiting for a held reply that stays silent is a stall (``patience``)."""
+        self.done.clear()
         for r in self.workers:
             self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
-        serve_requests(self._recvs, lambda r: self._handle(r, report), self.order, self._sends)
+        silence = Silence(patience or Patience(), f"parameter server rank {self.comm.rank}", "for a push",
+                          self.workers)  # fmt: skip
+
+        def sweep() -> None:
+            if tick is not None:
+                tick()
+            silence.check(r for r in self.workers if r not in self.done and r not in self.held)
+
+        def handle(r: int) -> None:
+            silence.heard(r)
+            self._handle(r, report)
+
+        serve_requests(self._recvs, handle, self.order, self._sends, sweep)
         log.info(
             "parameter server: %d update(s) from %d worker(s), all done", self.updates, len(self.workers)
         )
@@ -328,8 +349,10 @@ class ServerRule(Rule):
         with span("push and reply", "message", track="messages", servers=self.servers):
             recvs = [self.comm.irecv(self.replies[j], j, PULL_TAG) for j in range(self.servers)]
             sends = [self.comm.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.servers)]
-            for handle in recvs:  # held back by a server while this worker is too far ahead (SSP)
-                handle.wait()
+            # held back by a server while this worker is too far ahead (SSP)
+            who = f"worker rank {self.comm.rank}"
+            what = f"for the reply to push {self.requests + 1}"
+            wait_for(dict(enumerate(recvs)), self.patience.doubled(), who, what)
             for handle in sends:
                 handle.wait()
         for j, (lo, hi) in enumerate(self.bounds):
@@ -358,11 +381,11 @@ class ServerRule(Rule):
             return
         if self.servers > 1:
             log.info("%d servers hold shards of the model: it is validated at the end only", self.servers)
-            self.server.serve(None)
+            self.server.serve(None, self.tick, self.patience)
             return
         assert self.pool is not None
         # validate w with the workers' BatchNorm statistics, not the server's initial ones
-        self.server.serve(self.server.stats.reporting(self.pool, report))
+        self.server.serve(self.server.stats.reporting(self.pool, report), self.tick, self.patience)
 
     def finish(self) -> None:
         """A worker sends done; a server has nothing in flight once serve() returned."""
@@ -394,16 +417,30 @@ class ServerRule(Rule):
         return self.w if self.server is None else self.eval_params()
 
     def state_dict(self) -> dict[str, Any]:
-        """w and the counters."""
+        """w and the counters: a server's per-worker clocks, pulls and staleness counts (taken after
+        ``finish``, when no reply is held and nothing is in flight); a worker's seen counts and requests."""
         state = {**super().state_dict(), "w": self.w.clone(), "steps": self._steps}
-        if self.server is not None:
-            state.update(updates=self.server.updates, clock=dict(self.server.clock))
+        server = self.server
+        if server is not None:
+            state.update(
+                {name: dict(getattr(server, name)) for name in SERVER_COUNTS_PER_WORKER},
+                **{name: getattr(server, name) for name in SERVER_COUNTS},
+            )
+        else:
+            state.update(seen=list(self.seen), requests=self.requests)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore w and the counters."""
         self.w.copy_(state["w"])
         self._steps = int(state.get("steps", 0))
-        if self.server is not None:
-            self.server.updates = int(state.get("updates", 0))
-            self.server.clock.update(state.get("clock", {}))
+        server = self.server
+        if server is not None:
+            for name in SERVER_COUNTS_PER_WORKER:
+                getattr(server, name).update(state.get(name, {}))
+            for name in SERVER_COUNTS:
+                setattr(server, name, int(state.get(name, 0)))
+        else:
+            self.seen = [int(v) for v in state.get("seen", self.seen)]
+            self.requests = int(state.get("requests", 0))
+            self.pulled.copy_(self.w)  # a worker saved after adopting w

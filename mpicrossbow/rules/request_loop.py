@@ -27,11 +27,15 @@ def serve_requests(
     handle: Callable[[int], None],
     order: Order | None,
     sends: dict[int, Handle] | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> None:
     """Call ``handle(worker)`` for each arrived request until no receive is posted in ``recvs``; then wait
-    for every reply still in ``sends`` (and empty it), so nothing the server sent is left in flight."""
+    for every reply still in ``sends`` (and empty it), so nothing the server sent is left in flight.
+    ``tick()`` runs between sweeps (cheap: the run's signal watch)."""
     processed, idle = 0, IDLE_MIN_S
     while recvs:
+        if tick is not None:
+            tick()
         if order is not None:
             worker = order(processed, sorted(recvs))
             recvs[worker].wait()

@@ -191,10 +191,13 @@ class Checkpointing:
         if self.lock is not None:
             self.lock.release()
 
-    def save(self, position: dict[str, Any], rule: Rule, faults: FaultInjector) -> Path:
-        """Collective: every rank writes its state for the checkpoint after ``position['step']`` steps."""
+    def save(
+        self, position: dict[str, Any], rule: Rule, faults: FaultInjector, step: int | None = None
+    ) -> Path:
+        """Collective: every rank writes its state for the checkpoint after ``position['step']`` steps (an
+        asynchronous snapshot: the agreed ``step`` names it, each rank's own position is in its file)."""
         assert self.saver is not None, "start() first"
-        step = int(position["step"])
+        step = int(position["step"]) if step is None else step
         rng: dict[str, Any] = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)

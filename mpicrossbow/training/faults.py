@@ -2,8 +2,9 @@
 
 ``[fault] rank = r, step = s, action = ...`` makes rank r fail when it starts step s (counted from 0 over the
 whole run): ``raise`` an exception, ``exit`` (``sys.exit(3)``, as user code might), ``kill`` itself
-with SIGKILL, ``hang`` forever, make its loss ``nan``, or ``kill_in_save``: SIGKILL itself in the middle
-of writing the checkpoint taken once s steps are done (its file written, not yet renamed into place).
+with SIGKILL, ``hang`` forever, make its loss ``nan``, ``kill_in_save``: SIGKILL itself in the middle
+of writing the checkpoint taken once s steps are done (its file written, not yet renamed into place), or
+``signal``: send itself SIGUSR1, as Slurm does before a time limit (a drill of the checkpoint-and-stop).
 Every other rank is unaffected; what the job does next is what the tests check.
 """
 
@@ -39,10 +40,13 @@ class FaultInjector:
 
     def at_step(self, step: int) -> None:
         """Called as ``step`` starts: raise, exit, kill or hang if this is the fault's rank and step."""
-        if not self._due(step, "raise", "exit", "kill", "hang"):
+        if not self._due(step, "raise", "exit", "kill", "hang", "signal"):
             return
         action = self.section.action
         log.warning("[fault] %s at step %d (injected)", action, step)
+        if action == "signal":
+            os.kill(os.getpid(), signal.SIGUSR1)
+            return
         if action == "raise":
             raise InjectedFault(f"injected fault at step {step} ([fault] action = raise)")
         if action == "exit":

@@ -22,6 +22,7 @@ from .nan_guard import check_finite
 from .parts import RankParts
 from .schedule import lr_at
 from .signals import SignalStop
+from .snapshots import Snapshots
 from .step import train_step
 from .validations import NAN2, Validations
 
@@ -48,7 +49,8 @@ class LoopOutcome:
 
 class TrainLoop:
     """Runs the epochs; ``validate`` and ``reduce`` (of per-epoch ``(loss_sum, hits, n)``) come from the
-    run mode, ``signals`` is the agreed stop on SIGTERM/SIGUSR1 or None."""
+    run mode, ``signals`` is the agreed stop on SIGTERM/SIGUSR1 or None; an asynchronous run's
+    ``snapshots`` (then ``signals`` is None) take its checkpoints and its signal stop instead."""
 
     def __init__(
         self,
@@ -56,8 +58,10 @@ class TrainLoop:
         validate: Callable[[], tuple[float, float]],
         reduce: Callable[[Sequence[float]], Sequence[float]],
         signals: SignalStop | None = None,
+        snapshots: Snapshots | None = None,
     ) -> None:
         self.parts, self.validate, self.reduce, self.signals = parts, validate, reduce, signals
+        self.snapshots = snapshots
         cfg, pool = parts.config, parts.pool
         self.budget = cfg.session.steps
         # With a step budget the epoch count follows from it; the auto-tuner may change steps per epoch.
@@ -84,7 +88,7 @@ class TrainLoop:
                 self.out.val, self.out.stopped = self.validate(), True
                 return self._outcome()
             self.skip = 0
-        if ckpt.enabled and ckpt.final and self.saved_at != self.step:
+        if ckpt.enabled and ckpt.final and self.saved_at != self.step and self.snapshots is None:
             self._save(0)
         parts.reporter.close_bar()
         return self._outcome()
@@ -115,6 +119,10 @@ class TrainLoop:
                     self.checks.run(self.step, self.at_epochs)
                 if self.checks.done:
                     break
+            if self.snapshots is not None:
+                if self.snapshots.due(self.step) and self.snapshots.pause(self.position(count + 1)):
+                    return True
+                continue
             if ckpt.every_steps and self.step % ckpt.every_steps == 0:
                 self._save(count + 1)
             if self.signals is not None and self.signals(self.step):
@@ -183,7 +191,8 @@ class TrainLoop:
             self._tune(n, seconds)
         self.epoch += 1
         every_epochs = parts.config.checkpoint.every_epochs
-        if every_epochs and self.epoch % every_epochs == 0 and self.saved_at != self.step and not last:
+        periodic = every_epochs and self.epoch % every_epochs == 0 and self.snapshots is None
+        if periodic and self.saved_at != self.step and not last:
             self._save(0)
 
     def _tune(self, samples: float, seconds: float) -> None:
@@ -210,11 +219,15 @@ class TrainLoop:
         parts = self.parts
         return len(parts.pool.learners) * parts.config.data.batch_size * parts.world.size
 
+    def position(self, count: int) -> dict[str, Any]:
+        """Where training stands after the current step, ``count`` batches of the current epoch done: what a
+        checkpoint records to resume from."""
+        return {"step": self.step, "epoch": self.epoch, "count": count, "lr": self.lr}
+
     def _save(self, count: int) -> None:
         """A checkpoint after the current step (``count`` batches of the current epoch done)."""
         parts = self.parts
         self._beat("save")
-        position: dict[str, Any] = {"step": self.step, "epoch": self.epoch, "count": count, "lr": self.lr}
         with span("checkpoint", "checkpoint"):
-            parts.checkpoints.save(position, parts.rule, parts.faults)
+            parts.checkpoints.save(self.position(count), parts.rule, parts.faults)
         self.saved_at = self.step

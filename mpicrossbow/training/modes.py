@@ -4,9 +4,11 @@
   statistics are allreduced, validation is collective, checkpoints and the signal stop are agreed on.
 * **Asynchronous** rules (async EASGD, GOSGD, ASGD, SSP, ...): ranks move at their own pace until
   ``finish``; no collective before it. Statistics stay local, each rank validates alone; after ``finish``
-  the samples are summed and rank 0 validates the rule's final model.
+  the samples are summed and rank 0 validates the rule's final model. With checkpoints or the signal stop
+  on, ranks pause together for coordinated snapshots (:mod:`.snapshots`) and meet at the end.
 * **Serving**: a rank the rule keeps out of training (a parameter server, an EASGD centre) runs the rule's
-  ``serve`` loop and reports the served model; after ``finish`` it joins the asynchronous ending.
+  ``serve`` loop and reports the served model; after ``finish`` it joins the asynchronous ending (and every
+  snapshot's meeting, serving again after each).
 
 Every mode ends the same way: ``finish`` (nothing left in flight), per-rank rates and health, the result.
 """
@@ -21,6 +23,7 @@ from .loop import LoopOutcome, TrainLoop
 from .parts import RankParts
 from .result import RunResult
 from .signals import SignalStop
+from .snapshots import Snapshots
 
 
 class RunMode(ABC):
@@ -28,6 +31,8 @@ class RunMode(ABC):
 
     def __init__(self, parts: RankParts) -> None:
         self.parts = parts
+        #: Whether :meth:`train` already finished the rule (an asynchronous run's last meeting did).
+        self.finished = False
 
     @abstractmethod
     def train(self) -> LoopOutcome:
@@ -44,7 +49,8 @@ class RunMode(ABC):
         reporter.restart_clock()
         outcome = self.train()
         busy = reporter.wall
-        parts.rule.finish()
+        if not self.finished:
+            parts.rule.finish()
         if parts.timeline is not None:
             parts.timeline.finish()
         if parts.trains and busy > 0:
@@ -102,8 +108,34 @@ class Asynchronous(RunMode):
     """Ranks at their own pace: local statistics and validation until ``finish``."""
 
     def train(self) -> LoopOutcome:
-        """The loop with this rank's own statistics and validation."""
-        return TrainLoop(self.parts, self.parts.evaluator.alone, tuple).run()
+        """The loop with this rank's own statistics and validation, pausing for snapshots when they are
+        on; then the meetings until the run is over."""
+        snapshots = self.snapshots()
+        if snapshots is None:
+            return TrainLoop(self.parts, self.parts.evaluator.alone, tuple).run()
+        try:
+            loop = TrainLoop(self.parts, self.parts.evaluator.alone, tuple, snapshots=snapshots)
+            outcome = loop.run()
+            if not outcome.stopped:
+                outcome.stopped = snapshots.until_end(loop.position(0))
+            self.finished = True
+            return outcome
+        finally:
+            self.close(snapshots)
+
+    def snapshots(self) -> Snapshots | None:
+        """Coordinated snapshots when this run saves checkpoints (periodic or on a signal), else None."""
+        parts = self.parts
+        if parts.checkpoints.saver is None:
+            return None
+        signals = SignalStop(parts.comm, parts.world.rank) if parts.config.checkpoint.on_signal else None
+        return Snapshots(parts, signals)
+
+    def close(self, snapshots: Snapshots) -> None:
+        """The control plane freed and the signal handlers restored."""
+        snapshots.close()
+        if snapshots.signals is not None:
+            snapshots.signals.close()
 
     def conclude(self, outcome: LoopOutcome) -> tuple[float, tuple[float, float]]:
         """Samples summed over ranks; rank 0 validates the rule's final model for everyone."""
@@ -115,11 +147,25 @@ class Serving(Asynchronous):
     """A rank that serves (a parameter server, an EASGD centre) instead of training."""
 
     def train(self) -> LoopOutcome:
-        """The rule's serve loop; the served model is validated and reported as it goes."""
-        if self.parts.timeline is not None:
-            self.parts.timeline.serving()
-        self.parts.rule.serve(self.parts.evaluator.served)
-        return LoopOutcome()
+        """The rule's serve loop; the served model is validated and reported as it goes. With snapshots on,
+        the server meets the others whenever every worker drained, and serves again until the end."""
+        parts = self.parts
+        if parts.timeline is not None:
+            parts.timeline.serving()
+        snapshots = self.snapshots()
+        if snapshots is None:
+            parts.rule.serve(parts.evaluator.served)
+            return LoopOutcome()
+        try:
+            parts.rule.tick = snapshots.tick
+            parts.rule.serve(parts.evaluator.served)
+            position = {"step": 0, "epoch": 0, "count": 0, "lr": -1.0}
+            stopped = snapshots.until_end(position, lambda: parts.rule.serve(parts.evaluator.served))
+            self.finished = True
+            return LoopOutcome(stopped=stopped)
+        finally:
+            parts.rule.tick = None
+            self.close(snapshots)
 
 
 def choose_mode(parts: RankParts) -> RunMode:

@@ -21,6 +21,7 @@ import torch
 from ..comm import make_communicator
 from ..comm.base import Communicator
 from ..config import Config
+from ..config.sections import WatchdogSection
 from ..errors import ConfigError
 from ..launch.binding import Binding
 from ..launch.devices import device_for_rank
@@ -29,6 +30,7 @@ from ..launch.world import World
 from ..model.consistency import check_same_shapes
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
+from ..rules.patience import AUTO_ABORT_S, Patience
 from ..rules.registry import resolve
 from .autotune import AutoTuner
 from .checkpointing import Checkpointing
@@ -45,6 +47,13 @@ from .timeline import Timeline
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
+
+
+def patience(section: WatchdogSection) -> Patience:
+    """``[watchdog] warn_after``/``abort_after`` for an asynchronous rule's waits on its peers (``auto``:
+    :data:`~mpicrossbow.rules.patience.AUTO_ABORT_S`)."""
+    abort = AUTO_ABORT_S if section.abort_after == "auto" else float(section.abort_after)
+    return Patience(section.warn_after, abort)
 
 
 class Session:
@@ -121,11 +130,6 @@ class Session:
                 f"[session] target_accuracy needs a synchronous rule (every rank must stop at the same "
                 f"step); RULE={cfg.rule} is asynchronous: set a number of epochs instead"
             )
-        if (cfg.checkpoint.enabled or cfg.checkpoint.resume) and not rule.synchronous:
-            raise ConfigError(
-                f"[checkpoint] every_steps/every_epochs/resume need a synchronous rule; RULE={cfg.rule} is "
-                "asynchronous (ranks only meet at the end, so no step is common to all of them)"
-            )
         if cfg.session.tensorboard:
             check_tensorboard()
         if (cfg.checkpoint.enabled or cfg.checkpoint.resume) and auto:
@@ -150,11 +154,12 @@ class Session:
         self.comm = make_communicator(cfg.comm, self.device, mpi)
         run_dir = (self.checkpoints.resumed_run_dir() or make_run_dir(cfg)) if world.rank == 0 else None
         self.run_dir = Path(world.bcast(str(run_dir.absolute()) if run_dir is not None else ""))
+        self.rule.patience = patience(cfg.watchdog)
         self.rule.bind(self.comm, self.pool)
         self.checkpoints.restore(self.rule)
-        # Asynchronous rules have no step that every rank reaches together: no checkpoints, no step watchdog.
+        # Asynchronous rules checkpoint by coordinated snapshots (.snapshots); no step watchdog for them.
         synchronous = self.rule.synchronous
-        if synchronous and (cfg.checkpoint.enabled or cfg.checkpoint.on_signal):
+        if cfg.checkpoint.enabled or cfg.checkpoint.on_signal:
             self.checkpoints.start(self.run_dir)
         wd = cfg.watchdog
         if wd.peer_timeout or (synchronous and (wd.warn_after or wd.abort_after)):

@@ -43,7 +43,8 @@ TERM_GRACE_MAX_S = 20.0
 
 
 class SignalStop:
-    """Installs the handlers; ``stop(step)`` is true on every rank once any rank was signalled."""
+    """Installs the handlers; ``stop(step)`` is true on every rank once any rank was signalled. An
+    asynchronous run reads :attr:`received` itself (:mod:`.snapshots`) and only calls :meth:`touch`."""
 
     def __init__(self, comm: Communicator, rank: int = 0) -> None:
         self.comm, self.rank = comm, rank
@@ -66,11 +67,19 @@ class SignalStop:
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
 
-    def __call__(self, step: int) -> bool:
-        """Whether to stop after ``step`` (collective every SIGNAL_CHECK_STEPS steps, non-blocking)."""
+    def touch(self) -> None:
+        """The loop came back (a step ended, a server swept its requests): it is not stuck."""
         now = time.monotonic()
         self._longest = max(self._longest, now - self._last_call)
         self._last_call = now
+
+    def agree(self) -> None:
+        """Every rank agreed to stop (an asynchronous run's meeting): the grace watch stands down."""
+        self._agreed = True
+
+    def __call__(self, step: int) -> bool:
+        """Whether to stop after ``step`` (collective every SIGNAL_CHECK_STEPS steps, non-blocking)."""
+        self.touch()
         if step % SIGNAL_CHECK_STEPS:
             return False
         if self._pending:

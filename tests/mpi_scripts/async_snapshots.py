@@ -1,0 +1,139 @@
+"""Checkpoints of asynchronous rules in one MPI job: for each rule, an uninterrupted digits run that also
+snapshots periodically, a run stopped by a SIGUSR1 drill (``[fault] action = signal``), and its resume.
+
+    mpiexec -n 3 python tests/mpi_scripts/async_snapshots.py OUT RULE[:override,...] ...
+
+Checks per rule (``CHECK <rule>.<check>``, tests/mpi_scripts/verdicts.py):
+
+* ``periodic``: the uninterrupted run finished and saved snapshots every 20 of a rank's steps, each with every
+  rank's file;
+* ``signal``: the drilled run stopped on every rank after a snapshot with every rank's file, in which no
+  message is lost or counted twice (a server's clocks equal its workers' pushes; the EASGD centre's updates
+  equal the workers' requests; GOSGD's gossip weights sum to exactly 1);
+* ``resume``: resuming restores each rank's state exactly (what it would save again equals what it loaded)
+  and finishes to the accuracy target the uninterrupted run reached (TARGET: asynchronous runs of 10 epochs
+  differ by several points from one run to the next, so the target, not the other run's figure, is the bar).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from mpi4py import MPI
+from verdicts import WORLD, run_checks, say
+
+from mpicrossbow.config import load_config
+from mpicrossbow.rules.gosgd import UNIT
+from mpicrossbow.training.checkpoint import complete_checkpoints, load_rank_state
+from mpicrossbow.training.result import RunResult
+from mpicrossbow.training.runner import prepare_session, train
+
+EPOCHS = 10
+TARGET = 0.9
+
+
+def run(out: Path, overrides: list[str], check_restore: bool = False) -> RunResult:
+    """One digits session on every rank (the launcher's own preparation and training)."""
+    config = load_config(
+        "launch/digits.cfg",
+        [*overrides, f"session.output={out}", f"session.epochs={EPOCHS}", "session.progress=off",
+         "session.log_level=warning"],
+    )  # fmt: skip
+    world, session, code = prepare_session(config)
+    if code:
+        raise RuntimeError(f"set-up failed with exit status {code}")
+    if check_restore:
+        session.prepare_collective()
+        assert session.checkpoints is not None and session.checkpoints.resume is not None
+        same(session.checkpoints.resume[2]["rule"], session.rule.state_dict(), "rule")
+        same(session.checkpoints.resume[2]["pool"], session.pool.state_dict(), "pool")
+    return train(world, session)
+
+
+def same(saved: Any, again: Any, where: str) -> None:
+    """``saved`` and ``again`` hold equal values (tensors bit for bit)."""
+    if isinstance(saved, torch.Tensor):
+        assert torch.equal(saved, again), f"{where} differs after restoring"
+    elif isinstance(saved, dict):
+        assert set(saved) == set(again), f"{where}: keys {sorted(saved)} != {sorted(again)}"
+        for key in saved:
+            same(saved[key], again[key], f"{where}.{key}")
+    elif isinstance(saved, (list, tuple)):
+        assert len(saved) == len(again), f"{where}: lengths differ"
+        for i, (a, b) in enumerate(zip(saved, again, strict=True)):
+            same(a, b, f"{where}[{i}]")
+    else:
+        assert saved == again, f"{where}: {saved!r} != {again!r}"
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """The complete checkpoints of the one run folder under ``out``."""
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    return complete_checkpoints(run_dir / "checkpoints")
+
+
+def states(path: Path) -> list[dict[str, Any]]:
+    """Every rank's file of checkpoint ``path``."""
+    return [load_rank_state(path, r, {})[1] for r in range(WORLD.size)]
+
+
+def no_message_lost(rule: str, ranks: list[dict[str, Any]]) -> None:
+    """The drained state agrees across ranks: nothing in flight was dropped or counted twice."""
+    rule_states = [s["rule"] for s in ranks]
+    if rule == "GOSGD":
+        assert sum(sum(s["masses"]) for s in rule_states) == UNIT, "gossip weights do not sum to 1"
+    elif rule == "EASGD":
+        assert rule_states[0]["updates"] == sum(s["requests"] for s in rule_states[1:])
+    else:  # a parameter server on rank 0: each worker's pushes counted exactly once
+        clock = rule_states[0]["clock"]
+        for r, s in enumerate(rule_states[1:], start=1):
+            assert clock[r] == s["requests"], f"server clock of worker {r}: {clock[r]} != {s['requests']}"
+
+
+def checks_for(out: Path, spec: str) -> list[tuple[str, Any]]:
+    rule, _, extra = spec.partition(":")
+    overrides = [f"RULE={rule}", *filter(None, extra.split(","))]
+    label = rule.lower()
+    whole, broken = out / f"{label}-whole", out / f"{label}-broken"
+    results: dict[str, RunResult] = {}
+
+    def periodic() -> None:
+        results["whole"] = run(whole, [*overrides, "checkpoint.every_steps=20"])
+        assert not results["whole"].stopped
+        assert results["whole"].val_accuracy >= TARGET, f"uninterrupted: {results['whole'].val_accuracy:.3f}"
+        saved = checkpoints(whole)
+        assert len(saved) >= 3, [p.name for p in saved]
+        assert len(states(saved[-1])) == WORLD.size
+
+    def signal() -> None:
+        drill = [*overrides, "fault.rank=1", "fault.step=30", "fault.action=signal"]
+        result = run(broken, drill)
+        assert result.stopped, "the SIGUSR1 drill did not stop the run"
+        (last,) = checkpoints(broken)
+        no_message_lost(rule.split()[0], states(last))
+
+    def resume() -> None:
+        result = run(broken, [*overrides, "checkpoint.resume=latest"], check_restore=True)
+        assert not result.stopped
+        assert result.val_accuracy >= TARGET, f"resumed accuracy {result.val_accuracy:.3f} < {TARGET}"
+        whole = results["whole"].val_accuracy
+        say(f"ACCURACY {label} uninterrupted {whole:.4f} resumed {result.val_accuracy:.4f}")
+
+    return [(f"{label}.periodic", periodic), (f"{label}.signal", signal), (f"{label}.resume", resume)]
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    ok = True
+    for spec in argv[1:]:
+        ok = run_checks("snapshots", checks_for(out, spec)) and ok
+    say("DONE")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    MPI.COMM_WORLD.Barrier()
+    sys.exit(main(sys.argv[1:]))
