@@ -204,12 +204,16 @@ class WatchdogSection:
     stuck step names the ranks it waits for (Horovod's stall check)."""
 
     warn_after: float = setting(
-        60.0, "seconds one step may take before the ranks behind are logged (0: off)", ge=0
+        60.0,
+        "seconds one step (asynchronous rules: one wait on a server, worker or gossip peer) may take before "
+        "the ranks waited for are logged (0: off)",
+        ge=0,
     )
     abort_after: float | Literal["auto"] = setting(
         "auto",
-        "seconds a step may stall before the job is aborted (0: never); auto: 10 x the longest step so far, "
-        "at least 600 s (the first step 1800 s), validation and checkpoints not timed",
+        "seconds a step (asynchronous rules: a wait on a peer) may stall before the job is aborted "
+        "(0: never); auto: 10 x the longest step so far, at least 600 s (the first step 1800 s), "
+        "validation and checkpoints not timed; for asynchronous waits 600 s",
         ge=0,
     )
     peer_timeout: float = setting(
