@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.mpi]
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
 
 #: Every asynchronous rule, as the script takes them (3 ranks: a server or centre and two workers).
-RULES = ("ASGD", "SSP", "PSGD", "WEEDOUT", "GSP", "EASGD:rule.mode=async", "GOSGD:rule.p=0.3")
+RULES = ("ASGD", "SSP", "PSGD", "WEEDOUT", "GSP", "EASGD:rule.mode=async", "GOSGD:rule.p=0.3",
+         "SSP-colocated:rule.placement=colocated")  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from mpicrossbow.rules.grouping import group_by_speed, group_of, read_groups, re
 from mpicrossbow.rules.parameter_server import PUSH_HEADER, REPLY_HEADER
 from mpicrossbow.training.metrics import read_metrics
 
+SCRIPTS = Path(__file__).parent / "mpi_scripts"
 SGD = reference.Sgd(LR, MOMENTUM)
 #: A model with BatchNorm running statistics among its buffers.
 NORMED = lambda: NormedMLP(hidden=8)  # noqa: E731
@@ -282,3 +284,73 @@ def test_the_served_model_is_reported_with_the_workers_batchnorm_statistics(rule
     assert epoch == 1.0
     assert not np.array_equal(stats, out.built[0][1])
     np.testing.assert_allclose(stats, (out.extra[1] + out.extra[2]) / 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("order", [round_robin, skewed])
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("name", ["ASGD", "SSP", "WEEDOUT"])
+def test_colocated_shards_equal_numpy(name: str, size: int, order: Order) -> None:
+    """placement = colocated: every rank trains and serves a shard from a thread; the shards together
+    apply exactly the single server's equations (every worker pushes to every shard, in the same order).
+    PSGD's holds are its lead shard's alone (next test), so its replies differ from one server's."""
+    steps = {r: 9 + 3 * r for r in range(size)}
+    make, kind, bound, n, scale = RULE_CASES[name]
+    out = run_server(size, steps, lambda: make(order, placement="colocated"))
+    x, w, updates = reference.parameter_server(
+        out.w0, out.worker_grads(), SGD, TAU, scale(size), order, kind, bound, n
+    )
+    shards = [rule.hosted.server for rule in out.rules]
+    assert all(shard.updates == updates and shard.in_flight == 0 for shard in shards)
+    for r in range(size):
+        np.testing.assert_allclose(out.final[r], x[r], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(out.rules[r].eval_params().numpy(), w, rtol=1e-4, atol=1e-6)
+
+
+def test_colocated_psgd_holds_on_its_lead_shard_only_and_finishes() -> None:
+    """Shards see pushes in different orders, and PSGD's holds depend on that order: were every shard to
+    hold, two of them could hold two workers each until the other pushes again, for ever."""
+    make, *_ = RULE_CASES["PSGD"]  # served as pushes arrive (no order hook); rank 0 is slow, 2 fast
+    steps = {0: 12, 1: 24, 2: 36}
+    out = run_server(3, steps, lambda: make(None, placement="colocated"), sleep_s={0: 0.02, 1: 0.005})
+    shards = [rule.hosted.server for rule in out.rules]
+    assert shards[0].holds > 0 and shards[1].holds == shards[2].holds == 0
+    assert all(shard.in_flight == 0 for shard in shards)
+    assert [shard.clock for shard in shards[1:]] == [shards[0].clock] * 2  # every push reached every shard
+
+
+def test_colocated_placement_refuses_server_ranks() -> None:
+    with pytest.raises(
+        ConfigError, match="placement = colocated serves one shard of the model on every rank"
+    ):
+        ASGD(placement="colocated", servers=2).trains(0, 4)
+
+
+COLOCATED = ("ASGD", "SSP", "PSGD", "WEEDOUT", "GSP")
+
+
+@pytest.fixture(scope="module")
+def colocated_runs(mpiexec: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 3-rank launch: every server rule's digits job with placement = colocated, one after another."""
+    out = tmp_path_factory.mktemp("colocated")
+    runs = [f"{rule}=RULE={rule}" for rule in COLOCATED]
+    args = [
+        sys.executable,
+        str(SCRIPTS / "digits_runs.py"),
+        str(out),
+        *runs,
+        "--",
+        "rule.placement=colocated",
+    ]
+    proc = run_mpi(mpiexec, 3, args, timeout=300)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("rule", COLOCATED)
+def test_colocated_servers_train_on_every_rank_and_reach_93_percent(colocated_runs: Path, rule: str) -> None:
+    metrics = read_metrics(only_run(colocated_runs / rule) / "metrics.h5")
+    assert metrics["val"]["accuracy"][-1] >= 0.93, metrics["val"]["accuracy"]
+    rates = list(metrics["attrs"]["rank_steps_per_second"])
+    assert len(rates) == 3 and all(rate > 0 for rate in rates), rates  # no rank only serves
+    assert list(metrics["attrs"]["rank_in_flight"]) == [0, 0, 0]

@@ -102,11 +102,22 @@ class World:
         return self.mpi.bcast(value, root=root) if self.mpi is not None else value
 
 
-def detect_world() -> World:
-    """Initialise MPI (thread level ``serialized``) and describe this rank's place in COMM_WORLD."""
+def mpi_threads_ok(world: World) -> bool:
+    """Whether MPI was started with ``MPI_THREAD_MULTIPLE`` (True in a single process without MPI)."""
+    if world.mpi is None:
+        return True
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
+
+
+def detect_world(threads: bool = False) -> World:
+    """Initialise MPI (thread level ``serialized``; ``multiple`` with ``threads``: a rule talks MPI from a
+    second thread) and describe this rank's place in COMM_WORLD. MPI starts once per process: the first
+    call's level stays."""
     import mpi4py
 
-    mpi4py.rc.thread_level = "serialized"
+    mpi4py.rc.thread_level = "multiple" if threads else "serialized"
     oversubscribed = tune_for_oversubscription()
     from mpi4py import MPI
 

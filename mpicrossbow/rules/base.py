@@ -55,6 +55,12 @@ class Rule:
         run under it; rules that exchange weights leave it False."""
         return False
 
+    @property
+    def needs_mpi_threads(self) -> bool:
+        """True when the rule talks MPI from a second thread (``MPI_THREAD_MULTIPLE``), e.g. a parameter
+        server shard colocated with training."""
+        return False
+
     def trains(self, rank: int, size: int) -> bool:
         """Whether ``rank`` trains (False: it runs :meth:`serve`). Called before ``bind``."""
         return True

@@ -125,7 +125,7 @@ class GSP(ServerRule):
         if self.server is not None:
             return
         self.workers_comm = workers
-        self._seen = torch.zeros(self.servers, dtype=torch.float64)  # the counts the leader broadcasts
+        self._seen = torch.zeros(self.shards, dtype=torch.float64)  # the counts the leader broadcasts
         if self.hyper.groups == "auto":
             self.group = workers
             self._probing = True
@@ -161,6 +161,7 @@ class GSP(ServerRule):
 
     def exchange(self, step: int) -> None:
         """Every τ steps the leader pushes, the group adopts the reply; auto groups form after the probe."""
+        self.serve_shard()
         self._steps = step + 1
         if self.server is not None:
             return

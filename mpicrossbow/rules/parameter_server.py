@@ -33,7 +33,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -45,6 +45,7 @@ from .base import Rule
 from .patience import Patience, Silence, wait_for
 from .request_loop import Order, serve_requests
 from .served_stats import ServedStats, learners_mean_buffers
+from .server_thread import ServerThread
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,12 @@ class ServerConfig:
 
     tau: int = setting(1, "push Δ and pull w every τ local steps", ge=1)
     scale: float = setting(0.0, "the server applies w ← w + scale·Δ (0: 1 / all workers' learners)", ge=0)
-    servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each", ge=1)
+    servers: int = setting(1, "ranks 0..servers-1 serve a shard of the model each (placement = rank)", ge=1)
+    placement: Literal["rank", "colocated"] = setting(
+        "rank",
+        "rank: ranks 0..servers-1 serve and do not train; colocated: every rank trains and serves one shard "
+        "of the model from a background thread (needs MPI_THREAD_MULTIPLE)",
+    )
 
 
 class ServerRule(Rule):
@@ -241,12 +247,30 @@ class ServerRule(Rule):
         """When the server merges and replies (asynchronous SGD: always, at once)."""
         return Policy()
 
+    def shard_policy(self, shard: int) -> Policy:
+        """The policy of shard ``shard``: the rule's own on every shard, since its decisions depend on the
+        workers' push counts alone, which every shard sees alike."""
+        return self.policy()
+
     def __init__(self, order: Order | None = None, **hyper: Any) -> None:
         super().__init__(**hyper)
         self.order = order
+        #: This rank's server when it serves instead of training (placement = rank).
         self.server: ParameterServer | None = None
+        #: The shard this training rank serves from a thread (placement = colocated).
+        self.hosted: ServerThread | None = None
         self._steps = 0
         self._synced = False
+
+    @property
+    def colocated(self) -> bool:
+        """Every rank trains and serves a shard from a thread (``[rule] placement = colocated``)."""
+        return bool(self.hyper.placement == "colocated")
+
+    @property
+    def needs_mpi_threads(self) -> bool:
+        """A colocated shard's thread talks MPI beside the training thread: MPI_THREAD_MULTIPLE."""
+        return self.colocated
 
     @property
     def synchronous(self) -> bool:
@@ -255,10 +279,22 @@ class ServerRule(Rule):
 
     @property
     def servers(self) -> int:
-        """S: the ranks that serve a shard of the model each."""
-        return int(self.hyper.servers)
+        """S: the ranks that serve instead of training (0 when colocated)."""
+        return 0 if self.colocated else int(self.hyper.servers)
+
+    @property
+    def shards(self) -> int:
+        """How many shards the server state is cut into: one per server rank, or per rank when colocated."""
+        assert self.comm is not None
+        return self.comm.size if self.colocated else self.servers
 
     def _check(self, size: int) -> None:
+        if self.colocated and self.hyper.servers != 1:
+            raise ConfigError(
+                f"RULE={self.name}: [rule] placement = colocated serves one shard of the model on every "
+                f"rank; [rule] servers = {self.hyper.servers} places server ranks (placement = rank): "
+                "leave it at 1"
+            )
         if size < self.servers + 1:
             raise ConfigError(
                 f"RULE={self.name} needs at least {self.servers + 1} ranks ([rule] servers = {self.servers} "
@@ -266,7 +302,7 @@ class ServerRule(Rule):
             )
 
     def trains(self, rank: int, size: int) -> bool:
-        """Every rank but the servers trains."""
+        """Every rank but the server ranks trains (every rank, when colocated)."""
         self._check(size)
         return rank >= self.servers
 
@@ -291,18 +327,31 @@ class ServerRule(Rule):
         assert self.pool is not None and self.comm is not None
         self._check(self.comm.size)
         self.w = self.pool.learners[0].params.clone()
-        self.bounds = shard_bounds(self.w.numel(), self.servers)
+        self.bounds = shard_bounds(self.w.numel(), self.shards)
         rank = self.comm.rank
-        if rank < self.servers:
+        #: The communicator of pushes and replies: a plain copy of the rule's for colocated shards.
+        self.ps = self.comm.split(0) if self.colocated else self.comm
+        if self.colocated:
+            lo, hi = self.bounds[rank]
+            shard = ParameterServer(
+                self.ps,
+                self.w[lo:hi].clone(),
+                self.scale(),
+                self.shard_policy(rank),
+                self.order,
+                self.workers,
+            )
+            self.hosted = ServerThread(shard, self.patience, rank)  # started at this rank's first exchange
+        elif rank < self.servers:
             lo, hi = self.bounds[rank]
             self.server = ParameterServer(
-                self.comm, self.w[lo:hi], self.scale(), self.policy(), self.order, self.workers,
+                self.comm, self.w[lo:hi], self.scale(), self.shard_policy(rank), self.order, self.workers,
                 self._stats_size(rank),
             )  # fmt: skip
             return
         self.pulled = self.w.clone()
         self.delta = torch.zeros_like(self.w)
-        self.seen = [0] * self.servers
+        self.seen = [0] * self.shards
         self.pushes = [
             self.w.new_zeros(hi - lo + self._stats_size(j) + PUSH_HEADER)
             for j, (lo, hi) in enumerate(self.bounds)
@@ -314,7 +363,7 @@ class ServerRule(Rule):
         """BatchNorm values a push to ``server`` carries: the float buffers' count for the one server that
         reports the served model mid-run (S = 1), else 0."""
         assert self.pool is not None
-        return self.pool.learners[0].buffers.numel() if self.servers == 1 and server == 0 else 0
+        return self.pool.learners[0].buffers.numel() if self.shards == 1 and server == 0 else 0
 
     def _progress(self) -> float:
         assert self.pool is not None
@@ -343,16 +392,17 @@ class ServerRule(Rule):
                 self.pushes[j][n:head].copy_(learners_mean_buffers(self.pool))
             self.pushes[j][head:] = torch.tensor([flag, self._progress(), self.seen[j]], dtype=self.w.dtype)
         if flag == DONE:
-            for handle in [self.comm.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.servers)]:
+            for handle in [self.ps.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.shards)]:
                 handle.wait()
             return
-        with span("push and reply", "message", track="messages", servers=self.servers):
-            recvs = [self.comm.irecv(self.replies[j], j, PULL_TAG) for j in range(self.servers)]
-            sends = [self.comm.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.servers)]
+        with span("push and reply", "message", track="messages", servers=self.shards):
+            recvs = [self.ps.irecv(self.replies[j], j, PULL_TAG) for j in range(self.shards)]
+            sends = [self.ps.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.shards)]
             # held back by a server while this worker is too far ahead (SSP)
             who = f"worker rank {self.comm.rank}"
             what = f"for the reply to push {self.requests + 1}"
-            wait_for(dict(enumerate(recvs)), self.patience.doubled(), who, what)
+            alive = self.hosted.check if self.hosted is not None else None
+            wait_for(dict(enumerate(recvs)), self.patience.doubled(), who, what, alive)
             for handle in sends:
                 handle.wait()
         for j, (lo, hi) in enumerate(self.bounds):
@@ -368,8 +418,15 @@ class ServerRule(Rule):
             learner.params.copy_(self.w)
         self.pulled.copy_(self.w)
 
+    def serve_shard(self) -> None:
+        """A colocated rank starts serving its shard at its first exchange, once its own state is restored
+        (pushes that arrive before wait in MPI's queue)."""
+        if self.hosted is not None:
+            self.hosted.start()
+
     def exchange(self, step: int) -> None:
         """Every τ-th step a worker pushes Δ and adopts the server's w."""
+        self.serve_shard()
         self._steps = step + 1
         if self.server is None and self._steps % self.hyper.tau == 0:
             self._push(UPDATE)
@@ -388,21 +445,35 @@ class ServerRule(Rule):
         self.server.serve(self.server.stats.reporting(self.pool, report), self.tick, self.patience)
 
     def finish(self) -> None:
-        """A worker sends done; a server has nothing in flight once serve() returned."""
+        """A worker sends done (a colocated one then serves its shard until every worker has); a server has
+        nothing in flight once serve() returned."""
         if self.server is None and self.comm is not None:
             self._push(DONE)
-        elif self.server is not None and self.server.in_flight:
-            raise RuntimeError(f"parameter server finished with {self.server.in_flight} message(s) in flight")
+            if self.hosted is not None:
+                self.hosted.start()  # a rank that never pushed still serves its shard to the others
+                self.hosted.join()
+        served = self.server or (self.hosted.server if self.hosted is not None else None)
+        if served is not None and served.in_flight:
+            raise RuntimeError(f"parameter server finished with {served.in_flight} message(s) in flight")
+
+    def rearm(self) -> None:
+        """After a snapshot: a colocated rank serves its shard again (a server rank serves when called)."""
+        if self.hosted is not None:
+            self.hosted.start()
 
     @property
     def in_flight(self) -> int:
         """The server's outstanding requests (a worker waits for each reply at once: 0)."""
-        return self.server.in_flight if self.server is not None else 0
+        served = self.server or (self.hosted.server if self.hosted is not None else None)
+        return served.in_flight if served is not None else 0
 
     def sync_state(self) -> None:
         """After finish: every rank gets the servers' final w, slice j from server j, and the workers' mean
         BatchNorm statistics (a collective; exact, never compressed)."""
         assert self.comm is not None
+        if self.hosted is not None:  # the colocated shard's w is the one to share
+            lo, hi = self.bounds[self.comm.rank]
+            self.w[lo:hi].copy_(self.hosted.server.w)
         for j, (lo, hi) in enumerate(self.bounds):
             self.comm.exact.broadcast(self.w[lo:hi], root=j).wait()
         self.share_trained_buffers(self.server is None)
@@ -420,27 +491,31 @@ class ServerRule(Rule):
         """w and the counters: a server's per-worker clocks, pulls and staleness counts (taken after
         ``finish``, when no reply is held and nothing is in flight); a worker's seen counts and requests."""
         state = {**super().state_dict(), "w": self.w.clone(), "steps": self._steps}
-        server = self.server
+        server = self.server or (self.hosted.server if self.hosted is not None else None)
         if server is not None:
             state.update(
                 {name: dict(getattr(server, name)) for name in SERVER_COUNTS_PER_WORKER},
                 **{name: getattr(server, name) for name in SERVER_COUNTS},
             )
-        else:
-            state.update(seen=list(self.seen), requests=self.requests)
+        if self.hosted is not None:
+            state["shard"] = self.hosted.server.w.clone()
+        if self.server is None:
+            state.update(adopted=list(self.seen), requests=self.requests)  # the update counts last adopted
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore w and the counters."""
         self.w.copy_(state["w"])
         self._steps = int(state.get("steps", 0))
-        server = self.server
+        server = self.server or (self.hosted.server if self.hosted is not None else None)
         if server is not None:
             for name in SERVER_COUNTS_PER_WORKER:
                 getattr(server, name).update(state.get(name, {}))
             for name in SERVER_COUNTS:
                 setattr(server, name, int(state.get(name, 0)))
-        else:
-            self.seen = [int(v) for v in state.get("seen", self.seen)]
+        if self.hosted is not None:
+            self.hosted.server.w.copy_(state["shard"])
+        if self.server is None:
+            self.seen = [int(v) for v in state.get("adopted", self.seen)]
             self.requests = int(state.get("requests", 0))
             self.pulled.copy_(self.w)  # a worker saved after adopting w

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..comm.base import Handle
@@ -82,9 +82,16 @@ class Silence:
             self.next_warning[r] += warn
 
 
-def wait_for(handles: Mapping[int, Handle], patience: Patience, who: str, what: str) -> None:
+def wait_for(
+    handles: Mapping[int, Handle],
+    patience: Patience,
+    who: str,
+    what: str,
+    alive: Callable[[], None] | None = None,
+) -> None:
     """Wait for every handle (keyed by the peer's rank), polling with back-off, logging the peers still
-    silent after ``warn_after`` and raising :class:`Stalled` after ``abort_after``."""
+    silent after ``warn_after`` and raising :class:`Stalled` after ``abort_after``; ``alive()`` runs at
+    every poll and may raise (a helper thread this wait depends on has failed)."""
     pending = dict(handles)
     silence = Silence(patience, who, what, pending)
     start, pause = time.monotonic(), 0.0
@@ -92,6 +99,8 @@ def wait_for(handles: Mapping[int, Handle], patience: Patience, who: str, what: 
         for rank in [r for r, handle in pending.items() if handle.test()]:
             del pending[rank]
         if pending:
+            if alive is not None:
+                alive()
             silence.check(pending)
             if time.monotonic() - start > SPIN_S:
                 pause = min(2 * pause or 2e-5, POLL_MAX_S)

@@ -53,7 +53,10 @@ def prepare_session(config: Config, rule: Rule | None = None) -> tuple[World, Se
     The returned code is 0 when every rank is ready to talk; otherwise every rank returns the same non-zero
     exit status and rank 0 has printed the problem.
     """
-    world = detect_world()
+    threads = config.rule_params.get("placement") == "colocated" or (
+        rule is not None and rule.needs_mpi_threads
+    )
+    world = detect_world(threads)
     setup_logging(world.rank, world.size, config.session.log_level.upper() if world.rank == 0 else None)
     session = Session(config, world, rule)
     with collector_off_then_frozen():  # set-up makes long-lived objects (torch._dynamo, the model, the data)

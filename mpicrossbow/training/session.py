@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..launch.binding import Binding
 from ..launch.devices import device_for_rank
 from ..launch.failure import abort_job
-from ..launch.world import World
+from ..launch.world import World, mpi_threads_ok
 from ..model.consistency import check_same_shapes
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
@@ -129,6 +129,12 @@ class Session:
             raise ConfigError(
                 f"[session] target_accuracy needs a synchronous rule (every rank must stop at the same "
                 f"step); RULE={cfg.rule} is asynchronous: set a number of epochs instead"
+            )
+        if rule.needs_mpi_threads and not mpi_threads_ok(self.world):
+            raise ConfigError(
+                f"RULE={cfg.rule} with [rule] placement = colocated serves from a second thread and needs "
+                "MPI_THREAD_MULTIPLE, which this process's MPI was not started with (it starts once per "
+                "process): run the job in a process of its own, or use placement = rank"
             )
         if cfg.session.tensorboard:
             check_tensorboard()
