@@ -6,9 +6,9 @@ from its last complete snapshot."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 
@@ -44,10 +44,10 @@ def test_every_asynchronous_rule_snapshots_stops_and_resumes(
     assert found.get(f"snapshots.{rule}.{check}") == "OK", (found.get(f"snapshots.{rule}.{check}"), tail)
 
 
-def job(mpiexec: str, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """ASGD on 3 ranks (a server, two workers), digits for 4 epochs, with ``overrides``."""
-    args = [*launcher(), "-cfg", "launch/digits.cfg", "RULE=ASGD", f"session.output={out}",
-            "session.epochs=4", *overrides]  # fmt: skip
+def job(mpiexec: str, out: Path, *overrides: str, rule: tuple[str, ...] = ("RULE=ASGD",)) -> CompletedProcess:
+    """An asynchronous rule on 3 ranks (ASGD: a server, two workers), digits for 4 epochs, ``overrides``."""
+    args = [*launcher(), "-cfg", "launch/digits.cfg", *rule, f"session.output={out}", "session.epochs=4",
+            *overrides]  # fmt: skip
     return run_mpi(mpiexec, 3, args, timeout=150)
 
 
@@ -62,14 +62,19 @@ def test_sigusr1_stops_an_asynchronous_job_with_75_and_it_resumes(mpiexec: str, 
     assert "Traceback" not in stopped.stderr + resumed.stderr
 
 
+@pytest.mark.parametrize(
+    "rule",
+    [("RULE=ASGD",), ("RULE=GOSGD", "rule.p=0.3"), ("RULE=EASGD", "rule.mode=async")],
+    ids=["parameter-server", "gossip", "elastic-centre"],
+)
 def test_a_killed_asynchronous_job_resumes_from_its_last_complete_snapshot(
-    mpiexec: str, tmp_path: Path
+    mpiexec: str, tmp_path: Path, rule: tuple[str, ...]
 ) -> None:
     crashed = job(mpiexec, tmp_path, "checkpoint.every_steps=20", "fault.rank=1", "fault.step=50",
-                  "fault.action=kill")  # fmt: skip
+                  "fault.action=kill", rule=rule)  # fmt: skip
     assert crashed.returncode != 0
     saved = complete_checkpoints(only_run(tmp_path) / "checkpoints")
     assert saved, "no snapshot before the kill"
-    resumed = job(mpiexec, tmp_path, "checkpoint.every_steps=20", "--resume")
+    resumed = job(mpiexec, tmp_path, "checkpoint.every_steps=20", "--resume", rule=rule)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"{saved[-1].name} (step " in resumed.stderr

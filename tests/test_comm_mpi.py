@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import COMM_JOB_SIZES, REPO, CommJob, mpi_env
-from mpicrossbow.comm import BACKENDS, make_communicator, resolve_backend
+from mpicrossbow.comm import BACKENDS, agreed_backend, make_communicator, resolve_backend
 from mpicrossbow.config import CommSection, load_config
 from mpicrossbow.errors import ConfigError
 
@@ -37,6 +37,17 @@ def test_backend_names() -> None:
     assert resolve_backend("auto", torch.device("cpu")) == "mpi"
     assert resolve_backend("auto", "cuda:1") == "nccl"
     assert resolve_backend("gloo", "cpu") == "gloo"
+
+
+def test_cpu_server_ranks_beside_gpu_workers_agree_on_mpi() -> None:
+    """DEVICES=cpu,cuda0,...: NCCL cannot reach the CPU ranks, so ``auto`` is mpi on every rank; ranks that
+    agree keep their device's backend, and an explicit choice stands (checked per device as before)."""
+    assert agreed_backend("auto", ["cpu", "cuda", "cuda"]) == "mpi"
+    assert agreed_backend("auto", ["cuda", "cuda"]) == "nccl"
+    assert agreed_backend("auto", ["cpu", "cpu"]) == "mpi"
+    assert agreed_backend("gloo", ["cpu", "cuda"]) == "gloo"
+    with pytest.raises(ConfigError, match="nccl needs a CUDA device"):
+        agreed_backend("nccl", ["cpu", "cuda"])
 
 
 def test_unknown_backend_is_a_config_error() -> None:

@@ -189,6 +189,30 @@ def test_gsp_equals_numpy(size: int, groups: list[list[int]], order: Order, tmp_
     np.testing.assert_allclose(out.rules[0].w.numpy(), w, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize(("size", "groups"), [(3, [[0, 1], [2]]), (4, [[1], [0, 2, 3]])])
+def test_colocated_gsp_equals_numpy(size: int, groups: list[list[int]], tmp_path: Path) -> None:
+    """placement = colocated: rank 0 trains in a group too, every rank serves a shard; the shards apply
+    the staleness-weighted pushes exactly as one server."""
+    path = tmp_path / "groups.txt"
+    path.write_text("\n".join(" ".join(map(str, g)) for g in groups) + "\n")
+    leaders = {g[0] for g in groups}
+
+    def leader_order(n: int, ready: Sequence[int]) -> int:
+        return skewed(n, [r for r in ready if r in leaders] or ready)
+
+    steps = {r: 12 if len(g) > 1 else 8 for g in groups for r in g}
+    make = lambda: GSP(groups=str(path), tau=TAU, order=leader_order, placement="colocated")  # noqa: E731
+    out = run_server(size, steps, make)
+    x, w, weights = reference.gsp(out.w0, out.worker_grads(), SGD, groups, TAU, 1.0, leader_order)
+    assert min(weights) < 1.0  # the groups overtook each other
+    for rule in out.rules:
+        np.testing.assert_allclose(rule.shard.weights, weights)
+        assert rule.shard.in_flight == 0
+    for r in range(size):
+        np.testing.assert_allclose(out.final[r][0], x[r], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(out.rules[r].eval_params().numpy(), w, rtol=1e-4, atol=1e-6)
+
+
 def test_gsp_auto_groups_put_the_straggler_alone() -> None:
     """groups = auto: after the probe the slowed worker trains in a group of its own, the others together."""
     rule = lambda: GSP(groups="auto", probe_steps=6)  # noqa: E731
@@ -299,7 +323,7 @@ def test_colocated_shards_equal_numpy(name: str, size: int, order: Order) -> Non
     x, w, updates = reference.parameter_server(
         out.w0, out.worker_grads(), SGD, TAU, scale(size), order, kind, bound, n
     )
-    shards = [rule.hosted.server for rule in out.rules]
+    shards = [rule.shard for rule in out.rules]
     assert all(shard.updates == updates and shard.in_flight == 0 for shard in shards)
     for r in range(size):
         np.testing.assert_allclose(out.final[r], x[r], rtol=1e-4, atol=1e-6)
@@ -312,7 +336,7 @@ def test_colocated_psgd_holds_on_its_lead_shard_only_and_finishes() -> None:
     make, *_ = RULE_CASES["PSGD"]  # served as pushes arrive (no order hook); rank 0 is slow, 2 fast
     steps = {0: 12, 1: 24, 2: 36}
     out = run_server(3, steps, lambda: make(None, placement="colocated"), sleep_s={0: 0.02, 1: 0.005})
-    shards = [rule.hosted.server for rule in out.rules]
+    shards = [rule.shard for rule in out.rules]
     assert shards[0].holds > 0 and shards[1].holds == shards[2].holds == 0
     assert all(shard.in_flight == 0 for shard in shards)
     assert [shard.clock for shard in shards[1:]] == [shards[0].clock] * 2  # every push reached every shard
@@ -354,3 +378,17 @@ def test_colocated_servers_train_on_every_rank_and_reach_93_percent(colocated_ru
     rates = list(metrics["attrs"]["rank_steps_per_second"])
     assert len(rates) == 3 and all(rate > 0 for rate in rates), rates  # no rank only serves
     assert list(metrics["attrs"]["rank_in_flight"]) == [0, 0, 0]
+
+
+@pytest.mark.mpi
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cpu_server_rank_serves_gpu_workers(mpiexec: str, tmp_path: Path) -> None:
+    """DEVICES=cpu,cuda0,cuda0: the server takes no GPU; the job agrees on MPI (NCCL cannot reach it)."""
+    args = [*launcher(), "-cfg", "launch/digits.cfg", "RULE=ASGD", "DEVICES=cpu,cuda0,cuda0",
+            f"session.output={tmp_path}", "session.epochs=6"]  # fmt: skip
+    proc = run_mpi(mpiexec, 3, args, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "comm mpi" in proc.stderr
+    metrics = read_metrics(only_run(tmp_path) / "metrics.h5")
+    assert metrics["val"]["accuracy"][-1] >= 0.9, metrics["val"]["accuracy"]

@@ -73,6 +73,16 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return backend
 
 
+def agreed_backend(backend: str, device_types: list[str]) -> str:
+    """``[comm] backend`` for a job whose ranks drive ``device_types`` (one per rank): as
+    :func:`resolve_backend` when they agree; ``auto`` on a mix of CPU and CUDA ranks (CPU-only parameter
+    servers beside GPU workers, ``DEVICES=cpu,cuda0,...``) is ``mpi`` on every rank — NCCL cannot reach a
+    CPU rank, and MPI moves GPU tensors (CUDA-aware, or staged through pinned host memory)."""
+    if backend == "auto" and len(set(device_types)) > 1:
+        return "mpi"
+    return resolve_backend(backend, device_types[0] if device_types else "cpu")
+
+
 def make_communicator(
     section: CommSection, device: torch.device | str, mpi_comm: MPI.Comm | None = None
 ) -> Communicator:
@@ -90,6 +100,9 @@ def make_communicator(
     wire = wire_dtype(section.compression)
     shared_memory = section.shared_memory
     cpu = torch.device(device).type == "cpu"
+    if mpi_comm is not None and mpi_comm.Get_size() > 1 and section.backend == "auto":
+        kinds = mpi_comm.allgather(torch.device(device).type)  # every rank must pick the same backend
+        resolved, cpu = agreed_backend("auto", kinds), all(kind == "cpu" for kind in kinds)
     if shared_memory == "on" and not (resolved == "mpi" and cpu):
         raise ConfigError(
             f"[comm] shared_memory = on needs backend mpi on a CPU device, got {resolved} on {device}"

@@ -51,7 +51,7 @@ from ..launch.devices import device_for_rank, parse_devices
 from ..launch.failure import abort, abort_job, agree, say
 from ..launch.slurm import srun_tasks_without_pmi
 from ..launch.spawn import no_pmi_advice
-from ..launch.world import World, detect_world, launcher_rank
+from ..launch.world import World, detect_world, launcher_rank, mpi_threads_ok
 from ..log import setup_logging
 from ..model.consistency import check_same_shapes
 from ..pool.base import params_loaded
@@ -90,6 +90,7 @@ def init(
     bind: str = "none",
     comm: Mapping[str, Any] | None = None,
     log_level: str = "info",
+    threads: bool = False,
 ) -> World:
     """Join the MPI world (mpiexec, srun, or a plain single process) and pick this rank's device.
 
@@ -97,8 +98,9 @@ def init(
     default rank r drives CUDA device ``local_rank % count`` when CUDA exists (made the current device, so
     ``torch.device("cuda")`` means it), else the CPU. ``bind`` pins the rank's threads as ``[numa] bind``
     does (``none``, ``core``, ``numa``, ``socket``, ``gpu``); ``comm`` holds ``[comm]`` keys (backend,
-    compression, ...). Collective; calling it again returns the same World. Bad arguments end every rank
-    with one line and status 2.
+    compression, ...). ``threads`` starts MPI with ``MPI_THREAD_MULTIPLE``, which a rule that talks MPI from
+    a second thread needs (parameter servers with ``placement=colocated``). Collective; calling it again
+    returns the same World. Bad arguments end every rank with one line and status 2.
     """
     if _state.world is not None:
         return _state.world
@@ -107,7 +109,7 @@ def init(
         if launcher_rank() in (0, None):
             say(no_pmi_advice(tasks), PREFIX)
         raise SystemExit(USAGE_EXIT_CODE)
-    world = detect_world()
+    world = detect_world(threads)
     setup_logging(world.rank, world.size, log_level.upper() if world.rank == 0 else None)
     _install_failure_hooks()
     chosen: dict[str, Any] = {}
@@ -184,6 +186,11 @@ def distribute(
 
     def prepare() -> None:
         chosen = _make_rule(rule, hyper)
+        if chosen.needs_mpi_threads and not mpi_threads_ok(world):
+            raise UsageError(
+                f"xb.distribute: RULE={chosen.name} serves from a second thread and needs "
+                "MPI_THREAD_MULTIPLE: call xb.init(threads=True) before anything else starts MPI"
+            )
         trains = chosen.trains(world.rank, world.size)
         part = Part(world.rank, world.size, trains=False)
         if trains:

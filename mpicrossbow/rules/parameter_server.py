@@ -21,6 +21,10 @@ them), flag UPDATE or DONE, progress in epochs (drives the once-per-epoch report
 only), seen = the server's update count in the reply the worker last adopted (GSP's staleness). A reply is
 ``[w slice, updates]``.
 
+Placement (``[rule] placement``): ``rank`` as above; ``colocated``: every rank trains and hosts shard r of N
+in a background thread (:mod:`~mpicrossbow.rules.server_thread`) on a communicator split off the rule's —
+the pushes and replies then travel there, and a worker pushes to every rank's shard, its own included.
+
 Termination as in asynchronous EASGD: a worker's last message (flag DONE) says done; a done worker no longer
 counts for c_min, and a server leaves :meth:`ParameterServer.serve` once every worker is done, no reply waits
 and every reply send has completed: nothing is in flight.
@@ -257,7 +261,8 @@ class ServerRule(Rule):
         self.order = order
         #: This rank's server when it serves instead of training (placement = rank).
         self.server: ParameterServer | None = None
-        #: The shard this training rank serves from a thread (placement = colocated).
+        #: The shard this training rank serves, and the thread it serves it from (placement = colocated).
+        self.shard: ParameterServer | None = None
         self.hosted: ServerThread | None = None
         self._steps = 0
         self._synced = False
@@ -341,7 +346,9 @@ class ServerRule(Rule):
                 self.order,
                 self.workers,
             )
-            self.hosted = ServerThread(shard, self.patience, rank)  # started at this rank's first exchange
+            self.shard = shard
+            # started at this rank's first exchange
+            self.hosted = ServerThread(lambda: shard.serve(None, None, self.patience), rank)
         elif rank < self.servers:
             lo, hi = self.bounds[rank]
             self.server = ParameterServer(
@@ -452,7 +459,7 @@ class ServerRule(Rule):
             if self.hosted is not None:
                 self.hosted.start()  # a rank that never pushed still serves its shard to the others
                 self.hosted.join()
-        served = self.server or (self.hosted.server if self.hosted is not None else None)
+        served = self.server or self.shard
         if served is not None and served.in_flight:
             raise RuntimeError(f"parameter server finished with {served.in_flight} message(s) in flight")
 
@@ -464,16 +471,16 @@ class ServerRule(Rule):
     @property
     def in_flight(self) -> int:
         """The server's outstanding requests (a worker waits for each reply at once: 0)."""
-        served = self.server or (self.hosted.server if self.hosted is not None else None)
+        served = self.server or self.shard
         return served.in_flight if served is not None else 0
 
     def sync_state(self) -> None:
         """After finish: every rank gets the servers' final w, slice j from server j, and the workers' mean
         BatchNorm statistics (a collective; exact, never compressed)."""
         assert self.comm is not None
-        if self.hosted is not None:  # the colocated shard's w is the one to share
+        if self.shard is not None:  # the colocated shard's w is the one to share
             lo, hi = self.bounds[self.comm.rank]
-            self.w[lo:hi].copy_(self.hosted.server.w)
+            self.w[lo:hi].copy_(self.shard.w)
         for j, (lo, hi) in enumerate(self.bounds):
             self.comm.exact.broadcast(self.w[lo:hi], root=j).wait()
         self.share_trained_buffers(self.server is None)
@@ -491,14 +498,14 @@ class ServerRule(Rule):
         """w and the counters: a server's per-worker clocks, pulls and staleness counts (taken after
         ``finish``, when no reply is held and nothing is in flight); a worker's seen counts and requests."""
         state = {**super().state_dict(), "w": self.w.clone(), "steps": self._steps}
-        server = self.server or (self.hosted.server if self.hosted is not None else None)
+        server = self.server or self.shard
         if server is not None:
             state.update(
                 {name: dict(getattr(server, name)) for name in SERVER_COUNTS_PER_WORKER},
                 **{name: getattr(server, name) for name in SERVER_COUNTS},
             )
-        if self.hosted is not None:
-            state["shard"] = self.hosted.server.w.clone()
+        if self.shard is not None:
+            state["shard"] = self.shard.w.clone()
         if self.server is None:
             state.update(adopted=list(self.seen), requests=self.requests)  # the update counts last adopted
         return state
@@ -507,14 +514,14 @@ class ServerRule(Rule):
         """Restore w and the counters."""
         self.w.copy_(state["w"])
         self._steps = int(state.get("steps", 0))
-        server = self.server or (self.hosted.server if self.hosted is not None else None)
+        server = self.server or self.shard
         if server is not None:
             for name in SERVER_COUNTS_PER_WORKER:
                 getattr(server, name).update(state.get(name, {}))
             for name in SERVER_COUNTS:
                 setattr(server, name, int(state.get(name, 0)))
-        if self.hosted is not None:
-            self.hosted.server.w.copy_(state["shard"])
+        if self.shard is not None:
+            self.shard.w.copy_(state["shard"])
         if self.server is None:
             self.seen = [int(v) for v in state.get("adopted", self.seen)]
             self.requests = int(state.get("requests", 0))

@@ -12,19 +12,15 @@ raised in the training thread at its next push or wait, so it ends the job like 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
-
-from .patience import Patience
-
-if TYPE_CHECKING:
-    from .parameter_server import ParameterServer
+from collections.abc import Callable
 
 
 class ServerThread:
-    """One serving round of a hosted shard (:meth:`start` … :meth:`join`), and its failure if any."""
+    """Serving rounds of a hosted shard (:meth:`start` … :meth:`join`; ``serve`` is one round) and the
+    failure of one, if any."""
 
-    def __init__(self, server: ParameterServer, patience: Patience, rank: int) -> None:
-        self.server, self.patience, self.rank = server, patience, rank
+    def __init__(self, serve: Callable[[], None], rank: int) -> None:
+        self.serve, self.rank = serve, rank
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -42,7 +38,7 @@ class ServerThread:
 
     def _serve(self) -> None:
         try:
-            self.server.serve(None, None, self.patience)
+            self.serve()
         except BaseException as exc:  # kept for the training thread: it raises it
             self._error = exc
 
