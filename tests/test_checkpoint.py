@@ -23,6 +23,7 @@ from mpicrossbow.training.checkpoint import (
     safe_load,
 )
 from mpicrossbow.training.faults import FaultInjector, InjectedFault
+from mpicrossbow.training.metrics import MetricsWriter, read_metrics
 
 META = {"world_size": 1, "rule": "BSP", "learners": 1, "numel": 10}
 
@@ -118,3 +119,23 @@ def test_fault_injector_fires_only_for_its_rank_and_step() -> None:
     FaultInjector(FaultSection(rank=0, step=1, action="nan"), 0).poison(1, losses, grads)
     assert torch.isnan(losses[0]) and torch.isnan(grads[0]).all()
     assert FaultInjector(FaultSection(rank=0, step=5, action="kill_in_save"), 0).in_save(4) is None
+
+
+def test_resuming_beside_damaged_metrics_keeps_them_and_starts_new_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank killed in the middle of an HDF5 write leaves metrics.h5 unreadable: the resumed run keeps it,
+    renamed, and writes a new one instead of failing to resume."""
+    path = tmp_path / "metrics.h5"
+    first = MetricsWriter(path, "cfg")
+    first.train(step=10, epoch=0, loss=1.0, accuracy=0.5, lr=0.1, time=1.0, learners=1, data_wait=0.0)
+    first.close()
+    damaged = path.read_bytes()
+    path.write_bytes(damaged[:64] + bytes(len(damaged) - 64))  # header kept, object headers zeroed
+    writer = MetricsWriter(path, "cfg", resume_step=10)
+    writer.train(step=20, epoch=1, loss=0.5, accuracy=0.8, lr=0.1, time=2.0, learners=1, data_wait=0.0)
+    writer.close()
+    kept = tmp_path / "metrics.h5.damaged-step-10"
+    assert kept.read_bytes() == damaged[:64] + bytes(len(damaged) - 64)  # nothing of it lost
+    assert list(read_metrics(path)["train"]["step"]) == [20.0]
+    assert "kept as metrics.h5.damaged-step-10" in caplog.text

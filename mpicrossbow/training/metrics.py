@@ -11,6 +11,7 @@ Appending row by row and flushing means a crash loses at most the current epoch.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
 # h5py is imported where a file is opened: only rank 0 writes metrics, and the other ranks should not pay
 # for importing it (about 0.1 s) when their data comes from elsewhere.
+
+log = logging.getLogger(__name__)
 
 TRAIN_COLUMNS = ("step", "epoch", "loss", "accuracy", "lr", "time", "learners", "data_wait")
 VAL_COLUMNS = ("epoch", "step", "loss", "accuracy", "time", "exchange_share")
@@ -37,12 +40,7 @@ class MetricsWriter:
         import h5py
 
         self.path = path
-        if resume_step is not None and path.exists():
-            self.file = h5py.File(path, "a")
-            self._truncate_after(resume_step)
-            self.file.attrs["resumed_at_step"] = resume_step
-            for key, value in (attrs or {}).items():  # e.g. a requeued Slurm job's new restart count
-                self.file.attrs[key] = value
+        if resume_step is not None and path.exists() and self._reopen(resume_step, attrs):
             return
         self.file = h5py.File(path, "w")
         self.file.attrs["config"] = config_text
@@ -52,6 +50,33 @@ class MetricsWriter:
             g = self.file.create_group(group)
             for col in columns:
                 g.create_dataset(col, shape=(0,), maxshape=(None,), dtype="f8", chunks=(1024,))
+
+    def _reopen(self, resume_step: int, attrs: dict[str, Any] | None) -> bool:
+        """Resuming: append to the interrupted run's file. False when that file is damaged (its writer was
+        killed in the middle of a write): it is kept beside, renamed, and this run starts a new one."""
+        import h5py
+
+        try:
+            self.file = h5py.File(self.path, "a")
+            self._truncate_after(resume_step)
+        except (OSError, KeyError) as exc:
+            if getattr(self, "file", None) is not None:
+                self.file.close()
+            kept = self.path.with_name(f"{self.path.name}.damaged-step-{resume_step}")
+            self.path.rename(kept)
+            log.warning(
+                "%s of the interrupted run cannot be read (%s): kept as %s; the resumed run's metrics "
+                "start a new %s",
+                self.path.name,
+                exc,
+                kept.name,
+                self.path.name,
+            )
+            return False
+        self.file.attrs["resumed_at_step"] = resume_step
+        for key, value in (attrs or {}).items():  # e.g. a requeued Slurm job's new restart count
+            self.file.attrs[key] = value
+        return True
 
     def _truncate_after(self, step: int) -> None:
         """Resuming at ``step``: drop rows the interrupted run wrote after its checkpoint."""

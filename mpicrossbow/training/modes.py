@@ -119,6 +119,7 @@ class Asynchronous(RunMode):
             if not outcome.stopped:
                 outcome.stopped = snapshots.until_end(loop.position(0))
             self.finished = True
+            snapshots.close()  # after the last meeting: nothing in flight on the control plane
             return outcome
         finally:
             self.close(snapshots)
@@ -132,8 +133,8 @@ class Asynchronous(RunMode):
         return Snapshots(parts, signals)
 
     def close(self, snapshots: Snapshots) -> None:
-        """The control plane freed and the signal handlers restored."""
-        snapshots.close()
+        """The signal handlers restored (also when a failure is on its way to abort the job; the control
+        plane is freed only after the last meeting, a collective point)."""
         if snapshots.signals is not None:
             snapshots.signals.close()
 
@@ -162,6 +163,7 @@ class Serving(Asynchronous):
             position = {"step": 0, "epoch": 0, "count": 0, "lr": -1.0}
             stopped = snapshots.until_end(position, lambda: parts.rule.serve(parts.evaluator.served))
             self.finished = True
+            snapshots.close()
             return LoopOutcome(stopped=stopped)
         finally:
             parts.rule.tick = None
