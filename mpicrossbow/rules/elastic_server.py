@@ -156,19 +156,13 @@ class ElasticServer:
         between sweeps); a worker not done that stays silent is a stall (``patience``)."""
         for w in self.workers:
             self._post(w)
-        silence = Silence(patience or Patience(), f"EASGD centre rank {self.comm.rank}", "for a request",
-                          self.workers)  # fmt: skip
-
-        def sweep() -> None:
-            if tick is not None:
-                tick()
-            silence.check(w for w in self.workers if w in self._recvs)
-
-        def handle(w: int) -> None:
-            silence.heard(w)
-            self._handle(w, report)
-
-        serve_requests(self._recvs, handle, self.order, self._sends, sweep)
+        silence = Silence(
+            patience or Patience(), f"EASGD centre rank {self.comm.rank}", "for a request", self.workers
+        )
+        serve_requests(
+            self._recvs, lambda w: self._handle(w, report), self.order, self._sends, tick, silence,
+            lambda: [w for w in self.workers if w in self._recvs],
+        )  # fmt: skip
         log.info(
             "EASGD server: %d elastic updates from %d worker(s), all done", self.updates, len(self.workers)
         )

@@ -164,19 +164,13 @@ class ParameterServer:
         self.done.clear()
         for r in self.workers:
             self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
-        silence = Silence(patience or Patience(), f"parameter server rank {self.comm.rank}", "for a push",
-                          self.workers)  # fmt: skip
-
-        def sweep() -> None:
-            if tick is not None:
-                tick()
-            silence.check(r for r in self.workers if r not in self.done and r not in self.held)
-
-        def handle(r: int) -> None:
-            silence.heard(r)
-            self._handle(r, report)
-
-        serve_requests(self._recvs, handle, self.order, self._sends, sweep)
+        silence = Silence(
+            patience or Patience(), f"parameter server rank {self.comm.rank}", "for a push", self.workers
+        )
+        serve_requests(
+            self._recvs, lambda r: self._handle(r, report), self.order, self._sends, tick, silence,
+            lambda: [r for r in self.workers if r not in self.done and r not in self.held],
+        )  # fmt: skip
         log.info(
             "parameter server: %d update(s) from %d worker(s), all done", self.updates, len(self.workers)
         )
@@ -266,6 +260,12 @@ class ServerRule(Rule):
         self.hosted: ServerThread | None = None
         self._steps = 0
         self._synced = False
+
+    @property
+    def hosted_server(self) -> ParameterServer | None:
+        """The server state this rank holds: a server rank's, or a colocated rank's shard (None: a worker
+        of placement = rank)."""
+        return self.server or self.shard
 
     @property
     def colocated(self) -> bool:
@@ -459,7 +459,7 @@ class ServerRule(Rule):
             if self.hosted is not None:
                 self.hosted.start()  # a rank that never pushed still serves its shard to the others
                 self.hosted.join()
-        served = self.server or self.shard
+        served = self.hosted_server
         if served is not None and served.in_flight:
             raise RuntimeError(f"parameter server finished with {served.in_flight} message(s) in flight")
 
@@ -471,7 +471,7 @@ class ServerRule(Rule):
     @property
     def in_flight(self) -> int:
         """The server's outstanding requests (a worker waits for each reply at once: 0)."""
-        served = self.server or self.shard
+        served = self.hosted_server
         return served.in_flight if served is not None else 0
 
     def sync_state(self) -> None:
@@ -498,7 +498,7 @@ class ServerRule(Rule):
         """w and the counters: a server's per-worker clocks, pulls and staleness counts (taken after
         ``finish``, when no reply is held and nothing is in flight); a worker's seen counts and requests."""
         state = {**super().state_dict(), "w": self.w.clone(), "steps": self._steps}
-        server = self.server or self.shard
+        server = self.hosted_server
         if server is not None:
             state.update(
                 {name: dict(getattr(server, name)) for name in SERVER_COUNTS_PER_WORKER},
@@ -514,7 +514,7 @@ class ServerRule(Rule):
         """Restore w and the counters."""
         self.w.copy_(state["w"])
         self._steps = int(state.get("steps", 0))
-        server = self.server or self.shard
+        server = self.hosted_server
         if server is not None:
             for name in SERVER_COUNTS_PER_WORKER:
                 getattr(server, name).update(state.get(name, {}))

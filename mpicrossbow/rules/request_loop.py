@@ -9,9 +9,10 @@ names the worker whose next message to wait for (blocking), which makes the arri
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ..comm.base import Handle
+from .patience import Silence
 
 #: The idle back-off between sweeps that found nothing (seconds): short enough to answer quickly, long
 #: enough not to starve the workers of CPU on an oversubscribed node.
@@ -28,14 +29,19 @@ def serve_requests(
     order: Order | None,
     sends: dict[int, Handle] | None = None,
     tick: Callable[[], None] | None = None,
+    silence: Silence | None = None,
+    waiting_on: Callable[[], Iterable[int]] = lambda: (),
 ) -> None:
     """Call ``handle(worker)`` for each arrived request until no receive is posted in ``recvs``; then wait
     for every reply still in ``sends`` (and empty it), so nothing the server sent is left in flight.
-    ``tick()`` runs between sweeps (cheap: the run's signal watch)."""
+    ``tick()`` runs between sweeps (cheap: the run's signal watch); ``silence`` times the workers
+    ``waiting_on()`` names (those the server expects a request from), each from its last request."""
     processed, idle = 0, IDLE_MIN_S
     while recvs:
         if tick is not None:
             tick()
+        if silence is not None:
+            silence.check(waiting_on())
         if order is not None:
             worker = order(processed, sorted(recvs))
             recvs[worker].wait()
@@ -43,6 +49,8 @@ def serve_requests(
         else:
             arrived = [w for w, h in recvs.items() if h.test()]
         for worker in arrived:
+            if silence is not None:
+                silence.heard(worker)
             handle(worker)
             processed += 1
         if arrived:
