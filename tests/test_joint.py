@@ -1,4 +1,5 @@
-"""One joint fetch for a rank's learners (mpicrossbow.data.joint) gives exactly the learners' own batches."""
+"""One joint fetch for a rank's learners (mpicrossbow.data.joint, .joint_arrays) gives exactly the learners'
+own batches."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import torch
 
 from models.transformer import Tokens
 from mpicrossbow.data.joint import JointBatches
+from mpicrossbow.data.joint_arrays import JointArrays
 from mpicrossbow.data.loader import LoaderData, LoaderOptions
-from mpicrossbow.model.shard import Shard
+from mpicrossbow.model.shard import Shard, ShardedArrays
 
 
 class Noisy(torch.utils.data.Dataset):
@@ -50,3 +52,57 @@ def test_loaders_with_workers_or_other_data_sets_are_fetched_apart() -> None:
     assert not JointBatches.serves(learners(Tokens(60), workers=1))
     mixed = learners(Tokens(60))[:1] + learners(Tokens(60))[1:]
     assert not JointBatches.serves(mixed)
+
+
+def array_learners(m: int = 3, n: int = 30, batch: int = 4) -> list[ShardedArrays]:
+    """m learners' in-memory shards (rank 1 of 2): learner j holds its own rows, ``n`` of them."""
+    gen = torch.Generator().manual_seed(3)
+    return [
+        ShardedArrays(
+            torch.randn(n, 2, 3, generator=gen),
+            torch.randint(0, 5, (n,), generator=gen),
+            torch.randn(4, 2, 3),
+            torch.zeros(4, dtype=torch.int64),
+            Shard(m + j, 2 * m, batch, seed=7),
+        )
+        for j in range(m)
+    ]
+
+
+def test_joint_arrays_are_the_learners_own_batches_resumed_too() -> None:
+    datas = array_learners()
+    own_arrays = [(d.x_train.clone(), d.y_train.clone()) for d in datas]
+    assert JointArrays.serves(datas)
+    joint = JointArrays(datas)
+    for data, (x, y) in zip(datas, own_arrays, strict=True):  # the stack's rows, the same values
+        assert torch.equal(data.x_train, x) and torch.equal(data.y_train, y)
+        assert data.x_train.untyped_storage().data_ptr() == joint.x.untyped_storage().data_ptr()
+    for epoch, skip in ((0, 0), (1, 2)):
+        batches = joint.train_batches(epoch)
+        own = [d.train_batches(epoch) for d in datas]
+        for _ in range(skip):
+            next(batches)
+            for it in own:
+                next(it)
+        count = 0
+        for x, y in batches:
+            parts = [next(it) for it in own]
+            assert torch.equal(x, torch.stack([p[0] for p in parts]))
+            assert torch.equal(y, torch.stack([p[1] for p in parts]))
+            count += 1
+        assert count == datas[0].n_batch_train - skip
+        assert all(next(it, None) is None for it in own)
+
+
+def test_arrays_of_other_sizes_or_drawn_their_own_way_are_fetched_apart() -> None:
+    class OwnOrder(ShardedArrays):
+        def train_batches(self, epoch: int):  # type: ignore[no-untyped-def]
+            yield self.x_train[:4], self.y_train[:4]
+
+    assert not JointArrays.serves(array_learners()[:2] + array_learners(n=31)[2:])
+    own = array_learners()
+    own[1].__class__ = OwnOrder
+    assert not JointArrays.serves(own)
+    assert not JointArrays.serves([])
+    with pytest.raises(ValueError, match="one size and layout"):
+        JointArrays(own)

@@ -53,6 +53,7 @@ from torch import nn
 
 from ..config import OptimSection
 from ..data.joint import JointBatches
+from ..data.joint_arrays import JointArrays
 from ..errors import CheckpointError, ContractError
 from ..model.contract import TorchModel, sgd_settings
 from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
@@ -134,7 +135,11 @@ class FusedPool(LearnerPool):
         self.model, self.spec, self.device, self.m = model, spec, device, learners
         replicas = [model.module().to(device) for _ in range(learners)]
         self.datas, self._n_batch_train = learner_data(model, spec)
+        #: In-memory shards of one layout are held stacked and drawn in one index (None: apart).
+        self._joint_arrays = JointArrays(self.datas) if learners > 1 and JointArrays.serves(self.datas) else None
         self._iters: list[TimedBatches] = []
+        #: Whether ``_iters`` is one joint iterator of ``(m, b, …)`` batches (else one per learner).
+        self._joint = False
         self._waited = [0.0]
         #: Pinned, asynchronous host → device copies of the stacked batches (CUDA only).
         self._staging = PinnedStaging(device) if device.type == "cuda" else None
@@ -199,14 +204,18 @@ class FusedPool(LearnerPool):
 
     def start_epoch(self, epoch: int) -> None:
         """Start every learner's reshuffled pass over its shard (one joint pass where the data allows)."""
-        if JointBatches.serves(self.datas):
+        self._joint = True
+        if self._joint_arrays is not None:
+            self._iters = [TimedBatches(self._joint_arrays.train_batches(epoch), self._waited)]
+        elif JointBatches.serves(self.datas):
             self._iters = [TimedBatches(JointBatches(self.datas, epoch), self._waited)]
         else:
+            self._joint = False
             self._iters = [TimedBatches(d.train_batches(epoch), self._waited) for d in self.datas]
 
     def _next_batches(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every learner's next batch, stacked to ``(m, N, …)`` inputs and ``(m, N)`` targets."""
-        if isinstance(self._iters[0].batches, JointBatches):
+        if self._joint:
             x, y = next_batch(self._iters[0], count, self.n_batch_train)
             if self._staging is not None:
                 staged = self._staging.stacked
