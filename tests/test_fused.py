@@ -30,8 +30,9 @@ from mpicrossbow.config import OptimSection
 from mpicrossbow.data.arrays import ArrayDataset
 from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.data.loader import LoaderOptions
-from mpicrossbow.pool import FusedPool, SerialPool
-from mpicrossbow.pool.fuse import FusedConv2d
+from mpicrossbow.pool import FusedPool, SerialPool, fused_conv1d
+from mpicrossbow.pool.fuse import FusedConv2d, fastest
+from mpicrossbow.pool.fused_conv1d import FusedConv1d
 from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, SMA
@@ -262,6 +263,52 @@ def test_both_convolution_forms_match_serial(mode: str) -> None:
         fused.apply()
     assert_rows_equal(serial, fused, "params")
     assert all(conv.mode == mode for conv in convs)
+
+
+class Signals(nn.Module):
+    """1-D convolutions of every kind the lengthwise form takes (stride, dilation, padding, no bias) and one
+    it leaves to the 2-D forms (grouped), between ReLUs, as a plain ``forward()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(2, 6, 5, padding=1)
+        self.conv2 = nn.Conv1d(6, 6, 3, stride=2, padding=2, dilation=2, bias=False)  # its input's gradient
+        self.conv3 = nn.Conv1d(6, 4, 3, groups=2)
+        self.linear = nn.Linear(4 * 7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv2(F.relu(self.conv1(x))))
+        return self.linear(F.relu(self.conv3(h)).flatten(1))
+
+
+@pytest.mark.parametrize("form", ["lengthwise", "two_d"])
+def test_both_conv1d_forms_match_serial(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_conv1d, "fastest", lambda forms, *args, **kwargs: form)
+    serial, fused = pools(plain(Signals, (2, 20), 3), 3)
+    train_alongside(serial, fused)
+    convs = [v for v in fused.fused.replication.state.values() if isinstance(v, FusedConv1d)]
+    assert [conv.form for conv in convs] == [form, form, "two_d"]  # the grouped one: 2-D forms only
+    assert serial.validate() == pytest.approx(fused.validate(), rel=1e-5)
+
+
+def test_the_lengthwise_convolution_is_kept_unless_clearly_slower() -> None:
+    slow, fast = (lambda x: x * 2.0), (lambda x: x * 2.0)
+    x = torch.randn(2000, 200, requires_grad=True)
+    assert fastest({"a": fast, "b": slow}, x, [], margin=0.99) == "a"  # the first kept within the margin
+
+    def slower(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2.0).exp().log()
+
+    assert fastest({"slower": slower, "plain": fast}, x, [], margin=0.0) == "plain"
+
+
+def test_forms_are_timed_without_the_input_gradient_of_a_first_layer() -> None:
+    """Data needs no gradient, so a form is timed without it (a form that cannot give one still runs)."""
+    weight = torch.randn(3, requires_grad=True)
+    data = torch.randn(5, 3)
+    assert fastest({"params only": lambda x: x.detach() * weight}, data, [weight]) == "params only"
+    with pytest.raises(RuntimeError, match="not have been used"):
+        fastest({"params only": lambda x: x.detach() * weight}, data.requires_grad_(True), [weight])
 
 
 def test_choosing_a_convolution_form_leaves_gradients_alone() -> None:

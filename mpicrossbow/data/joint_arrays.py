@@ -65,4 +65,6 @@ class JointArrays:
 def _draws_as_base(cls: type) -> bool:
     """Whether ``cls`` draws its training batches as :class:`ShardedArrays` does (overrides neither the
     batches nor the epoch's order)."""
-    return all(getattr(cls, name) is getattr(ShardedArrays, name) for name in ("train_batches", "epoch_generator"))
+    return all(
+        getattr(cls, name) is getattr(ShardedArrays, name) for name in ("train_batches", "epoch_generator")
+    )

@@ -236,22 +236,42 @@ class FusedConv2d(nn.Module):
         return y.view(m, out, n, h_out, w_out).permute(2, 0, 1, 3, 4).reshape(n, m * out, h_out, w_out)
 
     def choose(self, x: torch.Tensor, repeats: int = 3) -> str:
-        """The faster form on input ``x``: best of ``repeats`` timed forward + backward passes each."""
-        probe = x.detach().requires_grad_(True)
+        """The faster form on input ``x`` (see :func:`fastest`)."""
         params = [p for p in (self.weight, self.bias) if p is not None]
-        best: dict[str, float] = {}
-        for mode in self.modes:
-            run = getattr(self, mode)
-            times = []
-            for _ in range(repeats + 1):  # the first call warms up
-                synchronize(x.device)
-                t0 = time.perf_counter()
-                out = run(probe)
-                torch.autograd.grad(out, [probe, *params], torch.ones_like(out))
-                synchronize(x.device)
-                times.append(time.perf_counter() - t0)
-            best[mode] = min(times[1:])
-        return min(best, key=best.__getitem__)
+        return fastest({mode: getattr(self, mode) for mode in self.modes}, x, params, repeats)
+
+
+def fastest(
+    forms: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+    x: torch.Tensor,
+    params: list[torch.Tensor],
+    repeats: int = 3,
+    margin: float = 0.0,
+) -> str:
+    """The name of the fastest of ``forms`` on input ``x``: best of ``repeats`` timed forward + backward
+    passes each, after one warm-up. The first form keeps its place unless another is faster by more than
+    ``margin`` (a fraction of its time): for a form whose gains the layer's own timing cannot see.
+
+    The backward asks for the input's gradient only where training will (not for a first layer, whose
+    input is data): the forms differ most there (an unfolded form's col2im). ``torch.autograd.grad`` leaves
+    every ``.grad`` untouched.
+    """
+    probe = x.detach().requires_grad_(x.requires_grad)
+    wrt = [probe, *params] if x.requires_grad else params
+    best: dict[str, float] = {}
+    for name, run in forms.items():
+        times = []
+        for _ in range(repeats + 1):  # the first call warms up
+            synchronize(x.device)
+            t0 = time.perf_counter()
+            out = run(probe)
+            torch.autograd.grad(out, wrt, torch.ones_like(out))
+            synchronize(x.device)
+            times.append(time.perf_counter() - t0)
+        best[name] = min(times[1:])
+    first = next(iter(forms))
+    best[first] *= 1.0 - margin
+    return min(best, key=best.__getitem__)
 
 
 def synchronize(device: torch.device) -> None:

@@ -136,7 +136,9 @@ class FusedPool(LearnerPool):
         replicas = [model.module().to(device) for _ in range(learners)]
         self.datas, self._n_batch_train = learner_data(model, spec)
         #: In-memory shards of one layout are held stacked and drawn in one index (None: apart).
-        self._joint_arrays = JointArrays(self.datas) if learners > 1 and JointArrays.serves(self.datas) else None
+        self._joint_arrays = (
+            JointArrays(self.datas) if learners > 1 and JointArrays.serves(self.datas) else None
+        )
         self._iters: list[TimedBatches] = []
         #: Whether ``_iters`` is one joint iterator of ``(m, b, …)`` batches (else one per learner).
         self._joint = False

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .fuse import FusedConv2d, _BatchedLinear, batch_norm_rows, batched, grouped
+from .fused_conv1d import FusedConv1d
 from .replicated import Replicated, Replication, Rule
 
 T = torch.Tensor
@@ -224,7 +225,8 @@ def conv_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def conv(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``F.conv1d`` / ``F.conv2d`` with a replica's kernel, in the fastest of three forms per call site."""
+    """``F.conv1d`` / ``F.conv2d`` with a replica's kernel, in the fastest of its forms per call site
+    (:class:`~mpicrossbow.pool.fused_conv1d.FusedConv1d`, :class:`~mpicrossbow.pool.fuse.FusedConv2d`)."""
     call = conv_arguments(args, kwargs)
     x, weight = call.input, ctx.rows(call.weight)
     one_d = func is F.conv1d
@@ -234,28 +236,28 @@ def conv(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
         return NotImplemented
     key = ("conv", id(call.weight))
     layer = ctx.state.get(key)
-    if layer is None:
+    slots = SimpleNamespace(m=ctx.m, param=ctx.rows)
+    if layer is None and one_d:
+        layer = ctx.state[key] = FusedConv1d(call, slots)
+    elif layer is None:
 
-        def pair(v: Any, fill: int) -> Any:
-            if isinstance(v, str):
-                return v
-            v = (v,) * (1 if one_d else 2) if isinstance(v, int) else tuple(v)
-            return (fill, *v) if one_d else v
+        def pair(v: Any) -> Any:
+            return v if isinstance(v, str) else (v, v) if isinstance(v, int) else tuple(v)
 
         spec = SimpleNamespace(
             weight=call.weight,
             bias=call.bias,
-            stride=pair(call.stride, 1),
-            padding=pair(call.padding, 0),
-            dilation=pair(call.dilation, 1),
+            stride=pair(call.stride),
+            padding=pair(call.padding),
+            dilation=pair(call.dilation),
             groups=call.groups,
-            kernel_size=pair(tuple(call.weight.shape[2:]), 1),
+            kernel_size=tuple(call.weight.shape[2:]),
             padding_mode="zeros",
         )
-        layer = ctx.state[key] = FusedConv2d(spec, SimpleNamespace(m=ctx.m, param=ctx.rows))  # type: ignore[arg-type]
-    data = x.data.unsqueeze(-2) if one_d else x.data
-    y = batched(layer(data), ctx.m)
-    return ctx.wrap(y.squeeze(-2) if one_d else y)
+        layer = ctx.state[key] = FusedConv2d(spec, slots)  # type: ignore[arg-type]
+    if one_d:
+        return ctx.wrap(layer(x.data))
+    return ctx.wrap(batched(layer(x.data), ctx.m))
 
 
 def conv3d(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

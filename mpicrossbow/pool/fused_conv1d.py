@@ -1,0 +1,134 @@
+"""m ``Conv1d`` call sites as one: every replica's convolution along the length, channels last.
+
+The fused engine's 2-D forms (:class:`~mpicrossbow.pool.fuse.FusedConv2d`) run a 1-D convolution as a 2-D
+one over ``(…, 1, L)`` in the grouped layout ``(N, m·C, 1, L)``: every call converts the replicas' values
+into that layout and back (a copy each way), and the pointwise layers between two convolutions then work on
+a transposed view (ReLU's backward measured 5× slower there). The *lengthwise* form keeps the values
+channels last, ``(m, N, L, C)``, which is what a batched matmul wants: pad the length, unfold it into
+windows (a view), gather them once (im2col, ``(m, N·L_out, C·k)``) and multiply by every replica's kernel
+in one ``baddbmm``. Its output ``(m, N, L_out, out)`` is handed on as the ``(m, N, out, L_out)`` view the
+replica code expects; the next lengthwise convolution reads it back channels last without a copy.
+
+On its first training call a site times the lengthwise form against the 2-D forms (which choose their own
+best first) on the real input, forward and backward as training runs them, and keeps the faster (the
+lengthwise unless it is clearly slower, :attr:`FusedConv1d.MARGIN`); both
+compute every replica's convolution exactly, so the choice changes speed and float round-off only.
+Measured on the MNIST-1D CNN (m = 8, batch 16, one thread): benchmarks/results/pool.md.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fuse import FusedConv2d, batched, fastest
+
+
+class FusedConv1d(nn.Module):
+    """m ``Conv1d`` on ``(m, N, C, L)`` values → ``(m, N, out, L_out)``: lengthwise, or a 2-D form if faster.
+
+    ``spec`` carries the call's ``weight``, ``bias``, ``stride``, ``padding``, ``dilation``, ``groups`` as
+    1-D values (ints or 1-tuples, or a padding string); ``slots.param`` maps a template tensor to its
+    ``(m, *shape)`` rows.
+    """
+
+    #: The lengthwise form is kept unless a 2-D form is faster by more than this fraction: its output feeds
+    #: the next layers channels last, a saving its own timing does not see.
+    MARGIN = 0.15
+
+    def __init__(self, spec: Any, slots: Any) -> None:
+        super().__init__()
+        self.m = slots.m
+        self.weight = slots.param(spec.weight)  # (m, out, C/groups, k)
+        self.bias = slots.param(spec.bias) if spec.bias is not None else None
+        (self.stride,), (self.dilation,) = _one(spec.stride), _one(spec.dilation)
+        self.kernel = self.weight.shape[-1]
+        self.two_d_layer = FusedConv2d(_as_two_d(spec), slots)
+        #: Lengthwise serves replicas whose own convolution is ungrouped with numeric padding.
+        self.padding = None if isinstance(spec.padding, str) or spec.groups != 1 else _one(spec.padding)[0]
+        self.form: str | None = None if self.padding is not None else "two_d"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Every replica's convolution of its own ``(N, C, L)`` values with its own kernel."""
+        if self.form is None and self.training and torch.is_grad_enabled():
+            params = [p for p in (self.weight, self.bias) if p is not None]
+            forms = {"lengthwise": self.lengthwise, "two_d": self.two_d}
+            self.form = fastest(forms, x, params, margin=self.MARGIN)
+        return self.two_d(x) if self.form == "two_d" else self.lengthwise(x)
+
+    def lengthwise(self, x: torch.Tensor) -> torch.Tensor:
+        """Channels last: the windows gathered once, one batched matmul with every replica's kernel."""
+        m, n = x.shape[:2]
+        out = self.weight.shape[1]
+        cols = _Windows.apply(x.transpose(2, 3), self.kernel, self.stride, self.dilation, self.padding)
+        length = cols.shape[1] // n
+        kernels = self.weight.reshape(m, out, -1).transpose(1, 2)  # (m, C·k, out), a view
+        if self.bias is None:
+            y = torch.bmm(cols, kernels)
+        else:
+            y = torch.baddbmm(self.bias.unsqueeze(1), cols, kernels)
+        return y.view(m, n, length, out).transpose(2, 3)
+
+    def two_d(self, x: torch.Tensor) -> torch.Tensor:
+        """The 2-D forms over ``(…, 1, L)``, grouped layout (:class:`FusedConv2d` chooses among them)."""
+        return batched(self.two_d_layer(x.unsqueeze(-2)), self.m).squeeze(-2)
+
+
+def _one(value: Any) -> tuple[Any, ...]:
+    """A 1-D convolution argument as a 1-tuple (an int, or a string padding, stays one value)."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _as_two_d(spec: Any) -> Any:
+    """The call's arguments for a 2-D convolution over ``(…, 1, L)`` (the kernel gains a unit axis)."""
+
+    def pair(value: Any, fill: int) -> Any:
+        return value if isinstance(value, str) else (fill, *_one(value))
+
+    return SimpleNamespace(
+        weight=spec.weight,
+        bias=spec.bias,
+        stride=pair(spec.stride, 1),
+        padding=pair(spec.padding, 0),
+        dilation=pair(spec.dilation, 1),
+        groups=spec.groups,
+        kernel_size=(1, spec.weight.shape[-1]),
+        padding_mode="zeros",
+    )
+
+
+class _Windows(torch.autograd.Function):
+    """im2col along the length, channels last: ``(m, N, L, C)`` → ``(m, N·L_out, C·k)`` (C major, tap minor,
+    as a ``(out, C, k)`` kernel flattens), zero padding included.
+
+    Autograd's own backward of ``unfold`` scatters element by element (155 µs a call on MNIST-1D's second
+    convolution, m = 8, batch 16, one thread); here it is k strided adds, one per kernel tap: that layer's
+    forward and backward measured 844 → 672 µs.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, kernel: int, stride: int, dilation: int, padding: int
+    ) -> torch.Tensor:
+        """Every window of every sample of every replica, one row each."""
+        m, n, _, channels = x.shape
+        windows = F.pad(x, (0, 0, padding, padding)).unfold(2, (kernel - 1) * dilation + 1, stride)
+        if dilation > 1:
+            windows = windows[..., ::dilation]
+        ctx.geometry = (x.shape, kernel, stride, dilation, padding, windows.shape[2])
+        return windows.reshape(m, n * windows.shape[2], channels * kernel)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """Each tap's gradient added back at the positions it read; the padding cut off."""
+        (m, n, length, channels), kernel, stride, dilation, padding, windows = ctx.geometry
+        taps = grad.view(m, n, windows, channels, kernel)
+        padded = grad.new_zeros(m, n, length + 2 * padding, channels)
+        for j in range(kernel):
+            start = j * dilation
+            padded[:, :, start : start + stride * (windows - 1) + 1 : stride] += taps[..., j]
+        return padded[:, :, padding : padding + length], None, None, None, None
