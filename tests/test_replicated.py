@@ -120,6 +120,22 @@ class TokenNet(nn.Module):
         return self.head(self.ff(h).mean(dim=1))
 
 
+class SequenceFirstNet(nn.Module):
+    """nn.MultiheadAttention in its sequence-first layout, ``(length, N, width)``: the replicas' values
+    reach it contiguous (the batch-first module hands it a transposed view)."""
+
+    def __init__(self, vocab: int = 32, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.attn = nn.MultiheadAttention(width, 4)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens.t())  # (length, N, width)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.head((h + a).mean(dim=0))
+
+
 def tokens(factory: Callable[[], nn.Module]) -> Any:
     """``factory``'s network on random token sequences."""
     return DatasetModel(factory, {}, Tokens(96), Tokens(32, seed=1), LoaderOptions())
@@ -131,6 +147,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "conv3d-batchnorm3d": lambda: plain(Conv3dNet, (1, 4, 4, 4), 3),
     "shapes-and-functional-calls": lambda: plain(ShapesNet, (4, 4), 5),
     "embedding-layernorm-attention": lambda: tokens(TokenNet),
+    "sequence-first-attention": lambda: tokens(SequenceFirstNet),
 }
 
 

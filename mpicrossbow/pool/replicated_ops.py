@@ -426,13 +426,15 @@ def multi_head_attention(ctx: Replication, func: Any, args: tuple[Any, ...], kwa
         return NotImplemented
     m, (length, n, embed) = ctx.m, x.shape
     heads = c.num_heads
-    qkv = _BatchedLinear.apply(x.data.reshape(m, length * n, embed), w_in, b_in)
+    # Rows in (sample, position) order: a batch-first module hands the (length, N) view of an (N, length)
+    # tensor, read here without a copy; the output goes back the same way, so it leaves contiguous.
+    qkv = _BatchedLinear.apply(x.data.transpose(1, 2).reshape(m, n * length, embed), w_in, b_in)
     # (3, m·N, heads, length, head size): CPU attention kernels take 4-D inputs fastest (5-D: ~3× slower).
-    qkv = qkv.view(m, length, n, 3, heads, embed // heads).permute(3, 0, 2, 4, 1, 5)
+    qkv = qkv.view(m, n, length, 3, heads, embed // heads).permute(3, 0, 1, 4, 2, 5)
     q, k, v = qkv.reshape(3, m * n, heads, length, embed // heads).unbind(0)
     o = F.scaled_dot_product_attention(q, k, v, dropout_p=c.dropout_p if c.training else 0.0)
-    o = o.view(m, n, heads, length, embed // heads).permute(0, 3, 1, 2, 4).reshape(m, length * n, embed)
-    y = _BatchedLinear.apply(o, w_out, b_out).view(m, length, n, embed)
+    o = o.transpose(1, 2).reshape(m, n * length, embed)
+    y = _BatchedLinear.apply(o, w_out, b_out).view(m, n, length, embed).transpose(1, 2)
     return ctx.wrap(y), None
 
 
