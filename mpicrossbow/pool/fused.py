@@ -189,8 +189,9 @@ class FusedPool(LearnerPool):
             self.optimizer = model.optimizer(self.fused_params, spec.optim)
         self._default_loss = getattr(type(model), "loss", None) is TorchModel.loss
         self._default_correct = getattr(type(model), "correct", None) is TorchModel.correct
-        self._loss_sums = torch.zeros(learners, dtype=torch.float64, device=device)
-        self._hit_counts = torch.zeros(learners, dtype=torch.float64, device=device)
+        #: Each learner's loss sum (row 0) and hits (row 1) since the last take_stats: one add a step.
+        self._stats = torch.zeros(2, learners, dtype=torch.float64, device=device)
+        self._loss_sums, self._hit_counts = self._stats.unbind()
         self._samples = 0  # per learner: every learner takes a full batch each step
         self._last_losses = torch.zeros(learners, device=device)
         for j, learner in enumerate(self.learners):  # a view: a fault injected into it is seen by nonfinite()
@@ -274,10 +275,9 @@ class FusedPool(LearnerPool):
         self.choice.record(time.perf_counter() - started if timing else None)
         with torch.no_grad():
             self._last_losses.copy_(losses)
-            finite = torch.isfinite(losses)
             n = targets.shape[1]
-            self._loss_sums.add_(torch.where(finite, losses.double() * n, 0.0))
-            self._hit_counts.add_(torch.where(finite, hits.double(), 0.0))
+            row = torch.stack((losses * n, hits.to(losses.dtype)))
+            self._stats.add_(torch.where(torch.isfinite(losses), row, 0.0))
             self._samples += n
 
     def _first_fused_step(
@@ -384,7 +384,7 @@ class FusedPool(LearnerPool):
             "params2d": self.params2d,
             "buffers2d": self.buffers2d,
             "optimizer": self.optimizer.state_dict(),
-            "stats": torch.stack([self._loss_sums, self._hit_counts]),
+            "stats": self._stats.clone(),
             "samples": self._samples,
             "form": self.choice.state_dict(),
         }

@@ -349,6 +349,8 @@ def layer_norm(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[
     except _Loop:
         return NotImplemented
     y = F.layer_norm(x.data, call.normalized_shape, None, None, call.eps)
+    if weight is not None and bias is not None:
+        return ctx.wrap(torch.addcmul(bias, y, weight))  # one pass for the affine
     if weight is not None:
         y = y * weight
     return ctx.wrap(y + bias if bias is not None else y)
