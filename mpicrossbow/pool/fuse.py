@@ -137,6 +137,22 @@ class _BatchedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+#: Per-replica weights of at most this many values take autograd's own backward of ``baddbmm``: for them the
+#: transposed gradient costs less than :class:`_BatchedLinear`'s Python forward and backward (measured, m = 8,
+#: one thread: 16×48 at 48 rows 89 against 96 µs; 128×10 even; 128×128 at 4 rows 238 against 174 µs).
+NATIVE_LINEAR_MAX = 2048
+
+
+def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ Wᵀ + b`` for every replica, ``x`` ``(m, N, in)``, ``weight`` ``(m, out, in)``: the cheaper of
+    autograd's own ``baddbmm`` (small weights) and :class:`_BatchedLinear` (large ones)."""
+    if weight[0].numel() > NATIVE_LINEAR_MAX:
+        return _BatchedLinear.apply(x, weight, bias)
+    if bias is None:
+        return torch.bmm(x, weight.transpose(1, 2))
+    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+
 class FusedLinear(nn.Module):
     """m ``Linear`` layers as one batched matmul: ``(m, N, in) → (m, N, out)``."""
 
@@ -149,7 +165,7 @@ class FusedLinear(nn.Module):
         """``x @ Wᵀ + b`` for every replica at once."""
         if x.ndim != 3:
             raise ContractError(f"fused Linear expects (m, N, features) inputs, got shape {tuple(x.shape)}")
-        return _BatchedLinear.apply(x, self.weight, self.bias)
+        return batched_linear(x, self.weight, self.bias)
 
 
 class FusedConv2d(nn.Module):

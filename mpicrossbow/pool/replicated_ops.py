@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .fuse import FusedConv2d, _BatchedLinear, batch_norm_rows, batched, grouped
+from .fuse import FusedConv2d, batch_norm_rows, batched, batched_linear, grouped
 from .fused_conv1d import FusedConv1d
 from .replicated import Replicated, Replication, Rule
 
@@ -214,7 +214,7 @@ def linear(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str,
     if not isinstance(x, Replicated) or weight is None or (call.bias is not None and bias is None):
         return NotImplemented
     flat = x.data.reshape(x.data.shape[0], -1, x.shape[-1])
-    y = _BatchedLinear.apply(flat, weight, bias)
+    y = batched_linear(flat, weight, bias)
     return ctx.wrap(y.view(*x.data.shape[:-1], y.shape[-1]))
 
 
@@ -430,13 +430,13 @@ def multi_head_attention(ctx: Replication, func: Any, args: tuple[Any, ...], kwa
     heads = c.num_heads
     # Rows in (sample, position) order: a batch-first module hands the (length, N) view of an (N, length)
     # tensor, read here without a copy; the output goes back the same way, so it leaves contiguous.
-    qkv = _BatchedLinear.apply(x.data.transpose(1, 2).reshape(m, n * length, embed), w_in, b_in)
+    qkv = batched_linear(x.data.transpose(1, 2).reshape(m, n * length, embed), w_in, b_in)
     # (3, m·N, heads, length, head size): CPU attention kernels take 4-D inputs fastest (5-D: ~3× slower).
     qkv = qkv.view(m, n, length, 3, heads, embed // heads).permute(3, 0, 1, 4, 2, 5)
     q, k, v = qkv.reshape(3, m * n, heads, length, embed // heads).unbind(0)
     o = F.scaled_dot_product_attention(q, k, v, dropout_p=c.dropout_p if c.training else 0.0)
     o = o.transpose(1, 2).reshape(m, n * length, embed)
-    y = _BatchedLinear.apply(o, w_out, b_out).view(m, n, length, embed).transpose(1, 2)
+    y = batched_linear(o, w_out, b_out).view(m, n, length, embed).transpose(1, 2)
     return ctx.wrap(y), None
 
 
