@@ -276,7 +276,7 @@ class FusedPool(LearnerPool):
         with torch.no_grad():
             self._last_losses.copy_(losses)
             n = targets.shape[1]
-            row = torch.stack((losses * n, hits.to(losses.dtype)))
+            row = torch.stack((losses.double() * n, hits.double()))  # exact whatever the model's dtype
             self._stats.add_(torch.where(torch.isfinite(losses), row, 0.0))
             self._samples += n
 
