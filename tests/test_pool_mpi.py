@@ -5,12 +5,14 @@ One ``mpiexec -n 2`` launch per case (torch import ≈ 3 s per rank), each bound
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import launcher, only_run, run_mpi
+from mpicrossbow.training.faults import Straggler
 from mpicrossbow.training.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi]
@@ -68,7 +70,12 @@ def test_auto_tuner_settles_on_a_learner_count(mpiexec: str, tmp_path: Path, eng
 
 
 def test_straggler_factor_stretches_the_slowed_rank_only(mpiexec: str, tmp_path: Path) -> None:
-    """``slow_factor = 3`` on rank 1 of an asynchronous job: it sleeps twice each step's own time."""
+    """``slow_factor = 3`` on rank 1 of an asynchronous job: it alone sleeps, twice each step's own time.
+
+    The sleep's share of the rank's wall time is at most 2/3 (sleep = 2 × step, and the wall holds both) and
+    well above nothing; how far below 2/3 depends on the time outside steps (validation, the final gossip),
+    which on a shared 2-core machine varied from a third to a half of the wall (measured). The exact
+    arithmetic per step is tested in-process (test_straggler_sleeps_its_factor_of_each_step)."""
     metrics = digits(
         mpiexec, tmp_path, "RULE=GOSGD", "session.slow_ranks=1", "session.slow_factor=3", "session.epochs=5"
     )
@@ -77,4 +84,18 @@ def test_straggler_factor_stretches_the_slowed_rank_only(mpiexec: str, tmp_path:
     steps = int(metrics["train"]["step"][-1])
     assert slowed[0] == 0 and slowed[1] > 0
     share = slowed[1] / (steps / rates[1])  # injected sleep ÷ the slowed rank's busy time
-    assert 0.45 < share <= 2 / 3 + 0.01, share
+    assert 0.2 < share <= 2 / 3 + 0.01, share
+
+
+def test_straggler_sleeps_its_factor_of_each_step() -> None:
+    slowed, other = Straggler((1,), 0.0, 3.0, rank=1), Straggler((1,), 0.0, 3.0, rank=0)
+    for straggler in (slowed, other):
+        for _ in range(3):
+            start = time.perf_counter() - 0.01  # a step that took 10 ms
+            straggler.after_step(start)
+            assert time.perf_counter() - start >= 0.01 + (0.02 if straggler is slowed else 0.0)
+    assert 0.06 <= slowed.injected_seconds < 0.12  # (3 - 1) × ≥ 10 ms, three times (a busy machine adds)
+    assert other.injected_seconds == 0.0
+    fixed = Straggler((0,), 0.005, 1.0, rank=0)
+    fixed.after_step(time.perf_counter())
+    assert fixed.injected_seconds == 0.005
