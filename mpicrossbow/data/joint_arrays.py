@@ -3,7 +3,7 @@
 A model file's data (:class:`~mpicrossbow.model.shard.ShardedArrays`) gives each learner its own shard of
 arrays and its own order each epoch. The fused engine stacks the m learners' batches into ``(m, b, …)``;
 drawing them one learner at a time costs m generator steps, m index operations and a stack: at m = 8 and
-batch 4, 97 µs of a fused MLP's 790 µs step against 25 µs joint (benchmarks/results/pool.md). Here the m
+batch 4, 97 µs of a fused MLP's 790 µs step against 43 µs joint (measured in the training loop). Here the m
 shards are held stacked, ``(m, n, …)`` (each learner's arrays become a row view of the stack, so nothing is
 held twice), every learner's epoch order is drawn from its own generator exactly as
 :meth:`ShardedArrays.train_batches` draws it, and a step is one index of the stack: the very batches the m

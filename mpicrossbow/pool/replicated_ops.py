@@ -106,7 +106,8 @@ def aligned(
 def elementwise(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An elementwise operator on the stacked values; an in-place one returns its (same) first operand."""
     first = args[0] if args else None
-    if isinstance(first, Replicated) and not any(_is_tensor(v) for v in (*args[1:], *kwargs.values())):
+    plain = not any(isinstance(v, (torch.Tensor, Replicated)) for v in _values(args[1:], kwargs))
+    if isinstance(first, Replicated) and plain:
         result = func(first.data, *args[1:], **kwargs)  # one operand, the rest plain values: nothing to align
         return first if result is first.data else out(ctx, result)
     operands = aligned(ctx, args, kwargs)
@@ -117,13 +118,6 @@ def elementwise(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict
     if isinstance(args[0], Replicated) and result is a[0]:
         return args[0]
     return out(ctx, result)
-
-
-def _is_tensor(value: Any) -> bool:
-    """Whether ``value`` is, or (one level down) holds, a tensor or a Replicated."""
-    if isinstance(value, (list, tuple)):
-        return any(isinstance(v, (torch.Tensor, Replicated)) for v in value)
-    return isinstance(value, (torch.Tensor, Replicated))
 
 
 def _shift(value: Any) -> Any:
