@@ -60,6 +60,7 @@ from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loa
 from .flat import empty_flat, point_grads_into, point_into
 from .form import FUSED, FormChoice
 from .fuse import FlatSlots, FusedNetwork, synchronize
+from .fused_chain import chain_runs
 from .learner import evaluate
 from .replicated_network import ReplicatedNetwork
 from .serial import learner_data
@@ -463,10 +464,11 @@ class FusedPool(LearnerPool):
 
 
 def fused_network(root: nn.Module, slots: FlatSlots, owner: str) -> nn.Module:
-    """The layer-by-layer fused network where every layer is one the fuser widens, else replica 0's forward
-    on every replica's values (:mod:`.replicated_network`, itself falling back to ``torch.func.vmap``)."""
+    """The layer-by-layer fused network where every layer is one the fuser widens (its runs of Linear layers
+    and activations as one node each, :mod:`.fused_chain`), else replica 0's forward on every replica's
+    values (:mod:`.replicated_network`, itself falling back to ``torch.func.vmap``)."""
     try:
-        return FusedNetwork(root, slots)
+        network = FusedNetwork(root, slots)
     except ContractError as exc:
         slots.fused_params.clear()
         log.info(
@@ -475,6 +477,12 @@ def fused_network(root: nn.Module, slots: FlatSlots, owner: str) -> nn.Module:
             owner,
         )
         return ReplicatedNetwork(root, slots)
+    chains = chain_runs(network)
+    if chains:
+        log.debug(
+            "fused engine: %d run(s) of Linear layers and activations differentiated as one node", chains
+        )
+    return network
 
 
 def rows_sgd(rows: list[nn.Parameter], optim: OptimSection) -> torch.optim.Optimizer | None:
