@@ -80,10 +80,9 @@ ACTIVATIONS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.GELU, nn.LeakyReLU, nn.
 
 
 def _steps(layers: Sequence[nn.Module]) -> list[Kernels | None]:
-    """A chain's program: None for a Linear (its weight and bias are the next two weights), else kernels."""
-    return [
-        None if isinstance(layer, (nn.Linear, FusedLinear)) else activation_kernels(layer) for layer in layers
-    ]
+    """A chain's program: None for a fused Linear (its weight and bias are the next two weights), else the
+    activation's kernels."""
+    return [None if isinstance(layer, FusedLinear) else activation_kernels(layer) for layer in layers]
 
 
 class _ChainFunction(torch.autograd.Function):
