@@ -362,7 +362,10 @@ def layer_norm(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[
 
 
 def embedding(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``F.embedding``: one lookup in the m tables stacked, replica j's indices offset by j × rows."""
+    """``F.embedding``: replica j's indices looked up in its own table, ``table[j, index]``, for every replica
+    in one indexing of the ``(m, rows, dim)`` rows (no copy of the tables: measured 30 against 46 µs forward
+    and backward for 8 tables of 32 × 16 and 48 indices each, one thread, against offset indices into the
+    tables copied to one ``(m·rows, dim)`` table)."""
     call = arguments(
         "input weight padding_idx max_norm norm_type scale_grad_by_freq sparse",
         args,
@@ -374,9 +377,11 @@ def embedding(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[s
         return NotImplemented
     if call.sparse or call.scale_grad_by_freq:
         return NotImplemented
-    m, rows = table.shape[:2]
-    offsets = torch.arange(m, device=x.device).mul_(rows).view(m, *(1,) * x.ndim)
-    return ctx.wrap(F.embedding(x.data + offsets, table.reshape(m * rows, -1)))
+    key = ("embedding replicas", x.device, x.ndim)
+    replicas = ctx.state.get(key)
+    if replicas is None:
+        replicas = ctx.state[key] = torch.arange(ctx.m, device=x.device).view(ctx.m, *(1,) * x.ndim)
+    return ctx.wrap(table[replicas, x.data])
 
 
 def attention(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
