@@ -67,7 +67,8 @@ class FusedConv1d(nn.Module):
         out = self.weight.shape[1]
         cols = _Windows.apply(x.transpose(2, 3), self.kernel, self.stride, self.dilation, self.padding)
         length = cols.shape[1] // n
-        kernels = self.weight.reshape(m, out, -1).transpose(1, 2)  # (m, C·k, out), a view
+        # (m, k·C, out): the (out, C, k) kernels reordered tap major, as the windows are (one small copy).
+        kernels = self.weight.transpose(2, 3).reshape(m, out, -1).transpose(1, 2)
         if self.bias is None:
             y = torch.bmm(cols, kernels)
         else:
@@ -107,8 +108,10 @@ def _as_two_d(spec: Any) -> Any:
 
 
 class _Windows(torch.autograd.Function):
-    """im2col along the length, channels last: ``(m, N, L, C)`` → ``(m, N·L_out, C·k)`` (C major, tap minor,
-    as a ``(out, C, k)`` kernel flattens), zero padding included.
+    """im2col along the length, channels last: ``(m, N, L, C)`` → ``(m, N·L_out, k·C)`` (tap major, channel
+    minor, so every tap's channels are copied as one contiguous run; the kernel is flattened to match), zero
+    padding included. Measured on MNIST-1D's second convolution (m = 8, batch 16, one thread): the gather
+    took 57 µs channel-major (runs of one value, the taps C apart) and 17 µs tap-major.
 
     Autograd's own backward of ``unfold`` scatters element by element (155 µs a call on MNIST-1D's second
     convolution, m = 8, batch 16, one thread); here it is k strided adds, one per kernel tap: that layer's
@@ -121,19 +124,26 @@ class _Windows(torch.autograd.Function):
     ) -> torch.Tensor:
         """Every window of every sample of every replica, one row each."""
         m, n, _, channels = x.shape
-        windows = F.pad(x, (0, 0, padding, padding)).unfold(2, (kernel - 1) * dilation + 1, stride)
-        if dilation > 1:
-            windows = windows[..., ::dilation]
-        ctx.geometry = (x.shape, kernel, stride, dilation, padding, windows.shape[2])
-        return windows.reshape(m, n * windows.shape[2], channels * kernel)
+        padded = F.pad(x, (0, 0, padding, padding)).contiguous()
+        span = padded.shape[2]
+        windows = (span - (kernel - 1) * dilation - 1) // stride + 1
+        # Window w, tap j, channel c reads padded[…, w·stride + j·dilation, c]: a view, then one copy whose
+        # innermost run is a tap's C contiguous channels (as a (out, k, C) kernel flattens).
+        view = padded.as_strided(
+            (m, n, windows, kernel, channels),
+            (n * span * channels, span * channels, stride * channels, dilation * channels, 1),
+            padded.storage_offset(),
+        )
+        ctx.geometry = (x.shape, kernel, stride, dilation, padding, windows)
+        return view.reshape(m, n * windows, kernel * channels)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """Each tap's gradient added back at the positions it read; the padding cut off."""
         (m, n, length, channels), kernel, stride, dilation, padding, windows = ctx.geometry
-        taps = grad.view(m, n, windows, channels, kernel)
+        taps = grad.view(m, n, windows, kernel, channels)
         padded = grad.new_zeros(m, n, length + 2 * padding, channels)
         for j in range(kernel):
             start = j * dilation
-            padded[:, :, start : start + stride * (windows - 1) + 1 : stride] += taps[..., j]
+            padded[:, :, start : start + stride * (windows - 1) + 1 : stride] += taps[..., j, :]
         return padded[:, :, padding : padding + length], None, None, None, None
