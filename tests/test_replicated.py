@@ -267,3 +267,21 @@ def test_a_network_no_fused_form_runs_trains_its_replicas_one_after_another(
     assert fused.choice.chosen == "unfused"
     assert "branches on a tensor's values" in caplog.text
     assert "no fused form runs ValueBranchNet" in caplog.text and "run one after another" in caplog.text
+
+
+def test_an_embedding_index_out_of_range_is_an_error_as_in_the_serial_engine() -> None:
+    """Indexing counts a negative index from the end: the embedding rule refuses it, as F.embedding does."""
+    table = nn.Embedding(5, 3)
+    with pytest.raises(IndexError):
+        table(torch.tensor([[1, -1]]))
+    _, fused = pools(
+        plain(lambda: nn.Sequential(nn.Embedding(5, 3), nn.Flatten(), nn.Linear(6, 2)), (2,), 2), 2
+    )
+    net = fused.fused
+    assert isinstance(net, ReplicatedNetwork)
+    fine = net(torch.tensor([[[1, 4]], [[0, 2]]]))
+    assert fine.shape == (2, 1, 2)
+    with pytest.raises(IndexError, match="out of bounds"):
+        net._run(torch.tensor([[[1, -1]], [[0, 2]]]))
+    with pytest.raises(IndexError, match="out of bounds"):
+        net._run(torch.tensor([[[1, 5]], [[0, 2]]]))

@@ -381,7 +381,9 @@ def embedding(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[s
     replicas = ctx.state.get(key)
     if replicas is None:
         replicas = ctx.state[key] = torch.arange(ctx.m, device=x.device).view(ctx.m, *(1,) * x.ndim)
-    return ctx.wrap(table[replicas, x.data])
+    # A negative index is out of range for F.embedding; indexing would count it from the end instead.
+    index = torch.where(x.data < 0, table.shape[1], x.data)
+    return ctx.wrap(table[replicas, index])
 
 
 def attention(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
