@@ -14,7 +14,8 @@ import torch
 from test_fused import plain, pools, train_alongside
 from torch import nn
 
-from mpicrossbow.pool.fused_chain import ACTIVATIONS, FusedChain, chain_runs
+from mpicrossbow.pool.batched_chain import ACTIVATIONS
+from mpicrossbow.pool.fused_chain import FusedChain, chain_runs
 
 
 def mlp(activation: type[nn.Module], bias: bool = True) -> Any:

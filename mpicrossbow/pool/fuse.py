@@ -34,7 +34,6 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +41,7 @@ from torch import nn
 
 from ..errors import ContractError
 from ..model.residual import Residual
+from .batched_chain import batched_linear
 
 
 def grouped(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -107,50 +107,6 @@ class FlatSlots:
     def ordered_params(self) -> list[nn.Parameter]:
         """Every fused parameter handed out, in the order of the flat buffer."""
         return [self.fused_params[k] for k in sorted(self.fused_params)]
-
-
-class _BatchedLinear(torch.autograd.Function):
-    """``x @ Wᵀ + b`` over the replica dimension with a backward that yields ``∂W`` as ``(m, out, in)``.
-
-    Autograd's own backward of ``baddbmm(b, x, Wᵀ)`` produces ``∂(Wᵀ)`` and hands the weight its transpose,
-    so accumulating it into the strided ``.grad`` view reads memory column-wise: measured 28 µs against 6 µs
-    for a 64×128 layer of 8 replicas, a third of an MLP's backward. Here ``∂W = ∂yᵀ @ x`` comes out in the
-    weight's own layout.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Every replica's affine map; saves the input and weight for backward."""
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        if bias is None:
-            return torch.bmm(x, weight.transpose(1, 2))
-        return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """``∂x = ∂y @ W``, ``∂W = ∂yᵀ @ x`` (contiguous, the weight's layout), ``∂b = Σₙ ∂y``."""
-        x, weight = ctx.saved_tensors
-        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
-        grad_w = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
-        grad_b = grad.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
-
-
-#: Per-replica weights of at most this many values take autograd's own backward of ``baddbmm``: for them the
-#: transposed gradient costs less than :class:`_BatchedLinear`'s Python forward and backward (measured, m = 8,
-#: one thread: 16×48 at 48 rows 89 against 96 µs; 128×10 even; 128×128 at 4 rows 238 against 174 µs).
-NATIVE_LINEAR_MAX = 2048
-
-
-def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ Wᵀ + b`` for every replica, ``x`` ``(m, N, in)``, ``weight`` ``(m, out, in)``: the cheaper of
-    autograd's own ``baddbmm`` (small weights) and :class:`_BatchedLinear` (large ones)."""
-    if weight[0].numel() > NATIVE_LINEAR_MAX:
-        return _BatchedLinear.apply(x, weight, bias)
-    if bias is None:
-        return torch.bmm(x, weight.transpose(1, 2))
-    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
 
 
 class FusedLinear(nn.Module):

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .fuse import FusedConv2d, batch_norm_rows, batched, batched_linear, grouped
+from .batched_chain import batched_linear
+from .fuse import FusedConv2d, batch_norm_rows, batched, grouped
 from .fused_conv1d import FusedConv1d
 from .replicated import Replicated, Replication, Rule
 

@@ -1,0 +1,157 @@
+"""Batched affine maps and activations over the replica dimension, differentiated as one autograd node.
+
+The fused engine computes m replicas' ``Linear`` as one batched matmul, ``(m, N, in) @ (m, in, out)``.
+Autograd's own backward of ``baddbmm(b, x, Wᵀ)`` produces ``∂(Wᵀ)`` and hands the weight its transpose, so
+accumulating it into the pool's strided ``.grad`` views reads memory column-wise: measured 28 µs against
+6 µs for a 64×128 layer of 8 replicas, a third of an MLP's backward. The node here yields ``∂W = ∂yᵀ @ x``
+in the weight's own layout instead. It runs a whole *chain* — Linear, activation, Linear, … — in one
+forward and one backward: for a small network the matmuls are cheap and what surrounds them (a node per
+layer and per activation, their Python) decides the step. Per Linear the backward is one batched matmul
+for ``∂W``, one sum for ``∂b`` and one batched matmul for ``∂x``; per activation its own backward kernel.
+
+The gradients are returned to autograd, which accumulates them into the parameters' ``.grad`` views like any
+other node's: post-accumulate hooks (a rule overlapping its exchange with the backward),
+``torch.autograd.grad`` (the form chooser's timing) and gradient accumulation behave as for separate layers.
+A single Linear is the chain of one step (:func:`batched_linear`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+_Forward = Callable[[torch.Tensor], torch.Tensor]
+#: ``backward(grad, saved)`` where ``saved`` is the activation's input or output (see :class:`Kernels`).
+_Backward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Kernels(NamedTuple):
+    """An activation's forward and backward, and whether the backward reads its output (else its input)."""
+
+    forward: _Forward
+    backward: _Backward
+    on_output: bool
+
+
+def activation_kernels(layer: nn.Module) -> Kernels | None:
+    """The kernels of an activation layer that can join a chain (exact types only: a subclass may override
+    ``forward``); None for any other layer, which ends a chain."""
+    kind = type(layer)
+    if kind is nn.ReLU:
+        return Kernels(torch.relu, lambda g, y: torch.ops.aten.threshold_backward(g, y, 0), True)
+    if kind is nn.Tanh:
+        return Kernels(torch.tanh, torch.ops.aten.tanh_backward, True)
+    if kind is nn.Sigmoid:
+        return Kernels(torch.sigmoid, torch.ops.aten.sigmoid_backward, True)
+    if kind is nn.SiLU:
+        return Kernels(F.silu, torch.ops.aten.silu_backward, False)
+    if kind is nn.GELU:
+        approximate = layer.approximate
+        return Kernels(
+            lambda x: F.gelu(x, approximate=approximate),
+            lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate=approximate),
+            False,
+        )
+    if kind is nn.LeakyReLU:
+        slope = layer.negative_slope
+        return Kernels(
+            lambda x: F.leaky_relu(x, slope),
+            lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, slope, False),
+            False,
+        )
+    if kind is nn.Identity:
+        return Kernels(lambda x: x, lambda g, _: g, True)
+    return None
+
+
+#: The activation types :func:`activation_kernels` knows.
+ACTIVATIONS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.GELU, nn.LeakyReLU, nn.Identity)
+
+#: A chain's program: None for a Linear (its weight and bias are the next two weights), else an activation.
+Steps = Sequence[Kernels | None]
+
+
+class _Chain(torch.autograd.Function):
+    """Forward and backward of a chain, ``(m, N, in) → (m, N, out)``."""
+
+    @staticmethod
+    def forward(ctx: Any, steps: Steps, x: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
+        """Every step in turn; keeps each Linear's input and each activation's input or output."""
+        saved: list[torch.Tensor] = []
+        h, k = x, 0
+        for step in steps:
+            if step is None:
+                weight, bias = weights[k], weights[k + 1]
+                assert weight is not None
+                k += 2
+                saved.append(h)
+                if bias is None:
+                    h = torch.bmm(h, weight.transpose(1, 2))
+                else:
+                    h = torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
+            elif step.on_output:
+                h = step.forward(h)
+                saved.append(h)
+            else:
+                saved.append(h)
+                h = step.forward(h)
+        ctx.steps = steps
+        # Through save_for_backward, not attributes: the output may be among them (a reference cycle
+        # otherwise), and autograd then checks that nothing was changed in place before the backward.
+        ctx.save_for_backward(*saved, *weights)
+        return h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The steps backwards: ``∂x = ∂y @ W``, ``∂W = ∂yᵀ @ x`` (the weight's layout), ``∂b = Σₙ ∂y``."""
+        steps = ctx.steps
+        tensors = ctx.saved_tensors
+        saved, weights = tensors[: len(steps)], tensors[len(steps) :]
+        grads: list[torch.Tensor | None] = [None] * len(weights)
+        k = len(weights)
+        for i in range(len(steps) - 1, -1, -1):
+            step, kept = steps[i], saved[i]
+            if step is not None:
+                grad = step.backward(grad, kept)
+                continue
+            k -= 2
+            weight, bias = weights[k], weights[k + 1]
+            if ctx.needs_input_grad[2 + k]:
+                grads[k] = torch.bmm(grad.transpose(1, 2), kept)
+            if bias is not None and ctx.needs_input_grad[3 + k]:
+                grads[k + 1] = grad.sum(1)
+            if i > 0 or ctx.needs_input_grad[1]:
+                grad = torch.bmm(grad, weight)
+            else:
+                grad = None
+        return (None, grad, *grads)
+
+
+def batched_chain(steps: Steps, x: torch.Tensor, weights: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """The chain ``steps`` on ``x`` ``(m, N, in)`` with ``weights`` (each Linear's ``(m, out, in)`` weight and
+    ``(m, out)`` bias or None, in order): ``(m, N, out)``, one autograd node."""
+    return _Chain.apply(steps, x, *weights)
+
+
+#: Per-replica weights of at most this many values take autograd's own backward of ``baddbmm``: for them the
+#: transposed gradient costs less than a Python node's forward and backward (measured, m = 8, one thread:
+#: 16×48 at 48 rows 89 against 96 µs; 128×10 even; 128×128 at 4 rows 238 against 174 µs).
+NATIVE_LINEAR_MAX = 2048
+
+_ONE_LINEAR: Steps = (None,)
+
+
+def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ Wᵀ + b`` for every replica, ``x`` ``(m, N, in)``, ``weight`` ``(m, out, in)``: the cheaper of
+    autograd's own ``baddbmm`` (small weights) and a chain of one Linear (large ones)."""
+    if weight[0].numel() > NATIVE_LINEAR_MAX:
+        return _Chain.apply(_ONE_LINEAR, x, weight, bias)
+    if bias is None:
+        return torch.bmm(x, weight.transpose(1, 2))
+    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
