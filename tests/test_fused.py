@@ -183,15 +183,16 @@ class SubclassNet(MLP):
         return nn.Sequential(nn.Flatten(), MyLinear(64, 10))
 
 
-def plain(factory: Any, shape: tuple[int, ...], classes: int) -> Any:
-    """A plain network (no TorchModel) on random arrays of ``shape``: the model contract's module form."""
+def plain(factory: Any, shape: tuple[int, ...], classes: int, kind: type[DatasetModel] = DatasetModel) -> Any:
+    """A plain network (no TorchModel) on random arrays of ``shape``: the model contract's module form
+    (``kind``: DatasetModel or a subclass that changes the training recipe)."""
     gen = torch.Generator().manual_seed(1)
     sets = []
     for n in (96, 32):
         x, y = torch.randn(n, *shape, generator=gen), torch.randint(0, classes, (n,), generator=gen)
         sets.append(ArrayDataset(x, y, "random"))
         sets[-1].x = sets[-1].x.to(torch.get_default_dtype())
-    return DatasetModel(factory, {}, *sets, LoaderOptions())
+    return kind(factory, {}, *sets, LoaderOptions())
 
 
 #: Networks outside the layer-by-layer fuser's set: they take the vmap path, and must equal serial too.

@@ -14,11 +14,12 @@ import torch
 from test_fused import plain, pools, train_alongside
 from torch import nn
 
+from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.pool.batched_chain import ACTIVATIONS
 from mpicrossbow.pool.fused_chain import FusedChain, chain_runs
 
 
-def mlp(activation: type[nn.Module], bias: bool = True) -> Any:
+def mlp(activation: type[nn.Module], bias: bool = True, kind: type[DatasetModel] = DatasetModel) -> Any:
     """A plain Sequential MLP on random 12-feature vectors, 3 classes: one chain of five layers."""
     return plain(
         lambda: nn.Sequential(
@@ -31,6 +32,7 @@ def mlp(activation: type[nn.Module], bias: bool = True) -> Any:
         ),
         (12,),
         3,
+        kind,
     )
 
 

@@ -76,30 +76,76 @@ ACTIVATIONS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.GELU, nn.LeakyReLU, nn.
 Steps = Sequence[Kernels | None]
 
 
+def chain_forward(
+    steps: Steps, x: torch.Tensor, weights: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Every step in turn on ``x`` ``(m, N, in)``: the output, and what the backward reads (each Linear's
+    input, each activation's input or output, one per step)."""
+    saved: list[torch.Tensor] = []
+    h, k = x, 0
+    for step in steps:
+        if step is None:
+            weight, bias = weights[k], weights[k + 1]
+            assert weight is not None
+            k += 2
+            saved.append(h)
+            if bias is None:
+                h = torch.bmm(h, weight.transpose(1, 2))
+            else:
+                h = torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
+        elif step.on_output:
+            h = step.forward(h)
+            saved.append(h)
+        else:
+            saved.append(h)
+            h = step.forward(h)
+    return h, saved
+
+
+def chain_backward(
+    steps: Steps,
+    grad: torch.Tensor,
+    saved: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | None],
+    wanted: Sequence[bool],
+    input_grad: bool,
+    into: Sequence[torch.Tensor | None] | None = None,
+    ready: Callable[[int], None] | None = None,
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """The steps backwards from ``grad`` (the output's): ``∂x = ∂y @ W``, ``∂W = ∂yᵀ @ x`` (the weight's
+    layout), ``∂b = Σₙ ∂y``. Returns the input's gradient (None unless ``input_grad``) and each weight's
+    (None where not ``wanted``). With ``into``, each weight's gradient is written into ``into[k]``
+    (overwritten, not added) and ``ready(k)`` is called as soon as weight k's is there."""
+    grads: list[torch.Tensor | None] = [None] * len(weights)
+    k = len(weights)
+    for i in range(len(steps) - 1, -1, -1):
+        step, kept = steps[i], saved[i]
+        if step is not None:
+            grad = step.backward(grad, kept)
+            continue
+        k -= 2
+        weight, bias = weights[k], weights[k + 1]
+        if wanted[k]:
+            grads[k] = torch.bmm(grad.transpose(1, 2), kept, out=None if into is None else into[k])
+        if bias is not None and wanted[k + 1]:
+            grads[k + 1] = torch.sum(grad, 1, out=None if into is None else into[k + 1])
+        if ready is not None:
+            ready(k)
+            if bias is not None:
+                ready(k + 1)
+        if i == 0 and not input_grad:
+            return None, grads
+        grad = torch.bmm(grad, weight)
+    return grad, grads
+
+
 class _Chain(torch.autograd.Function):
     """Forward and backward of a chain, ``(m, N, in) → (m, N, out)``."""
 
     @staticmethod
     def forward(ctx: Any, steps: Steps, x: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
         """Every step in turn; keeps each Linear's input and each activation's input or output."""
-        saved: list[torch.Tensor] = []
-        h, k = x, 0
-        for step in steps:
-            if step is None:
-                weight, bias = weights[k], weights[k + 1]
-                assert weight is not None
-                k += 2
-                saved.append(h)
-                if bias is None:
-                    h = torch.bmm(h, weight.transpose(1, 2))
-                else:
-                    h = torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
-            elif step.on_output:
-                h = step.forward(h)
-                saved.append(h)
-            else:
-                saved.append(h)
-                h = step.forward(h)
+        h, saved = chain_forward(steps, x, weights)
         ctx.steps = steps
         # Through save_for_backward, not attributes: the output may be among them (a reference cycle
         # otherwise), and autograd then checks that nothing was changed in place before the backward.
@@ -109,28 +155,14 @@ class _Chain(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """The steps backwards: ``∂x = ∂y @ W``, ``∂W = ∂yᵀ @ x`` (the weight's layout), ``∂b = Σₙ ∂y``."""
+        """The steps backwards (:func:`chain_backward`), gradients handed to autograd to accumulate."""
         steps = ctx.steps
         tensors = ctx.saved_tensors
         saved, weights = tensors[: len(steps)], tensors[len(steps) :]
-        grads: list[torch.Tensor | None] = [None] * len(weights)
-        k = len(weights)
-        for i in range(len(steps) - 1, -1, -1):
-            step, kept = steps[i], saved[i]
-            if step is not None:
-                grad = step.backward(grad, kept)
-                continue
-            k -= 2
-            weight, bias = weights[k], weights[k + 1]
-            if ctx.needs_input_grad[2 + k]:
-                grads[k] = torch.bmm(grad.transpose(1, 2), kept)
-            if bias is not None and ctx.needs_input_grad[3 + k]:
-                grads[k + 1] = grad.sum(1)
-            if i > 0 or ctx.needs_input_grad[1]:
-                grad = torch.bmm(grad, weight)
-            else:
-                grad = None
-        return (None, grad, *grads)
+        grad_x, grads = chain_backward(
+            steps, grad, saved, weights, ctx.needs_input_grad[2:], ctx.needs_input_grad[1]
+        )
+        return (None, grad_x, *grads)
 
 
 def batched_chain(steps: Steps, x: torch.Tensor, weights: Sequence[torch.Tensor | None]) -> torch.Tensor:

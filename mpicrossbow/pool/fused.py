@@ -23,6 +23,10 @@ inspecting one replica.
 ``model.loss(out_j, y_j)``, so replica j's gradient equals its serial gradient. When the model keeps the
 default cross-entropy (and the default top-1 ``correct``), it is computed for all replicas in one call.
 
+**A network that is one chain** of Linear layers and activations (an MLP) under the default loss takes
+its fused steps without autograd (:mod:`.chain_step`): gradients are written into the rows rather than
+added, so :meth:`FusedPool.compute` does not zero them first, and the gradient watchers are called by hand.
+
 **Optimizer.** Built once, ``model.optimizer(fused_params, optim)``, over the ``(m, …)`` fused parameters;
 when the model keeps TorchModel's default recipe (one SGD parameter group) it is given
 the m rows of ``params2d`` as its parameters instead (grads the rows of ``grads2d``), as PyTorch's fused SGD
@@ -57,6 +61,7 @@ from ..data.joint_arrays import JointArrays
 from ..errors import CheckpointError, ContractError
 from ..model.contract import TorchModel, sgd_settings
 from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
+from .chain_step import ChainStep
 from .flat import empty_flat, point_grads_into, point_into
 from .form import FUSED, FormChoice
 from .fuse import FlatSlots, FusedNetwork, synchronize
@@ -190,6 +195,20 @@ class FusedPool(LearnerPool):
             self.optimizer = model.optimizer(self.fused_params, spec.optim)
         self._default_loss = getattr(type(model), "loss", None) is TorchModel.loss
         self._default_correct = getattr(type(model), "correct", None) is TorchModel.correct
+        #: The fused step without autograd, where the network is one chain under the default loss.
+        self._chain_step = ChainStep.of(self.fused) if self._default_loss else None
+        if self._chain_step is not None:
+            log.info(
+                "fused engine: %s is one chain of Linear layers and activations under cross-entropy; its "
+                "fused steps are differentiated by hand, without the autograd engine",
+                owner,
+            )
+        #: Index in ``fused_params`` of each chain weight (for the gradient watchers).
+        self._chain_indices = (
+            [_index_of(w, self.fused_params) for w in self._chain_step.weights] if self._chain_step else []
+        )
+        #: Whoever :meth:`watch_gradients` — called by hand after a chain step (no autograd hook fires).
+        self._watchers: list[Callable[[int, int], None]] = []
         #: Each learner's loss sum (row 0) and hits (row 1) since the last take_stats: one add a step.
         self._stats = torch.zeros(2, learners, dtype=torch.float64, device=device)
         self._loss_sums, self._hit_counts = self._stats.unbind()
@@ -261,14 +280,17 @@ class FusedPool(LearnerPool):
         """Zero the gradients, then every learner's forward and backward on its next batch, in the form
         :attr:`choice` says (one fused network, or the replicas one after another; see :mod:`.form`)."""
         inputs, targets = self._next_batches(count)
-        self.grads2d.zero_()
+        fused = self.choice.form() == FUSED
+        by_hand = fused and self._chain_step is not None and self._chain_step.serves(targets)
+        if not by_hand:  # a chain step writes every gradient rather than adding to it
+            self.grads2d.zero_()
         timing = self.choice.timing
         if timing:
             synchronize(self.device)
             started = time.perf_counter()
-        if self.choice.form() == FUSED:
+        if fused:
             step = self._fused_step if self._fused_ran else self._first_fused_step
-            losses, hits = step(inputs, targets)
+            losses, hits = step(inputs, targets, by_hand)
         else:
             losses, hits = self._unfused_step(inputs, targets)
         if timing:
@@ -282,13 +304,13 @@ class FusedPool(LearnerPool):
             self._samples += n
 
     def _first_fused_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor
+        self, inputs: torch.Tensor, targets: torch.Tensor, by_hand: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first fused step, guarded: a network no fused form can run (vmap refuses control flow on
         values, for one) trains with its replicas one after another instead, never refused."""
         saved = self.buffers2d.clone()
         try:
-            result = self._fused_step(inputs, targets)
+            result = self._fused_step(inputs, targets, by_hand)
         except Exception as exc:  # any failure of the fused forms; the unfused form reports real errors
             self.buffers2d.copy_(saved)
             self.grads2d.zero_()
@@ -302,10 +324,18 @@ class FusedPool(LearnerPool):
         self._fused_ran = True
         return result
 
-    def _fused_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward and backward of the fused network; (each replica's loss, its hits)."""
+    def _fused_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, by_hand: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward and backward of the fused network (by hand: :mod:`.chain_step`); (each replica's loss,
+        its hits)."""
         if not self.fused.training:
             self.fused.train()
+        if by_hand:
+            assert self._chain_step is not None
+            losses, output = self._chain_step(inputs, targets, self._chain_ready if self._watchers else None)
+            with torch.no_grad():
+                return losses, self._hits(output, targets)
         output = self.fused(inputs)
         losses = self._losses(output, targets)
         with warnings.catch_warnings():
@@ -336,7 +366,10 @@ class FusedPool(LearnerPool):
 
     def watch_gradients(self, ready: Callable[[int, int], None]) -> Callable[[], None]:
         """A post-accumulate-grad hook on every fused parameter, ``ready(i, m)`` (the fused form: all replicas
-        at once), and on every replica's parameter, ``ready(i, 1)`` (the replicas one after another)."""
+        at once), and on every replica's parameter, ``ready(i, 1)`` (the replicas one after another). A step
+        differentiated by hand (:mod:`.chain_step`) fires no hook; it calls ``ready(i, m)`` itself."""
+        watchers = self._watchers
+        watchers.append(ready)
         handles = [
             p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i, self.m))
             for i, p in enumerate(self.fused_params)
@@ -349,8 +382,16 @@ class FusedPool(LearnerPool):
         def unwatch() -> None:
             for handle in handles:
                 handle.remove()
+            if ready in watchers:
+                watchers.remove(ready)
 
         return unwatch
+
+    def _chain_ready(self, k: int) -> None:
+        """Chain weight k's gradient is written (a chain step): tell the watchers, as its hook would."""
+        i = self._chain_indices[k]
+        for ready in self._watchers:
+            ready(i, self.m)
 
     def apply(self) -> None:
         """One optimizer step over the fused parameters (every replica's step)."""
@@ -499,6 +540,11 @@ def rows_sgd(rows: list[nn.Parameter], optim: OptimSection) -> torch.optim.Optim
     if rows[0].dtype not in (torch.float32, torch.float64):
         return None
     return torch.optim.SGD(rows, **sgd_settings(optim), fused=True)
+
+
+def _index_of(tensor: torch.Tensor | None, tensors: list[torch.Tensor]) -> int:
+    """The position of ``tensor`` itself (not an equal one) in ``tensors``; -1 for None."""
+    return next((i for i, t in enumerate(tensors) if t is tensor), -1)
 
 
 def _offsets(tensors: list[torch.Tensor]) -> dict[int, int]:

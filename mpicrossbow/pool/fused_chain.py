@@ -37,8 +37,10 @@ class FusedChain(nn.Module):
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)  # the fused parameters stay registered where they were
-        self._steps = _steps(layers)
-        self._weights = [
+        #: The chain's program (see :data:`~.batched_chain.Steps`).
+        self.steps = _steps(layers)
+        #: Each Linear's fused weight and bias (or None), in order: the chain's parameters.
+        self.weights = [
             t for layer in layers if isinstance(layer, FusedLinear) for t in (layer.weight, layer.bias)
         ]
 
@@ -51,7 +53,7 @@ class FusedChain(nn.Module):
         """Every replica's run of layers at once, ``(m, N, in) → (m, N, out)``."""
         if x.ndim != 3:
             raise ContractError(f"fused Linear expects (m, N, features) inputs, got shape {tuple(x.shape)}")
-        return batched_chain(self._steps, x, self._weights)
+        return batched_chain(self.steps, x, self.weights)
 
 
 def chain_runs(network: nn.Module) -> int:
