@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .grad_sink import GradSink
+
 _Forward = Callable[[torch.Tensor], torch.Tensor]
 #: ``backward(grad, saved)`` where ``saved`` is the activation's input or output (see :class:`Kernels`).
 _Backward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -110,12 +112,13 @@ def chain_backward(
     wanted: Sequence[bool],
     input_grad: bool,
     into: Sequence[torch.Tensor | None] | None = None,
+    add: bool = False,
     ready: Callable[[int], None] | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """The steps backwards from ``grad`` (the output's): ``∂x = ∂y @ W``, ``∂W = ∂yᵀ @ x`` (the weight's
     layout), ``∂b = Σₙ ∂y``. Returns the input's gradient (None unless ``input_grad``) and each weight's
-    (None where not ``wanted``). With ``into``, each weight's gradient is written into ``into[k]``
-    (overwritten, not added) and ``ready(k)`` is called as soon as weight k's is there."""
+    (None where not ``wanted``). With ``into``, each weight's gradient is written into ``into[k]`` instead
+    (added to it with ``add``, else overwriting it) and ``ready(k)`` is called as soon as it is there."""
     grads: list[torch.Tensor | None] = [None] * len(weights)
     k = len(weights)
     for i in range(len(steps) - 1, -1, -1):
@@ -125,10 +128,19 @@ def chain_backward(
             continue
         k -= 2
         weight, bias = weights[k], weights[k + 1]
-        if wanted[k]:
-            grads[k] = torch.bmm(grad.transpose(1, 2), kept, out=None if into is None else into[k])
-        if bias is not None and wanted[k + 1]:
-            grads[k + 1] = torch.sum(grad, 1, out=None if into is None else into[k + 1])
+        if into is None:
+            if wanted[k]:
+                grads[k] = torch.bmm(grad.transpose(1, 2), kept)
+            if bias is not None and wanted[k + 1]:
+                grads[k + 1] = grad.sum(1)
+        elif add:
+            into[k].baddbmm_(grad.transpose(1, 2), kept)  # type: ignore[union-attr]
+            if bias is not None:
+                into[k + 1].add_(grad.sum(1))  # type: ignore[union-attr]
+        else:
+            torch.bmm(grad.transpose(1, 2), kept, out=into[k])
+            if bias is not None:
+                torch.sum(grad, 1, out=into[k + 1])
         if ready is not None:
             ready(k)
             if bias is not None:
@@ -143,10 +155,12 @@ class _Chain(torch.autograd.Function):
     """Forward and backward of a chain, ``(m, N, in) → (m, N, out)``."""
 
     @staticmethod
-    def forward(ctx: Any, steps: Steps, x: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, steps: Steps, sink: GradSink | None, x: torch.Tensor, *weights: torch.Tensor | None
+    ) -> torch.Tensor:
         """Every step in turn; keeps each Linear's input and each activation's input or output."""
         h, saved = chain_forward(steps, x, weights)
-        ctx.steps = steps
+        ctx.steps, ctx.sink, ctx.params = steps, sink, weights
         # Through save_for_backward, not attributes: the output may be among them (a reference cycle
         # otherwise), and autograd then checks that nothing was changed in place before the backward.
         ctx.save_for_backward(*saved, *weights)
@@ -155,20 +169,40 @@ class _Chain(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """The steps backwards (:func:`chain_backward`), gradients handed to autograd to accumulate."""
-        steps = ctx.steps
+        """The steps backwards (:func:`chain_backward`): the weights' gradients added into their ``.grad``
+        rows while the pool's sink is open (:mod:`.grad_sink`), else handed to autograd to accumulate."""
+        steps, sink, params = ctx.steps, ctx.sink, ctx.params
         tensors = ctx.saved_tensors
         saved, weights = tensors[: len(steps)], tensors[len(steps) :]
+        wanted = ctx.needs_input_grad[3:]
+        into = None
+        if sink is not None and sink.active:
+            into = [None if p is None else p.grad for p in params]
+            if any(g is None for g, p in zip(into, params, strict=True) if p is not None):
+                raise RuntimeError(
+                    "a fused chain's weight has no .grad row to write into during the pool's step"
+                )
         grad_x, grads = chain_backward(
-            steps, grad, saved, weights, ctx.needs_input_grad[2:], ctx.needs_input_grad[1]
+            steps,
+            grad,
+            saved,
+            weights,
+            wanted,
+            ctx.needs_input_grad[2],
+            into,
+            add=True,
+            ready=None if into is None else lambda k: sink.written(params[k]),
         )
-        return (None, grad_x, *grads)
+        return (None, None, grad_x, *grads)
 
 
-def batched_chain(steps: Steps, x: torch.Tensor, weights: Sequence[torch.Tensor | None]) -> torch.Tensor:
+def batched_chain(
+    steps: Steps, x: torch.Tensor, weights: Sequence[torch.Tensor | None], sink: GradSink | None = None
+) -> torch.Tensor:
     """The chain ``steps`` on ``x`` ``(m, N, in)`` with ``weights`` (each Linear's ``(m, out, in)`` weight and
-    ``(m, out)`` bias or None, in order): ``(m, N, out)``, one autograd node."""
-    return _Chain.apply(steps, x, *weights)
+    ``(m, out)`` bias or None, in order): ``(m, N, out)``, one autograd node. While ``sink`` is open, its
+    backward adds the weights' gradients straight into their ``.grad`` (:mod:`.grad_sink`)."""
+    return _Chain.apply(steps, sink, x, *weights)
 
 
 #: Per-replica weights of at most this many values take autograd's own backward of ``baddbmm``: for them the
@@ -183,7 +217,7 @@ def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``x @ Wᵀ + b`` for every replica, ``x`` ``(m, N, in)``, ``weight`` ``(m, out, in)``: the cheaper of
     autograd's own ``baddbmm`` (small weights) and a chain of one Linear (large ones)."""
     if weight[0].numel() > NATIVE_LINEAR_MAX:
-        return _Chain.apply(_ONE_LINEAR, x, weight, bias)
+        return _Chain.apply(_ONE_LINEAR, None, x, weight, bias)
     if bias is None:
         return torch.bmm(x, weight.transpose(1, 2))
     return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))

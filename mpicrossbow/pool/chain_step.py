@@ -15,8 +15,8 @@ this way, where the bound (one replica at batch 32) takes 323 µs.
 
 The arithmetic is the autograd path's, kernel for kernel, so the gradients are the same; two differences in
 behaviour, both handled by the pool: the gradients are *written*, not added, so the pool does not zero the
-rows before such a step; and no autograd hook fires, so the pool calls its gradient watchers itself
-(``ready(k)`` as each weight's gradient is complete, last layer first, as hooks would).
+rows before such a step; and no autograd hook fires, so the pool's :class:`~.grad_sink.GradSink` tells its
+gradient watchers as each weight's gradient is complete, last layer first.
 """
 
 from __future__ import annotations
@@ -62,11 +62,15 @@ class ChainStep:
         return targets.dtype == torch.long
 
     def __call__(
-        self, inputs: torch.Tensor, targets: torch.Tensor, ready: Callable[[int], None] | None = None
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        written: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every replica's step on ``inputs`` ``(m, N, …)`` and ``targets`` ``(m, N)``: its gradients written
         into the weights' ``.grad``; returns each replica's mean loss ``(m,)`` and the output ``(m, N, C)``.
-        ``ready(k)`` is called when ``self.weights[k]``'s gradient is written."""
+        ``written(weight)`` is called as soon as a weight's gradient is there (a :class:`~.grad_sink.GradSink`
+        telling the pool's watchers)."""
         with torch.no_grad():
             h = inputs
             for layer in self.prefix:
@@ -96,6 +100,6 @@ class ChainStep:
                 self._wanted,
                 False,
                 into,
-                ready,
+                ready=None if written is None else lambda k: written(self.weights[k]),
             )
         return losses, output

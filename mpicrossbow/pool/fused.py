@@ -65,7 +65,8 @@ from .chain_step import ChainStep
 from .flat import empty_flat, point_grads_into, point_into
 from .form import FUSED, FormChoice
 from .fuse import FlatSlots, FusedNetwork, synchronize
-from .fused_chain import chain_runs
+from .fused_chain import FusedChain, chain_runs
+from .grad_sink import GradSink
 from .learner import evaluate
 from .replicated_network import ReplicatedNetwork
 from .serial import learner_data
@@ -203,12 +204,13 @@ class FusedPool(LearnerPool):
                 "fused steps are differentiated by hand, without the autograd engine",
                 owner,
             )
-        #: Index in ``fused_params`` of each chain weight (for the gradient watchers).
-        self._chain_indices = (
-            [_index_of(w, self.fused_params) for w in self._chain_step.weights] if self._chain_step else []
-        )
-        #: Whoever :meth:`watch_gradients` — called by hand after a chain step (no autograd hook fires).
-        self._watchers: list[Callable[[int, int], None]] = []
+        #: Where chains write their gradients during a fused step, and who is told (:mod:`.grad_sink`).
+        self._sink = GradSink({id(p): i for i, p in enumerate(self.fused_params)}, learners)
+        chains = [chain for chain in self.fused.modules() if isinstance(chain, FusedChain)]
+        for chain in chains:
+            chain.sink = self._sink
+        #: The parameters whose watchers the sink tells (no autograd hook: their gradients are written).
+        self._sunk = {id(w) for chain in chains for w in chain.weights if w is not None}
         #: Each learner's loss sum (row 0) and hits (row 1) since the last take_stats: one add a step.
         self._stats = torch.zeros(2, learners, dtype=torch.float64, device=device)
         self._loss_sums, self._hit_counts = self._stats.unbind()
@@ -331,16 +333,18 @@ class FusedPool(LearnerPool):
         its hits)."""
         if not self.fused.training:
             self.fused.train()
+        sink = self._sink
         if by_hand:
             assert self._chain_step is not None
-            losses, output = self._chain_step(inputs, targets, self._chain_ready if self._watchers else None)
+            losses, output = self._chain_step(inputs, targets, sink.written if sink.watchers else None)
             with torch.no_grad():
                 return losses, self._hits(output, targets)
-        output = self.fused(inputs)
-        losses = self._losses(output, targets)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
-            losses.sum().backward()
+        with sink.open():
+            output = self.fused(inputs)
+            losses = self._losses(output, targets)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
+                losses.sum().backward()
         with torch.no_grad():
             return losses.detach(), self._hits(output, targets)
 
@@ -366,13 +370,15 @@ class FusedPool(LearnerPool):
 
     def watch_gradients(self, ready: Callable[[int, int], None]) -> Callable[[], None]:
         """A post-accumulate-grad hook on every fused parameter, ``ready(i, m)`` (the fused form: all replicas
-        at once), and on every replica's parameter, ``ready(i, 1)`` (the replicas one after another). A step
-        differentiated by hand (:mod:`.chain_step`) fires no hook; it calls ``ready(i, m)`` itself."""
-        watchers = self._watchers
+        at once), and on every replica's parameter, ``ready(i, 1)`` (the replicas one after another). A
+        gradient written straight into its row (:mod:`.grad_sink`) fires no hook; the sink calls
+        ``ready(i, m)`` itself."""
+        watchers = self._sink.watchers
         watchers.append(ready)
         handles = [
             p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i, self.m))
             for i, p in enumerate(self.fused_params)
+            if id(p) not in self._sunk
         ] + [
             p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i, 1))
             for learner in self.learners
@@ -386,12 +392,6 @@ class FusedPool(LearnerPool):
                 watchers.remove(ready)
 
         return unwatch
-
-    def _chain_ready(self, k: int) -> None:
-        """Chain weight k's gradient is written (a chain step): tell the watchers, as its hook would."""
-        i = self._chain_indices[k]
-        for ready in self._watchers:
-            ready(i, self.m)
 
     def apply(self) -> None:
         """One optimizer step over the fused parameters (every replica's step)."""
@@ -540,11 +540,6 @@ def rows_sgd(rows: list[nn.Parameter], optim: OptimSection) -> torch.optim.Optim
     if rows[0].dtype not in (torch.float32, torch.float64):
         return None
     return torch.optim.SGD(rows, **sgd_settings(optim), fused=True)
-
-
-def _index_of(tensor: torch.Tensor | None, tensors: list[torch.Tensor]) -> int:
-    """The position of ``tensor`` itself (not an equal one) in ``tensors``; -1 for None."""
-    return next((i for i, t in enumerate(tensors) if t is tensor), -1)
 
 
 def _offsets(tensors: list[torch.Tensor]) -> dict[int, int]:

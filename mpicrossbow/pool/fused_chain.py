@@ -18,6 +18,7 @@ from torch import nn
 from ..errors import ContractError
 from .batched_chain import Steps, activation_kernels, batched_chain
 from .fuse import FusedLinear
+from .grad_sink import GradSink
 
 
 def _steps(layers: Sequence[nn.Module]) -> Steps:
@@ -43,6 +44,8 @@ class FusedChain(nn.Module):
         self.weights = [
             t for layer in layers if isinstance(layer, FusedLinear) for t in (layer.weight, layer.bias)
         ]
+        #: Where the backward writes the weights' gradients during the pool's step (set by the pool).
+        self.sink: GradSink | None = None
 
     @staticmethod
     def joins(layer: nn.Module) -> bool:
@@ -53,7 +56,7 @@ class FusedChain(nn.Module):
         """Every replica's run of layers at once, ``(m, N, in) → (m, N, out)``."""
         if x.ndim != 3:
             raise ContractError(f"fused Linear expects (m, N, features) inputs, got shape {tuple(x.shape)}")
-        return batched_chain(self.steps, x, self.weights)
+        return batched_chain(self.steps, x, self.weights, self.sink)
 
 
 def chain_runs(network: nn.Module) -> int:
