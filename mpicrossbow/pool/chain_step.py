@@ -3,15 +3,15 @@
 A fused MLP is ``Flatten`` and then one :class:`~.fused_chain.FusedChain` (Linear, activation, …, Linear).
 When its loss is the default cross-entropy, the whole step's derivative is known in closed form, so the
 step runs without the autograd engine: the chain's forward with gradients off (it keeps what the backward
-reads), the loss's gradient by the two kernels autograd itself would call (``nll_loss_backward``, then
-``_log_softmax_backward_data``), and the chain's backward (:func:`~.batched_chain.chain_backward`) writing
-each weight's gradient straight into its ``.grad`` view of the pool's gradient rows.
+reads), the loss's gradient by the kernels autograd itself would call (:mod:`.replica_loss`), and the
+chain's backward (:func:`~.batched_chain.chain_backward`) writing each weight's gradient straight into its
+``.grad`` view of the pool's gradient rows.
 
 Why: for a small network the step is mostly what surrounds the kernels. Through autograd a fused MLP step
-pays for the graph's construction, the loss's five nodes (reshape, cross-entropy, view, mean, sum), the
-engine's start and an accumulation of every gradient into the zeroed rows (read, add, write 0.8 MB for
-8 replicas of a 26 k-parameter MLP) — measured at m = 8, batch 4, one thread: 462 µs a step against 296 µs
-this way, where the bound (one replica at batch 32) takes 323 µs.
+pays for the graph's construction, the loss's nodes, the engine's start and an accumulation of every
+gradient into the zeroed rows (read, add, write 0.8 MB for 8 replicas of a 26 k-parameter MLP) — measured
+at m = 8, batch 4, one thread: 462 µs a step against 296 µs this way, where the bound (one replica at
+batch 32) takes 323 µs.
 
 The arithmetic is the autograd path's, kernel for kernel, so the gradients are the same; two differences in
 behaviour, both handled by the pool: the gradients are *written*, not added, so the pool does not zero the
@@ -30,11 +30,7 @@ from ..errors import ContractError
 from .batched_chain import chain_backward, chain_forward
 from .fuse import FusedFlatten, FusedNetwork
 from .fused_chain import FusedChain
-
-#: ``F.cross_entropy``'s default: targets equal to it count for nothing.
-_IGNORE_INDEX = -100
-#: ``reduction='none'`` in the aten loss kernels' enumeration.
-_NO_REDUCTION = 0
+from .replica_loss import cross_entropy_and_grad
 
 
 class ChainStep:
@@ -76,25 +72,13 @@ class ChainStep:
             for layer in self.prefix:
                 h = layer(h)
             output, saved = chain_forward(self.chain.steps, h, self.weights)
-            m, n, classes = output.shape
-            log_p = torch.log_softmax(output.reshape(m * n, classes), 1)
-            flat_targets = targets.reshape(m * n)
-            nll, total = torch.ops.aten.nll_loss_forward(
-                log_p, flat_targets, None, _NO_REDUCTION, _IGNORE_INDEX
-            )
-            losses = nll.view(m, n).mean(1)
-            # d(Σⱼ lossⱼ)/d nll = 1/N for every sample, as mean's backward makes it.
-            per_sample = torch.ones((), dtype=nll.dtype, device=nll.device).div(n).expand(m * n)
-            grad = torch.ops.aten.nll_loss_backward(
-                per_sample, log_p, flat_targets, None, _NO_REDUCTION, _IGNORE_INDEX, total
-            )
-            grad = torch.ops.aten._log_softmax_backward_data(grad, log_p, 1, log_p.dtype)
+            losses, grad = cross_entropy_and_grad(output, targets)
             into = [None if w is None else w.grad for w in self.weights]
             if any(g is None for g, w in zip(into, self.weights, strict=True) if w is not None):
                 raise ContractError("a chain step writes into the weights' .grad, and one has none")
             chain_backward(
                 self.chain.steps,
-                grad.view(m, n, classes),
+                grad,
                 saved,
                 self.weights,
                 self._wanted,
