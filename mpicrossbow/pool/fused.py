@@ -196,21 +196,7 @@ class FusedPool(LearnerPool):
             self.optimizer = model.optimizer(self.fused_params, spec.optim)
         self._default_loss = getattr(type(model), "loss", None) is TorchModel.loss
         self._default_correct = getattr(type(model), "correct", None) is TorchModel.correct
-        #: The fused step without autograd, where the network is one chain under the default loss.
-        self._chain_step = ChainStep.of(self.fused) if self._default_loss else None
-        if self._chain_step is not None:
-            log.info(
-                "fused engine: %s is one chain of Linear layers and activations under cross-entropy; its "
-                "fused steps are differentiated by hand, without the autograd engine",
-                owner,
-            )
-        #: Where chains write their gradients during a fused step, and who is told (:mod:`.grad_sink`).
-        self._sink = GradSink({id(p): i for i, p in enumerate(self.fused_params)}, learners)
-        chains = [chain for chain in self.fused.modules() if isinstance(chain, FusedChain)]
-        for chain in chains:
-            chain.sink = self._sink
-        #: The parameters whose watchers the sink tells (no autograd hook: their gradients are written).
-        self._sunk = {id(w) for chain in chains for w in chain.weights if w is not None}
+        self._wire_chains(owner)
         #: Each learner's loss sum (row 0) and hits (row 1) since the last take_stats: one add a step.
         self._stats = torch.zeros(2, learners, dtype=torch.float64, device=device)
         self._loss_sums, self._hit_counts = self._stats.unbind()
@@ -221,6 +207,25 @@ class FusedPool(LearnerPool):
         # One learner has nothing to fuse: auto runs it as the plain replica it is, without a trial.
         self.choice = FormChoice("never" if spec.fuse == "auto" and learners == 1 else spec.fuse)
         self._fused_ran = False
+
+    def _wire_chains(self, owner: str) -> None:
+        """The step by hand (:mod:`.chain_step`) where the network is one chain under the default loss, and
+        the gradient sink every chain writes into during a fused step (:mod:`.grad_sink`)."""
+        #: The fused step without autograd, where the network is one chain under the default loss.
+        self._chain_step = ChainStep.of(self.fused) if self._default_loss else None
+        if self._chain_step is not None:
+            log.info(
+                "fused engine: %s is one chain of Linear layers and activations under cross-entropy; its "
+                "fused steps are differentiated by hand, without the autograd engine",
+                owner,
+            )
+        #: Where chains write their gradients during a fused step, and who is told.
+        self._sink = GradSink({id(p): i for i, p in enumerate(self.fused_params)}, self.m)
+        chains = [chain for chain in self.fused.modules() if isinstance(chain, FusedChain)]
+        for chain in chains:
+            chain.sink = self._sink
+        #: The parameters whose watchers the sink tells (no autograd hook: their gradients are written).
+        self._sunk = {id(w) for chain in chains for w in chain.weights if w is not None}
 
     @property
     def n_batch_train(self) -> int:
