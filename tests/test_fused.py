@@ -72,11 +72,12 @@ def assert_rows_equal(serial: SerialPool, fused: FusedPool, attr: str, tol: floa
         assert diff <= tol * scale, f"learner {j}: {attr} differ by {diff} (largest entry {scale})"
 
 
-def train_alongside(serial: SerialPool, fused: FusedPool) -> None:
-    """STEPS steps of both pools on the same batches: gradients equal each step, weights and buffers after."""
+def train_alongside(serial: SerialPool, fused: FusedPool, steps: int = STEPS) -> None:
+    """``steps`` steps of both pools on the same batches: gradients equal each step, weights and buffers
+    after."""
     serial.start_epoch(0)
     fused.start_epoch(0)
-    for step in range(STEPS):
+    for step in range(steps):
         serial.compute(step)
         fused.compute(step)
         assert_rows_equal(serial, fused, "grads", GRAD_TOL)
@@ -230,7 +231,9 @@ def test_any_network_fuses_through_its_own_forward_and_equals_serial(
         serial, fused = pools(VMAP_MODELS[name](), 3)
         assert isinstance(fused.fused, ReplicatedNetwork)
         assert "forward runs once on every replica's values" in caplog.text
-        train_alongside(serial, fused)
+        # The whole epoch: the last steps replay the recorded forward (test_replay.py).
+        train_alongside(serial, fused, fused.n_batch_train)
+    assert fused.fused.replays.replayed >= 1, caplog.text
     assert fused.fused.fallback is None, caplog.text  # no vmap needed
     assert not fused.fused.looped, f"ran once per replica: {fused.fused.looped}"
     assert serial.take_stats()[1] == fused.take_stats()[1]

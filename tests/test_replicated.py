@@ -155,7 +155,8 @@ CASES: dict[str, Callable[[], Any]] = {
 def test_each_node_kind_fuses_and_equals_serial(name: str) -> None:
     serial, fused = pools(CASES[name](), 3)
     assert isinstance(fused.fused, ReplicatedNetwork)
-    train_alongside(serial, fused)
+    train_alongside(serial, fused, fused.n_batch_train)  # the last steps replay the recorded forward
+    assert fused.fused.replays.replayed >= 1
     assert fused.fused.fallback is None
     assert not fused.fused.looped, f"ran once per replica: {fused.fused.looped}"
     assert serial.take_stats()[1] == fused.take_stats()[1]

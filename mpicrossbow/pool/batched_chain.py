@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.overrides import handle_torch_function, has_torch_function
 
 from .grad_sink import GradSink
 
@@ -215,7 +216,10 @@ _ONE_LINEAR: Steps = (None,)
 
 def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ Wᵀ + b`` for every replica, ``x`` ``(m, N, in)``, ``weight`` ``(m, out, in)``: the cheaper of
-    autograd's own ``baddbmm`` (small weights) and a chain of one Linear (large ones)."""
+    autograd's own ``baddbmm`` (small weights) and a chain of one Linear (large ones). One operator to a
+    torch function mode (a forward's recording, :mod:`.replay`), which would not see inside the chain's node."""
+    if has_torch_function((x, weight, bias)):
+        return handle_torch_function(batched_linear, (x, weight, bias), x, weight, bias)
     if weight[0].numel() > NATIVE_LINEAR_MAX:
         return _Chain.apply(_ONE_LINEAR, None, x, weight, bias)
     if bias is None:

@@ -233,7 +233,10 @@ class FusedPool(LearnerPool):
         return self._n_batch_train
 
     def start_epoch(self, epoch: int) -> None:
-        """Start every learner's reshuffled pass over its shard (one joint pass where the data allows)."""
+        """Start every learner's reshuffled pass over its shard (one joint pass where the data allows); a
+        replayed forward is recorded anew (:mod:`.replay`)."""
+        if isinstance(self.fused, ReplicatedNetwork):
+            self.fused.forget_replays()
         self._joint = True
         if self._joint_arrays is not None:
             self._iters = [TimedBatches(self._joint_arrays.train_batches(epoch), self._waited)]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function
 
 from .fuse import FusedConv2d, batched, fastest
 
@@ -65,7 +66,7 @@ class FusedConv1d(nn.Module):
         """Channels last: the windows gathered once, one batched matmul with every replica's kernel."""
         m, n = x.shape[:2]
         out = self.weight.shape[1]
-        cols = _Windows.apply(x.transpose(2, 3), self.kernel, self.stride, self.dilation, self.padding)
+        cols = windows(x.transpose(2, 3), self.kernel, self.stride, self.dilation, self.padding)
         length = cols.shape[1] // n
         # (m, k·C, out): the (out, C, k) kernels reordered tap major, as the windows are (one small copy).
         kernels = self.weight.transpose(2, 3).reshape(m, out, -1).transpose(1, 2)
@@ -105,6 +106,14 @@ def _as_two_d(spec: Any) -> Any:
         kernel_size=(1, spec.weight.shape[-1]),
         padding_mode="zeros",
     )
+
+
+def windows(x: torch.Tensor, kernel: int, stride: int, dilation: int, padding: int) -> torch.Tensor:
+    """Every window of ``x`` ``(m, N, L, C)`` as a row, ``(m, N·L_out, k·C)`` (:class:`_Windows`); one operator
+    to a torch function mode (a forward's recording, :mod:`.replay`), which would not see inside the node."""
+    if has_torch_function((x,)):
+        return handle_torch_function(windows, (x,), x, kernel, stride, dilation, padding)
+    return _Windows.apply(x, kernel, stride, dilation, padding)
 
 
 class _Windows(torch.autograd.Function):

@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import ContractError
 from .fuse import FlatSlots
 from .replicated import Replicated, Replication
+from .replay import Replays, replay_key
 from .replicated_ops import RULES
 from .vmapped import VmappedNetwork
 
@@ -56,6 +57,8 @@ class ReplicatedNetwork(nn.Module):
         self.replication.guard([*template.parameters(), *template.buffers()])
         self.fallback: VmappedNetwork | None = None
         self._proven = False
+        #: The forward's recorded operators, replayed without its Python once they repeat (:mod:`.replay`).
+        self.replays = Replays()
 
     def train(self, mode: bool = True) -> ReplicatedNetwork:
         """Set training mode here and on the template (dropout, batch norm), and on the vmap fallback."""
@@ -84,13 +87,33 @@ class ReplicatedNetwork(nn.Module):
         return out
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        """The template's forward on the replicated input."""
+        """The template's forward on the replicated input: replayed where it was recorded, else run (and
+        recorded, while it may yet replay)."""
+        key = replay_key(x, self.training)
+        out = self.replays.run(key, x)
+        if out is not None:
+            return out
         if self.template.training != self.training:
             self.template.train(self.training)
+        recorder = self.replays.recorder(key, x, self.template)
+        if recorder is None:
+            return self._template_run(x)
+        with recorder:
+            out = self._template_run(x)
+        recorder.finish(out)
+        self.replays.offer(key, recorder)
+        return out
+
+    def _template_run(self, x: torch.Tensor) -> torch.Tensor:
+        """The template's forward on ``x`` wrapped as a Replicated; its output's stacked values."""
         out = self.template(self.replication.wrap(x))
         if not isinstance(out, Replicated):
             raise ContractError("the network's output is not a tensor computed from its input")
         return out.data
+
+    def forget_replays(self) -> None:
+        """Record the forward anew from the next call (an epoch starts: Python state may have changed)."""
+        self.replays.forget()
 
     @property
     def looped(self) -> set[str]:
