@@ -217,7 +217,7 @@ _ONE_LINEAR: Steps = (None,)
 def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ Wᵀ + b`` for every replica, ``x`` ``(m, N, in)``, ``weight`` ``(m, out, in)``: the cheaper of
     autograd's own ``baddbmm`` (small weights) and a chain of one Linear (large ones). One operator to a
-    torch function mode (a forward's recording, :mod:`.replay`), which would not see inside the chain's node."""
+    torch function mode (a forward's recording, :mod:`.replay`): it must not see inside the chain's node."""
     if has_torch_function((x, weight, bias)):
         return handle_torch_function(batched_linear, (x, weight, bias), x, weight, bias)
     if weight[0].numel() > NATIVE_LINEAR_MAX:

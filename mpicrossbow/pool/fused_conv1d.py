@@ -109,8 +109,8 @@ def _as_two_d(spec: Any) -> Any:
 
 
 def windows(x: torch.Tensor, kernel: int, stride: int, dilation: int, padding: int) -> torch.Tensor:
-    """Every window of ``x`` ``(m, N, L, C)`` as a row, ``(m, N·L_out, k·C)`` (:class:`_Windows`); one operator
-    to a torch function mode (a forward's recording, :mod:`.replay`), which would not see inside the node."""
+    """Every window of ``x`` ``(m, N, L, C)`` as a row, ``(m, N·L_out, k·C)`` (:class:`_Windows`); one
+    operator to a torch function mode (a forward's recording, :mod:`.replay`): it must not see inside."""
     if has_torch_function((x,)):
         return handle_torch_function(windows, (x,), x, kernel, stride, dilation, padding)
     return _Windows.apply(x, kernel, stride, dilation, padding)

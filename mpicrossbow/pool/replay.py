@@ -20,8 +20,9 @@ operators on the same constants (tensors by identity). A choice a rule makes on 
 tensor it caches, a tensor made fresh by Python the recorder cannot see: each shows as a difference, and
 recording goes on. A forward never replays if it read a tensor's values into Python (``item()``,
 ``bool()``), shaped a tensor by its values (``nonzero``, a boolean mask), ran an operator under a grad mode
-set out of sight (a custom autograd Function's forward; ``torch.no_grad()`` is recorded and replayed), drew from Python's or NumPy's random
-generators, or if the network has module hooks: it runs through the template every time, as before.
+set out of its sight (a custom autograd Function's forward; ``torch.no_grad()`` is recorded and replayed),
+drew from Python's or NumPy's random generators, or if the network has module hooks: it runs through the
+template every time, as before.
 
 Python side effects of a forward (a counter, a log line) happen only in the forwards that record. The pool
 drops its recordings at every epoch start (:meth:`Replays.forget`), so a forward whose Python reads the
@@ -59,7 +60,8 @@ _SHAPED_BY_VALUES = frozenset(
 _METADATA = frozenset(
     "size dim ndimension numel nelement stride storage_offset is_floating_point is_complex is_contiguous "
     "is_signed element_size untyped_storage get_device __len__ shape ndim dtype device requires_grad is_cuda "
-    "is_cpu layout is_sparse is_nested is_quantized is_meta is_leaf grad_fn _base is_inference itemsize nbytes names".split()
+    "is_cpu layout is_sparse is_nested is_quantized is_meta is_leaf grad_fn _base is_inference itemsize "
+    "nbytes names".split()
 )
 
 Key = tuple[Any, ...]
@@ -162,13 +164,18 @@ class Recorder(TorchFunctionMode):
             self.why = f"{name} shapes its result by the values"
         elif isinstance(result, torch.Tensor):
             self._line(func, args, kwargs, [result], single=True)
-        elif isinstance(result, (tuple, list)) and result and all(isinstance(r, torch.Tensor) for r in result):
+        elif isinstance(result, (tuple, list)) and result and all(isinstance(r, T) for r in result):
             self._line(func, args, kwargs, list(result))
         elif name not in _METADATA:
             self.why = f"{name} hands {type(result).__name__} to Python"
 
     def _line(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], results: list[Any], single: bool = False
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        results: list[Any],
+        single: bool = False,
     ) -> None:
         """``v7 = K[3](v5, 1, K[4])`` (``v7, v8, = …`` for several results, no target for none)."""
         uses: set[str] = set()
@@ -250,7 +257,7 @@ class Recorder(TorchFunctionMode):
                 body.append(f"    del {', '.join(dead[i])}")
         source = "def replay(x):\n" + "\n".join(body) + f"\n    return {self.output}\n"
         scope: dict[str, Any] = {"K": self.consts}
-        exec(compile(source, "<fused forward replay>", "exec"), scope)  # noqa: S102 - our own recorded source
+        exec(compile(source, "<fused forward replay>", "exec"), scope)
         return scope["replay"]
 
 
@@ -323,4 +330,3 @@ class Replays:
     def ready(self) -> int:
         """How many keys replay."""
         return len(self._ready)
-

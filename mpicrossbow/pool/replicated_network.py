@@ -25,8 +25,8 @@ from torch import nn
 
 from ..errors import ContractError
 from .fuse import FlatSlots
-from .replicated import Replicated, Replication
 from .replay import Replays, replay_key
+from .replicated import Replicated, Replication
 from .replicated_ops import RULES
 from .vmapped import VmappedNetwork
 
