@@ -250,3 +250,28 @@ def test_an_epoch_start_records_the_forward_anew() -> None:
         torch.testing.assert_close(net(x)[2], replica(x[2]))
     finally:
         SCALE[0] = 1.0
+
+
+class AutocastNet(nn.Module):
+    """Its hidden layer under bfloat16 autocast, switched on inside the forward (out of the recorder's
+    sight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 32), nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.fc1(x.flatten(1))
+        return self.fc2(h.float())
+
+
+def test_autocast_switched_inside_the_forward_is_never_replayed_without_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _, net = network(AutocastNet)
+    x = inputs()
+    with caplog.at_level("INFO", logger="mpicrossbow.pool"):
+        outs = [net(x) for _ in range(4)]
+    assert net.replays.replayed == 0 and "ran under autocast switched inside the forward" in caplog.text
+    assert all(torch.equal(out, outs[0]) for out in outs)

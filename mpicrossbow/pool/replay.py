@@ -15,14 +15,14 @@ stacked tensors is recorded with its arguments: an earlier operator's result by 
 (:meth:`Recorder.compile`), each result released after its last use as the forward would release it.
 
 **When a recording replays** (:class:`Replays`): for a forward with the same key — input shape, strides,
-dtype and device, training mode, grad mode — once two forwards in a row with that key recorded the same
-operators on the same constants (tensors by identity). A choice a rule makes on its first calls, an index
-tensor it caches, a tensor made fresh by Python the recorder cannot see: each shows as a difference, and
-recording goes on. A forward never replays if it read a tensor's values into Python (``item()``,
-``bool()``), shaped a tensor by its values (``nonzero``, a boolean mask), ran an operator under a grad mode
-set out of its sight (a custom autograd Function's forward; ``torch.no_grad()`` is recorded and replayed),
-drew from Python's or NumPy's random generators, or if the network has module hooks: it runs through the
-template every time, as before.
+dtype and device, training mode, grad mode, autocast — once two forwards in a row with that key recorded
+the same operators on the same constants (tensors by identity). A choice a rule makes on its first calls,
+an index tensor it caches, a tensor made fresh by Python the recorder cannot see: each shows as a
+difference, and recording goes on. A forward never replays if it read a tensor's values into Python
+(``item()``, ``bool()``), shaped a tensor by its values (``nonzero``, a boolean mask), ran an operator under
+a grad mode set out of its sight (a custom autograd Function's forward; ``torch.no_grad()`` is recorded and
+replayed) or under autocast switched inside it, drew from Python's or NumPy's random generators, or if the
+network has module hooks: it runs through the template every time, as before.
 
 Python side effects of a forward (a counter, a log line) happen only in the forwards that record. The pool
 drops its recordings at every epoch start (:meth:`Replays.forget`), so a forward whose Python reads the
@@ -77,7 +77,13 @@ def replay_key(x: torch.Tensor, training: bool) -> Key:
         training,
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
+        _autocast(),
     )
+
+
+def _autocast() -> tuple[bool, bool]:
+    """Whether autocast is on for the CPU and for CUDA (it changes what every operator computes)."""
+    return torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
 
 
 def _name(func: Any) -> str:
@@ -135,6 +141,7 @@ class Recorder(TorchFunctionMode):
         self._const_at: dict[int, int] = {}
         self._keep: list[Any] = [x]  # every recorded value alive, so no id() is reused while recording
         self._grad = torch.is_grad_enabled()
+        self._autocast = _autocast()
         self._random = _random_state()
 
     def __torch_function__(
@@ -160,6 +167,8 @@ class Recorder(TorchFunctionMode):
             self._grad = bool(args[0])
         elif torch.is_grad_enabled() != self._grad:
             self.why = f"{name} ran under a grad mode set out of sight (an autograd Function's forward)"
+        elif _autocast() != self._autocast:
+            self.why = f"{name} ran under autocast switched inside the forward"
         elif func in _SHAPED_BY_VALUES or (func is T.__getitem__ and _bool_index(args[1])):
             self.why = f"{name} shapes its result by the values"
         elif isinstance(result, torch.Tensor):
