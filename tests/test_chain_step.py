@@ -17,7 +17,9 @@ from test_fused_chain import mlp
 from torch import nn
 
 from mpicrossbow.data.dataset_model import DatasetModel
+from mpicrossbow.errors import ContractError
 from mpicrossbow.pool import FusedPool
+from mpicrossbow.pool.batched_chain import grad_rows
 from mpicrossbow.pool.chain_step import ChainStep
 
 STEPS = 4
@@ -117,3 +119,13 @@ def test_class_probability_targets_go_through_autograd() -> None:
     assert by_hand._chain_step is not None
     assert by_hand._chain_step.serves(torch.zeros(2, 5, dtype=torch.long))
     assert not by_hand._chain_step.serves(torch.zeros(2, 5, 3))
+
+
+def test_a_weight_without_gradient_rows_is_an_error_naming_it() -> None:
+    """A chain writes into its weights' ``.grad`` rows; a weight with none is refused, not skipped."""
+    weight = torch.zeros(2, 3, 4, requires_grad=True)
+    with pytest.raises(ContractError, match=r"\.grad rows, and one has none"):
+        grad_rows([weight, None])
+    weight.grad = torch.zeros_like(weight)
+    rows = grad_rows([weight, None])
+    assert rows[0] is weight.grad and rows[1] is None

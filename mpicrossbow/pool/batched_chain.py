@@ -26,6 +26,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function
 
+from ..errors import ContractError
 from .grad_sink import GradSink
 
 _Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -176,13 +177,7 @@ class _Chain(torch.autograd.Function):
         tensors = ctx.saved_tensors
         saved, weights = tensors[: len(steps)], tensors[len(steps) :]
         wanted = ctx.needs_input_grad[3:]
-        into = None
-        if sink is not None and sink.active:
-            into = [None if p is None else p.grad for p in params]
-            if any(g is None for g, p in zip(into, params, strict=True) if p is not None):
-                raise RuntimeError(
-                    "a fused chain's weight has no .grad row to write into during the pool's step"
-                )
+        into = grad_rows(params) if sink is not None and sink.active else None
         grad_x, grads = chain_backward(
             steps,
             grad,
@@ -195,6 +190,15 @@ class _Chain(torch.autograd.Function):
             ready=None if into is None else lambda k: sink.written(params[k]),
         )
         return (None, None, grad_x, *grads)
+
+
+def grad_rows(weights: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each weight's ``.grad`` — its view of the pool's gradient rows — for a chain to write into; an error
+    naming the problem if a weight has none (the rows were not pointed at it)."""
+    into = [None if w is None else w.grad for w in weights]
+    if any(g is None for g, w in zip(into, weights, strict=True) if w is not None):
+        raise ContractError("a fused chain writes into its weights' .grad rows, and one has none")
+    return into
 
 
 def batched_chain(
