@@ -18,6 +18,7 @@ from test_fused import plain, pools
 from torch import nn
 
 from mpicrossbow.pool import FusedPool
+from mpicrossbow.pool.replay import Recorder
 from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 
 M = 3
@@ -275,3 +276,24 @@ def test_autocast_switched_inside_the_forward_is_never_replayed_without_it(
         outs = [net(x) for _ in range(4)]
     assert net.replays.replayed == 0 and "ran under autocast switched inside the forward" in caplog.text
     assert all(torch.equal(out, outs[0]) for out in outs)
+
+
+def test_a_recording_that_fails_leaves_the_forward_running(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A recording is a speed-up only: a fault inside it costs the replay, never the forward."""
+
+    def broken(*_: Any) -> None:
+        raise KeyError("injected")
+
+    monkeypatch.setattr(Recorder, "_note", broken)
+    fused, net = network(MixedNet)
+    net.eval()
+    x = inputs()
+    with caplog.at_level("INFO", logger="mpicrossbow.pool"):
+        outs = [net(x) for _ in range(4)]
+    assert net.fallback is None and net.replays.replayed == 0
+    assert "could not be recorded (KeyError: 'injected')" in caplog.text
+    replica = fused.learners[0].module.eval()
+    for out in outs:
+        torch.testing.assert_close(out[0], replica(x[0]))

@@ -156,7 +156,10 @@ class Recorder(TorchFunctionMode):
                         return leaf.ctx.call(func, args, kwargs)
         result = func(*args, **kwargs)
         if self.why is None:
-            self._note(func, args, kwargs, result)
+            try:
+                self._note(func, args, kwargs, result)
+            except Exception as exc:  # a recording is only a speed-up: the forward itself goes on
+                self.why = f"{_name(func)} could not be recorded ({type(exc).__name__}: {exc})"
         return result
 
     def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
