@@ -14,7 +14,7 @@ from mpicrossbow.errors import ConfigError
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, GOSGD, SMA
-from mpicrossbow.training.autotune import AutoTuner
+from mpicrossbow.training.autotune import AutoTuner, StepMeter
 
 
 def feed(tuner: AutoTuner, throughputs: list[float]) -> list[int]:
@@ -77,3 +77,15 @@ def test_rules_follow_a_resize() -> None:
             GOSGD().bind(comm, pool).on_resize()
 
     InProcessWorld(1).run(body)
+
+
+def test_the_step_meter_counts_steady_steps_only_and_starts_anew() -> None:
+    """The tuner's measurement: the mean of the steady steps' times (a form trial's steps left out)."""
+    meter = StepMeter()
+    assert meter.take() is None  # no step yet: the loop falls back to the whole epoch's time
+    for seconds, steady in [(5.0, False), (5.0, False), (1.0, True), (3.0, True)]:
+        meter.add(seconds, steady)
+    assert meter.take() == pytest.approx(2.0)
+    assert meter.take() is None
+    meter.add(4.0, False)
+    assert meter.take() is None

@@ -378,15 +378,19 @@ def test_auto_times_both_forms_then_keeps_one(caplog: pytest.LogCaptureFixture) 
     ran = []
     serial.start_epoch(0)
     fused.start_epoch(0)
+    warming, trial = [], fused.choice.steps_to_decide
     with caplog.at_level("INFO", logger="mpicrossbow.pool.form"):
-        for step in range(fused.choice.steps_to_decide + 2):
+        for step in range(trial + 2):
             ran.append(fused.choice.form())
+            warming.append(fused.warming_up)
             serial.compute(step)
             fused.compute(step)
             assert_rows_equal(serial, fused, "grads", GRAD_TOL)
             serial.apply()
             fused.apply()
     assert set(ran[:-2]) == {"fused", "unfused"} and ran[-1] == ran[-2] == fused.choice.chosen
+    # The auto-tuner leaves the trial's steps out of its measurement (test_autotune.py).
+    assert warming == [True] * trial + [False, False] and not serial.warming_up
     assert len(fused.choice.times["fused"]) == len(fused.choice.times["unfused"]) == fused.choice.rounds
     assert "ms a step fused" in caplog.text and "ms one replica after another" in caplog.text
     assert_rows_equal(serial, fused, "params")
@@ -396,3 +400,4 @@ def test_auto_runs_one_learner_unfused_without_a_trial() -> None:
     """One learner has nothing to fuse: ``fuse = auto`` keeps it the plain replica it is from step 0."""
     _, fused = pools(MLP(hidden=32), 1, fuse="auto")
     assert fused.choice.chosen == "unfused" and fused.choice.steps_to_decide == 0
+    assert not fused.warming_up

@@ -58,6 +58,12 @@ class LearnerPool(Replicas):
         """Seconds the learners waited for their next batch since the last call (the loop's data wait)."""
         return 0.0
 
+    @property
+    def warming_up(self) -> bool:
+        """Whether the coming step still settles how the pool runs (the fused engine's timed trial of its
+        forms): such a step is not the pool's steady speed, and the auto-tuner leaves it out."""
+        return False
+
     def state_dict(self) -> dict[str, Any]:
         """Every learner's replica, buffers, optimizer state and running stats, for a checkpoint."""
         raise NotImplementedError(f"{type(self).__name__} cannot be checkpointed")

@@ -228,6 +228,11 @@ class FusedPool(LearnerPool):
         self._sunk = {id(w) for chain in chains for w in chain.weights if w is not None}
 
     @property
+    def warming_up(self) -> bool:
+        """While the form trial runs (``fuse = auto``: the fused network and the replicas alternate)."""
+        return self.choice.chosen is None
+
+    @property
     def n_batch_train(self) -> int:
         """Steps per epoch (the smallest learner shard decides)."""
         return self._n_batch_train

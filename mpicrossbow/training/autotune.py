@@ -7,7 +7,9 @@ otherwise drop the learner added last and stop tuning. A ceiling (``max_learners
 The tuner is pure logic: :meth:`AutoTuner.observe` takes a measured throughput and returns the learner count
 to run next, so it is unit-testable with a scripted sequence. The session checks once per epoch (a change
 reshards the data, which is only clean between epochs) with the throughput of that epoch's training steps,
-agreed across ranks by one allreduce so every rank makes the same decision.
+agreed across ranks by one allreduce so every rank makes the same decision. The throughput is measured as
+benchmarks/pool.py measures a pool (:class:`StepMeter`): samples over the time of the training steps alone,
+the steps of the fused engine's form trial, validations and checkpoints left out.
 """
 
 from __future__ import annotations
@@ -76,3 +78,29 @@ class AutoTuner:
             self.learners,
         )
         return self.learners
+
+
+@dataclass
+class StepMeter:
+    """Seconds per training step over one epoch's steady steps: the auto-tuner's measurement.
+
+    A step taken while the pool is :attr:`~mpicrossbow.pool.base.LearnerPool.warming_up` (the fused engine
+    timing its forms, which alternates a slower form in) is left out, as are validations and checkpoints
+    between steps (not steps): a larger learner count, whose first epoch holds a new trial, is then not
+    judged by the trial's speed.
+    """
+
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, seconds: float, steady: bool) -> None:
+        """One training step's ``seconds``, counted when it was ``steady``."""
+        if steady:
+            self.seconds += seconds
+            self.steps += 1
+
+    def take(self) -> float | None:
+        """Mean seconds of the steady steps since the last call (None: there was none); starts anew."""
+        mean = self.seconds / self.steps if self.steps else None
+        self.seconds, self.steps = 0.0, 0
+        return mean

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..comm.base import ReduceOp
 from ..trace import span
+from .autotune import StepMeter
 from .evaluation import per_sample
 from .nan_guard import check_finite
 from .parts import RankParts
@@ -73,6 +74,7 @@ class TrainLoop:
         self.out = LoopOutcome()
         self.at_epochs = float(self.epoch)  # epochs done, with the current one's fraction
         self.checks = Validations(validate, cfg.session.validate_every, cfg.session.target_accuracy)
+        self.meter = StepMeter()
 
     def run(self) -> LoopOutcome:
         """Train to the step or epoch budget, or until a signal stops every rank (after a checkpoint)."""
@@ -108,6 +110,7 @@ class TrainLoop:
         if self.skip:
             pool.skip(self.skip)
         pool.take_data_wait()  # from this epoch's first step on
+        self.meter.take()  # the auto-tuner measures this epoch's steps
         started = time.perf_counter()
         end = min(per_epoch, self.skip + self.budget - self.step) if self.budget else per_epoch
         for count in range(self.skip, end):
@@ -148,7 +151,9 @@ class TrainLoop:
                 parts.rule.on_lr_change(self.lr, lr)
             parts.pool.set_lr(lr, self.epoch)
             self.lr = lr
+        steady, step_started = not parts.pool.warming_up, time.perf_counter()
         exchange_s = train_step(parts.pool, parts.rule, self.step, count, self._guard)
+        self.meter.add(time.perf_counter() - step_started, steady)
         self.out.exchange_s += exchange_s
         if timeline is not None and timeline.recording:
             timeline.exchange_s += exchange_s
@@ -196,13 +201,22 @@ class TrainLoop:
             self._save(0)
 
     def _tune(self, samples: float, seconds: float) -> None:
-        """Auto-tuner check after an epoch: one allreduce of the slowest time; every rank resizes alike."""
+        """Auto-tuner check after an epoch: samples/s of its steady training steps (:class:`StepMeter`), or of
+        the whole epoch where a rank had none; one allreduce of the slowest times, so every rank resizes
+        alike."""
         parts = self.parts
         assert parts.tuner is not None
-        # Samples are already summed over ranks; the slowest rank's time sets a synchronous job's pace.
-        slowest = parts.comm.allreduce_scalars([seconds], op=ReduceOp.MAX)[0]
+        per_step = self.meter.take()
+        # The slowest rank's time sets a synchronous job's pace; samples are summed over ranks already.
+        slowest_step, slowest_epoch = parts.comm.allreduce_scalars(
+            [math.inf if per_step is None else per_step, seconds], op=ReduceOp.MAX
+        )
+        if math.isfinite(slowest_step):
+            throughput = self._samples_per_step() / max(slowest_step, 1e-9)
+        else:
+            throughput = samples / max(slowest_epoch, 1e-9)
         before = len(parts.pool.learners)
-        after = parts.tuner.observe(samples / max(slowest, 1e-9))
+        after = parts.tuner.observe(throughput)
         if after != before:
             parts.pool.resize(after)
             parts.rule.resized()
