@@ -139,7 +139,7 @@ class TrainLoop:
 
     def _step(self, count: int, per_epoch: int) -> None:
         parts = self.parts
-        started = time.perf_counter()
+        started, steady = time.perf_counter(), not parts.pool.warming_up
         self._beat("compute")
         timeline = parts.timeline
         if timeline is not None:
@@ -151,15 +151,14 @@ class TrainLoop:
                 parts.rule.on_lr_change(self.lr, lr)
             parts.pool.set_lr(lr, self.epoch)
             self.lr = lr
-        steady, step_started = not parts.pool.warming_up, time.perf_counter()
         exchange_s = train_step(parts.pool, parts.rule, self.step, count, self._guard)
-        self.meter.add(time.perf_counter() - step_started, steady)
         self.out.exchange_s += exchange_s
         if timeline is not None and timeline.recording:
             timeline.exchange_s += exchange_s
         self.step += 1
         parts.reporter.step_done(self.step)
         parts.straggler.after_step(started)
+        self.meter.add(time.perf_counter() - started, steady)  # a straggler's sleep is its slowness
 
     def _guard(self, step: int) -> None:
         """Between backward and the rule's hooks: the NaN policy, then the watchdog's exchange phase."""
