@@ -245,10 +245,16 @@ def test_an_epoch_start_records_the_forward_anew() -> None:
         for _ in range(3):
             net(x)
         assert net.replays.ready == 1
-        SCALE[0] = 3.0
-        fused.start_epoch(1)
+        fused.start_epoch(1)  # nothing changed: one recording, equal to the last epoch's, resumes the replay
         assert net.replays.ready == 0
-        torch.testing.assert_close(net(x)[2], replica(x[2]))
+        net(x)
+        assert net.replays.ready == 1
+        SCALE[0] = 3.0  # a setting changed between epochs: recorded anew, then replayed with the new value
+        fused.start_epoch(2)
+        before = net.replays.replayed
+        for _ in range(4):
+            torch.testing.assert_close(net(x)[2], replica(x[2]))
+        assert net.replays.replayed == before + 2
     finally:
         SCALE[0] = 1.0
 

@@ -25,8 +25,8 @@ replayed) or under autocast switched inside it, drew from Python's or NumPy's ra
 network has module hooks: it runs through the template every time, as before.
 
 Python side effects of a forward (a counter, a log line) happen only in the forwards that record. The pool
-drops its recordings at every epoch start (:meth:`Replays.forget`), so a forward whose Python reads the
-epoch, or anything set between epochs, is recorded anew.
+stops replaying at every epoch start (:meth:`Replays.forget`), so a forward whose Python reads the epoch, or
+anything set between epochs, is recorded anew; one recording equal to the last epoch's resumes the replay.
 """
 
 from __future__ import annotations
@@ -305,6 +305,7 @@ class Replays:
 
     def __init__(self) -> None:
         self._ready: dict[Key, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._compiled: dict[Key, Recorder] = {}  # the recording behind each replay
         self._last: dict[Key, Recorder] = {}
         self._attempts: dict[Key, int] = {}
         self._never: dict[Key, str] = {}
@@ -337,6 +338,7 @@ class Replays:
         before = self._last.pop(key, None)
         if before is not None and before.same_as(recorder):
             self._ready[key] = recorder.compile()
+            self._compiled[key] = recorder
             log.debug("fused engine: the forward replays its %d recorded operators", len(recorder.lines))
             return
         self._attempts[key] = self._attempts.get(key, 0) + 1
@@ -354,9 +356,11 @@ class Replays:
         log.info("fused engine: the forward is not replayed (%s); it runs through its Python each time", why)
 
     def forget(self) -> None:
-        """Drop every recording (an epoch starts): the next forwards record anew."""
+        """Replay nothing until recorded anew (an epoch starts). A key that replayed keeps its recording as
+        the one before: one forward recording the same operators again makes it replay again."""
+        self._last = self._compiled
+        self._compiled = {}
         self._ready.clear()
-        self._last.clear()
         self._attempts.clear()
         self._never.clear()
 
