@@ -42,39 +42,47 @@ class Kernels(NamedTuple):
     on_output: bool
 
 
+def _gelu(layer: nn.GELU) -> Kernels:
+    """GELU's kernels with the layer's approximation."""
+    approximate = layer.approximate
+    return Kernels(
+        lambda x: F.gelu(x, approximate=approximate),
+        lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate=approximate),
+        False,
+    )
+
+
+def _leaky_relu(layer: nn.LeakyReLU) -> Kernels:
+    """LeakyReLU's kernels with the layer's slope."""
+    slope = layer.negative_slope
+    return Kernels(
+        lambda x: F.leaky_relu(x, slope),
+        lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, slope, False),
+        False,
+    )
+
+
+#: Exact activation type → its kernels for a layer of that type.
+_KERNELS: dict[type[nn.Module], Callable[[Any], Kernels]] = {
+    nn.ReLU: lambda _: Kernels(torch.relu, lambda g, y: torch.ops.aten.threshold_backward(g, y, 0), True),
+    nn.Tanh: lambda _: Kernels(torch.tanh, torch.ops.aten.tanh_backward, True),
+    nn.Sigmoid: lambda _: Kernels(torch.sigmoid, torch.ops.aten.sigmoid_backward, True),
+    nn.SiLU: lambda _: Kernels(F.silu, torch.ops.aten.silu_backward, False),
+    nn.GELU: _gelu,
+    nn.LeakyReLU: _leaky_relu,
+    nn.Identity: lambda _: Kernels(lambda x: x, lambda g, _: g, True),
+}
+
+#: The activation types :func:`activation_kernels` knows.
+ACTIVATIONS = tuple(_KERNELS)
+
+
 def activation_kernels(layer: nn.Module) -> Kernels | None:
     """The kernels of an activation layer that can join a chain (exact types only: a subclass may override
     ``forward``); None for any other layer, which ends a chain."""
-    kind = type(layer)
-    if kind is nn.ReLU:
-        return Kernels(torch.relu, lambda g, y: torch.ops.aten.threshold_backward(g, y, 0), True)
-    if kind is nn.Tanh:
-        return Kernels(torch.tanh, torch.ops.aten.tanh_backward, True)
-    if kind is nn.Sigmoid:
-        return Kernels(torch.sigmoid, torch.ops.aten.sigmoid_backward, True)
-    if kind is nn.SiLU:
-        return Kernels(F.silu, torch.ops.aten.silu_backward, False)
-    if kind is nn.GELU:
-        approximate = layer.approximate
-        return Kernels(
-            lambda x: F.gelu(x, approximate=approximate),
-            lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate=approximate),
-            False,
-        )
-    if kind is nn.LeakyReLU:
-        slope = layer.negative_slope
-        return Kernels(
-            lambda x: F.leaky_relu(x, slope),
-            lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, slope, False),
-            False,
-        )
-    if kind is nn.Identity:
-        return Kernels(lambda x: x, lambda g, _: g, True)
-    return None
+    make = _KERNELS.get(type(layer))
+    return make(layer) if make is not None else None
 
-
-#: The activation types :func:`activation_kernels` knows.
-ACTIVATIONS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.GELU, nn.LeakyReLU, nn.Identity)
 
 #: A chain's program: None for a Linear (its weight and bias are the next two weights), else an activation.
 Steps = Sequence[Kernels | None]
