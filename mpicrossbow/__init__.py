@@ -54,6 +54,7 @@ _LAZY = {
     "checkpoint": "mpicrossbow.embed",
     "restore": "mpicrossbow.embed",
     "trains": "mpicrossbow.embed",
+    "GradScaler": "mpicrossbow.embed",
 }
 
 __all__ = [

@@ -87,8 +87,30 @@ class OptimSection:
     )
     gamma: float = setting(0.1, "decay factor of step/multistep", gt=0, le=1)
     warmup_epochs: float = setting(0.0, "linear warm-up from lr/10 over this many epochs", ge=0)
+    precision: Literal["fp32", "bf16", "fp16"] = setting(
+        "fp32",
+        "arithmetic of the learners' forward: fp32, or bf16/fp16 autocast around it (weights, gradients, "
+        "optimizer and every rule's state stay fp32); fp16 scales the loss, and every rank skips a step "
+        "whose gradients overflowed on any rank",
+    )
+    loss_scale: float = setting(
+        0.0,
+        "precision = fp16: a fixed loss scale; 0: dynamic (starts at 65536, halves on an overflow, doubles "
+        "after loss_scale_window steps without one)",
+        ge=0,
+    )
+    loss_scale_window: int = setting(
+        2000, "precision = fp16, dynamic loss scale: overflow-free steps before the scale doubles", ge=1
+    )
+    tf32: bool = setting(
+        True,
+        "CUDA: let float32 matmuls and convolutions use TF32 tensor cores (Ampere and newer); no effect on "
+        "the CPU",
+    )
 
     def __post_init__(self) -> None:
+        if self.loss_scale and self.precision != "fp16":
+            raise ValueError(f"loss_scale = {self.loss_scale:g} needs precision = fp16")
         if self.schedule == "multistep" and not self.milestones:
             raise ValueError("schedule = multistep needs milestones, e.g. milestones = 30,60")
         if self.nesterov and self.momentum == 0:

@@ -4,5 +4,16 @@ See :mod:`mpicrossbow.embed.api` and docs/embedded.md.
 """
 
 from .api import checkpoint, consensus, distribute, finish, init, restore, shard, trains
+from .grad_scaler import GradScaler
 
-__all__ = ["checkpoint", "consensus", "distribute", "finish", "init", "restore", "shard", "trains"]
+__all__ = [
+    "GradScaler",
+    "checkpoint",
+    "consensus",
+    "distribute",
+    "finish",
+    "init",
+    "restore",
+    "shard",
+    "trains",
+]

@@ -55,10 +55,12 @@ from ..launch.world import World, detect_world, launcher_rank, mpi_threads_ok
 from ..log import setup_logging
 from ..model.consistency import check_same_shapes
 from ..pool.base import params_loaded
+from ..pool.precision import DTYPES, Precision
 from ..rules.base import Rule
 from ..rules.registry import build_rule
 from .job import EmbeddedJob
 from .own_model import OwnModel
+from .precision_forward import PrecisionForward
 from .sharded_loader import Part, ShardedLoader
 
 log = logging.getLogger(__name__)
@@ -166,7 +168,12 @@ def _current_part() -> Part:
 
 
 def distribute(
-    model: nn.Module, optimizer: torch.optim.Optimizer, rule: str | Rule = "BSP", **hyper: Any
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rule: str | Rule = "BSP",
+    *,
+    precision: str = "fp32",
+    **hyper: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Put ``model`` and ``optimizer`` under ``rule`` and return them.
 
@@ -178,6 +185,11 @@ def distribute(
     asynchronous messages without waiting). On a rank the rule keeps out of training (parameter servers:
     ranks 0..S-1; the asynchronous EASGD centre: rank 0) this call serves until every worker has called
     :func:`finish`, and returns the final model. Collective.
+
+    ``precision`` (``[optim] precision``'s choices): ``bf16`` or ``fp16`` runs the model's forward under
+    autocast and hands its floating outputs back as float32 (weights, gradients, optimizer and rule state
+    stay fp32); ``fp16`` also needs :class:`~.grad_scaler.GradScaler` around the step, so every rank skips
+    an overflowed step together (:mod:`.precision_forward`).
     """
     world = init()
     if _state.job is not None and not _state.job.finished:
@@ -185,6 +197,10 @@ def distribute(
     built: dict[str, Any] = {}
 
     def prepare() -> None:
+        if precision not in DTYPES:
+            raise UsageError(
+                f"xb.distribute: precision={precision!r}: choose one of {', '.join(map(repr, DTYPES))}"
+            )
         chosen = _make_rule(rule, hyper)
         if chosen.needs_mpi_threads and not mpi_threads_ok(world):
             raise UsageError(
@@ -208,7 +224,9 @@ def distribute(
     _state.part = built["part"]
     comm = make_communicator(_state.comm, world.device, world.mpi)
     chosen.bind(comm, own)
-    job = _state.job = EmbeddedJob(world, chosen, comm, own, built["trains"])
+    job = _state.job = EmbeddedJob(
+        world, chosen, comm, own, built["trains"], PrecisionForward(model, Precision(precision, world.device))
+    )
     if not job.trains:
         job.serve()
         # This rank's optimizer never steps: a scheduler's "step() before optimizer.step()" is expected.

@@ -28,6 +28,7 @@ from ..launch.world import World
 from ..rules.base import Rule
 from ..training.checkpoint import FORMAT_VERSION, META, atomic_save, rank_file, safe_load
 from .own_model import OwnModel
+from .precision_forward import PrecisionForward
 from .step_hooks import StepHooks
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,20 @@ log = logging.getLogger(__name__)
 class EmbeddedJob:
     """The rule, communicator, replica and hooks of one ``xb.distribute`` (see the module doc)."""
 
-    def __init__(self, world: World, rule: Rule, comm: Communicator, own: OwnModel, trains: bool) -> None:
+    def __init__(
+        self,
+        world: World,
+        rule: Rule,
+        comm: Communicator,
+        own: OwnModel,
+        trains: bool,
+        forward: PrecisionForward | None = None,
+    ) -> None:
         self.world, self.rule, self.comm, self.own, self.trains = world, rule, comm, own, trains
-        self.hooks: StepHooks | None = StepHooks(own, rule) if trains else None
+        #: The model's forward under the job's autocast (None: fp32, the forward untouched).
+        self.forward = forward
+        precision = forward.precision.name if forward is not None else "fp32"
+        self.hooks: StepHooks | None = StepHooks(own, rule, precision=precision) if trains else None
         self.finished = False
 
     @property
@@ -76,6 +88,8 @@ class EmbeddedJob:
             return
         if self.hooks is not None:
             self.hooks.remove()
+        if self.forward is not None:
+            self.forward.remove()
         self.own.learner.release()
         self.rule.finish()
         self.rule.sync_state()

@@ -12,33 +12,66 @@ gossip, pushes to a server). In the user's loop the same order follows from torc
 
 Asynchronous rules need nothing more: their ``exchange`` never waits for a collective. :meth:`remove`
 takes every hook away again (``xb.finish``).
+
+**fp16.** torch's ``GradScaler`` calls ``optimizer.step()`` only on a rank whose gradients did not
+overflow, so on the one rank that overflowed the pre-hook, and BSP's allreduce in it, would not run while
+its peers wait in theirs. :class:`~.grad_scaler.GradScaler` asks :meth:`StepHooks.agree_overflow` after
+unscaling, one allreduce of the flag, so every rank skips together: the order is unscale → agree →
+``on_gradients``, as in ``crossbow-launch``'s step. Under ``precision="fp16"`` a step that was not agreed on
+is a usage error, named before any rank waits.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
+from ..comm.base import ReduceOp
+from ..errors import UsageError
 from ..rules.base import Rule
 from .own_model import OwnModel
 
+#: The hooks installed on each distributed optimizer (what :class:`~.grad_scaler.GradScaler` asks).
+HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepHooks] = weakref.WeakKeyDictionary()
+
 
 class StepHooks:
-    """Install the rule's hooks on the learner of ``own``; ``step`` counts the optimizer steps taken."""
+    """Install the rule's hooks on the learner of ``own``; ``step`` counts the optimizer steps taken;
+    ``precision`` is ``xb.distribute``'s (fp16: every step must come through an agreeing GradScaler)."""
 
-    def __init__(self, own: OwnModel, rule: Rule, step: int = 0) -> None:
-        self.own, self.rule, self.step = own, rule, step
+    def __init__(self, own: OwnModel, rule: Rule, step: int = 0, precision: str = "fp32") -> None:
+        self.own, self.rule, self.step, self.precision = own, rule, step, precision
         learner = own.learner
         optimizer = learner.optimizer
         self.lr: float | None = None
+        #: The step whose overflow the ranks last agreed on (-1: none yet).
+        self.agreed = -1
+        HOOKED[optimizer] = self
         self._handles = [
             optimizer.register_step_pre_hook(self._before),
             optimizer.register_step_post_hook(self._after),
             learner.module.register_forward_pre_hook(self._forward),
         ]
 
+    def agree_overflow(self, found: bool) -> bool:
+        """Whether any rank's gradients overflowed this step, given this rank's ``found``: one allreduce
+        (MAX) among a synchronous rule's ranks; an asynchronous rank decides alone."""
+        comm = self.rule.comm
+        agreed = found
+        if comm is not None and self.rule.synchronous:
+            agreed = bool(comm.exact.allreduce_scalars([float(found)], op=ReduceOp.MAX)[0])
+        self.agreed = self.step
+        return agreed
+
     def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.precision == "fp16" and self.agreed != self.step:
+            raise UsageError(
+                "xb.distribute(precision='fp16'): step with an xb.GradScaler (scaler.scale(loss).backward(); "
+                "scaler.step(optimizer); scaler.update()), so every rank skips an overflowed step together"
+            )
         self.own.learner.gather_grads()
         self.check_lr()
         self.rule.on_gradients(self.step)
@@ -63,3 +96,4 @@ class StepHooks:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        HOOKED.pop(self.own.learner.optimizer, None)

@@ -13,6 +13,7 @@ import torch
 from ..errors import DataError
 from ..trace import complete
 from .learner import Learner
+from .precision import FP32, Precision
 from .replicas import Replicas
 
 
@@ -25,6 +26,24 @@ class LearnerPool(Replicas):
     """
 
     learners: list[Learner]
+    #: How the learners' forward computes and their loss is scaled (``[optim] precision``).
+    precision: Precision = FP32
+
+    @property
+    def scaled_gradients(self) -> bool:
+        """Whether backward leaves the gradients multiplied by a loss scale (fp16) until the step divides it
+        out: then no rule may read them during backward, and :meth:`grad_layout` says None (BSP keeps its
+        one allreduce after the agreed unscale instead of buckets during backward)."""
+        return self.precision.loss_scale is not None
+
+    def precision_state(self) -> dict[str, Any]:
+        """The loss scale's part of :meth:`state_dict` (nothing without one)."""
+        state = self.precision.state_dict()
+        return {"loss_scale": state} if state else {}
+
+    def load_precision_state(self, state: Mapping[str, Any]) -> None:
+        """Restore the loss scale from a checkpoint's pool state (one saved without it leaves it as is)."""
+        self.precision.load_state_dict(state.get("loss_scale", {}))
 
     @abstractmethod
     def start_epoch(self, epoch: int) -> None:

@@ -88,17 +88,27 @@ def activation_kernels(layer: nn.Module) -> Kernels | None:
 Steps = Sequence[Kernels | None]
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes a matmul in on ``x``'s device now, or None (autocast is off)."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
 def chain_forward(
-    steps: Steps, x: torch.Tensor, weights: Sequence[torch.Tensor | None]
+    steps: Steps, x: torch.Tensor, weights: Sequence[torch.Tensor | None], dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Every step in turn on ``x`` ``(m, N, in)``: the output, and what the backward reads (each Linear's
-    input, each activation's input or output, one per step)."""
+    input, each activation's input or output, one per step). With ``dtype`` (mixed precision) the input and
+    every weight are cast to it first, as autocast casts a matmul's operands; the backward follows the
+    saved tensors' dtype."""
     saved: list[torch.Tensor] = []
-    h, k = x, 0
+    h, k = x if dtype is None else x.to(dtype), 0
     for step in steps:
         if step is None:
             weight, bias = weights[k], weights[k + 1]
             assert weight is not None
+            if dtype is not None:
+                weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
             k += 2
             saved.append(h)
             if bias is None:
@@ -128,9 +138,14 @@ def chain_backward(
     """The steps backwards from ``grad`` (the output's): ``∂x = ∂y @ W``, ``∂W = ∂yᵀ @ x`` (the weight's
     layout), ``∂b = Σₙ ∂y``. Returns the input's gradient (None unless ``input_grad``) and each weight's
     (None where not ``wanted``). With ``into``, each weight's gradient is written into ``into[k]`` instead
-    (added to it with ``add``, else overwriting it) and ``ready(k)`` is called as soon as it is there."""
+    (added to it with ``add``, else overwriting it) and ``ready(k)`` is called as soon as it is there.
+
+    The arithmetic runs in the saved tensors' dtype (16 bits under mixed precision); a gradient row of
+    another dtype (the fp32 master rows) receives the product cast, added or copied."""
     grads: list[torch.Tensor | None] = [None] * len(weights)
     k = len(weights)
+    dtype = saved[0].dtype
+    grad = grad.to(dtype)
     for i in range(len(steps) - 1, -1, -1):
         step, kept = steps[i], saved[i]
         if step is not None:
@@ -138,7 +153,11 @@ def chain_backward(
             continue
         k -= 2
         weight, bias = weights[k], weights[k + 1]
-        if into is None:
+        assert weight is not None
+        weight = weight.to(dtype)
+        if into is not None and into[k].dtype != dtype:  # type: ignore[union-attr]
+            _cast_into(into, k, grad, kept, bias is not None, add)
+        elif into is None:
             if wanted[k]:
                 grads[k] = torch.bmm(grad.transpose(1, 2), kept)
             if bias is not None and wanted[k + 1]:
@@ -168,8 +187,9 @@ class _Chain(torch.autograd.Function):
     def forward(
         ctx: Any, steps: Steps, sink: GradSink | None, x: torch.Tensor, *weights: torch.Tensor | None
     ) -> torch.Tensor:
-        """Every step in turn; keeps each Linear's input and each activation's input or output."""
-        h, saved = chain_forward(steps, x, weights)
+        """Every step in turn (in autocast's dtype when autocast is on); keeps each Linear's input and each
+        activation's input or output."""
+        h, saved = chain_forward(steps, x, weights, autocast_dtype(x))
         ctx.steps, ctx.sink, ctx.params = steps, sink, weights
         # Through save_for_backward, not attributes: the output may be among them (a reference cycle
         # otherwise), and autograd then checks that nothing was changed in place before the backward.
@@ -198,6 +218,21 @@ class _Chain(torch.autograd.Function):
             ready=None if into is None else lambda k: sink.written(params[k]),
         )
         return (None, None, grad_x, *grads)
+
+
+def _cast_into(
+    into: Sequence[torch.Tensor | None], k: int, grad: torch.Tensor, kept: torch.Tensor, bias: bool, add: bool
+) -> None:
+    """Weight ``k``'s (and its bias's) gradient computed in ``grad``'s dtype, then added or copied into rows
+    of another dtype (mixed precision: 16-bit products, fp32 rows)."""
+    weight_row, bias_row = into[k], into[k + 1]
+    assert weight_row is not None
+    product = torch.bmm(grad.transpose(1, 2), kept)
+    weight_row.add_(product) if add else weight_row.copy_(product)
+    if bias:
+        assert bias_row is not None
+        total = grad.sum(1, dtype=bias_row.dtype)
+        bias_row.add_(total) if add else bias_row.copy_(total)
 
 
 def grad_rows(weights: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:

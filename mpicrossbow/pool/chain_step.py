@@ -29,6 +29,7 @@ from torch import nn
 from .batched_chain import chain_backward, chain_forward, grad_rows
 from .fuse import FusedFlatten, FusedNetwork
 from .fused_chain import FusedChain
+from .precision import FP32, Precision
 from .replica_loss import cross_entropy_and_grad
 
 
@@ -61,17 +62,22 @@ class ChainStep:
         inputs: torch.Tensor,
         targets: torch.Tensor,
         written: Callable[[torch.Tensor], None] | None = None,
+        precision: Precision = FP32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every replica's step on ``inputs`` ``(m, N, …)`` and ``targets`` ``(m, N)``: its gradients written
         into the weights' ``.grad``; returns each replica's mean loss ``(m,)`` and the output ``(m, N, C)``.
         ``written(weight)`` is called as soon as a weight's gradient is there (a :class:`~.grad_sink.GradSink`
-        telling the pool's watchers)."""
+        telling the pool's watchers).
+
+        ``precision``: the chain computes in its autocast dtype (the loss in fp32, as autocast computes it),
+        and the loss's gradient starts at its loss scale instead of 1 — the one place a step by hand takes
+        the scale; every gradient below it carries the factor, as autograd's would."""
         with torch.no_grad():
             h = inputs
             for layer in self.prefix:
                 h = layer(h)
-            output, saved = chain_forward(self.chain.steps, h, self.weights)
-            losses, grad = cross_entropy_and_grad(output, targets)
+            output, saved = chain_forward(self.chain.steps, h, self.weights, precision.dtype)
+            losses, grad = cross_entropy_and_grad(output.float(), targets, precision.scale)
             into = grad_rows(self.weights)
             chain_backward(
                 self.chain.steps,

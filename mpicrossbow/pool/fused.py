@@ -68,6 +68,7 @@ from .fuse import FlatSlots, FusedNetwork, synchronize
 from .fused_chain import FusedChain, chain_runs
 from .grad_sink import GradSink
 from .learner import evaluate
+from .precision import Precision
 from .replicated_network import ReplicatedNetwork
 from .serial import learner_data
 from .spec import PoolSpec
@@ -140,6 +141,7 @@ class FusedPool(LearnerPool):
         if learners < 1:
             raise ValueError(f"learners must be >= 1, got {learners}")
         self.model, self.spec, self.device, self.m = model, spec, device, learners
+        self.precision = Precision.of(spec.optim, device)
         replicas = [model.module().to(device) for _ in range(learners)]
         self.datas, self._n_batch_train = learner_data(model, spec)
         #: In-memory shards of one layout are held stacked and drawn in one index (None: apart).
@@ -350,15 +352,17 @@ class FusedPool(LearnerPool):
         sink = self._sink
         if by_hand:
             assert self._chain_step is not None
-            losses, output = self._chain_step(inputs, targets, sink.written if sink.watchers else None)
+            written = sink.written if sink.watchers else None
+            losses, output = self._chain_step(inputs, targets, written, self.precision)
             with torch.no_grad():
                 return losses, self._hits(output, targets)
         with sink.open():
-            output = self.fused(inputs)
-            losses = self._losses(output, targets)
+            with self.precision.autocast():
+                output = self.fused(inputs)
+                losses = self._losses(output, targets)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
-                losses.sum().backward()
+                self.precision.backward(losses.sum())
         with torch.no_grad():
             return losses.detach(), self._hits(output, targets)
 
@@ -369,17 +373,21 @@ class FusedPool(LearnerPool):
             module = learner.module
             if not module.training:
                 module.train()
-            output = module(x)
-            loss = self.model.loss(output, y)
-            loss.backward()
+            with self.precision.autocast():
+                output = module(x)
+                loss = self.model.loss(output, y)
+            self.precision.backward(loss)
             with torch.no_grad():
-                losses.append(loss.detach())
+                losses.append(loss.detach().float())
                 hit = self.model.correct(output, y)
                 hits.append(torch.as_tensor(hit, dtype=torch.float64, device=x.device))
         return torch.stack(losses), torch.stack(hits)
 
     def grad_layout(self) -> list[tuple[int, int]] | None:
-        """Each fused parameter's (column offset, numel of one replica's slice) in a row of ``grads2d``."""
+        """Each fused parameter's (column offset, numel of one replica's slice) in a row of ``grads2d``; None
+        under a loss scale (:meth:`~.base.LearnerPool.scaled_gradients`)."""
+        if self.scaled_gradients:
+            return None
         return [(o, p.numel() // self.m) for o, p in zip(self.fused_offsets, self.fused_params, strict=True)]
 
     def watch_gradients(self, ready: Callable[[int, int], None]) -> Callable[[], None]:
@@ -443,6 +451,7 @@ class FusedPool(LearnerPool):
             "stats": self._stats.clone(),
             "samples": self._samples,
             "form": self.choice.state_dict(),
+            **self.precision_state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -461,6 +470,7 @@ class FusedPool(LearnerPool):
         self._samples = int(state["samples"])
         if "form" in state:
             self.choice.load_state_dict(state["form"])
+        self.load_precision_state(state)
 
     def resize(self, learners: int) -> None:
         """Rebuild for ``learners`` replicas between epochs (auto-tuner); rows kept, new rows copy row 0.
@@ -472,6 +482,7 @@ class FusedPool(LearnerPool):
         old_state = self.optimizer.state_dict()["state"]
         close_datas(self.datas)
         fresh = FusedPool(self.model, self.spec.resized(learners))
+        fresh.precision = self.precision  # one loss scale through the run
         rows = [j if j < old_m else 0 for j in range(learners)]
         fresh.params2d.copy_(old_params[rows])
         fresh.buffers2d.copy_(old_buffers[rows])
@@ -515,7 +526,12 @@ class FusedPool(LearnerPool):
         """Evaluate learner 0 (or ``params`` loaded into it) on every learner's val shard, or on ``data``."""
         with params_loaded(self.learners[0], params) as learner:
             sets = [data] if data is not None else self.datas
-            return summed([evaluate(learner.module, self.model, self.device, d.val_batches()) for d in sets])
+            return summed(
+                [
+                    evaluate(learner.module, self.model, self.device, d.val_batches(), self.precision)
+                    for d in sets
+                ]
+            )
 
 
 def fused_network(root: nn.Module, slots: FlatSlots, owner: str) -> nn.Module:

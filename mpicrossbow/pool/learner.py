@@ -11,6 +11,7 @@ from torch import nn
 from ..config import OptimSection
 from ..errors import CheckpointError, ContractError
 from .flat import attach_flat_grads, flatten_into_buffer
+from .precision import FP32, Precision
 
 
 class Learner:
@@ -21,8 +22,17 @@ class Learner:
     :meth:`take_stats` reads them.
     """
 
-    def __init__(self, module: nn.Module, model: Any, optim: OptimSection, device: torch.device) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        model: Any,
+        optim: OptimSection,
+        device: torch.device,
+        precision: Precision = FP32,
+    ) -> None:
         self.model = model
+        #: The pool's precision: the forward's autocast and the loss scale (one for every learner).
+        self.precision = precision
         self.device = device
         self.module = module.to(device)
         self.param_list = [p for p in self.module.parameters() if p.requires_grad]
@@ -50,11 +60,12 @@ class Learner:
         self.grads.zero_()
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        output = self.module(inputs)
-        loss = self.model.loss(output, targets)
-        loss.backward()
+        with self.precision.autocast():
+            output = self.module(inputs)
+            loss = self.model.loss(output, targets)
+        self.precision.backward(loss)
         with torch.no_grad():
-            self.last_loss = loss.detach()
+            self.last_loss = loss.detach().float()
             hits = torch.as_tensor(
                 self.model.correct(output, targets), dtype=torch.float64, device=self.device
             )
@@ -101,12 +112,15 @@ class Learner:
 
     def evaluate(self, batches: Any) -> tuple[float, float, float]:
         """(loss sum, hits, samples) of this replica over ``batches``, in eval mode."""
-        return evaluate(self.module, self.model, self.device, batches)
+        return evaluate(self.module, self.model, self.device, batches, self.precision)
 
 
 @torch.no_grad()
-def evaluate(module: nn.Module, model: Any, device: torch.device, batches: Any) -> tuple[float, float, float]:
-    """(loss sum, hits, samples) of one replica ``module`` over ``batches``, in eval mode.
+def evaluate(
+    module: nn.Module, model: Any, device: torch.device, batches: Any, precision: Precision = FP32
+) -> tuple[float, float, float]:
+    """(loss sum, hits, samples) of one replica ``module`` over ``batches``, in eval mode, in the arithmetic
+    it trains in (``precision``'s autocast).
 
     Shared by every engine, so a replica validates the same way whichever engine trained it.
     """
@@ -114,8 +128,10 @@ def evaluate(module: nn.Module, model: Any, device: torch.device, batches: Any) 
     loss_sum, hits, n = 0.0, 0.0, 0.0
     for inputs, targets in batches:
         inputs, targets = inputs.to(device), targets.to(device)
-        output = module(inputs)
-        loss_sum += float(model.loss(output, targets)) * len(targets)
+        with precision.autocast():
+            output = module(inputs)
+            loss = model.loss(output, targets)
+        loss_sum += float(loss) * len(targets)
         hits += float(model.correct(output, targets))
         n += len(targets)
     return loss_sum, hits, n

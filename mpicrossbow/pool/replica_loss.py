@@ -47,8 +47,11 @@ def _backward(
     return torch.ops.aten._log_softmax_backward_data(grad_nll, log_p, 1, log_p.dtype).view(m, n, -1)
 
 
-def cross_entropy_and_grad(output: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each replica's mean loss ``(m,)`` and the gradient of their sum with respect to ``output``."""
+def cross_entropy_and_grad(
+    output: torch.Tensor, targets: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each replica's mean loss ``(m,)`` and the gradient of ``scale`` times their sum with respect to
+    ``output`` (``scale``: fp16's loss scale, 1 otherwise)."""
     losses, log_p, total = _forward(output, targets)
-    ones = torch.ones((), dtype=losses.dtype, device=losses.device).expand(output.shape[0])
-    return losses, _backward(ones, log_p, targets, total, output.shape[0])
+    seed = torch.full((), scale, dtype=losses.dtype, device=losses.device).expand(output.shape[0])
+    return losses, _backward(seed, log_p, targets, total, output.shape[0])

@@ -14,6 +14,7 @@ from ..model.shard import Shard
 from ..trace import span
 from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
 from .learner import Learner
+from .precision import Precision
 from .spec import PoolSpec
 
 
@@ -51,8 +52,10 @@ class SerialPool(LearnerPool):
 
     def __init__(self, model: Any, spec: PoolSpec) -> None:
         self.model, self.spec = model, spec
+        self.precision = Precision.of(spec.optim, spec.device)
         self.learners = [
-            Learner(model.module(), model, spec.optim, spec.device) for _ in range(spec.learners)
+            Learner(model.module(), model, spec.optim, spec.device, self.precision)
+            for _ in range(spec.learners)
         ]
         self._load_data()
         self._iters: list[TimedBatches] = []
@@ -80,7 +83,9 @@ class SerialPool(LearnerPool):
         while len(self.learners) > learners:
             self.learners.pop()
         while len(self.learners) < learners:
-            learner = Learner(self.model.module(), self.model, self.spec.optim, self.spec.device)
+            learner = Learner(
+                self.model.module(), self.model, self.spec.optim, self.spec.device, self.precision
+            )
             learner.params.copy_(first.params)
             learner.buffers.copy_(first.buffers)
             # A deep copy: load_state_dict keeps the very tensors it is given, and a momentum buffer
@@ -123,7 +128,10 @@ class SerialPool(LearnerPool):
         return [j for j, good in enumerate(ok) if not good]
 
     def grad_layout(self) -> list[tuple[int, int]] | None:
-        """Each trainable parameter's (offset, numel) in a learner's flat gradient (``param_list`` order)."""
+        """Each trainable parameter's (offset, numel) in a learner's flat gradient (``param_list`` order);
+        None under a loss scale (:meth:`~.base.LearnerPool.scaled_gradients`)."""
+        if self.scaled_gradients:
+            return None
         layout, offset = [], 0
         for p in self.learners[0].param_list:
             layout.append((offset, p.numel()))
@@ -146,7 +154,7 @@ class SerialPool(LearnerPool):
 
     def state_dict(self) -> dict[str, Any]:
         """Every learner's state, in learner order."""
-        return {"learners": [learner.state_dict() for learner in self.learners]}
+        return {"learners": [learner.state_dict() for learner in self.learners], **self.precision_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore every learner; the checkpoint must hold as many learners as this pool."""
@@ -157,6 +165,7 @@ class SerialPool(LearnerPool):
             )
         for learner, learner_state in zip(self.learners, saved, strict=True):
             learner.load_state_dict(learner_state)
+        self.load_precision_state(state)
 
     def apply(self) -> None:
         """Every learner's optimizer step."""

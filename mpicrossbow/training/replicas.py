@@ -70,6 +70,11 @@ def build_pool(
                 f"{config.modelclass} is a Theano-MPI-form model (it trains itself in train_iter): it runs "
                 "one learner per rank; [pool] learners and engine need a torch-native model"
             )
+        if config.optim.precision != "fp32":
+            raise ContractError(
+                f"{config.modelclass} is a Theano-MPI-form model (it computes its own step in train_iter): "
+                f"[optim] precision = {config.optim.precision} needs a torch-native model"
+            )
         trains = rule.trains(world.rank, world.size)
         part = rule.train_shard(world.rank, world.size) if trains else (0, 1)
         kwargs = {**theano_config(config, world, device, part), **config.model_params}

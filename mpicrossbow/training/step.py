@@ -1,8 +1,13 @@
 """``train_step``: the one place the step sequence is written.
 
-Every learner computes its gradients on its next batch, the rule sees them (``on_gradients``: BSP's
-allreduce), every learner applies its optimizer step, the rule exchanges (``exchange``: model averaging,
-elastic pulls, gossip, pushes to a server). The training loop, the tests and the benchmarks all call it.
+Every learner computes its gradients on its next batch (under the pool's precision: autocast, and fp16's
+loss scale), the loop's guard checks the loss, fp16's scaled gradients are divided back and the ranks agree
+whether any overflowed (:meth:`~mpicrossbow.pool.loss_scale.LossScale.unscale`: one allreduce of a flag, so
+no rank steps alone), the rule sees the gradients (``on_gradients``: BSP's allreduce), every learner
+applies its optimizer step, the rule exchanges (``exchange``: model averaging, elastic pulls, gossip, pushes
+to a server). A step whose gradients overflowed on some rank is skipped on every rank: neither rule hook
+nor the optimizer runs, so every collective the rule would have entered is skipped everywhere alike. The
+training loop, the tests and the benchmarks all call it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def train_step(
         pool.compute(step % pool.n_batch_train if count is None else count)
     if guard is not None:
         guard(step)
+    if not unscaled(pool, rule):
+        return 0.0
     before = time.perf_counter()
     rule.on_gradients(step)
     between = time.perf_counter()
@@ -43,3 +50,16 @@ def train_step(
     end = time.perf_counter()
     complete("exchange", "exchange", after, end)
     return (between - before) + (end - after)
+
+
+def unscaled(pool: LearnerPool, rule: Rule) -> bool:
+    """fp16: divide the loss scale out of every learner's gradient and agree across the rule's ranks (a
+    synchronous rule's; an asynchronous rank decides alone) whether any overflowed; True when the step goes
+    on. Without a loss scale: True at once."""
+    scale = pool.precision.loss_scale
+    if scale is None:
+        return True
+    with span("unscale", "compute"):
+        return scale.unscale(
+            [learner.grads for learner in pool.learners], rule.comm if rule.synchronous else None
+        )
