@@ -8,20 +8,28 @@ samples/s, fused ÷ serial and fused ÷ bound. Torch threads are set explicitly 
 2-core machine when two ranks run; 2 = the whole machine). ``--device cuda`` runs the grid on the GPU instead
 (CUDA synchronised around every timed round), where ``--engines serial,fused,streams`` adds the streams engine
 (one CUDA stream per learner) as a column; benchmarks/gpu.sh runs it that way and writes to results/gpu.md
-(``--out gpu``).
+(``--out gpu``). On CUDA every engine's peak GPU memory is measured too (``torch.cuda.max_memory_allocated``
+over building the pool and its warm-up steps, less what was allocated before it, reset for every pool), and
+a second table gives learners per GPU: m learners' samples/s ÷ one learner's, with those peaks.
+
+``--precisions fp32,bf16`` measures the engines at each ``[optim] precision`` instead (the pools built with
+``OptimSection(precision=...)``; bf16 autocast runs on the CPU too): samples/s and the ratio of every
+precision to the first, side by side in the same alternating rounds, without the bound.
 
     python -m benchmarks.pool             # full grid, 1 and 2 threads; appends to results/pool.md + PNG
     python -m benchmarks.pool --quick     # m ∈ {1, 8}, batch ∈ {4, 16}, 1 thread, short rounds
     python -m benchmarks.pool --device cuda --engines serial,fused,streams --models resnet50 --out gpu
+    python -m benchmarks.pool --device cuda --precisions fp32,bf16 --learners 1,8 --batches 32 --out gpu
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +54,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--engines", default="serial,fused", help="comma list of serial,fused,streams (streams: cuda only)"
     )
+    parser.add_argument(
+        "--precisions",
+        default="fp32",
+        help="comma list of [optim] precision values (fp32, bf16, fp16); two or more: measure each engine "
+        "at each precision, and the ratio to the first, instead of the engine grid",
+    )
     parser.add_argument("--out", default="pool", help="results/<OUT>.md to append to (gpu.sh: gpu)")
     parser.add_argument("--rounds", type=int, default=5, help="timed alternating rounds per engine")
     parser.add_argument("--round-seconds", type=float, default=0.5, help="target length of one round")
@@ -63,11 +77,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     if "streams" in args.engines and args.device != "cuda":
         parser.error("--engines streams needs --device cuda (the streams engine runs on CUDA devices only)")
+    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if not args.precisions or not set(args.precisions) <= set(PRECISIONS):
+        parser.error(f"--precisions takes a comma list of {', '.join(PRECISIONS)}; got {args.precisions}")
+    if len(set(args.precisions)) != len(args.precisions):
+        parser.error(f"--precisions names a precision twice: {args.precisions}")
     return args
 
 
 #: Engines this script can time (the bound is always measured: one serial learner at batch m·b).
 ENGINES = ("serial", "fused", "streams")
+#: ``[optim] precision`` values ``--precisions`` takes.
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def check_device(device: str) -> None:
@@ -172,6 +193,8 @@ class Row:
     streams: float | None = None
     #: The form the fused engine chose (``[pool] fuse = auto``): fused network or replicas one after another.
     form: str = "fused"
+    #: Peak GPU memory in MiB by engine (and "bound"), measured on CUDA only.
+    memory: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -191,39 +214,71 @@ def run_steps(pool: Any, steps: int, state: dict[str, int]) -> None:
         state["count"] += 1
 
 
-def measure(
-    model: Any, m: int, batch: int, args: argparse.Namespace, device: Any
-) -> tuple[dict[str, float], float, int, str]:
-    """Median samples/s of every engine in ``args.engines`` and of the bound (by name) over alternating
-    rounds, the CPU-time ratio of serial to fused, steps per round, the form the fused engine chose."""
+@dataclass
+class Timing:
+    """What :func:`time_pools` measured for each pool, by name."""
+
+    #: Median samples/s (learners × batch × steps ÷ a round's wall time).
+    rate: dict[str, float]
+    #: Median process CPU seconds of a round.
+    cpu: dict[str, float]
+    #: Steps per timed round.
+    steps: int
+    #: Peak GPU memory in MiB (CUDA only): the most allocated while the pool was built and warmed up, less
+    #: what was allocated before it was built.
+    memory: dict[str, float]
+    #: The form each fused pool chose (``[pool] fuse = auto``).
+    form: dict[str, str]
+
+
+def optim_for(precision: str) -> Any:
+    """The benchmark's SGD recipe at ``precision`` (``[optim] precision``; fp32 leaves it at its default)."""
+    from mpicrossbow.config import OptimSection
+
+    extra = {} if precision == "fp32" else {"precision": precision}
+    return OptimSection(lr=0.01, momentum=0.9, weight_decay=5e-4, **extra)
+
+
+def time_pools(
+    model: Any, makers: dict[str, tuple[type, int, int, Any]], args: argparse.Namespace, device: Any
+) -> Timing:
+    """Build a pool per ``makers`` entry, ``name: (engine class, batch per learner, learners, optim)``, from
+    the same torch seed, warm each up (the fused engine until it has chosen its form), then time them in
+    alternating rounds (the order reversed every other round, so machine noise hits them alike)."""
     import torch
 
-    from mpicrossbow.config import OptimSection
-    from mpicrossbow.pool import FusedPool, PoolSpec, SerialPool
-    from mpicrossbow.pool.streams import StreamsPool
+    from mpicrossbow.pool import PoolSpec
 
-    optim = OptimSection(lr=0.01, momentum=0.9, weight_decay=5e-4)
-    pools = {}
-    engines = {"serial": SerialPool, "fused": FusedPool, "streams": StreamsPool}
-    for name, cls, b, learners in [*((e, engines[e], batch, m) for e in args.engines),
-                                   ("bound", SerialPool, m * batch, 1)]:  # fmt: skip
-        torch.manual_seed(0)
-        pools[name] = cls(model, PoolSpec(0, 1, b, optim, device, seed=0, learners=learners))
-        pools[name].start_epoch(0)
-    states = {name: {"epoch": 0, "count": 0} for name in pools}
+    cuda = device.type == "cuda"
 
     def sync() -> None:
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize(device)
 
-    # Warm up every pool (the fused engine until it has chosen its form), and size a round from the serial
-    # engine's step time.
-    for name, pool in pools.items():
+    if cuda:  # the previous point's pools, held by reference cycles, must not count against this one
+        gc.collect()
+        torch.cuda.empty_cache()
+    pools: dict[str, Any] = {}
+    states = {name: {"epoch": 0, "count": 0} for name in makers}
+    memory: dict[str, float] = {}
+    for name, (cls, b, learners, optim) in makers.items():
+        if cuda:
+            sync()
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        torch.manual_seed(0)
+        pools[name] = pool = cls(model, PoolSpec(0, 1, b, optim, device, seed=0, learners=learners))
+        pool.start_epoch(0)
         choice = getattr(pool, "choice", None)
         run_steps(pool, 2 + (choice.steps_to_decide if choice is not None else 0), states[name])
+        if cuda:
+            sync()
+            memory[name] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    # Size a round from the first pool's step time.
+    first = next(iter(pools))
     sync()
     t0 = time.perf_counter()
-    run_steps(pools["serial"], 1, states["serial"])
+    run_steps(pools[first], 1, states[first])
     sync()
     steps = max(1, min(100, round(args.round_seconds / max(time.perf_counter() - t0, 1e-6))))
     order = list(pools)
@@ -237,10 +292,32 @@ def measure(
             sync()
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-    n = steps * m * batch
-    cpu_ratio = statistics.median(cpu["serial"]) / max(statistics.median(cpu["fused"]), 1e-9)
-    rate = {name: n / statistics.median(times[name]) for name in order}
-    return rate, cpu_ratio, steps, pools["fused"].choice.chosen or "fused"
+    rate = {name: steps * m * b / statistics.median(times[name]) for name, (_, b, m, _) in makers.items()}
+    forms = {
+        name: getattr(pool.choice, "chosen", None) or "fused"
+        for name, pool in pools.items()
+        if getattr(pool, "choice", None) is not None
+    }
+    return Timing(rate, {n: statistics.median(c) for n, c in cpu.items()}, steps, memory, forms)
+
+
+def engine_classes() -> dict[str, type]:
+    """The engines' pool classes by name."""
+    from mpicrossbow.pool import FusedPool, SerialPool
+    from mpicrossbow.pool.streams import StreamsPool
+
+    return {"serial": SerialPool, "fused": FusedPool, "streams": StreamsPool}
+
+
+def measure(model: Any, m: int, batch: int, args: argparse.Namespace, device: Any) -> tuple[Timing, float]:
+    """Every engine in ``args.engines`` and the bound (one serial learner at batch m·b) at
+    ``args.precisions[0]``: their timing, and the CPU-time ratio of serial to fused."""
+    engines = engine_classes()
+    optim = optim_for(args.precisions[0])
+    makers = {e: (engines[e], batch, m, optim) for e in args.engines}
+    makers["bound"] = (engines["serial"], m * batch, 1, optim)
+    timing = time_pools(model, makers, args, device)
+    return timing, timing.cpu["serial"] / max(timing.cpu["fused"], 1e-9)
 
 
 def table(rows: list[Row]) -> str:
@@ -264,6 +341,93 @@ def table(rows: list[Row]) -> str:
             f"| {r.model} | {r.device} | {r.threads} | {r.m} | {r.batch} | {r.serial:,.0f} | {r.fused:,.0f} "
             f"| {r.bound:,.0f} | {r.ratio:.2f} | {r.cpu_ratio:.2f} | {r.fused / r.bound:.2f} | {versus_one} "
             f"| {r.form} |" + extra
+        )
+    return "\n".join(lines)
+
+
+def learners_table(rows: list[Row]) -> str:
+    """Learners per GPU: each engine's samples/s at m learners ÷ one learner's (the serial engine at m = 1 of
+    the same model, threads and batch), with each engine's peak GPU memory at that point ("–" where not
+    measured)."""
+    one = {(r.model, r.device, r.threads, r.batch): r.serial for r in rows if r.m == 1}
+    engines = ["serial", "fused"] + (["streams"] if any(r.streams is not None for r in rows) else [])
+    lines = [
+        "| model | batch/learner | m | "
+        + " | ".join(f"{e} ÷ one learner" for e in engines)
+        + " | "
+        + " | ".join(f"{e} peak MiB" for e in engines)
+        + " | bound peak MiB |",
+        "|---|---:|---:|" + "---:|" * (2 * len(engines) + 1),
+    ]
+    for r in rows:
+        base = one.get((r.model, r.device, r.threads, r.batch))
+        rates = {"serial": r.serial, "fused": r.fused, "streams": r.streams}
+        ratios = [f"{rates[e] / base:.2f}" if base and rates[e] is not None else "–" for e in engines]
+        peaks = [f"{r.memory[e]:,.0f}" if e in r.memory else "–" for e in [*engines, "bound"]]
+        lines.append(f"| {r.model} | {r.batch} | {r.m} | " + " | ".join(ratios + peaks) + " |")
+    return "\n".join(lines)
+
+
+@dataclass
+class PrecisionRow:
+    """One engine at one (model, m, batch) point, measured at every precision side by side."""
+
+    model: str
+    device: str
+    threads: int
+    m: int
+    batch: int
+    engine: str
+    #: samples/s by precision.
+    rate: dict[str, float]
+    #: Peak GPU memory in MiB by precision (CUDA only).
+    memory: dict[str, float] = field(default_factory=dict)
+
+
+def measure_precisions(
+    model: Any, m: int, batch: int, args: argparse.Namespace, device: Any
+) -> list[PrecisionRow]:
+    """Every engine in ``args.engines`` at every precision in ``args.precisions``, in the same alternating
+    rounds: one row per engine."""
+    engines = engine_classes()
+    makers = {f"{e}@{p}": (engines[e], batch, m, optim_for(p)) for e in args.engines for p in args.precisions}
+    timing = time_pools(model, makers, args, device)
+    return [
+        PrecisionRow(
+            "",
+            device.type,
+            0,
+            m,
+            batch,
+            e,
+            {p: timing.rate[f"{e}@{p}"] for p in args.precisions},
+            {p: timing.memory[f"{e}@{p}"] for p in args.precisions if f"{e}@{p}" in timing.memory},
+        )
+        for e in args.engines
+    ]
+
+
+def precision_table(rows: list[PrecisionRow], precisions: list[str]) -> str:
+    """Markdown table: samples/s at every precision, every other precision ÷ the first, peak GPU memory."""
+    ref, others = precisions[0], precisions[1:]
+    lines = [
+        "| model | device | threads | m | batch/learner | engine | "
+        + " | ".join(f"{p} samples/s" for p in precisions)
+        + " | "
+        + " | ".join(f"{p} ÷ {ref}" for p in others)
+        + " | "
+        + " | ".join(f"{p} peak MiB" for p in precisions)
+        + " |",
+        "|---|---|---:|---:|---:|---|" + "---:|" * (2 * len(precisions) + len(others)),
+    ]
+    for r in rows:
+        cells = [f"{r.rate[p]:,.0f}" for p in precisions]
+        cells += [f"{r.rate[p] / r.rate[ref]:.2f}" for p in others]
+        cells += [f"{r.memory[p]:,.0f}" if p in r.memory else "–" for p in precisions]
+        lines.append(
+            f"| {r.model} | {r.device} | {r.threads} | {r.m} | {r.batch} | {r.engine} | "
+            + " | ".join(cells)
+            + " |"
         )
     return "\n".join(lines)
 
@@ -418,24 +582,71 @@ def main() -> int:
     learners = [int(v) for v in args.learners.split(",")]
     batches = [int(v) for v in args.batches.split(",")]
     device = torch.device(args.device)
-    rows: list[Row] = []
     thread_counts = [int(v) for v in args.threads.split(",")] if device.type == "cpu" else [1]
-    for threads in thread_counts:
+    points = [
+        (threads, key, batch, m) for threads in thread_counts for key in wanted for batch in batches
+        for m in learners
+    ]  # fmt: skip
+    if len(args.precisions) > 1:
+        return main_precisions(args, catalogue, points, device)
+    rows: list[Row] = []
+    for threads, key, batch, m in points:
         torch.set_num_threads(threads)
-        for key in wanted:
-            label, model = catalogue[key]
-            for batch in batches:
-                for m in learners:
-                    rate, cpu_ratio, steps, form = measure(model, m, batch, args, device)
-                    row = Row(label, device.type, threads, m, batch, rate["serial"], rate["fused"],
-                              rate["bound"], cpu_ratio, steps, rate.get("streams"), form)  # fmt: skip
-                    rows.append(row)
-                    print(table([row]).splitlines()[-1], flush=True)
+        label, model = catalogue[key]
+        timing, cpu_ratio = measure(model, m, batch, args, device)
+        rate = timing.rate
+        row = Row(label, device.type, threads, m, batch, rate["serial"], rate["fused"], rate["bound"],
+                  cpu_ratio, timing.steps, rate.get("streams"), timing.form["fused"],
+                  timing.memory)  # fmt: skip
+        rows.append(row)
+        print(table([row]).splitlines()[-1], flush=True)
     extra = "\n\n" + layout_costs(catalogue) + "\n\n" + forward_paths(catalogue)
     text = table(rows) + (extra if device.type == "cpu" and not args.quick else "")
+    if device.type == "cuda":
+        text += (
+            "\n\nLearners per GPU: samples/s at m learners ÷ one learner's (the serial engine at m = 1, same "
+            "batch); peak MiB = torch.cuda.max_memory_allocated over building the engine's pool and its "
+            "warm-up steps (the fused engine's trial of both forms included), less what was allocated "
+            "before, reset for every pool.\n\n" + learners_table(rows)
+        )
     print(text)
     if not args.no_write:
         write(rows, text, args)
+    return 0
+
+
+def main_precisions(
+    args: argparse.Namespace, catalogue: dict[str, Any], points: list[tuple[int, str, int, int]], device: Any
+) -> int:
+    """``--precisions`` with two or more values: every engine at every precision, the table, results/."""
+    import torch
+
+    rows: list[PrecisionRow] = []
+    for threads, key, batch, m in points:
+        torch.set_num_threads(threads)
+        label, model = catalogue[key]
+        for row in measure_precisions(model, m, batch, args, device):
+            row.model, row.threads = label, threads
+            rows.append(row)
+            print(precision_table([row], args.precisions).splitlines()[-1], flush=True)
+    tf32 = getattr(optim_for("fp32"), "tf32", None)
+    head = (
+        f"Each engine with `[optim] precision` = {', '.join(args.precisions)} (pools built with "
+        "`OptimSection(precision=...)`: autocast around the learners' forward, weights, gradients and "
+        f"optimizer state in fp32), {args.rounds} alternating timed rounds of about {args.round_seconds} s "
+        "(median), after 2 warm-up steps (the fused engine's until it has chosen its form). samples/s = m × "
+        "batch × steps ÷ wall time; peak MiB (CUDA only) = torch.cuda.max_memory_allocated over building the "
+        "pool and its warm-up steps, less what was allocated before"
+        + (f"; on CUDA fp32 runs with `[optim] tf32 = {str(tf32).lower()}`" if tf32 is not None else "")
+        + "."
+    )
+    text = head + "\n\n" + precision_table(rows, args.precisions)
+    print(text)
+    if not args.no_write:
+        where = "GPU" if device.type == "cuda" else "CPU"
+        title = f"Pool engines at {' vs '.join(args.precisions)}, on the {where}"
+        line = f"{versions()}; {gpu_versions()}" if device.type == "cuda" else None
+        print("appended to", append_result(args.out, title, text, versions_line=line))
     return 0
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import ddp, exchange, gpu, pool
+from benchmarks import ddp, exchange, gpu, gpu_train, pool
 from conftest import REPO
 from models.lenet import LeNet
 from models.mnist1d import MNIST1DCNN
@@ -149,12 +149,18 @@ def fake_python(tmp_path: Path, fail: str = "") -> tuple[Path, Path]:
     return script, log
 
 
-def run_gpu_sh(python: Path | str, budget: int | None = None) -> subprocess.CompletedProcess[str]:
-    """bash benchmarks/gpu.sh with PYTHON=python (from another folder: it must find the repository itself)."""
+def run_gpu_sh(
+    python: Path | str, budget: int | None = None, steps: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """bash benchmarks/gpu.sh with PYTHON=python (from another folder: it must find the repository itself),
+    GPU_SH_SECONDS=budget and GPU_SH_STEPS=steps where given."""
     env = dict(os.environ, PYTHON=str(python))
     env.pop("GPU_SH_SECONDS", None)
+    env.pop("GPU_SH_STEPS", None)
     if budget is not None:
         env["GPU_SH_SECONDS"] = str(budget)
+    if steps is not None:
+        env["GPU_SH_STEPS"] = steps
     return subprocess.run(
         ["bash", str(GPU_SH)], cwd="/", env=env, capture_output=True, text=True, timeout=120
     )
@@ -179,23 +185,47 @@ def test_gpu_sh_runs_every_step_in_order_and_notes_a_failure(tmp_path: Path) -> 
     assert calls[1] == "-m benchmarks.gpu cuda"
     assert calls[2] == "-m benchmarks.gpu header --tests 4 passed, 1004 deselected in 9.00s --tests-rc 0"
     rest = [c.split()[1] for c in calls[3:]]
-    assert rest == ["benchmarks.pool"] * 2 + ["benchmarks.ddp", "benchmarks.gpu", "benchmarks.exchange"]
-    assert "--models resnet20" in calls[3] and "--models resnet50" in calls[4]
-    assert all("--device cuda" in c and "--out gpu" in c for c in calls[3:6] + calls[7:])
-    assert "--engines serial,fused,streams --learners 1,2,4,8,16 --batches 16,32" in calls[3]
-    assert calls[6].startswith("-m benchmarks.gpu note --step BSP vs DDP-NCCL --rc 3 --limit ")
+    assert rest == ["benchmarks.pool"] * 3 + ["benchmarks.ddp", "benchmarks.gpu", "benchmarks.exchange"] + [
+        "benchmarks.gpu_train",
+        "benchmarks.pool",
+    ]
+    learners, bf16_20, bf16_50, _, note, _, train, resnet50 = calls[3:]
+    assert all("--device cuda" in c and "--out gpu" in c for c in calls[3:] if c != note)
+    assert "--engines serial,fused,streams --learners 1,2,4,8,16 --batches 16,32" in learners
+    assert learners.endswith("--models resnet20") and resnet50.endswith("--models resnet50")
+    assert "--precisions fp32,bf16" in bf16_20 and bf16_20.endswith("--models resnet20")
+    assert "--precisions fp32,bf16" in bf16_50 and bf16_50.endswith("--models resnet50")
+    assert "--engines serial,fused,streams" in train
+    assert note.startswith("-m benchmarks.gpu note --step BSP vs DDP-NCCL --rc 3 --limit ")
 
 
 def test_gpu_sh_past_its_budget_starts_no_step(tmp_path: Path) -> None:
     python, log = fake_python(tmp_path)
     proc = run_gpu_sh(python, budget=10)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-2000:]
     notes = [c for c in log.read_text(encoding="utf-8").splitlines() if " note " in c]
-    assert len(notes) == 4 and all(n.endswith("--rc 124 --limit 0") for n in notes)
+    assert len(notes) == 7 and all(n.endswith("--rc 124 --limit 0") for n in notes)
+    assert "CUDA tests not started: the budget of 10 s is spent" in proc.stdout
     assert "not started, gpu.sh's time budget" in gpu.note_text("pool, ResNet-50", 124, 0)
     assert "stopped after its limit of 180 s" in gpu.note_text("pool, ResNet-50", 124, 180)
     assert "failed with exit status 1" in gpu.note_text("pool, ResNet-50", 1, 180)
     assert "FAILED (pytest exit status 1)" in gpu.header_text("1 failed", 1)
+    assert "`pytest -m cuda tests`): left out; not run (GPU_SH_STEPS=train)." in gpu.header_text(
+        "not run (GPU_SH_STEPS=train)", 0
+    )
+
+
+def test_gpu_sh_runs_only_the_steps_gpu_sh_steps_names(tmp_path: Path) -> None:
+    """A second try on a lent GPU: GPU_SH_STEPS=train,resnet50 runs those two steps and no CUDA tests."""
+    python, log = fake_python(tmp_path)
+    proc = run_gpu_sh(python, steps="train,resnet50")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    calls = log.read_text(encoding="utf-8").splitlines()
+    assert calls[0] == "-m benchmarks.gpu cuda"
+    assert calls[1] == "-m benchmarks.gpu header --tests not run (GPU_SH_STEPS=train,resnet50) --tests-rc 0"
+    assert [c.split()[1] for c in calls[2:]] == ["benchmarks.gpu_train", "benchmarks.pool"]
+    assert calls[3].endswith("--models resnet50")
+    assert proc.stdout.count("left out (GPU_SH_STEPS=train,resnet50)") == 5
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
@@ -227,6 +257,92 @@ def test_pool_engine_options() -> None:
     assert lines[0].endswith("| streams samples/s | streams ÷ serial |")
     assert lines[2].endswith("| – | – |") and lines[3].endswith("| 150 | 1.50 |")
     assert "streams" not in pool.table([pool.Row("m", "cpu", 1, 1, 4, 1.0, 1.0, 1.0, 1.0, 1)])
+
+
+def test_learners_per_gpu_table_divides_by_one_serial_learner_and_shows_each_peak() -> None:
+    one = pool.Row("R", "cuda", 1, 1, 16, 100.0, 110.0, 100.0, 1.0, 5, 105.0, memory={"serial": 10.0})
+    four = pool.Row("R", "cuda", 1, 4, 16, 120.0, 300.0, 320.0, 1.0, 5, 250.0)
+    four.memory = {"serial": 40.0, "fused": 52.5, "streams": 41.0, "bound": 30.0}
+    lines = pool.learners_table([one, four]).splitlines()
+    assert lines[0] == (
+        "| model | batch/learner | m | serial ÷ one learner | fused ÷ one learner | streams ÷ one learner "
+        "| serial peak MiB | fused peak MiB | streams peak MiB | bound peak MiB |"
+    )
+    assert lines[1].count("|") == lines[0].count("|")
+    assert lines[2] == "| R | 16 | 1 | 1.00 | 1.10 | 1.05 | 10 | – | – | – |"
+    assert lines[3] == "| R | 16 | 4 | 1.20 | 3.00 | 2.50 | 40 | 52 | 41 | 30 |"
+
+
+def test_pool_precisions_option_and_table() -> None:
+    assert pool.parse_args([]).precisions == ["fp32"]
+    assert pool.parse_args(["--precisions", "fp32,bf16"]).precisions == ["fp32", "bf16"]
+    for bad in (["--precisions", "fp32,fp8"], ["--precisions", "bf16,bf16"], ["--precisions", ","]):
+        with pytest.raises(SystemExit):
+            pool.parse_args(bad)
+    assert pool.optim_for("fp32") == pool.optim_for("fp32")  # fp32 passes no precision: the default
+    assert pool.optim_for("bf16").precision == "bf16"
+    row = pool.PrecisionRow("R", "cuda", 1, 8, 32, "fused", {"fp32": 1000.0, "bf16": 1500.0}, {"fp32": 100.0})
+    lines = pool.precision_table([row], ["fp32", "bf16"]).splitlines()
+    assert lines[0].endswith(
+        "| fp32 samples/s | bf16 samples/s | bf16 ÷ fp32 | fp32 peak MiB | bf16 peak MiB |"
+    )
+    assert lines[1].count("|") == lines[0].count("|")
+    assert lines[2] == "| R | cuda | 1 | 8 | 32 | fused | 1,000 | 1,500 | 1.50 | 100 | – |"
+
+
+def test_pool_precisions_run_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bf16 autocast runs on the CPU, so ``--precisions fp32,bf16`` measures there too (a tiny grid)."""
+    argv = ["pool", "--precisions", "fp32,bf16", "--models", "mlp", "--learners", "2", "--batches", "4",
+            "--threads", "1", "--rounds", "1", "--round-seconds", "0.01", "--no-write"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    threads = torch.get_num_threads()
+    try:
+        assert pool.main() == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| MLP")]
+    assert len(rows) == 4  # serial and fused, each printed as measured and again in the table
+    assert {row.split(" | ")[5] for row in rows} == {"serial", "fused"}
+    assert all(float(row.split(" | ")[8]) > 0 for row in rows)  # bf16 ÷ fp32
+
+
+def test_gpu_train_plans_a_cpu_reference_for_every_engine_and_tabulates() -> None:
+    jobs = gpu_train.plan(["serial", "fused", "streams"], "cuda")
+    assert [(j.engine, j.device) for j in jobs] == [
+        ("serial", "cuda0"), ("serial", "cpu0"), ("fused", "cuda0"), ("fused", "cpu0"), ("streams", "cuda0")
+    ]  # fmt: skip
+    assert [j.name for j in gpu_train.plan(["streams"], "cuda")] == ["streams-cuda0", "serial-cpu0"]
+    assert [j.name for j in gpu_train.plan(["serial", "fused"], "cpu")] == ["serial-cpu0", "fused-cpu0"]
+    args = gpu_train.parse_args(["--epochs", "3"])
+    cmd = gpu_train.command(gpu_train.Job("fused", "cuda0"), args, Path("out"))
+    assert cmd[1:5] == ["-m", "mpicrossbow.cli", "-cfg", "launch/digits.cfg"]
+    assert {"DEVICES=cuda0", "pool.engine=fused", "pool.learners=4", "session.epochs=3"} <= set(cmd)
+    with pytest.raises(SystemExit):
+        gpu_train.parse_args(["--device", "cpu"])  # the streams engine needs CUDA
+    job, done = gpu_train.Job, gpu_train.Outcome
+    outcomes = {
+        job("serial", "cuda0"): done(0.975, 2.0),
+        job("serial", "cpu0"): done(0.98, 3.0),
+        job("fused", "cuda0"): done(error="exit status 1: boom"),
+        job("streams", "cuda0"): done(0.97, 2.5),
+    }
+    lines = gpu_train.table(outcomes, ["serial", "fused", "streams"], "cuda", 4).splitlines()
+    assert lines[2] == "| serial | 4 | 97.50 % | 98.00 % | -0.50 | 2.0 | 3.0 |"
+    assert lines[3].startswith(
+        "| fused | 4 | failed: exit status 1: boom | not run (the step's time was spent) |"
+    )
+    assert lines[4] == "| streams | 4 | 97.00 % | 98.00 % (serial's) | -1.00 | 2.5 | 3.0 |"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
+def test_gpu_train_on_cuda_without_cuda_is_one_clear_line() -> None:
+    with pytest.raises(SystemExit) as stop:
+        gpu_train.main(["--no-write"])
+    assert str(stop.value) == (
+        "benchmarks.gpu_train: --device cuda needs a CUDA device, and torch.cuda.is_available() is False"
+    )
 
 
 def test_ddp_on_cuda_needs_a_gpu_per_rank() -> None:

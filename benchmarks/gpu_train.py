@@ -1,0 +1,235 @@
+"""One short real training run per pool engine on the GPU, its final validation accuracy next to the CPU's.
+
+For each engine (serial, fused, streams) it runs the job a user runs, ``crossbow-launch -cfg
+launch/digits.cfg DEVICES=cuda0 pool.engine=E pool.learners=4`` (one rank, the cfg's 20 epochs, as
+``python -m mpicrossbow.cli``), then the same cfg with ``DEVICES=cpu0`` on this machine's CPU: the CPU
+reference is measured in the same step, with the same code and libraries, rather than quoted from another
+machine (the digits job takes seconds on a CPU). The streams engine runs on CUDA only, so its CPU column is
+the serial engine's CPU run. Every run's final validation accuracy and training seconds come from its
+metrics.h5; the table is appended to results/gpu.md (``--out gpu``). benchmarks/gpu.sh runs it as one step,
+and its step limit (``GPU_SH_STEP_SECONDS``) is this script's deadline: a run that would start too late is
+listed as not run, so the table is written whatever the time allows.
+
+    python -m benchmarks.gpu_train                                  # every engine on cuda0, CPU references
+    python -m benchmarks.gpu_train --device cpu --engines serial,fused --epochs 2 --no-write   # no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.report import REPO, append_result, gpu_versions, versions
+
+#: Engines a run can use (streams: CUDA only).
+ENGINES = ("serial", "fused", "streams")
+#: What torch says on a machine without CUDA.
+NO_CUDA = "torch.cuda.is_available() is False"
+#: Seconds kept back from the deadline: a run is not started with less than this left.
+MIN_RUN_SECONDS = 15
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cfg", default="launch/digits.cfg", help="the session cfg (a path in the repository)"
+    )
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="where the measured runs train"
+    )
+    parser.add_argument(
+        "--engines", default="serial,fused,streams", help="comma list of serial,fused,streams"
+    )
+    parser.add_argument("--learners", type=int, default=4, help="[pool] learners of every run")
+    parser.add_argument("--epochs", type=int, default=0, help="[session] epochs (0: the cfg's)")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=float(os.environ.get("GPU_SH_STEP_SECONDS") or 900) - 10,
+        help="start no run after this many seconds (default: gpu.sh's step limit less 10, else 890)",
+    )
+    parser.add_argument("--run-timeout", type=float, default=180, help="the most one run may take, seconds")
+    parser.add_argument("--out", default="gpu", help="results/<OUT>.md to append to")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
+    args = parser.parse_args(argv)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not args.engines or not set(args.engines) <= set(ENGINES):
+        parser.error(f"--engines takes a comma list of {', '.join(ENGINES)}; got {args.engines}")
+    if "streams" in args.engines and args.device != "cuda":
+        parser.error("--engines streams needs --device cuda (the streams engine runs on CUDA devices only)")
+    return args
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run: the engine, and the device it trains on (``cuda0`` or ``cpu0``)."""
+
+    engine: str
+    device: str
+
+    @property
+    def name(self) -> str:
+        """The run folder's name."""
+        return f"{self.engine}-{self.device}"
+
+
+@dataclass
+class Outcome:
+    """What one run reached (``None`` where it did not finish) and, when it failed, why."""
+
+    accuracy: float | None = None
+    train_seconds: float | None = None
+    error: str | None = None
+
+
+def plan(engines: list[str], device: str) -> list[Job]:
+    """The runs in order: each engine on ``device`` (``cuda`` → cuda0, ``cpu`` → cpu0), followed on CUDA by
+    its CPU reference, except the streams engine's (CUDA only: the serial engine's CPU run serves)."""
+    jobs = []
+    for engine in engines:
+        jobs.append(Job(engine, f"{device}0"))
+        if device == "cuda" and engine != "streams":
+            jobs.append(Job(engine, "cpu0"))
+    if device == "cuda" and "streams" in engines and "serial" not in engines:
+        jobs.append(Job("serial", "cpu0"))
+    return jobs
+
+
+def command(job: Job, args: argparse.Namespace, out: Path) -> list[str]:
+    """The launcher command of ``job``: the cfg with the device, engine and learners as overrides."""
+    overrides = [
+        f"DEVICES={job.device}",
+        f"pool.engine={job.engine}",
+        f"pool.learners={args.learners}",
+        f"session.output={out}",
+        f"session.name={job.name}",
+        "session.progress=off",
+    ]
+    if args.epochs:
+        overrides.append(f"session.epochs={args.epochs}")
+    return [sys.executable, "-m", "mpicrossbow.cli", "-cfg", args.cfg, *overrides]
+
+
+def run(job: Job, args: argparse.Namespace, out: Path, timeout: float) -> Outcome:
+    """Run ``job`` in its own process group (a timeout ends the launcher, mpiexec and the rank together) and
+    read its metrics.h5."""
+    from mpicrossbow.training.metrics import read_metrics
+
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
+    proc = subprocess.Popen(
+        command(job, args, out),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return Outcome(error=f"stopped after {timeout:.0f} s")
+    print(output.rstrip()[-2000:], flush=True)
+    if proc.returncode != 0:
+        last = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]
+        return Outcome(error=f"exit status {proc.returncode}: {last[0][-200:]}")
+    attrs = read_metrics(out / job.name / "metrics.h5")["attrs"]
+    return Outcome(float(attrs["val_accuracy"]), float(attrs.get("train_seconds", float("nan"))))
+
+
+def cell(outcome: Outcome | None, what: str) -> str:
+    """One table cell: accuracy in %, or training seconds; the reason where the run has no result."""
+    if outcome is None:
+        return "not run (the step's time was spent)"
+    if outcome.error is not None:
+        return f"failed: {outcome.error}".replace("|", "/")
+    value = outcome.accuracy if what == "accuracy" else outcome.train_seconds
+    return "–" if value is None else (f"{100 * value:.2f} %" if what == "accuracy" else f"{value:.1f}")
+
+
+def table(outcomes: dict[Job, Outcome], engines: list[str], device: str, learners: int) -> str:
+    """One row per engine: the measured run on ``device`` and, on CUDA, the CPU reference beside it."""
+    if device != "cuda":
+        lines = ["| engine | learners | cpu0 final val accuracy | cpu0 training s |", "|---|---:|---:|---:|"]
+        for engine in engines:
+            here = outcomes.get(Job(engine, "cpu0"))
+            lines.append(f"| {engine} | {learners} | {cell(here, 'accuracy')} | {cell(here, 'seconds')} |")
+        return "\n".join(lines)
+    lines = [
+        "| engine | learners | cuda0 final val accuracy | cpu0 final val accuracy (same cfg) "
+        "| cuda − cpu, points | cuda0 training s | cpu0 training s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for engine in engines:
+        here = outcomes.get(Job(engine, "cuda0"))
+        ref = outcomes.get(Job("serial" if engine == "streams" else engine, "cpu0"))
+        diff = "–"
+        if here and ref and here.accuracy is not None and ref.accuracy is not None:
+            diff = f"{100 * (here.accuracy - ref.accuracy):+.2f}"
+        ref_acc = cell(ref, "accuracy") + (" (serial's)" if engine == "streams" and ref is not None else "")
+        lines.append(
+            f"| {engine} | {learners} | {cell(here, 'accuracy')} | {ref_acc} | {diff} "
+            f"| {cell(here, 'seconds')} | {cell(ref, 'seconds')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the plan within the deadline, print the table and append it to results/<out>.md."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    start = time.monotonic()
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit(f"benchmarks.gpu_train: --device cuda needs a CUDA device, and {NO_CUDA}")
+    outcomes: dict[Job, Outcome] = {}
+    with tempfile.TemporaryDirectory(prefix="gpu_train-") as tmp:
+        for job in plan(args.engines, args.device):
+            left = args.seconds - (time.monotonic() - start)
+            if left < MIN_RUN_SECONDS:
+                print(
+                    f"== gpu_train: {job.name} not started: {left:.0f} s left of {args.seconds:.0f}",
+                    flush=True,
+                )
+                continue
+            print(f"== gpu_train: {job.name}", flush=True)
+            outcomes[job] = outcome = run(job, args, Path(tmp), min(args.run_timeout, left))
+            print(f"== gpu_train: {job.name}: {cell(outcome, 'accuracy')}", flush=True)
+    epochs = f"session.epochs={args.epochs}" if args.epochs else "the cfg's epochs"
+    head = (
+        f"`{args.cfg}` through the launcher (`python -m mpicrossbow.cli`, one rank) with "
+        f"`DEVICES={args.device}0 pool.engine=E pool.learners={args.learners} session.progress=off`, {epochs}"
+        + (
+            "; the CPU column is the same cfg with `DEVICES=cpu0`, run in this step on this machine's CPU "
+            "(the streams engine runs on CUDA only: its CPU column is the serial engine's run)."
+            if args.device == "cuda"
+            else "."
+        )
+    )
+    text = head + "\n\n" + table(outcomes, args.engines, args.device, args.learners)
+    print(text)
+    if not args.no_write:
+        line = f"{versions()}; {gpu_versions()}" if args.device == "cuda" else None
+        title = "Training runs per engine" + (", on the GPU against the CPU" if args.device == "cuda" else "")
+        print("appended to", append_result(args.out, title, text, versions_line=line))
+    finished = [o for o in outcomes.values() if o.error is None]
+    return 0 if len(finished) == len(plan(args.engines, args.device)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
