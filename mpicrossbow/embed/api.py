@@ -214,7 +214,7 @@ def distribute(
             part = Part(index, count, chosen.train_span(world.rank, world.size))
         for loader in _state.loaders:
             loader.check_part(part)
-        own = OwnModel(model, optimizer, _steps_per_epoch)
+        own = OwnModel(model, optimizer, _steps_per_epoch, scaled_gradients=precision == "fp16")
         built.update(rule=chosen, trains=trains, part=part, own=own)
 
     _agree(world, prepare)

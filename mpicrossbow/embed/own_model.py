@@ -102,10 +102,16 @@ class OwnModel(Replicas):
     """One :class:`OwnLearner`; ``steps_per_epoch()`` is the user's loader length (None: counted in steps)."""
 
     def __init__(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: Callable[[], int | None]
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        steps_per_epoch: Callable[[], int | None],
+        scaled_gradients: bool = False,
     ) -> None:
         self.learners = [OwnLearner(module, optimizer)]
         self._steps_per_epoch = steps_per_epoch
+        #: fp16: backward leaves the gradients scaled until the user's GradScaler unscales them.
+        self.scaled = scaled_gradients
 
     @property
     def learner(self) -> OwnLearner:
@@ -117,8 +123,12 @@ class OwnModel(Replicas):
         """Batches per epoch of the loader ``xb.shard`` made, or 1 (progress counted in steps) without one."""
         return self._steps_per_epoch() or 1
 
-    def grad_layout(self) -> list[tuple[int, int]]:
-        """Each trainable parameter's (offset, numel) in the flat gradient, ``module.parameters()`` order."""
+    def grad_layout(self) -> list[tuple[int, int]] | None:
+        """Each trainable parameter's (offset, numel) in the flat gradient, ``module.parameters()`` order;
+        None while gradients are loss-scaled (fp16): a step the ranks agree to skip must leave no bucket
+        half-counted, so BSP waits for the agreed unscale."""
+        if self.scaled:
+            return None
         layout, offset = [], 0
         for p in self.learner.param_list:
             layout.append((offset, p.numel()))

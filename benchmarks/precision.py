@@ -1,0 +1,189 @@
+"""Every rule trained in fp32 and in bf16 (``[optim] precision``) on the digits MLP and the MNIST-1D CNN:
+the final validation accuracy of each, and the difference in points.
+
+    python -m benchmarks.precision                      # the whole grid, seeds 0-2; results/precision.md
+    python -m benchmarks.precision --datasets digits --seeds 0 --no-write
+
+Each world size is one ``mpiexec`` job per precision whose runs go one after another
+(tests/mpi_scripts/cfg_runs.py: torch starts once per rank), through ``crossbow-launch``'s own code path.
+The synchronous rules run on 2 ranks, the asynchronous and parameter-server rules on 4 (their existing digits
+tests' settings, tests/test_compression_mpi.py); the cfgs are launch/digits.cfg and launch/mnist1d.cfg as
+they are (MNIST-1D's DEVICES widened to any rank count; ASGD and DiLoCo, which diverge there in fp32 with
+the cfg's recipe, with :data:`TUNED`'s settings). bf16 autocast runs on the CPU, so this measures on the
+machine at hand what a GPU user's bf16 costs in accuracy.
+
+One seed's accuracy moves by about a point from one training trajectory to the next (MNIST-1D's cfg: 95.6 /
+96.1 / 96.1 % over three seeds), and an asynchronous rule's run differs from the next with the timing of its
+messages; so the grid is run for several seeds (``session.seed``) and compares the means.
+tests/test_precision_mpi.py asserts the deterministic part within :data:`TOLERANCE` on one seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+from benchmarks.report import REPO, append_result
+
+#: The largest difference in final validation accuracy (a fraction: 0.01 = 1 point) bf16 may show.
+TOLERANCE = 0.01
+#: cfg file of each data set, with the overrides every run of it takes.
+DATASETS = {
+    "digits": ("launch/digits.cfg", ()),
+    "mnist1d": ("launch/mnist1d.cfg", ("DEVICES=cpu",)),
+}
+#: ranks → {label: overrides}: every rule, with the settings of its existing digits tests.
+RULES = {
+    2: {
+        "BSP": "RULE=BSP",
+        "SMA": "RULE=SMA,pool.learners=2",
+        "EASGD-sync": "RULE=EASGD",
+    },
+    4: {
+        "EASGD-async": "RULE=EASGD,rule.mode=async",
+        "GOSGD": "RULE=GOSGD,rule.p=0.05",
+        "ASGD": "RULE=ASGD",
+        "SSP": "RULE=SSP,rule.staleness=2",
+        "PSGD": "RULE=PSGD",
+        "WEEDOUT": "RULE=WEEDOUT",
+        "LOCALSGD-hier-m2": "RULE=LOCALSGD,rule.inner_period=2,pool.learners=2",
+        "DILOCO": "RULE=DILOCO",
+        "GSP-auto": "RULE=GSP,rule.groups=auto,rule.probe_steps=10",
+    },
+}
+#: data set → {rule label: overrides} where the cfg's recipe does not train that rule (in fp32 either).
+TUNED = {"mnist1d": {"ASGD": "rule.scale=0", "DILOCO": "rule.outer_lr=0.3"}}
+#: The rules whose ranks move in lock-step: their runs are deterministic, so fp32 against bf16 differ by
+#: the arithmetic alone (the others also by the timing of their messages).
+SYNCHRONOUS = ("BSP", "SMA", "EASGD-sync", "LOCALSGD-hier-m2", "DILOCO")
+SCRIPT = REPO / "tests" / "mpi_scripts" / "cfg_runs.py"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One rule on one data set: the final validation accuracy in fp32 and in bf16 (means over seeds)."""
+
+    dataset: str
+    rule: str
+    fp32: float
+    bf16: float
+    seeds: int = 1
+
+    @property
+    def points(self) -> float:
+        """bf16 minus fp32, in points of accuracy."""
+        return 100 * (self.bf16 - self.fp32)
+
+
+def mpiexec() -> str:
+    """The mpiexec next to the interpreter (the MPI wheel's), else on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else "mpiexec"
+
+
+def accuracies(
+    out: Path,
+    ranks: int,
+    labels: dict[str, str],
+    dataset: str,
+    precision: str,
+    seeds: list[int],
+    timeout_s: float,
+) -> dict[str, float]:
+    """Train every rule of ``labels`` (label → overrides) on ``ranks`` ranks on ``dataset`` in ``precision``
+    for every seed (one MPI job); label → mean accuracy over the seeds."""
+    cfg, common = DATASETS[dataset]
+    tuned = TUNED.get(dataset, {})
+    runs = [
+        f"{label}@{seed}={cfg},{overrides},session.seed={seed}"
+        + (f",{tuned[label]}" if label in tuned else "")
+        for label, overrides in labels.items()
+        for seed in seeds
+    ]
+    folder = out / f"{dataset}-{ranks}-{precision}"
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), str(folder), *runs]
+    cmd += ["--", *common, f"optim.precision={precision}"]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0 or "DONE" not in proc.stdout:
+        raise RuntimeError(f"{dataset} {precision} on {ranks} ranks failed:\n{proc.stderr[-3000:]}")
+    found: dict[str, list[float]] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RAN "):
+            _, label, accuracy = line.split()
+            found.setdefault(label.partition("@")[0], []).append(float(accuracy))
+    return {label: sum(values) / len(values) for label, values in found.items()}
+
+
+def measure(
+    out: Path,
+    datasets: list[str],
+    seeds: list[int] | None = None,
+    rules: dict[int, dict[str, str]] | None = None,
+    timeout_s: float = 600,
+) -> list[Outcome]:
+    """Every rule of ``rules`` (default: :data:`RULES`) on every data set of ``datasets`` in fp32 and bf16,
+    the mean over ``seeds`` (default: seed 0), training under ``out``."""
+    seeds, rules = seeds or [0], rules or RULES
+    outcomes = []
+    for dataset in datasets:
+        for ranks, labels in rules.items():
+            if not labels:
+                continue
+            fp32 = accuracies(out, ranks, labels, dataset, "fp32", seeds, timeout_s)
+            bf16 = accuracies(out, ranks, labels, dataset, "bf16", seeds, timeout_s)
+            outcomes += [Outcome(dataset, label, fp32[label], bf16[label], len(seeds)) for label in labels]
+    return outcomes
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """The results as a markdown table, one row per rule and data set."""
+    rows = [
+        "| data set | rule | ranks | seeds | fp32 | bf16 | bf16 − fp32 (points) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        ranks = next(r for r, rules in RULES.items() if o.rule in rules)
+        flag = "" if abs(o.points) <= 100 * TOLERANCE else " **over 1 point**"
+        rows.append(
+            f"| {o.dataset} | {o.rule} | {ranks} | {o.seeds} | {o.fp32:.4f} | {o.bf16:.4f} | "
+            f"{o.points:+.2f}{flag} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    """Measure, print the table, append it to results/precision.md unless ``--no-write``."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--datasets", default="digits,mnist1d", help="comma-separated: digits, mnist1d")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated session.seed values to average")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
+    args = parser.parse_args(argv)
+    with TemporaryDirectory(prefix="precision-") as tmp:
+        seeds = [int(seed) for seed in args.seeds.split(",")]
+        outcomes = measure(Path(tmp), args.datasets.split(","), seeds, timeout_s=600 * len(seeds))
+    text = table(outcomes)
+    print(text)
+    if not args.no_write:
+        worst = max(abs(o.points) for o in outcomes)
+        notes = (
+            f"Mean final validation accuracy over seeds {args.seeds}. "
+            f"Largest difference: {worst:.2f} points (tolerance {100 * TOLERANCE:.0f}). Synchronous rules "
+            f"({', '.join(SYNCHRONOUS)}) are deterministic: their difference is the arithmetic's alone; the "
+            "others' runs also vary with the timing of their messages from one run to the next."
+        )
+        append_result("precision", "bf16 against fp32, every rule", text, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
