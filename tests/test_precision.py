@@ -299,3 +299,32 @@ def test_the_embedded_grad_scaler_skips_an_overflow_on_every_rank() -> None:
 def test_fp16_without_the_grad_scaler_is_named() -> None:
     with pytest.raises(UsageError, match=r"xb\.GradScaler"):
         InProcessWorld(1).run(lambda comm: _embedded_body(comm, False))
+
+
+# ------------------------------------------------------------------ on a GPU
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("engine", ["serial", "fused", "streams"])
+def test_every_engine_trains_in_16_bits_on_cuda(engine: str, precision: str) -> None:
+    """Every engine on the GPU under autocast: finite steps that move the fp32 weights, the loss scale
+    applied and divided out (fp16), and the same gradients as the serial engine to 16-bit round-off."""
+    from mpicrossbow.pool.engines import ENGINES
+
+    cuda = torch.device("cuda", 0)
+    pools = []
+    for name in ("serial", engine):
+        torch.manual_seed(0)
+        spec = PoolSpec(0, 1, 8, OptimSection(lr=0.05, precision=precision), cuda, 1, 4)
+        pools.append(ENGINES.get(name)(MLP(hidden=32), spec))
+    for pool in pools:
+        before = stacked(pool)
+        pool.start_epoch(0)
+        for count in range(3):
+            pool.compute(count)
+            assert train_step_unscale(pool)
+            pool.apply()
+        torch.cuda.synchronize()
+        assert pool.learners[0].params.dtype == torch.float32
+        assert np.isfinite(stacked(pool)).all() and not np.array_equal(before, stacked(pool))
+    np.testing.assert_allclose(stacked(pools[1]), stacked(pools[0]), rtol=0, atol=5e-3)

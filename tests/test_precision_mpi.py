@@ -9,15 +9,21 @@ mean over three seeds (benchmarks/results/precision.md), not a one-seed test tha
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks.precision import RULES, SYNCHRONOUS, TOLERANCE, measure
+from conftest import only_run, run_mpi
+from mpicrossbow.training.metrics import read_metrics
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+pytestmark = [pytest.mark.mpi]
+
+SCRIPTS = Path(__file__).parent / "mpi_scripts"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["digits", "mnist1d"])
 def test_bf16_trains_every_rule_within_a_point_of_fp32(mpiexec: str, tmp_path: Path, dataset: str) -> None:
     rules = RULES
@@ -28,3 +34,20 @@ def test_bf16_trains_every_rule_within_a_point_of_fp32(mpiexec: str, tmp_path: P
     off = {o.rule: (o.fp32, o.bf16) for o in outcomes if abs(o.bf16 - o.fp32) > TOLERANCE}
     assert not off, f"bf16 more than {100 * TOLERANCE:.0f} point from fp32 (fp32, bf16): {off}"
     assert all(o.fp32 > 0.9 for o in outcomes), outcomes  # both really trained
+
+
+def test_an_fp16_overflow_on_one_rank_is_skipped_by_every_rank(mpiexec: str, tmp_path: Path) -> None:
+    """crossbow-launch's path, 2 ranks, BSP: rank 1's gradient made NaN at step 5 ([fault] action = nan)
+    under a fixed loss scale; rank 0, whose own gradients were finite, logs the skip (the agreed flag), the
+    job ends normally and trains to its target."""
+    args = [
+        sys.executable,
+        str(SCRIPTS / "digits_runs.py"),
+        str(tmp_path),
+        "fp16=RULE=BSP,optim.precision=fp16,optim.loss_scale=1024,fault.rank=1,fault.step=5,fault.action=nan",
+    ]
+    proc = run_mpi(mpiexec, 2, args, timeout=120)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]
+    assert proc.stderr.count("step skipped on every rank") == 1, proc.stderr[-3000:]
+    metrics = read_metrics(only_run(tmp_path / "fp16") / "metrics.h5")
+    assert float(metrics["val"]["accuracy"][-1]) >= 0.95

@@ -83,6 +83,11 @@ class LossScale:
             self.skipped += 1
             self.clean = 0
             if not self.dynamic:
+                log.info(
+                    "fp16: gradients overflowed (on this or another rank): step skipped on every rank, loss "
+                    "scale stays %g",
+                    self.scale,
+                )
                 return
             if self.scale / 2 < self.floor:
                 raise LossScaleUnderflow(
