@@ -29,6 +29,7 @@ _RULES = (
     "GOSGD",
     "GSP",
     "LocalSGD",
+    "PostLocalSGD",
     "PSGD",
     "SMA",
     "SSP",
@@ -54,6 +55,7 @@ _LAZY = {
     "checkpoint": "mpicrossbow.embed",
     "restore": "mpicrossbow.embed",
     "trains": "mpicrossbow.embed",
+    "noise_scale": "mpicrossbow.embed",
     "GradScaler": "mpicrossbow.embed",
 }
 

@@ -65,11 +65,12 @@ def test_rules_follow_a_resize() -> None:
     def body(comm: Communicator) -> None:
         pool = make_pool(1)
         sma = SMA().bind(comm, pool)
-        assert sma.alpha == 1.0
+        assert sma.alpha == 0.2  # the default: min(0.2, 0.9 × the stability bound)
         pool.learners[0].params.add_(1.0)  # the learner drifted from z
-        pool.resize(4)
+        pool.resize(24)
         sma.on_resize()
-        assert sma.alpha == 0.25 and len(sma.corrections) == 4
+        # at k = 24, 0.9 × the bound 2(1+μ)/(k+1+μ) is below 0.2: the default α follows k down
+        assert sma.alpha == pytest.approx(0.9 * 3.8 / 25.9) and len(sma.corrections) == 24
         for learner in pool.learners[1:]:  # new learners start from z
             assert torch.equal(learner.params, sma.z)
         BSP().bind(comm, pool).on_resize()

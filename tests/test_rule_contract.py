@@ -65,6 +65,7 @@ CASES = [
     Case("GOSGD", {"p": 0.5}, 3),
     Case("GSP", {}, 3),
     Case("LOCALSGD", {"period": 2, "inner_period": 1}, 2),
+    Case("POSTLOCALSGD", {"then": "SMA", "switch_epoch": 0.04}, 2),
     Case("PSGD", {"max_advance": 1}, 3),
     Case("SMA", {}, 2),
     Case("SSP", {"staleness": 1}, 3),

@@ -45,7 +45,9 @@ def test_sma_equals_numpy(size: int, learners: int) -> None:
     """Corrections summed in the rank, one allreduce: the same z as numpy's sum over all k learners."""
     out = run(size, lambda: SMA(momentum=0.5), learners=learners)
     k = size * learners
-    w, z = reference.sma(out.w0, out.learner_grads(), reference.Sgd(LR, MOMENTUM), alpha=1.0 / k, mu=0.5)
+    alpha = out.rules[0].alpha  # SMA's default α for this k and μ (tests/test_sma_stability.py)
+    assert alpha == pytest.approx(min(0.2, 0.9 * 3.0 / (k + 1.5)))
+    w, z = reference.sma(out.w0, out.learner_grads(), reference.Sgd(LR, MOMENTUM), alpha=alpha, mu=0.5)
     for got, want in zip(out.learner_final(), w, strict=True):
         assert_close(got, want)
     for rule in out.rules:

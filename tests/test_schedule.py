@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mpicrossbow.config import OptimSection
-from mpicrossbow.training.schedule import lr_at
+from mpicrossbow.training.schedule import lr_at, lr_scale
 
 
 def test_constant_by_default() -> None:
@@ -22,3 +22,27 @@ def test_step_and_multistep() -> None:
 def test_linear_warmup_from_a_tenth() -> None:
     warm = OptimSection(lr=1.0, warmup_epochs=2)
     assert [lr_at(warm, e) for e in (0, 1, 2, 3)] == pytest.approx([0.1, 0.55, 1.0, 1.0])
+
+
+def test_lr_scaling_multiplies_the_peak_by_1_sqrt_k_or_k() -> None:
+    for scaling, factor in (("none", 1.0), ("sqrt", 4.0), ("linear", 16.0)):
+        optim = OptimSection(lr=0.025, lr_scaling=scaling)
+        assert lr_at(optim, 3.0, learners=16) == pytest.approx(0.025 * factor)
+        assert lr_at(optim, 3.0) == pytest.approx(0.025)  # one learner: lr as written
+
+
+def test_the_warm_up_rises_from_a_tenth_of_the_unscaled_lr_to_the_scaled_peak() -> None:
+    warm = OptimSection(lr=0.1, lr_scaling="linear", warmup_epochs=2)
+    assert [lr_at(warm, e, learners=8) for e in (0, 1, 2, 3)] == pytest.approx([0.01, 0.405, 0.8, 0.8])
+
+
+def test_the_decay_applies_to_the_scaled_rate() -> None:
+    multi = OptimSection(lr=0.1, lr_scaling="sqrt", schedule="multistep", milestones=(3,), gamma=0.1)
+    assert [lr_at(multi, e, learners=4) for e in (2.9, 3)] == pytest.approx([0.2, 0.02])
+
+
+def test_bad_scalings_and_learner_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match="lr_scaling"):
+        lr_scale("cubic", 4)
+    with pytest.raises(ValueError, match="learners = 0"):
+        lr_scale("linear", 0)

@@ -91,7 +91,7 @@ def test_the_facade_exports_every_rule_and_the_rule_list_reads() -> None:
         timeout=60,
     )
     assert (
-        "RULE= one of ASGD, BSP, DILOCO, EASGD, GOSGD, GSP, LOCALSGD, PSGD, SMA, SSP, WEEDOUT"
+        "RULE= one of ASGD, BSP, DILOCO, EASGD, GOSGD, GSP, LOCALSGD, POSTLOCALSGD, PSGD, SMA, SSP, WEEDOUT"
         in helped.stdout
     )
 

@@ -63,6 +63,15 @@ class SessionSection:
     on_nan: Literal["stop", "skip"] = setting(
         "stop", "a learner's loss is NaN or infinite: stop the job with a message, or skip that batch"
     )
+    noise_scale_every: int = setting(
+        10,
+        "estimate the gradient noise scale B_noise every N steps from the learners' own gradients "
+        "(metrics.h5 train/noise_scale; needs 2+ learners per rank, or BSP grad mode over 2+ ranks; 0: off)",
+        ge=0,
+    )
+    noise_scale_smoothing: float = setting(
+        0.9, "decay of B_noise's moving averages of |G|^2 and tr(Sigma), per estimate", ge=0, lt=1
+    )
 
     def __post_init__(self) -> None:
         if self.validate_every > 1 and self.validate_every != round(self.validate_every):
@@ -86,7 +95,18 @@ class OptimSection:
         (), "multistep schedule: epochs at which to multiply by gamma", ge=1
     )
     gamma: float = setting(0.1, "decay factor of step/multistep", gt=0, le=1)
-    warmup_epochs: float = setting(0.0, "linear warm-up from lr/10 over this many epochs", ge=0)
+    warmup_epochs: float = setting(
+        0.0, "linear warm-up from lr/10 (the unscaled lr) to the scaled lr over this many epochs", ge=0
+    )
+    lr_scaling: Literal["none", "sqrt", "linear"] = setting(
+        "none",
+        "multiply lr by 1 (none), sqrt(k) or k (linear), k = learners in all (ranks that train x learners "
+        "per rank, followed when learners = auto changes it): lr is then one learner's rate at its own "
+        "batch. For SMA with k >= 4 small learners use sqrt (measured best or second at every k on MNIST-1D; "
+        "linear won while k x lr <= 0.2 and diverged beyond: docs/rules.md), a start for EASGD and LOCALSGD "
+        "too; none, the default, keeps lr as written, as BSP wants (it averages gradients: set lr for the "
+        "global batch)",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = setting(
         "fp32",
         "arithmetic of the learners' forward: fp32, or bf16/fp16 autocast around it (weights, gradients, "

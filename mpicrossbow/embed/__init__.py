@@ -3,7 +3,7 @@
 See :mod:`mpicrossbow.embed.api` and docs/embedded.md.
 """
 
-from .api import checkpoint, consensus, distribute, finish, init, restore, shard, trains
+from .api import checkpoint, consensus, distribute, finish, init, noise_scale, restore, shard, trains
 from .grad_scaler import GradScaler
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "distribute",
     "finish",
     "init",
+    "noise_scale",
     "restore",
     "shard",
     "trains",

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..comm import make_communicator
 from ..config.fields import build
-from ..config.sections import CommSection, NumaSection
+from ..config.sections import CommSection, NumaSection, SessionSection
 from ..data.loader import LoaderOptions
 from ..errors import USAGE_EXIT_CODE, UsageError
 from ..launch.binding import bind as bind_cores
@@ -58,6 +58,7 @@ from ..pool.base import params_loaded
 from ..pool.precision import DTYPES, Precision
 from ..rules.base import Rule
 from ..rules.registry import build_rule
+from ..training.noise_scale import NoiseScale
 from .job import EmbeddedJob
 from .own_model import OwnModel
 from .precision_forward import PrecisionForward
@@ -173,6 +174,7 @@ def distribute(
     rule: str | Rule = "BSP",
     *,
     precision: str = "fp32",
+    noise_scale_every: int = SessionSection.noise_scale_every,
     **hyper: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Put ``model`` and ``optimizer`` under ``rule`` and return them.
@@ -190,6 +192,9 @@ def distribute(
     autocast and hands its floating outputs back as float32 (weights, gradients, optimizer and rule state
     stay fp32); ``fp16`` also needs :class:`~.grad_scaler.GradScaler` around the step, so every rank skips
     an overflowed step together (:mod:`.precision_forward`).
+
+    ``noise_scale_every`` (``[session] noise_scale_every``): measure the gradient noise scale every N
+    optimizer steps (0: never); :func:`noise_scale` reads it.
     """
     world = init()
     if _state.job is not None and not _state.job.finished:
@@ -197,6 +202,10 @@ def distribute(
     built: dict[str, Any] = {}
 
     def prepare() -> None:
+        if not isinstance(noise_scale_every, int) or noise_scale_every < 0:
+            raise UsageError(
+                f"xb.distribute: noise_scale_every must be an int >= 0, got {noise_scale_every!r}"
+            )
         if precision not in DTYPES:
             raise UsageError(
                 f"xb.distribute: precision={precision!r}: choose one of {', '.join(map(repr, DTYPES))}"
@@ -224,9 +233,9 @@ def distribute(
     _state.part = built["part"]
     comm = make_communicator(_state.comm, world.device, world.mpi)
     chosen.bind(comm, own)
-    job = _state.job = EmbeddedJob(
-        world, chosen, comm, own, built["trains"], PrecisionForward(model, Precision(precision, world.device))
-    )
+    forward = PrecisionForward(model, Precision(precision, world.device))
+    noise = NoiseScale(noise_scale_every, SessionSection.noise_scale_smoothing)
+    job = _state.job = EmbeddedJob(world, chosen, comm, own, built["trains"], forward, noise)
     if not job.trains:
         job.serve()
         # This rank's optimizer never steps: a scheduler's "step() before optimizer.step()" is expected.
@@ -303,6 +312,25 @@ def restore(path: str | Path) -> None:
     """Load what :func:`checkpoint` saved into the running job (after ``xb.distribute`` and your own
     ``load_state_dict`` calls)."""
     _job("xb.restore").restore(Path(path))
+
+
+def noise_scale(batch_size: int | None = None) -> float:
+    """The gradient noise scale B_noise of the distributed model, in samples: the batch size beyond which a
+    larger batch stops paying off (McCandlish et al. 2018; :mod:`mpicrossbow.training.noise_scale`).
+
+    Smoothed over the estimates so far (every ``noise_scale_every`` steps of ``xb.distribute``); NaN before
+    the first, while the gradient is still lost in its noise, or where it cannot be estimated: the embedded
+    API has one learner per rank, so it needs BSP (gradient mode) on 2 or more ranks. ``batch_size``: the
+    samples of one optimizer step on one rank (default: the batch size of :func:`shard`'s loader).
+    Local: no communication (every rank of a synchronous rule holds the same value)."""
+    job = _job("xb.noise_scale")
+    size = batch_size or next((loader.batch_size for loader in _state.loaders), None)
+    if size is None:
+        raise UsageError(
+            "xb.noise_scale(): no xb.shard loader gives the batch size; pass batch_size= (samples of one "
+            "optimizer step on one rank)"
+        )
+    return job.noise.value(size)
 
 
 def trains() -> bool:

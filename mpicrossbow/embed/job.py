@@ -27,6 +27,7 @@ from ..errors import CheckpointError, UsageError
 from ..launch.world import World
 from ..rules.base import Rule
 from ..training.checkpoint import FORMAT_VERSION, META, atomic_save, rank_file, safe_load
+from ..training.noise_scale import NoiseScale
 from .own_model import OwnModel
 from .precision_forward import PrecisionForward
 from .step_hooks import StepHooks
@@ -45,12 +46,17 @@ class EmbeddedJob:
         own: OwnModel,
         trains: bool,
         forward: PrecisionForward | None = None,
+        noise: NoiseScale | None = None,
     ) -> None:
         self.world, self.rule, self.comm, self.own, self.trains = world, rule, comm, own, trains
         #: The model's forward under the job's autocast (None: fp32, the forward untouched).
         self.forward = forward
+        #: The gradient noise scale measured around the rule's ``on_gradients`` (``xb.noise_scale()``).
+        self.noise = noise if noise is not None else NoiseScale(0, 0.0)
         precision = forward.precision.name if forward is not None else "fp32"
-        self.hooks: StepHooks | None = StepHooks(own, rule, precision=precision) if trains else None
+        self.hooks: StepHooks | None = (
+            StepHooks(own, rule, precision=precision, noise=self.noise) if trains else None
+        )
         self.finished = False
 
     @property
@@ -109,7 +115,12 @@ class EmbeddedJob:
         if self.world.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
         self.world.bcast(None)  # the folder exists before any rank writes into it
-        state = {"version": FORMAT_VERSION, "rule": self.rule.state_dict(), "step": self.steps}
+        state = {
+            "version": FORMAT_VERSION,
+            "rule": self.rule.state_dict(),
+            "step": self.steps,
+            "noise_scale": self.noise.state_dict(),
+        }
         atomic_save(state, rank_file(path, self.world.rank))
         self.world.allgather(None)  # every rank's file is complete before the meta file vouches for them
         if self.world.rank == 0:
@@ -129,6 +140,7 @@ class EmbeddedJob:
         self.rule.load_state_dict(state["rule"])
         assert self.hooks is not None
         self.hooks.step = int(state["step"])
+        self.noise.load_state_dict(state.get("noise_scale", {}))
 
     def _check_checkpointable(self, what: str) -> None:
         if self.finished:

@@ -10,6 +10,10 @@ gossip, pushes to a server). In the user's loop the same order follows from torc
   (the user's scheduler), before the forward pass: SMA restarts its replicas from z there, as it does under
   ``crossbow-launch``, where the rate is set before the step's forward pass.
 
+The gradient noise scale (:class:`~mpicrossbow.training.noise_scale.NoiseScale`, ``xb.noise_scale()``) is
+measured in the pre-hook as ``crossbow-launch``'s step measures it: the gradient before ``on_gradients``
+(after fp16's unscale), the rule's mean after it.
+
 Asynchronous rules need nothing more: their ``exchange`` never waits for a collective. :meth:`remove`
 takes every hook away again (``xb.finish``).
 
@@ -32,6 +36,7 @@ from torch import nn
 from ..comm.base import ReduceOp
 from ..errors import UsageError
 from ..rules.base import Rule
+from ..training.noise_scale import NoiseScale
 from .own_model import OwnModel
 
 #: The hooks installed on each distributed optimizer (what :class:`~.grad_scaler.GradScaler` asks).
@@ -40,10 +45,19 @@ HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepHooks] = weakref.We
 
 class StepHooks:
     """Install the rule's hooks on the learner of ``own``; ``step`` counts the optimizer steps taken;
-    ``precision`` is ``xb.distribute``'s (fp16: every step must come through an agreeing GradScaler)."""
+    ``precision`` is ``xb.distribute``'s (fp16: every step must come through an agreeing GradScaler);
+    ``noise`` measures the gradient noise scale (None: not measured)."""
 
-    def __init__(self, own: OwnModel, rule: Rule, step: int = 0, precision: str = "fp32") -> None:
+    def __init__(
+        self,
+        own: OwnModel,
+        rule: Rule,
+        step: int = 0,
+        precision: str = "fp32",
+        noise: NoiseScale | None = None,
+    ) -> None:
         self.own, self.rule, self.step, self.precision = own, rule, step, precision
+        self.noise = noise
         learner = own.learner
         optimizer = learner.optimizer
         self.lr: float | None = None
@@ -74,7 +88,11 @@ class StepHooks:
             )
         self.own.learner.gather_grads()
         self.check_lr()
+        if self.noise is not None:
+            self.noise.before(self.step, self.own, self.rule)
         self.rule.on_gradients(self.step)
+        if self.noise is not None:
+            self.noise.after(self.step, self.own, self.rule)
 
     def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.rule.exchange(self.step)

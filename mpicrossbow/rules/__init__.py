@@ -8,6 +8,7 @@ from .easgd import EASGD
 from .gosgd import GOSGD
 from .gsp import GSP
 from .localsgd import LocalSGD
+from .postlocalsgd import PostLocalSGD
 from .psgd import PSGD
 from .registry import RULES
 from .sma import SMA
@@ -26,6 +27,7 @@ __all__ = [
     "SSP",
     "DiLoCo",
     "LocalSGD",
+    "PostLocalSGD",
     "Rule",
     "WeedOut",
 ]

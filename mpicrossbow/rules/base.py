@@ -56,6 +56,13 @@ class Rule:
         return False
 
     @property
+    def averages_gradients(self) -> bool:
+        """True when ``on_gradients`` leaves every learner's ``grads`` the mean gradient over all k learners
+        (BSP's grad mode): the gradient noise scale (:mod:`mpicrossbow.training.noise_scale`) then reads the
+        big batch there instead of paying for a gradient allreduce of its own."""
+        return False
+
+    @property
     def needs_mpi_threads(self) -> bool:
         """True when the rule talks MPI from a second thread (``MPI_THREAD_MULTIPLE``), e.g. a parameter
         server shard colocated with training."""
@@ -73,6 +80,16 @@ class Rule:
         """The ``(start, end)`` fraction of the training set ``rank`` reads instead of its equal shard, or
         None (the default: equal shards from :meth:`train_shard`)."""
         return None
+
+    def check_run(self, epochs: float) -> None:
+        """Refuse hyper-parameters that point past the end of a run of ``epochs`` epochs (a switch that would
+        never come) with a ConfigError, before any rank trains; called once the pool is built. The default
+        accepts any length."""
+
+    def check_learners(self, k: int) -> None:
+        """Refuse hyper-parameters that cannot work with ``k`` learners in all (ranks × learners per rank)
+        with a ConfigError, before any rank trains; called once the pool is built (``learners = auto``: with
+        its first count). The default accepts any k."""
 
     def serve(self, report: Callable[[torch.Tensor, float], None]) -> None:
         """The loop of a rank that does not train; ``report(params, epoch)`` validates and logs a model."""

@@ -65,6 +65,11 @@ class BSP(Rule):
         """``mode = grad`` averages gradients; ``avg`` and ``auto`` run a model that updates itself."""
         return self.hyper.mode == "grad"
 
+    @property
+    def averages_gradients(self) -> bool:
+        """Grad mode (once bound): every learner's gradient is the mean over all k after ``on_gradients``."""
+        return getattr(self, "mode", None) == "grad"
+
     def on_bind(self) -> None:
         """Resolve ``auto`` and reject gradient mode for models that update themselves."""
         assert self.pool is not None

@@ -8,9 +8,10 @@ per rank. Every rank then moves its identical copy of the central model: ``z ←
 
 The allreduce is started without waiting and completed at the start of the next step, so it overlaps the
 next forward and backward pass (Crossbow lets a learner start step t+1 once its step t is done).
-Learners start from z; when the learning-rate schedule steps down every replica is reset to z. Validation
-and checkpoints use z. ``alpha`` defaults to 1/k (k learners in all); k·α > 1 diverged in docs/rules.md's
-measurements, so it is warned about.
+Learners start from z; when the learning-rate schedule steps down every replica is reset to z (the
+learners keep their momentum buffers, as Crossbow's do). Validation and checkpoints use z. ``alpha`` defaults
+to ``min(0.2, 0.9 × the stability bound)`` (:mod:`.sma_stability`); an explicit α at or past the bound
+``2 (1 + μ) / (k + 1 + μ)`` is a ConfigError, since the consensus loop then diverges whatever the gradients.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import torch
 
 from ..comm.base import Handle
 from ..config.fields import setting
+from ..errors import ConfigError
 from .base import Rule
 from .registry import RULES
+from .sma_stability import alpha_bound, default_alpha
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,13 @@ class SMA(Rule):
     class Config:
         """SMA hyper-parameters (μ_l, the learners' momentum, is ``[optim] momentum``)."""
 
-        alpha: float | None = setting(None, "elastic rate α (default 1/k, k = learners in all)", ge=0, le=1)
+        alpha: float | None = setting(
+            None,
+            "elastic rate α (default min(0.2, 0.9 x the stability bound); an α at or past the bound "
+            "2(1+momentum)/(k+1+momentum), k = learners in all, is an error)",
+            ge=0,
+            le=1,
+        )
         momentum: float = setting(0.9, "momentum μ of the central model z", ge=0, lt=1)
 
     name = "SMA"
@@ -53,20 +62,35 @@ class SMA(Rule):
         self.on_resize()
 
     def on_resize(self) -> None:
-        """α (when defaulted to 1/k) and one correction buffer per learner follow the learner count.
+        """α (when defaulted) and one correction buffer per learner follow the learner count.
 
-        Learners added by the auto-tuner start from z, as every learner did.
+        Learners added by the auto-tuner start from z, as every learner did. An explicit α at or past the
+        stability bound for the current k is a ConfigError (at bind, or when the auto-tuner grows k).
         """
         assert self.pool is not None and self.comm is not None
         self._complete()
         for learner in self.pool.learners[len(getattr(self, "corrections", [])) :]:
             learner.params.copy_(self.z)
-        k = self.world_learners
-        self.alpha = self.hyper.alpha if self.hyper.alpha is not None else 1.0 / k
-        if k * self.alpha > 1:
-            log.warning("SMA: k·α = %d × %g > 1; docs/rules.md measured divergence there", k, self.alpha)
+        k, mu = self.world_learners, self.hyper.momentum
+        self.check_learners(k)
+        self.alpha = self.hyper.alpha if self.hyper.alpha is not None else default_alpha(k, mu)
+        log.info(
+            "SMA: α = %.4g over k = %d learner(s) (stability bound %.4g)", self.alpha, k, alpha_bound(k, mu)
+        )
         self.corrections = [torch.zeros_like(self.z) for _ in self.pool.learners]
         self.comm.share(self.corrections[0])  # the buffer every step's allreduce sums
+
+    def check_learners(self, k: int) -> None:
+        """An explicit α at or past the stability bound 2(1+μ)/(k+1+μ) for ``k`` learners is a ConfigError:
+        the consensus loop diverges there whatever the gradients (:mod:`.sma_stability`)."""
+        mu, alpha = self.hyper.momentum, self.hyper.alpha
+        bound = alpha_bound(k, mu)
+        if alpha is not None and alpha >= bound:
+            raise ConfigError(
+                f"[rule] alpha = {alpha:g} is past SMA's stability bound 2(1+μ)/(k+1+μ) = {bound:.4g} for "
+                f"k = {k} learners and momentum μ = {mu:g}: the learners and z diverge; leave alpha unset "
+                f"(default {default_alpha(k, mu):.4g}) or lower it"
+            )
 
     def _complete(self) -> None:
         """Finish the last step's allreduce and move z: z ← z + Σc + μ (z − z_prev)."""

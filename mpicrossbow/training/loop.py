@@ -20,6 +20,7 @@ from ..trace import span
 from .autotune import StepMeter
 from .evaluation import per_sample
 from .nan_guard import check_finite
+from .noise_scale import NoiseScale
 from .parts import RankParts
 from .schedule import lr_at
 from .signals import SignalStop
@@ -75,6 +76,12 @@ class TrainLoop:
         self.at_epochs = float(self.epoch)  # epochs done, with the current one's fraction
         self.checks = Validations(validate, cfg.session.validate_every, cfg.session.target_accuracy)
         self.meter = StepMeter()
+        #: The gradient noise scale, measured around the rule's ``on_gradients`` (continued on a resume).
+        self.noise = NoiseScale(cfg.session.noise_scale_every, cfg.session.noise_scale_smoothing)
+        self.noise.load_state_dict(position.get("noise_scale", {}))
+        size = parts.world.size
+        #: Ranks that train (a parameter server's or an asynchronous centre's rank does not).
+        self.trainers = sum(parts.rule.trains(rank, size) for rank in range(size))
 
     def run(self) -> LoopOutcome:
         """Train to the step or epoch budget, or until a signal stops every rank (after a checkpoint)."""
@@ -106,7 +113,7 @@ class TrainLoop:
         parts, ckpt = self.parts, self.parts.config.checkpoint
         pool, per_epoch = parts.pool, parts.pool.n_batch_train
         pool.start_epoch(self.epoch)
-        pool.set_lr(lr_at(parts.config.optim, self.epoch) if self.lr < 0 else self.lr, self.epoch)
+        pool.set_lr(self._lr_at(self.epoch) if self.lr < 0 else self.lr, self.epoch)
         if self.skip:
             pool.skip(self.skip)
         pool.take_data_wait()  # from this epoch's first step on
@@ -145,13 +152,13 @@ class TrainLoop:
         if timeline is not None:
             timeline.before_step(self.step)
         parts.faults.at_step(self.step)
-        lr = lr_at(parts.config.optim, self.epoch + count / per_epoch)
+        lr = self._lr_at(self.epoch + count / per_epoch)
         if lr != self.lr:
             if self.lr > 0:
                 parts.rule.on_lr_change(self.lr, lr)
             parts.pool.set_lr(lr, self.epoch)
             self.lr = lr
-        exchange_s = train_step(parts.pool, parts.rule, self.step, count, self._guard)
+        exchange_s = train_step(parts.pool, parts.rule, self.step, count, self._guard, self.noise)
         self.out.exchange_s += exchange_s
         if timeline is not None and timeline.recording:
             timeline.exchange_s += exchange_s
@@ -159,6 +166,12 @@ class TrainLoop:
         parts.reporter.step_done(self.step)
         parts.straggler.after_step(started)
         self.meter.add(time.perf_counter() - started, steady)  # a straggler's sleep is its slowness
+
+    def _lr_at(self, epoch: float) -> float:
+        """The schedule's rate at ``epoch`` for the learners training now (``[optim] lr_scaling`` scales by
+        them; the auto-tuner may have changed their count since the last step)."""
+        learners = self.trainers * len(self.parts.pool.learners)
+        return lr_at(self.parts.config.optim, epoch, learners)
 
     def _guard(self, step: int) -> None:
         """Between backward and the rule's hooks: the NaN policy, then the watchdog's exchange phase."""
@@ -189,7 +202,14 @@ class TrainLoop:
         self.out.val = val if val is not None else self.out.val
         last = last or self.checks.done  # reached at this epoch's end
         parts.reporter.epoch(
-            self.epoch, self.step, self.lr, learners, self.out.train, val, (self.out.exchange_s, waited)
+            self.epoch,
+            self.step,
+            self.lr,
+            learners,
+            self.out.train,
+            val,
+            (self.out.exchange_s, waited),
+            self.noise.value(parts.config.data.batch_size),
         )
         if parts.tuner is not None and not last:
             self._tune(n, seconds)
@@ -235,7 +255,13 @@ class TrainLoop:
     def position(self, count: int) -> dict[str, Any]:
         """Where training stands after the current step, ``count`` batches of the current epoch done: what a
         checkpoint records to resume from."""
-        return {"step": self.step, "epoch": self.epoch, "count": count, "lr": self.lr}
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "count": count,
+            "lr": self.lr,
+            "noise_scale": self.noise.state_dict(),
+        }
 
     def _save(self, count: int) -> None:
         """A checkpoint after the current step (``count`` batches of the current epoch done)."""

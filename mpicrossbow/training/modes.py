@@ -1,7 +1,8 @@
 """The three run modes, chosen once per rank from the rule: synchronous, asynchronous, serving.
 
-* **Synchronous** rules (BSP, SMA, EASGD, LocalSGD, DiLoCo): every rank reaches every step, so per-epoch
-  statistics are allreduced, validation is collective, checkpoints and the signal stop are agreed on.
+* **Synchronous** rules (BSP, SMA, EASGD, LocalSGD, DiLoCo, PostLocalSGD): every rank reaches every step,
+  so per-epoch statistics are allreduced, validation is collective, checkpoints and the signal stop are
+  agreed on.
 * **Asynchronous** rules (async EASGD, GOSGD, ASGD, SSP, ...): ranks move at their own pace until
   ``finish``; no collective before it. Statistics stay local, each rank validates alone; after ``finish``
   the samples are summed and rank 0 validates the rule's final model. With checkpoints or the signal stop

@@ -63,7 +63,8 @@ def build_pool(
             raise ContractError(
                 f"RULE={config.rule} exchanges gradients, and {config.modelclass} is a Theano-MPI-form model "
                 "that updates its own weights in train_iter; RULE=BSP (mode avg), EASGD, GOSGD, SMA, "
-                "LOCALSGD, DILOCO, ASGD, SSP, PSGD and WEEDOUT exchange weights and run it"
+                "LOCALSGD, DILOCO, POSTLOCALSGD (bsp_mode avg), ASGD, SSP, PSGD and WEEDOUT exchange weights "
+                "and run it"
             )
         if config.pool.learners == "auto" or learners > 1 or config.pool.engine != "serial":
             raise ContractError(

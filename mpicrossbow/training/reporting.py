@@ -157,11 +157,13 @@ class Reporter:
         train: tuple[float, float],
         val: tuple[float, float] | None,
         times: tuple[float, float],
+        noise_scale: float = math.nan,
     ) -> None:
         """Rank 0: the train row of ``epoch`` (0-based), the validation row if validated, one console line.
 
         ``times``: seconds spent in the exchange so far, and the share of this epoch's training time the
-        learners waited for data (rank 0's)."""
+        learners waited for data (rank 0's); ``noise_scale``: the smoothed gradient noise scale B_noise in
+        samples (:mod:`.noise_scale`; NaN where not measured)."""
         if self.world.rank != 0:
             return
         exchange_s, data_wait = times
@@ -170,7 +172,7 @@ class Reporter:
         text = f"epoch {epoch + 1} step {step}: train loss {shown(train[0])} acc {shown(train[1])}"
         self._last_step = step
         row = {"step": step, "epoch": epoch + 1, "loss": train[0], "accuracy": train[1], "lr": lr}
-        self._row("train", **row, time=wall, learners=learners, data_wait=data_wait)
+        self._row("train", **row, time=wall, learners=learners, data_wait=data_wait, noise_scale=noise_scale)
         if val is not None:
             text += f" | val loss {shown(val[0])} acc {shown(val[1])}"
             self._row(
@@ -183,6 +185,8 @@ class Reporter:
                 exchange_share=share,
             )
         text += f" | lr {lr:.4g} | {wall:.1f}s, exchange {share:.0%}, data wait {data_wait:.0%}"
+        if math.isfinite(noise_scale):
+            text += f" | B_noise {noise_scale:.4g}"
         if self.bar is not None:
             postfix = f"epoch {epoch + 1} loss {shown(train[0])}"
             self.bar.set_postfix_str(postfix + (f" val acc {shown(val[1])}" if val is not None else ""))

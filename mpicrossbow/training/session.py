@@ -99,6 +99,9 @@ class Session:
         self.tuner = AutoTuner(cfg.pool.tune_threshold, cfg.pool.max_learners) if auto else None
         torch.manual_seed(cfg.session.seed)  # the same initial replicas everywhere (bind broadcasts anyway)
         self.pool, self.full_val = build_pool(cfg, world, rule, self.device, learners)
+        steps = cfg.session.steps
+        rule.check_run(steps / self.pool.n_batch_train if steps else cfg.session.epochs)
+        rule.check_learners(world.size * len(self.pool.learners))
         torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
         check_writable(Path(cfg.session.output), "[session] output")
         self.checkpoints = Checkpointing(cfg, world, self.pool, self.device)

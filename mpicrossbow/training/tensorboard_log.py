@@ -1,9 +1,9 @@
 """``[session] tensorboard = true``: rank 0 mirrors metrics.h5 into TensorBoard event files in ``<run>/tb/``.
 
-Every train row becomes scalars ``train/<column>`` at its step, every validation row ``val/<column>`` at its
-step (a parameter server's rows, which have none, at their index), the per-rank figures gathered at the end
-``rank<r>/<figure>``, and the resolved cfg a text entry ``config``. Written through
-``torch.utils.tensorboard``, which needs the ``tensorboard`` package (the ``mpicrossbow[tensorboard]``
+Every train row becomes scalars ``train/<column>`` at its step (``train/noise_scale`` too), every validation
+row ``val/<column>`` at its step (a parameter server's rows, which have none, at their index), the per-rank
+figures gathered at the end ``rank<r>/<figure>``, and the resolved cfg a text entry ``config``. Written
+through ``torch.utils.tensorboard``, which needs the ``tensorboard`` package (the ``mpicrossbow[tensorboard]``
 extra); without it the session refuses to start with one line.
 """
 

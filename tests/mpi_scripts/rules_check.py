@@ -48,7 +48,8 @@ for name, (make_rule, nesterov) in CASES.items():
         all_grads = [g for g, _, _ in gathered]
         sgd = reference.Sgd(LR, MOMENTUM, nesterov=nesterov)
         if name == "SMA":
-            want_w, want_centre = reference.sma(start, all_grads, sgd, alpha=1.0 / size, mu=0.5)
+            alpha = rule.alpha  # SMA's default α for k = size learners and μ = 0.5 (min(0.2, 0.9 × bound))
+            want_w, want_centre = reference.sma(start, all_grads, sgd, alpha=alpha, mu=0.5)
         else:
             want_w, want_centre = reference.easgd(start, all_grads, sgd, alpha=0.9 / size, tau=3)
         for r, (_, w, centre) in enumerate(gathered):
