@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import launcher, only_run, run_mpi
 from mpicrossbow.training.faults import Straggler
@@ -57,16 +58,81 @@ def test_auto_tuner_settles_on_a_learner_count(mpiexec: str, tmp_path: Path, eng
         "pool.max_learners=4",
         "session.epochs=8",
         f"pool.engine={engine}",
+        "pool.tune=throughput",
     )
     history = metrics["attrs"]["autotune_history"]
     per_epoch = metrics["train"]["learners"]
     assert per_epoch[0] == 1 and len(history) >= 2  # started at 1, tried at least one more
-    tried = [int(m) for m, _ in history]
+    tried = [int(row[0]) for row in history]
     assert tried == list(range(1, len(tried) + 1))  # one more learner per check
     settled = int(metrics["attrs"]["learners"])
     assert 1 <= settled <= 4 and per_epoch[-1] == settled
     assert settled == len(tried) - 1 or settled == 4  # the last one added was dropped, or the ceiling
     assert metrics["val"]["accuracy"][-1] >= 0.93
+
+
+#: MNIST-1D under SMA with the tuner: learners of batch 16, the rate following k (docs/pools.md).
+MNIST1D_AUTO = (
+    "-cfg",
+    "launch/mnist1d.cfg",
+    "RULE=SMA",
+    "DEVICES=cpu",
+    "pool.engine=fused",
+    "data.batch_size=16",
+    "optim.lr=0.025",
+    "optim.lr_scaling=linear",
+    "pool.learners=auto",
+    "pool.max_learners=3",
+    "session.progress=off",
+)
+
+
+def test_goodput_tuner_logs_both_factors_and_writes_its_history(mpiexec: str, tmp_path: Path) -> None:
+    """``learners = auto`` (tune = goodput, the default) on MNIST-1D: every check is logged with its
+    throughput, efficiency, B_noise and goodput, and metrics.h5 holds one row of them per check."""
+    args = [*launcher(), *MNIST1D_AUTO, "session.epochs=4", f"session.output={tmp_path}"]
+    proc = run_mpi(mpiexec, 2, args, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    decisions = [line for line in proc.stderr.splitlines() if "auto-tune (goodput)" in line]
+    assert decisions and all("samples/s × efficiency" in d and "= goodput" in d for d in decisions), decisions
+    metrics = read_metrics(only_run(tmp_path) / "metrics.h5")
+    history = np.asarray(metrics["attrs"]["autotune_history"])
+    assert history.shape == (3, 5)  # a check after every epoch but the last; 5 columns
+    learners, throughput, noise, eff, goodput = history.T
+    assert list(learners) == list(metrics["train"]["learners"][:3])  # each check: its epoch's count
+    assert learners[0] == 1 and learners[1] == 2  # the first check always tries a second learner
+    assert np.all(throughput > 0) and np.isnan(noise[0])  # SMA with one learner: B_noise unknown
+    assert np.all(noise[1:] > 0)  # two learners per rank: measured
+    assert eff[0] == 1.0 and np.all((eff[1:] > 0) & (eff[1:] < 1))  # beyond the base batch: < 1
+    assert np.allclose(goodput, throughput * eff)
+    assert metrics["attrs"]["learners"] == metrics["train"]["learners"][-1]
+
+
+def test_a_stopped_tuned_run_resumes_with_the_tuner_s_count_and_state(mpiexec: str, tmp_path: Path) -> None:
+    """``learners = auto`` with checkpoints: a stop drill (SIGUSR1 at step 200, in the third epoch, after the
+    tuner moved to 2 learners or more; the ranks agree on a step soon after) saves the tuner; the resume
+    rebuilds the pool with its count and continues its history (a fresh tuner would start at 1 learner with
+    a new history)."""
+    common = [*launcher(), *MNIST1D_AUTO, "session.epochs=5", f"session.output={tmp_path}"]
+    drill = ["fault.rank=0", "fault.step=200", "fault.action=signal"]
+    stopped = run_mpi(mpiexec, 2, [*common, *drill], timeout=180)
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    run = only_run(tmp_path)
+    (checkpoint,) = sorted((run / "checkpoints").glob("step-*"))
+    position = torch.load(checkpoint / "rank-00000.pt", weights_only=True)["position"]
+    saved, epoch = position["tuner"], int(position["epoch"])
+    assert epoch >= 2 and position["count"] > 0  # stopped within an epoch after two checks or more
+    assert saved["learners"] >= 2 and len(saved["history"]) == epoch
+    resumed = run_mpi(mpiexec, 2, [*common, "checkpoint.resume=latest"], timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{checkpoint.name} (step {int(checkpoint.name[5:])})" in resumed.stderr
+    metrics = read_metrics(run / "metrics.h5")
+    learners = [int(m) for m in metrics["train"]["learners"]]
+    assert len(learners) == 5 and learners[epoch] == saved["learners"]  # the cut epoch: the tuner's count
+    history = metrics["attrs"]["autotune_history"]
+    assert len(history) == 4  # the checks before the stop, continued: after epochs 1 to 4
+    assert np.allclose(np.asarray(history[:epoch]), np.asarray(saved["history"]), equal_nan=True)
+    assert [int(row[0]) for row in history] == learners[:4]
 
 
 def test_straggler_factor_stretches_the_slowed_rank_only(mpiexec: str, tmp_path: Path) -> None:

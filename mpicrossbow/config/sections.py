@@ -188,8 +188,15 @@ class PoolSection:
         "optimizer); auto times both on the first training steps and keeps the faster",
     )
     max_learners: int = setting(16, "learners = auto: the most learners per rank the tuner tries", ge=1)
+    tune: Literal["goodput", "throughput"] = setting(
+        "goodput",
+        "learners = auto: what a learner must raise to be kept; goodput: throughput x statistical efficiency "
+        "at the measured gradient noise scale (Pollux), throughput: samples/s alone (Crossbow)",
+    )
     tune_threshold: float = setting(
-        0.1, "learners = auto: add a learner while throughput rises by more than this fraction", ge=0
+        0.1,
+        "learners = auto: add a learner while goodput (or throughput) rises by more than this fraction",
+        ge=0,
     )
 
 

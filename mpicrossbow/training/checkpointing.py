@@ -51,6 +51,19 @@ class Checkpointing:
             "numel": int(self.pool.learners[0].params.numel()),
         }
 
+    def expected(self) -> dict[str, Any]:
+        """What a resumed checkpoint's :meth:`meta` must match: all of it, but the learner count under
+        ``[pool] learners = auto``, where the checkpointed tuner's count rebuilds the pool
+        (:meth:`tuner_state`)."""
+        meta = self.meta()
+        if self.config.pool.learners == "auto":
+            del meta["learners"]
+        return meta
+
+    def tuner_state(self) -> dict[str, Any]:
+        """The auto-tuner's state in the resumed checkpoint (empty: none, or a fresh start)."""
+        return dict(self.position.get("tuner", {}))
+
     def _pattern(self) -> str:
         cfg = self.config
         return cfg.session.name or f"{cfg.modelclass}-{cfg.rule.split(':')[-1]}-*"
@@ -96,7 +109,7 @@ class Checkpointing:
 
     def _load(self, path: Path) -> None:
         """Read this rank's part of the checkpoint ``path`` (no communication)."""
-        meta, state = load_rank_state(path, self.world.rank, self.meta())
+        meta, state = load_rank_state(path, self.world.rank, self.expected())
         self.resume = (path, meta, state)
         if self.world.rank == 0:
             log.info("resuming from %s (step %d)", path, meta["step"])

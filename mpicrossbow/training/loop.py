@@ -15,10 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..comm.base import ReduceOp
 from ..trace import span
-from .autotune import StepMeter
 from .evaluation import per_sample
+from .learner_tuning import LearnerTuning
 from .nan_guard import check_finite
 from .noise_scale import NoiseScale
 from .parts import RankParts
@@ -75,7 +74,8 @@ class TrainLoop:
         self.out = LoopOutcome()
         self.at_epochs = float(self.epoch)  # epochs done, with the current one's fraction
         self.checks = Validations(validate, cfg.session.validate_every, cfg.session.target_accuracy)
-        self.meter = StepMeter()
+        #: The auto-tuner's checks (``[pool] learners = auto``), else None.
+        self.tuning = LearnerTuning(parts, parts.tuner) if parts.tuner is not None else None
         #: The gradient noise scale, measured around the rule's ``on_gradients`` (continued on a resume).
         self.noise = NoiseScale(cfg.session.noise_scale_every, cfg.session.noise_scale_smoothing)
         self.noise.load_state_dict(position.get("noise_scale", {}))
@@ -117,7 +117,8 @@ class TrainLoop:
         if self.skip:
             pool.skip(self.skip)
         pool.take_data_wait()  # from this epoch's first step on
-        self.meter.take()  # the auto-tuner measures this epoch's steps
+        if self.tuning is not None:
+            self.tuning.start_epoch()  # the auto-tuner measures this epoch's steps
         started = time.perf_counter()
         end = min(per_epoch, self.skip + self.budget - self.step) if self.budget else per_epoch
         for count in range(self.skip, end):
@@ -165,7 +166,8 @@ class TrainLoop:
         self.step += 1
         parts.reporter.step_done(self.step)
         parts.straggler.after_step(started)
-        self.meter.add(time.perf_counter() - started, steady)  # a straggler's sleep is its slowness
+        if self.tuning is not None:  # a straggler's sleep is its slowness
+            self.tuning.meter.add(time.perf_counter() - started, steady)
 
     def _lr_at(self, epoch: float) -> float:
         """The schedule's rate at ``epoch`` for the learners training now (``[optim] lr_scaling`` scales by
@@ -201,6 +203,7 @@ class TrainLoop:
             val = self.checks.run(self.step, self.at_epochs) if due else None
         self.out.val = val if val is not None else self.out.val
         last = last or self.checks.done  # reached at this epoch's end
+        noise_scale = self.noise.value(parts.config.data.batch_size)
         parts.reporter.epoch(
             self.epoch,
             self.step,
@@ -209,43 +212,25 @@ class TrainLoop:
             self.out.train,
             val,
             (self.out.exchange_s, waited),
-            self.noise.value(parts.config.data.batch_size),
+            noise_scale,
         )
-        if parts.tuner is not None and not last:
-            self._tune(n, seconds)
+        if self.tuning is not None and not last and self.tuning.check(n, seconds, noise_scale):
+            self._resized()
         self.epoch += 1
         every_epochs = parts.config.checkpoint.every_epochs
         periodic = every_epochs and self.epoch % every_epochs == 0 and self.snapshots is None
         if periodic and self.saved_at != self.step and not last:
             self._save(0)
 
-    def _tune(self, samples: float, seconds: float) -> None:
-        """Auto-tuner check after an epoch: samples/s of its steady training steps (:class:`StepMeter`), or of
-        the whole epoch where a rank had none; one allreduce of the slowest times, so every rank resizes
-        alike."""
-        parts = self.parts
-        assert parts.tuner is not None
-        per_step = self.meter.take()
-        # The slowest rank's time sets a synchronous job's pace; samples are summed over ranks already.
-        slowest_step, slowest_epoch = parts.comm.allreduce_scalars(
-            [math.inf if per_step is None else per_step, seconds], op=ReduceOp.MAX
-        )
-        if math.isfinite(slowest_step):
-            throughput = self._samples_per_step() / max(slowest_step, 1e-9)
-        else:
-            throughput = samples / max(slowest_epoch, 1e-9)
-        before = len(parts.pool.learners)
-        after = parts.tuner.observe(throughput)
-        if after != before:
-            parts.pool.resize(after)
-            parts.rule.resized()
-        parts.reporter.autotune_history(parts.tuner.history)
-        per_epoch = parts.pool.n_batch_train
+    def _resized(self) -> None:
+        """The auto-tuner changed the learners, so the steps of an epoch: the epoch count of a step budget,
+        or the progress bar's total."""
+        per_epoch = self.parts.pool.n_batch_train
         if self.budget:
             self.epochs = self.epoch + 1 + math.ceil((self.budget - self.step) / per_epoch)
         else:
             steps_left = (self.epochs - self.epoch - 1) * per_epoch
-            parts.reporter.set_bar_total(steps_left, self._samples_per_step())
+            self.parts.reporter.set_bar_total(steps_left, self._samples_per_step())
 
     def _samples_per_step(self) -> int:
         """Samples one step trains over every rank (rank 0's learners × batch size × ranks)."""
@@ -261,6 +246,7 @@ class TrainLoop:
             "count": count,
             "lr": self.lr,
             "noise_scale": self.noise.state_dict(),
+            **({"tuner": self.parts.tuner.state_dict()} if self.parts.tuner is not None else {}),
         }
 
     def _save(self, count: int) -> None:

@@ -6,7 +6,7 @@ rank 0's learners waited for a batch, ``noise_scale``: the smoothed gradient noi
 the epoch's end, NaN where not measured, :mod:`.noise_scale`); group ``val`` with one row per validation
 (``epoch``, ``step``, ``loss``, ``accuracy``, ``time``, ``exchange_share``); the resolved cfg text is the
 file attribute ``config``; ``learners`` (final count per rank) and, with ``[pool] learners = auto``,
-``autotune_history`` (learners, samples/s per check) are attributes too.
+``autotune_history`` (per check: learners, samples/s, B_noise, efficiency, goodput) are attributes too.
 Appending row by row and flushing means a crash loses at most the current epoch.
 """
 

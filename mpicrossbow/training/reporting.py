@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -219,8 +220,8 @@ class Reporter:
             log.warning("stopped by a signal after step %d; checkpoint saved in %s", step, directory or "?")
 
     # --------------------------------------------------- per-rank attributes
-    def autotune_history(self, history: list[tuple[int, float]]) -> None:
-        """The auto-tuner's decisions so far (learners, samples/s)."""
+    def autotune_history(self, history: Sequence[Sequence[float]]) -> None:
+        """The auto-tuner's checks so far: (learners, samples/s, B_noise, efficiency, goodput) each."""
         if self.metrics is not None:
             self.metrics.file.attrs["autotune_history"] = [list(h) for h in history]
 

@@ -22,7 +22,7 @@ from ..comm import make_communicator
 from ..comm.base import Communicator
 from ..config import Config
 from ..config.sections import WatchdogSection
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..launch.binding import Binding
 from ..launch.devices import device_for_rank
 from ..launch.failure import abort_job
@@ -96,15 +96,16 @@ class Session:
         self._check_combinations()
         auto = cfg.pool.learners == "auto"
         learners = 1 if auto else int(cfg.pool.learners)
-        self.tuner = AutoTuner(cfg.pool.tune_threshold, cfg.pool.max_learners) if auto else None
         torch.manual_seed(cfg.session.seed)  # the same initial replicas everywhere (bind broadcasts anyway)
         self.pool, self.full_val = build_pool(cfg, world, rule, self.device, learners)
-        steps = cfg.session.steps
-        rule.check_run(steps / self.pool.n_batch_train if steps else cfg.session.epochs)
-        rule.check_learners(world.size * len(self.pool.learners))
         torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
         check_writable(Path(cfg.session.output), "[session] output")
         self.checkpoints = Checkpointing(cfg, world, self.pool, self.device)
+        if auto:
+            self.tuner = self._resumed_tuner(self.checkpoints)
+        steps = cfg.session.steps
+        rule.check_run(steps / self.pool.n_batch_train if steps else cfg.session.epochs)
+        rule.check_learners(world.size * len(self.pool.learners))
         self.checkpoints.claim(rule.synchronous and (cfg.checkpoint.enabled or cfg.checkpoint.on_signal))
         log.info(
             "%s model %s from %s on %s, %d thread(s), %s learner(s) per rank (%s engine), %d step(s)/epoch",
@@ -117,6 +118,37 @@ class Session:
             cfg.pool.engine,
             self.pool.n_batch_train,
         )
+
+    def _resumed_tuner(self, checkpoints: Checkpointing) -> AutoTuner:
+        """The auto-tuner (``[pool] learners = auto``), continued from a resumed checkpoint's state; the pool
+        is resized to its learner count before the checkpoint's state is loaded into it."""
+        cfg, pool = self.config, self.pool
+        assert pool is not None and self.rule is not None
+        trainers = sum(self.rule.trains(rank, self.world.size) for rank in range(self.world.size))
+        tuner = AutoTuner(
+            cfg.pool.tune_threshold,
+            cfg.pool.max_learners,
+            tune=cfg.pool.tune,
+            unit_batch=max(1, trainers) * cfg.data.batch_size,
+        )
+        if checkpoints.resume is None:
+            return tuner
+        path, meta, _ = checkpoints.resume
+        state = checkpoints.tuner_state()
+        if not state and meta.get("learners") != len(pool.learners):
+            raise CheckpointError(
+                f"checkpoint {path} was written with [pool] learners = {meta.get('learners')}, not auto: "
+                f"resume with pool.learners={meta.get('learners')}"
+            )
+        try:
+            tuner.load_state_dict(state)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: auto-tuner state: {exc}") from None
+        if tuner.learners != len(pool.learners):
+            pool.resize(tuner.learners)
+            if self.world.rank == 0:
+                log.info("auto-tune: resumed with the tuner's %d learner(s) per rank", tuner.learners)
+        return tuner
 
     def _check_combinations(self) -> None:
         """Settings that do not go together with this rule: one ConfigError naming both."""
@@ -141,11 +173,6 @@ class Session:
             )
         if cfg.session.tensorboard:
             check_tensorboard()
-        if (cfg.checkpoint.enabled or cfg.checkpoint.resume) and auto:
-            raise ConfigError(
-                "[checkpoint] with [pool] learners = auto is not supported: set learners to the count the "
-                "tuner chose (metrics.h5 attribute 'learners')"
-            )
 
     def check_consistency(self) -> None:
         """Collective: every rank built the same model (parameter shapes), or a ContractError on all ranks."""
