@@ -103,7 +103,8 @@ def test_goodput_tuner_logs_both_factors_and_writes_its_history(mpiexec: str, tm
     assert learners[0] == 1 and learners[1] == 2  # the first check always tries a second learner
     assert np.all(throughput > 0) and np.isnan(noise[0])  # SMA with one learner: B_noise unknown
     assert np.all(noise[1:] > 0)  # two learners per rank: measured
-    assert eff[0] == 1.0 and np.all((eff[1:] > 0) & (eff[1:] < 1))  # beyond the base batch: < 1
+    grown = learners > 1  # the tuner may go back to one learner after the second check
+    assert np.all(eff[~grown] == 1.0) and np.all((eff[grown] > 0) & (eff[grown] < 1))  # beyond B₀: < 1
     assert np.allclose(goodput, throughput * eff)
     assert metrics["attrs"]["learners"] == metrics["train"]["learners"][-1]
 
