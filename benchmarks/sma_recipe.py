@@ -10,7 +10,7 @@ cfg's multistep decay moved to 60 % and 85 % of the run. The base rate η₀ = 0
 BSP's global batch 2 × 32 = 64) scaled to one learner's batch of 16.
 
 - **α grid**: α ∈ {1/k, 0.1, 0.2, 2/k} at ``lr_scaling = sqrt`` (η = η₀√k: 0.1 at k = 16, Crossbow's rate
-  at batch 16). An α at or past the stability bound 2(1+μ)/(k+1−μ) is refused by SMA and shown as such.
+  at batch 16). An α at or past the stability bound 2(1+μ)/(k+1+μ) is refused by SMA and shown as such.
 - **lr_scaling grid**: none, sqrt and linear from η₀, α left at SMA's default.
 
 Each k is one ``mpiexec`` job whose runs go one after another (tests/mpi_scripts/cfg_runs.py: torch starts
