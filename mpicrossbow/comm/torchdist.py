@@ -162,6 +162,14 @@ class TorchDistCommunicator(Communicator):
         work = dist.all_reduce(self._flat(tensor), _OPS[op], group=self._group, async_op=async_op)
         return self._handle(work)
 
+    def allreduce_scalars(self, values: list[float], op: ReduceOp = ReduceOp.SUM) -> list[float]:
+        """Allreduce a short list of floats in float64; blocking. NCCL reduces CUDA tensors only, so under
+        it the values travel through this rank's current CUDA device (Gloo: the CPU, as everywhere)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.name == "nccl" else None
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        self.allreduce(t, op).wait()
+        return t.tolist()
+
     def broadcast(self, tensor: torch.Tensor, root: int = 0, async_op: bool = False) -> Handle:
         """``dist.broadcast`` from communicator rank ``root``."""
         work = dist.broadcast(self._flat(tensor), self._members[root], group=self._group, async_op=async_op)
