@@ -1,0 +1,138 @@
+"""Epochs to 94 % on MNIST-1D against k, the learners in all, for SMA, EASGD, LOCALSGD and BSP: does averaging
+k small-batch learners need fewer epochs than one large batch?
+
+    python -m benchmarks.epochs_to_target      # k = 4, 8, 16, seeds 0-2: results/epochs_to_target.md
+    python -m benchmarks.epochs_to_target --ks 8 --seeds 0 --no-write
+
+The job is launch/mnist1d.cfg (the paper's CNN) on 2 ranks with ``pool.engine = fused``, k/2 learners per rank
+of batch 16, η₀ = 0.025 (the cfg's 0.1 for a global batch of 64, scaled to one learner's 16), momentum 0.9,
+a 2-epoch warm-up, the decay at 60 % and 85 % of the epoch cap, a validation every quarter epoch and
+``[session] target_accuracy = 0.94`` (training stops there; metrics.h5 keeps the epochs to it). Each rule
+runs with its documented learning-rate rule (docs/rules.md): the model-averaging rules with
+``lr_scaling = sqrt`` at their default α/τ/period, BSP with ``linear`` (the linear-scaling rule for its global
+batch of 16·k) and, for comparison, with ``sqrt``. A run that misses the target within the cap counts as
+missing; the table shows the median epochs of the seeds that reached it and how many did.
+
+Each k is one ``mpiexec`` job (tests/mpi_scripts/cfg_runs.py: its runs one after another through
+``crossbow-launch``'s own code path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+from benchmarks.report import REPO, append_result
+from mpicrossbow.training.metrics import read_metrics
+
+SCRIPT = REPO / "tests" / "mpi_scripts" / "cfg_runs.py"
+CFG = "launch/mnist1d.cfg"
+RANKS = 2
+TARGET = 0.94
+#: label → the rule and its learning-rate rule.
+CONFIGS = {
+    "SMA": "RULE=SMA,optim.lr_scaling=sqrt",
+    "EASGD": "RULE=EASGD,optim.lr_scaling=sqrt",
+    "LOCALSGD": "RULE=LOCALSGD,optim.lr_scaling=sqrt",
+    "BSP (linear)": "RULE=BSP,optim.lr_scaling=linear",
+    "BSP (sqrt)": "RULE=BSP,optim.lr_scaling=sqrt",
+}
+
+
+def common(epochs: int) -> list[str]:
+    """The overrides every run takes (the module docstring's recipe, capped at ``epochs``)."""
+    first, second = max(1, round(0.6 * epochs)), max(2, round(0.85 * epochs))
+    return [
+        "DEVICES=cpu",
+        "pool.engine=fused",
+        "data.batch_size=16",
+        "optim.lr=0.025",
+        "optim.momentum=0.9",
+        "optim.warmup_epochs=2",
+        f"optim.milestones={first},{second}",
+        f"session.epochs={epochs}",
+        "session.validate_every=0.25",
+        f"session.target_accuracy={TARGET}",
+        "session.on_nan=skip",
+    ]
+
+
+def mpiexec() -> str:
+    """The mpiexec next to the interpreter (the MPI wheel's), else on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else "mpiexec"
+
+
+def epochs_to_target(out: Path, k: int, seeds: list[int], epochs: int) -> dict[str, list[float]]:
+    """Every configuration at ``k`` learners for every seed (one MPI job); label → epochs to the target of
+    each seed (NaN: missed within the cap)."""
+    specs = {
+        f"c{i}s{seed}": f"{CFG},pool.learners={k // RANKS},{overrides},session.seed={seed}"
+        for i, overrides in enumerate(CONFIGS.values())
+        for seed in seeds
+    }
+    folder = out / f"k{k}"
+    cmd = [mpiexec(), "-n", str(RANKS), sys.executable, str(SCRIPT), str(folder)]
+    cmd += [f"{label}={spec}" for label, spec in specs.items()] + ["--", *common(epochs)]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120 * len(specs) + 300
+    )
+    if proc.returncode != 0 or "DONE" not in proc.stdout:
+        raise RuntimeError(f"k = {k} failed:\n{proc.stderr[-3000:]}")
+    found: dict[str, list[float]] = {label: [] for label in CONFIGS}
+    for i, label in enumerate(CONFIGS):
+        for seed in seeds:
+            (run,) = (folder / f"c{i}s{seed}").iterdir()
+            found[label].append(float(read_metrics(run / "metrics.h5")["attrs"]["target_epochs"]))
+    return found
+
+
+def cell(values: list[float]) -> str:
+    """Median epochs of the seeds that reached the target, and how many did."""
+    reached = [v for v in values if v == v]
+    if not reached:
+        return f"missed (0/{len(values)})"
+    return f"{statistics.median(reached):.1f} ({len(reached)}/{len(values)})"
+
+
+def main(argv: list[str]) -> int:
+    """Measure, print the table, append it to results/epochs_to_target.md unless ``--no-write``."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ks", default="4,8,16", help="comma-separated learners in all (even: 2 ranks)")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated session.seed values")
+    parser.add_argument("--epochs", type=int, default=60, help="the epoch cap")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
+    args = parser.parse_args(argv)
+    ks, seeds = [int(k) for k in args.ks.split(",")], [int(s) for s in args.seeds.split(",")]
+    rows = [
+        "| rule (lr rule) | " + " | ".join(f"k = {k}" for k in ks) + " |",
+        "|---|" + "---|" * len(ks),
+    ]
+    with TemporaryDirectory(prefix="epochs-to-target-") as tmp:
+        results = {k: epochs_to_target(Path(tmp), k, seeds, args.epochs) for k in ks}
+    for label in CONFIGS:
+        rows.append(f"| {label} | " + " | ".join(cell(results[k][label]) for k in ks) + " |")
+    table = "\n".join(rows)
+    print(table)
+    if not args.no_write:
+        notes = (
+            f"Median epochs to {TARGET:.0%} validation accuracy over the seeds that reached it within "
+            f"{args.epochs} epochs (how many of seeds {args.seeds} did, in brackets); MNIST-1D CNN, 2 "
+            "ranks × k/2 fused learners of batch 16, η₀ = 0.025 scaled by each rule's lr_scaling."
+        )
+        append_result("epochs_to_target", "Epochs to 94 % against k", table, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
