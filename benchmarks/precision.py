@@ -166,11 +166,13 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--datasets", default="digits,mnist1d", help="comma-separated: digits, mnist1d")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated session.seed values to average")
+    parser.add_argument("--ranks", default="2,4", help="comma-separated world sizes whose rules to run")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
     args = parser.parse_args(argv)
     with TemporaryDirectory(prefix="precision-") as tmp:
         seeds = [int(seed) for seed in args.seeds.split(",")]
-        outcomes = measure(Path(tmp), args.datasets.split(","), seeds, timeout_s=600 * len(seeds))
+        rules = {int(r): RULES[int(r)] for r in args.ranks.split(",")}
+        outcomes = measure(Path(tmp), args.datasets.split(","), seeds, rules, timeout_s=600 * len(seeds))
     text = table(outcomes)
     print(text)
     if not args.no_write:
