@@ -20,17 +20,14 @@ Each k is one ``mpiexec`` job (tests/mpi_scripts/cfg_runs.py: its runs one after
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from benchmarks.report import REPO, append_result
+from benchmarks.report import append_result, cfg_runs
 from mpicrossbow.training.metrics import read_metrics
 
-SCRIPT = REPO / "tests" / "mpi_scripts" / "cfg_runs.py"
 CFG = "launch/mnist1d.cfg"
 RANKS = 2
 TARGET = 0.94
@@ -62,12 +59,6 @@ def common(epochs: int) -> list[str]:
     ]
 
 
-def mpiexec() -> str:
-    """The mpiexec next to the interpreter (the MPI wheel's), else on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
-
-
 def epochs_to_target(out: Path, k: int, seeds: list[int], epochs: int) -> dict[str, list[float]]:
     """Every configuration at ``k`` learners for every seed (one MPI job); label → epochs to the target of
     each seed (NaN: missed within the cap)."""
@@ -77,16 +68,8 @@ def epochs_to_target(out: Path, k: int, seeds: list[int], epochs: int) -> dict[s
         for seed in seeds
     }
     folder = out / f"k{k}"
-    cmd = [mpiexec(), "-n", str(RANKS), sys.executable, str(SCRIPT), str(folder)]
-    cmd += [f"{label}={spec}" for label, spec in specs.items()] + ["--", *common(epochs)]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    )
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120 * len(specs) + 300
-    )
-    if proc.returncode != 0 or "DONE" not in proc.stdout:
-        raise RuntimeError(f"k = {k} failed:\n{proc.stderr[-3000:]}")
+    runs = [f"{label}={spec}" for label, spec in specs.items()]
+    cfg_runs(folder, RANKS, runs, common(epochs), 120 * len(specs) + 300, f"k = {k}")
     found: dict[str, list[float]] = {label: [] for label in CONFIGS}
     for i, label in enumerate(CONFIGS):
         for seed in seeds:

@@ -28,19 +28,16 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from benchmarks.report import REPO, append_result
+from benchmarks.report import append_result, cfg_runs
 from mpicrossbow.training.metrics import read_metrics
 
 log = logging.getLogger("benchmarks.goodput")
 
-SCRIPT = REPO / "tests" / "mpi_scripts" / "cfg_runs.py"
 CFG = "launch/mnist1d.cfg"
 RANKS = 2
 #: One learner's base rate: the cfg's 0.1 for a global batch of 64, scaled to a batch of 16.
@@ -74,25 +71,13 @@ def common(epochs: int, target: float, scaling: str) -> list[str]:
     ]
 
 
-def mpiexec() -> str:
-    """The mpiexec next to the interpreter (the MPI wheel's), else on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
-
-
 def one_seed(out: Path, seed: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Every configuration with ``seed`` in one MPI job; label → target seconds and epochs, final learners,
     final accuracy."""
     specs = [f"{label}={CFG},{overrides},session.seed={seed}" for label, overrides in CONFIGS.items()]
     folder = out / f"seed{seed}"
-    cmd = [mpiexec(), "-n", str(RANKS), sys.executable, str(SCRIPT), str(folder), *specs]
-    cmd += ["--", *common(args.epochs, args.target, args.lr_scaling)]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    )
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0 or "DONE" not in proc.stdout:
-        raise RuntimeError(f"seed {seed} failed:\n{proc.stderr[-3000:]}")
+    shared = common(args.epochs, args.target, args.lr_scaling)
+    cfg_runs(folder, RANKS, specs, shared, args.timeout, f"seed {seed}")
     found = {}
     for label in CONFIGS:
         (run,) = (folder / label).iterdir()

@@ -21,14 +21,12 @@ tests/test_precision_mpi.py asserts the deterministic part within :data:`TOLERAN
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from benchmarks.report import REPO, append_result
+from benchmarks.report import append_result, cfg_runs
 
 #: The largest difference in final validation accuracy (a fraction: 0.01 = 1 point) bf16 may show.
 TOLERANCE = 0.01
@@ -61,7 +59,6 @@ TUNED = {"mnist1d": {"ASGD": "rule.scale=0", "DILOCO": "rule.outer_lr=0.3"}}
 #: The rules whose ranks move in lock-step: their runs are deterministic, so fp32 against bf16 differ by
 #: the arithmetic alone (the others also by the timing of their messages).
 SYNCHRONOUS = ("BSP", "SMA", "EASGD-sync", "LOCALSGD-hier-m2", "DILOCO")
-SCRIPT = REPO / "tests" / "mpi_scripts" / "cfg_runs.py"
 
 
 @dataclass(frozen=True)
@@ -78,12 +75,6 @@ class Outcome:
     def points(self) -> float:
         """bf16 minus fp32, in points of accuracy."""
         return 100 * (self.bf16 - self.fp32)
-
-
-def mpiexec() -> str:
-    """The mpiexec next to the interpreter (the MPI wheel's), else on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
 
 
 def accuracies(
@@ -106,19 +97,11 @@ def accuracies(
         for seed in seeds
     ]
     folder = out / f"{dataset}-{ranks}-{precision}"
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), str(folder), *runs]
-    cmd += ["--", *common, f"optim.precision={precision}"]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    )
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0 or "DONE" not in proc.stdout:
-        raise RuntimeError(f"{dataset} {precision} on {ranks} ranks failed:\n{proc.stderr[-3000:]}")
+    common = [*common, f"optim.precision={precision}"]
+    ran = cfg_runs(folder, ranks, runs, common, timeout_s, f"{dataset} {precision} on {ranks} ranks")
     found: dict[str, list[float]] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RAN "):
-            _, label, accuracy = line.split()
-            found.setdefault(label.partition("@")[0], []).append(float(accuracy))
+    for label, accuracy in ran.items():
+        found.setdefault(label.partition("@")[0], []).append(accuracy)
     return {label: sum(values) / len(values) for label, values in found.items()}
 
 

@@ -40,6 +40,31 @@ def relaunch(module: str, ranks: int, argv: list[str], timeout_s: float = 1800) 
     return subprocess.run(cmd, env=env, cwd=REPO, timeout=timeout_s).returncode
 
 
+def cfg_runs(
+    folder: Path, ranks: int, runs: list[str], common: list[str], timeout_s: float, what: str
+) -> dict[str, float]:
+    """Train ``runs`` (``LABEL=CFG,override,...``) one after another in one ``mpiexec -n ranks`` job of
+    tests/mpi_scripts/cfg_runs.py (torch starts once per rank; ``crossbow-launch``'s own code path), every run
+    with the ``common`` overrides too, each into ``folder/LABEL``; label → final validation accuracy. A failed
+    job is a RuntimeError naming ``what`` with the end of its stderr."""
+    here = Path(sys.executable).parent / "mpiexec"
+    launcher = str(here) if here.exists() else "mpiexec"
+    script = REPO / "tests" / "mpi_scripts" / "cfg_runs.py"
+    cmd = [launcher, "-n", str(ranks), sys.executable, str(script), str(folder), *runs, "--", *common]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0 or "DONE" not in proc.stdout:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    found = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RAN "):
+            _, label, accuracy = line.split()
+            found[label] = float(accuracy)
+    return found
+
+
 def command() -> str:
     """The command line the user typed (as passed down by :func:`relaunch`)."""
     main = sys.modules["__main__"]

@@ -22,17 +22,14 @@ from one trajectory to the next, so differences of a point or two within one see
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from benchmarks.report import REPO, append_result
+from benchmarks.report import append_result, cfg_runs
 from mpicrossbow.rules.sma_stability import alpha_bound, default_alpha
 from mpicrossbow.training.schedule import lr_scale
 
-SCRIPT = REPO / "tests" / "mpi_scripts" / "cfg_runs.py"
 CFG = "launch/mnist1d.cfg"
 RANKS = 2
 #: One learner's base rate: the cfg's 0.1 for a global batch of 64, scaled to a batch of 16.
@@ -66,31 +63,12 @@ def common(epochs: int) -> list[str]:
     ]
 
 
-def mpiexec() -> str:
-    """The mpiexec next to the interpreter (the MPI wheel's), else on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
-
-
 def train(out: Path, k: int, runs: dict[str, str], epochs: int, timeout_s: float) -> dict[str, float]:
     """Train every run of ``runs`` (label → comma-separated overrides) with k learners in one MPI job;
     label → final validation accuracy."""
     learners = k // RANKS
     specs = [f"{label}={CFG},pool.learners={learners},{overrides}" for label, overrides in runs.items()]
-    cmd = [mpiexec(), "-n", str(RANKS), sys.executable, str(SCRIPT), str(out / f"k{k}"), *specs]
-    cmd += ["--", *common(epochs)]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    )
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0 or "DONE" not in proc.stdout:
-        raise RuntimeError(f"k = {k} failed:\n{proc.stderr[-3000:]}")
-    found = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RAN "):
-            _, label, accuracy = line.split()
-            found[label] = float(accuracy)
-    return found
+    return cfg_runs(out / f"k{k}", RANKS, specs, common(epochs), timeout_s, f"k = {k}")
 
 
 def mean(values: list[float]) -> float:
