@@ -35,11 +35,25 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import RESULTS, append_result, relaunch, under_mpi
-from benchmarks.tta_grid import DDP, XB, Grid, Row, Run, Setup, Task, load_grid, summarise, winners
+from benchmarks.tta_grid import (
+    DDP,
+    XB,
+    Grid,
+    Row,
+    Run,
+    Setup,
+    Task,
+    alpha_value,
+    load_grid,
+    summarise,
+    winners,
+)  # fmt: skip
 
 GRID = Path(__file__).with_name("tta.cfg")
 RUNS = RESULTS / "tta-runs.json"
-NARROWS = ("tasks", "seeds", "global_batches", "rules", "learners", "engines")
+NARROWS = (
+    "tasks", "seeds", "global_batches", "rules", "learners", "engines", "lr_scalings", "alphas", "tuners",
+)  # fmt: skip
 
 
 def digits_mlp() -> Any:
@@ -75,6 +89,12 @@ def xb_run(world: Any, task: Task, setup: Setup, seed: int, grid: Grid, out: str
     from mpicrossbow.config import load_config
     from mpicrossbow.training.session import Session
 
+    rule = dict(grid.rule_settings.get(setup.rule, {}))
+    if setup.alpha:
+        rule["alpha"] = alpha_value(setup.alpha, grid.ranks * setup.learners)
+    pool: dict[str, Any] = {"learners": setup.learners, "engine": setup.engine}
+    if setup.tune:
+        pool.update(learners="auto", tune=setup.tune, max_learners=grid.max_learners)
     extra = {
         "__top__": {
             "rule": setup.rule,
@@ -101,9 +121,12 @@ def xb_run(world: Any, task: Task, setup: Setup, seed: int, grid: Grid, out: str
             "milestones": task.milestones,
             "gamma": task.gamma,
             "warmup_epochs": task.warmup_epochs,
+            # the grid's rates are already scaled for k, except under a tuner that changes k
+            "lr_scaling": "sqrt" if setup.tune else "none",
         },
         "data": {"dataset": task.dataset, "batch_size": setup.batch},
-        "pool": {"learners": setup.learners, "engine": setup.engine},
+        "pool": pool,
+        "rule": rule,
     }
     session = Session(load_config(extra=extra), world)
     session.prepare_local()
@@ -112,7 +135,10 @@ def xb_run(world: Any, task: Task, setup: Setup, seed: int, grid: Grid, out: str
     session.close()
     seconds = world.mpi.allreduce(result.target_seconds, op=MPI.MAX)
     trained = world.mpi.allreduce(result.train_seconds, op=MPI.MAX)
-    samples = result.steps * setup.learners * setup.batch * world.size
+    if setup.tune:  # the learner count changed during the run: the job's own count of samples
+        samples = result.samples_per_second * result.wall_seconds
+    else:
+        samples = result.steps * setup.learners * setup.batch * world.size
     curve = [tuple(p) for p in result.curve]
     return Run(setup, seed, seconds, result.target_epochs, samples / trained, result.val_accuracy, curve)
 
@@ -207,27 +233,41 @@ def table(task: Task, rows: list[Row]) -> str:
 
 
 def plot(task: Task, rows: list[Row], path: Path) -> None:
-    """Validation accuracy against training time of each side's winner (its median seed's run)."""
+    """Validation accuracy of each side's winner and of the best model-averaging setup (their median seed's
+    run) against training time (left) and against epochs (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for side, row in winners(rows).items():
-        if row is None:
-            continue
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+    for name, row in drawn(rows).items():
         curve = row.median_run.curve
-        ax.plot([p[0] for p in curve], [p[2] for p in curve], marker=".", label=f"{side}: {row.setup.label}")
-    ax.axhline(task.target, color="grey", linestyle="--", linewidth=1, label=f"target {task.target:.0%}")
-    ax.set_xlabel("training time (s, validation left out)")
-    ax.set_ylabel("validation accuracy")
-    ax.set_title(f"{task.name}: time to {task.target:.0%}, the fastest setup of each side")
-    ax.set_ylim(max(0.0, task.target - 0.3), 1.0)
-    ax.legend(fontsize=8, loc="lower right")
+        for ax, x in zip(axes, (0, 1), strict=True):
+            ax.plot(
+                [p[x] for p in curve], [p[2] for p in curve], marker=".", label=f"{name}: {row.setup.label}"
+            )
+    for ax, xlabel in zip(axes, ("training time (s, validation left out)", "epochs"), strict=True):
+        ax.axhline(task.target, color="grey", linestyle="--", linewidth=1, label=f"target {task.target:.0%}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(max(0.0, task.target - 0.3), 1.0)
+    axes[0].set_ylabel("validation accuracy")
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{task.name}: to {task.target:.0%}, the fastest setup of each side and of model averaging")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def drawn(rows: list[Row]) -> dict[str, Row]:
+    """What the plot draws: each side's winner and the fastest model-averaging setup (rule other than BSP)."""
+    out = {side: row for side, row in winners(rows).items() if row is not None}
+    averaging = [
+        r for r in rows if r.setup.side == XB and r.setup.rule != "BSP" and not math.isnan(r.seconds)
+    ]
+    if averaging and averaging[0] is not out.get(XB):
+        out["model averaging"] = averaging[0]
+    return out
 
 
 def report(grid: Grid, runs: dict[str, list[Run]], args: argparse.Namespace) -> None:

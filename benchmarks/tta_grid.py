@@ -2,8 +2,15 @@
 
 A :class:`Task` is a model, a data set, a target accuracy and the optimizer family both sides train with; a
 :class:`Setup` is one configuration of one side (DDP's global batch, or mpicrossbow's rule × learners ×
-engine) at one learning rate; a run is a setup at one seed. :func:`summarise` takes the runs of a task to
-one row per setup (medians over seeds) and :func:`winners` picks each side's fastest to the target.
+engine at one learning rate and, for SMA, one α; or ``learners = auto`` under one tuner) ; a run is a setup
+at one seed. :func:`summarise` takes the runs of a task to one row per setup (medians over seeds) and
+:func:`winners` picks each side's fastest to the target.
+
+The learning rates are searched around each side's own rule: DDP and BSP, whose one optimizer step averages
+a global batch B, at factors of the linear-scaling centre ``base_lr × B / base_batch``; the model-averaging
+rules, whose every learner steps on its own batch of ``batch``, at η₀ × {1, √k, k} (``lr_scalings``) with
+η₀ the task's single-learner rate ``learner_lr`` and k the learners in all, capped at ``learner_lr_cap``
+(where one learner of that batch stops converging).
 """
 
 from __future__ import annotations
@@ -48,10 +55,30 @@ class Task:
     gamma: float
     base_lr: float
     base_batch: int
+    learner_lr: float
+    learner_lr_cap: float
 
     def lr(self, factor: float, batch: int) -> float:
         """``factor`` × the linear-scaling centre for an optimizer step that averages ``batch`` samples."""
         return factor * self.base_lr * batch / self.base_batch
+
+    def averaging_lr(self, scaling: str, k: int) -> float:
+        """A model-averaging learner's rate for ``k`` learners in all: η₀ × 1, √k or k, capped."""
+        return min(self.learner_lr * SCALINGS[scaling](k), self.learner_lr_cap)
+
+
+#: ``lr_scalings`` → the factor on η₀ for k learners in all (as ``[optim] lr_scaling``).
+SCALINGS = {"none": lambda k: 1.0, "sqrt": math.sqrt, "linear": float}
+#: how a table names each scaling.
+SCALING_NAMES = {"none": "η₀", "sqrt": "√k·η₀", "linear": "k·η₀"}
+
+
+def alpha_value(form: str, k: int) -> float:
+    """An α of the grid (a number, ``1/k`` or ``2/k``) for ``k`` learners in all."""
+    form = form.replace(" ", "")
+    if form.endswith("/k"):
+        return float(form[:-2]) / k
+    return float(form)
 
 
 @dataclass(frozen=True)
@@ -65,13 +92,29 @@ class Setup:
     learners: int = 0
     engine: str = ""
     batch: int = 0
+    #: model-averaging rules: which of ``lr_scalings`` gave ``lr`` (empty: a factor of the linear centre)
+    scaling: str = ""
+    #: SMA: the grid's α as written (``0.1``, ``1/k``, ``2/k``); empty: the rule's default
+    alpha: str = ""
+    #: ``learners = auto``: the tuner (``goodput`` or ``throughput``); ``learners`` is then 0
+    tune: str = ""
 
     @property
     def label(self) -> str:
         """How the tables name it."""
         if self.side == DDP:
             return f"DDP global batch {self.global_batch}, lr {self.lr:g}"
-        return f"{self.rule} {self.learners} learner(s) x b{self.batch} {self.engine}, lr {self.lr:g}"
+        if self.tune:
+            return (
+                f"{self.rule} learners auto ({self.tune}) x b{self.batch} {self.engine}, "
+                f"lr {self.lr:g}·√k (lr_scaling sqrt)"
+            )
+        text = f"{self.rule} {self.learners} learner(s) x b{self.batch} {self.engine}, lr {self.lr:.3g}"
+        if self.scaling:
+            text += f" ({SCALING_NAMES[self.scaling]})"
+        if self.alpha:
+            text += f", α {self.alpha}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -86,34 +129,64 @@ class Grid:
     ddp_batches: tuple[int, ...]
     ddp_factors: tuple[float, ...]
     rules: tuple[str, ...]
-    learners: tuple[int, ...]
     engines: tuple[str, ...]
     batch: int
-    xb_factors: tuple[float, ...]
+    bsp_learners: tuple[int, ...]
+    bsp_factors: tuple[float, ...]
+    averaging_learners: tuple[int, ...]
+    lr_scalings: tuple[str, ...]
+    sma_alphas: tuple[str, ...]
+    tuned_rule: str
+    tuners: tuple[str, ...]
+    max_learners: int
+    #: ``[rule NAME]`` sections: settings every run of that rule takes (``[rule]`` keys)
+    rule_settings: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def setups(self, task: Task) -> list[Setup]:
-        """Every configuration of both sides at each of its learning rates, DDP's first."""
+        """Every configuration of both sides at each of its learning rates, DDP's first; no setup twice
+        (a capped rate can make two scalings meet)."""
         out = [
             Setup(DDP, task.lr(f, batch), global_batch=batch)
             for batch in self.ddp_batches
             for f in self.ddp_factors
         ]
-        for rule in self.rules:
-            for m in self.learners:
-                averaged = self.ranks * m * self.batch if rule == "BSP" else self.batch
-                for engine in self.engines:
+        for engine in self.engines:
+            common = {"engine": engine, "batch": self.batch}
+            if "BSP" in self.rules:
+                out += [
+                    Setup(XB, task.lr(f, self.ranks * m * self.batch), rule="BSP", learners=m, **common)
+                    for m in self.bsp_learners
+                    for f in self.bsp_factors
+                ]
+            for rule in (r for r in self.rules if r != "BSP"):
+                for m in self.averaging_learners:
+                    k = self.ranks * m
+                    alphas = self.sma_alphas if rule == "SMA" else ("",)
                     out += [
                         Setup(
-                            XB, task.lr(f, averaged), rule=rule, learners=m, engine=engine, batch=self.batch
+                            XB,
+                            task.averaging_lr(scaling, k),
+                            rule=rule,
+                            learners=m,
+                            scaling=scaling,
+                            alpha=alpha,
+                            **common,
                         )
-                        for f in self.xb_factors
+                        for scaling in self.lr_scalings
+                        for alpha in alphas
                     ]
-        return out
+            if self.tuned_rule in self.rules:
+                out += [
+                    Setup(XB, task.learner_lr, rule=self.tuned_rule, tune=tune, **common)
+                    for tune in self.tuners
+                ]
+        return list(dict.fromkeys(out))
 
 
 def load_grid(path: str | Path, narrow: dict[str, str] | None = None) -> Grid:
     """Read the grid; ``narrow`` replaces lists by key (``seeds``, ``tasks``, ``global_batches``, ``rules``,
-    ``learners``, ``engines``): what a command line narrows or widens without editing the file."""
+    ``learners`` (both BSP's and the averaging rules'), ``engines``, ``lr_scalings``, ``alphas``,
+    ``tuners``): what a command line narrows or widens without editing the file."""
     cfg = configparser.ConfigParser(inline_comment_prefixes=("#",))
     if not cfg.read(path, encoding="utf-8"):
         raise SystemExit(f"tta: no grid file {path}")
@@ -138,6 +211,8 @@ def load_grid(path: str | Path, narrow: dict[str, str] | None = None) -> Grid:
             gamma=t.getfloat("gamma"),
             base_lr=t.getfloat("base_lr"),
             base_batch=t.getint("base_batch"),
+            learner_lr=t.getfloat("learner_lr"),
+            learner_lr_cap=t.getfloat("learner_lr_cap"),
         )
     return Grid(
         ranks=show.getint("ranks"),
@@ -148,11 +223,30 @@ def load_grid(path: str | Path, narrow: dict[str, str] | None = None) -> Grid:
         ddp_batches=tuple(_ints(narrow.get("global_batches") or ddp["global_batches"])),
         ddp_factors=tuple(_floats(ddp["lr_factors"])),
         rules=tuple(_names(narrow.get("rules") or xb["rules"])),
-        learners=tuple(_ints(narrow.get("learners") or xb["learners"])),
         engines=tuple(_names(narrow.get("engines") or xb["engines"])),
         batch=xb.getint("batch"),
-        xb_factors=tuple(_floats(xb["lr_factors"])),
+        bsp_learners=tuple(_ints(narrow.get("learners") or xb["bsp_learners"])),
+        bsp_factors=tuple(_floats(xb["bsp_lr_factors"])),
+        averaging_learners=tuple(_ints(narrow.get("learners") or xb["averaging_learners"])),
+        lr_scalings=tuple(_checked(narrow.get("lr_scalings") or xb["lr_scalings"], SCALINGS)),
+        sma_alphas=tuple(_names(narrow.get("alphas") or xb["sma_alphas"])),
+        tuned_rule=xb["tuned_rule"],
+        tuners=tuple(_names(narrow.get("tuners") or xb["tuners"])),
+        max_learners=xb.getint("max_learners"),
+        rule_settings={
+            name.removeprefix("rule ").strip(): dict(cfg[name])
+            for name in cfg.sections()
+            if name.startswith("rule ")
+        },
     )
+
+
+def _checked(text: str, known: dict[str, Any]) -> list[str]:
+    names = _names(text)
+    for name in names:
+        if name not in known:
+            raise SystemExit(f"tta: lr_scalings: unknown {name!r} (use {', '.join(known)})")
+    return names
 
 
 @dataclass
@@ -186,7 +280,7 @@ class Run:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Run:
-        """Back from :meth:`as_dict`."""
+        """Back from :meth:`as_dict` (runs saved before ``scaling``, ``alpha`` and ``tune`` load too)."""
         curve = [tuple(p) for p in d["curve"]]
         return Run(Setup(**d["setup"]), d["seed"], d["seconds"], d["epochs"], d["samples_per_s"],
                    d["final_accuracy"], curve)  # type: ignore[arg-type]  # fmt: skip

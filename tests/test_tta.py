@@ -13,31 +13,56 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.tta_grid import DDP, XB, Run, Setup, load_grid, summarise, winners
+from benchmarks.tta_grid import DDP, XB, Run, Setup, alpha_value, load_grid, summarise, winners
 
 GRID = Path(__file__).parents[1] / "benchmarks" / "tta.cfg"
 
 
-def test_the_grid_file_names_both_tasks_and_every_configuration() -> None:
-    grid = load_grid(GRID)
+def test_the_grid_file_gives_both_sides_one_schedule_and_every_configuration() -> None:
+    grid = load_grid(GRID, {"tasks": "mnist1d,digits"})  # the file's default: mnist1d alone
     assert set(grid.tasks) == {"mnist1d", "digits"} and grid.tasks["mnist1d"].target == 0.94
+    assert set(load_grid(GRID).tasks) == {"mnist1d"}
+    mnist1d = grid.tasks["mnist1d"]
+    assert (mnist1d.max_epochs, mnist1d.warmup_epochs, mnist1d.milestones) == (60, 2, (36, 51))
     assert grid.tasks["digits"].target == 0.97 and grid.seeds == (0, 1, 2) and grid.validate_every == 0.25
     setups = grid.setups(grid.tasks["mnist1d"])
     ddp = [s for s in setups if s.side == DDP]
     xb = [s for s in setups if s.side == XB]
     assert sorted({s.global_batch for s in ddp}) == [32, 64, 128, 256, 512] and len(ddp) == 15
-    assert {s.rule for s in xb} == {"BSP", "SMA", "EASGD", "LOCALSGD"} and len(xb) == 4 * 5 * 2 * 3
-    assert {s.learners for s in xb} == {1, 2, 4, 8, 16} and {s.engine for s in xb} == {"serial", "fused"}
+    assert {s.rule for s in xb} == {"BSP", "SMA", "EASGD", "LOCALSGD", "POSTLOCALSGD"}
+    assert {s.engine for s in xb} == {"fused"} and len(setups) == len(set(setups))
+    bsp = [s for s in xb if s.rule == "BSP"]
+    assert {s.learners for s in bsp} == {1, 2, 4, 8, 16} and len(bsp) == 15
+    sma = [s for s in xb if s.rule == "SMA" and not s.tune]
+    assert {s.alpha for s in sma} == {"0.1", "1/k", "2/k"} and {s.learners for s in sma} == {2, 4, 8}
+    assert {s.scaling for s in sma} == {"none", "sqrt", "linear"} and len(sma) == 27
+    assert sorted(s.tune for s in xb if s.tune) == ["goodput", "throughput"]
+    assert grid.rule_settings["POSTLOCALSGD"] == {"then": "SMA", "switch": "epoch", "switch_epoch": "5"}
 
 
-def test_learning_rates_follow_linear_scaling_from_the_task_base() -> None:
-    grid = load_grid(GRID, {"rules": "BSP,SMA", "learners": "4", "engines": "fused", "global_batches": "128"})
-    task = grid.tasks["mnist1d"]  # base_lr 0.1 at a global batch of 64
+def test_learning_rates_follow_each_sides_rule_from_the_task() -> None:
+    narrow = {"rules": "BSP,SMA", "learners": "4", "global_batches": "128", "alphas": "0.1"}
+    grid = load_grid(GRID, narrow)
+    task = grid.tasks["mnist1d"]  # base_lr 0.1 at a global batch of 64; η0 = 0.025, capped at 0.2
     setups = grid.setups(task)
     assert sorted(s.lr for s in setups if s.side == DDP) == pytest.approx([0.05, 0.1, 0.2])
-    # BSP averages 2 ranks x 4 learners x 16 = 128 samples a step; SMA's learners step on 16 each
+    # BSP averages 2 ranks x 4 learners x 16 = 128 samples a step: the linear-scaling centre 0.2
     assert sorted(s.lr for s in setups if s.rule == "BSP") == pytest.approx([0.05, 0.1, 0.2])
-    assert sorted(s.lr for s in setups if s.rule == "SMA") == pytest.approx([0.00625, 0.0125, 0.025])
+    # SMA's k = 8 learners step on 16 each: η0 x {1, √8, 8 (capped)}
+    sma = {s.scaling: s.lr for s in setups if s.rule == "SMA" and not s.tune}
+    assert sma == pytest.approx({"none": 0.025, "sqrt": 0.025 * math.sqrt(8), "linear": 0.2})
+    assert sorted(s.lr for s in setups if s.tune) == [0.025, 0.025]  # each tuner scales by its own k
+
+
+def test_alpha_forms_resolve_for_k_and_stay_inside_smas_bound_on_the_grid() -> None:
+    from mpicrossbow.rules.sma_stability import alpha_bound
+
+    assert alpha_value("0.1", 8) == 0.1 and alpha_value("1/k", 8) == 0.125 and alpha_value("2/k", 16) == 0.125
+    grid = load_grid(GRID)
+    for s in grid.setups(grid.tasks["mnist1d"]):
+        if s.alpha:
+            k = grid.ranks * s.learners
+            assert alpha_value(s.alpha, k) < alpha_bound(k, grid.tasks["mnist1d"].momentum), s.label
 
 
 def run(setup: Setup, seed: int, seconds: float, accuracy: float = 0.95) -> Run:
@@ -68,24 +93,34 @@ def test_runs_survive_the_json() -> None:
     original = run(setup, 1, 2.5)
     again = Run.from_dict(json.loads(json.dumps(original.as_dict())))
     assert again == original
+    tuned = run(Setup(XB, 0.025, rule="SMA", engine="fused", batch=16, tune="goodput"), 0, 1.0)
+    assert Run.from_dict(json.loads(json.dumps(tuned.as_dict()))) == tuned
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_a_narrowed_grid_trains_both_sides_to_the_digits_target(tmp_path: Path) -> None:
-    """One DDP and one mpicrossbow setup at three learning rates each, one seed: every run is recorded, the
-    default learning rate of each reaches 97 %, and validations fall about a quarter epoch apart."""
+    """DDP at one global batch and SMA at 2 learners per rank, each at three learning rates, and SMA's goodput
+    tuner, one seed: every run is recorded, the centre rate of each side and the tuner reach 97 %, and
+    validations fall about a quarter epoch apart."""
     out = tmp_path / "runs.json"
     args = [
         sys.executable, "-m", "benchmarks.tta", "--tasks", "digits", "--seeds", "0", "--global-batches",
-        "32", "--rules", "SMA", "--learners", "2", "--engines", "fused", "--runs", str(out), "--no-write",
+        "32", "--rules", "SMA", "--learners", "2", "--lr-scalings", "none,sqrt,linear", "--alphas", "0.1",
+        "--tuners", "goodput", "--runs", str(out), "--no-write",
     ]  # fmt: skip
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=GRID.parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["digits"]
-    assert len(runs) == 6 and {r["setup"]["side"] for r in runs} == {DDP, XB}
-    centre = [r for r in runs if math.isclose(r["setup"]["lr"], 0.05 if r["setup"]["side"] == DDP else 0.025)]
-    # (the grid's factor 1: DDP 0.05 x 32 / 32, SMA 0.05 x 16 / 32)
+    assert len(runs) == 7 and {r["setup"]["side"] for r in runs} == {DDP, XB}
+    tuned = [r for r in runs if r["setup"]["tune"]]
+    assert len(tuned) == 1 and tuned[0]["final_accuracy"] >= 0.97 and tuned[0]["seconds"] > 0, tuned
+
+    def centre_lr(r: dict) -> float:
+        return 0.05 if r["setup"]["side"] == DDP else 0.025
+
+    centre = [r for r in runs if not r["setup"]["tune"] and math.isclose(r["setup"]["lr"], centre_lr(r))]
+    # (DDP: the linear-scaling centre 0.05 x 32 / 32; SMA: η0 = 0.025, lr_scaling none)
     assert len(centre) == 2 and all(r["final_accuracy"] >= 0.97 and r["seconds"] > 0 for r in centre), centre
     for r in centre:
         epochs = [p[1] for p in r["curve"]]
