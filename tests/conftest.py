@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,17 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(extra or {})
     return env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_mpich_segments_left() -> Iterator[None]:
+    """MPICH leaves its /dev/shm segment behind when a job ends by MPI_Abort or a killed rank, which many
+    tests do on purpose (and jobs started by a plain mpiexec get no launcher to clean up after them): at the
+    end of the session remove every segment created during it that no live process uses."""
+    from mpicrossbow.launch.shm_hygiene import removing_new_segments
+
+    with removing_new_segments():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -20,13 +20,15 @@ import pytest
 import torch.distributed as dist
 
 from listeners import listeners
-from mpicrossbow.comm.rendezvous import (
-    FOLDER_PREFIX,
+from mpicrossbow.comm.interfaces import (
+    Address,
+    host_addresses,
     interface_ipv4,
     interface_names,
     loopback_interface,
-    rendezvous,
+    shared_interfaces,
 )
+from mpicrossbow.comm.rendezvous import FOLDER_PREFIX, rendezvous, tcp_store
 from mpicrossbow.config import CommSection
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -149,12 +151,66 @@ def test_several_nodes_default_address_is_rank_0s_hostname(
         met.close(SoloComm())
 
 
-def test_several_nodes_refuse_a_hostname_on_loopback(
+def test_several_nodes_with_a_hostname_on_loopback_meet_on_a_shared_subnet(
     private_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Debian's ``127.0.1.1 <hostname>``: no refusal and no hang; the ranks pick the interface of a subnet
+    they all share, rank 0's store listens on its address there, and Gloo uses that interface."""
+    addresses = host_addresses()
+    if not addresses:
+        pytest.skip("this host has no IPv4 address but loopback")
     monkeypatch.setattr(socket, "gethostbyname", lambda host: "127.0.1.1")
-    with pytest.raises(RuntimeError, match=r"resolves to 127\.0\.1\.1.*set \[comm\] interface"):
-        rendezvous(SoloComm(), "gloo", timeout_s=10, single_node=False)
+    met = rendezvous(SoloComm(), "gloo", timeout_s=10, single_node=False)
+    try:
+        assert met.where.startswith(f"tcp store on {addresses[0].address}:")
+        assert os.environ[GLOO] == addresses[0].interface
+    finally:
+        met.close(SoloComm())
+    assert GLOO not in os.environ
+
+
+def test_each_rank_takes_its_own_interface_on_the_first_subnet_all_share() -> None:
+    ranks = [
+        [Address("eth0", "10.0.0.1", 24), Address("ib0", "192.168.1.1", 16)],
+        [Address("ens3", "10.0.9.9", 24), Address("ib1", "192.168.7.2", 16)],
+        [Address("ib0", "192.168.3.3", 16)],
+    ]
+    assert shared_interfaces(ranks) == [ranks[0][1], ranks[1][1], ranks[2][0]]
+    assert shared_interfaces(ranks[:2])[0].interface == "ib0"  # eth0's /24 is not shared either
+    both = [[Address("eth0", "10.0.0.1", 24)], [Address("eth1", "10.0.0.2", 24)]]
+    assert [a.interface for a in shared_interfaces(both)] == ["eth0", "eth1"]
+
+
+def test_ranks_without_a_shared_subnet_are_told_what_each_has() -> None:
+    apart = [[Address("eth0", "10.0.0.1", 24)], [Address("eth0", "10.0.1.1", 24)], []]
+    with pytest.raises(
+        ValueError, match=r"rank 0: eth0 10\.0\.0\.1/24; rank 1: eth0 10\.0\.1\.1/24; rank 2: none"
+    ):
+        shared_interfaces(apart)
+
+
+class SecondOfTwo(SoloComm):
+    """Rank 1 of 2, told by "rank 0" where the store is."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def Get_rank(self) -> int:
+        return 1
+
+    def Get_size(self) -> int:
+        return 2
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return ("127.0.0.1", self.port, None)
+
+
+def test_a_store_that_cannot_be_reached_ends_with_the_address_tried() -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(RuntimeError, match=rf"could not reach the store on 127\.0\.0\.1:{port} for 1 s"):
+        tcp_store(SecondOfTwo(port), "head", "", one_host=False, timeout_s=1)
 
 
 def test_an_unknown_interface_is_refused_by_name(private_tmp: Path) -> None:

@@ -20,7 +20,12 @@ store is chosen and announced over MPI instead:
   reach). The store is wrapped in a :class:`~torch.distributed.PrefixStore` with a random per-job prefix
   broadcast over MPI, so a client that does connect cannot guess the keys. ``[comm] interface`` also
   becomes Gloo's (``GLOO_SOCKET_IFNAME``) or NCCL's (``NCCL_SOCKET_IFNAME``) interface, unless the user set
-  those.
+  those. Without ``[comm] interface``, when some rank's hostname resolves to a loopback address (Debian's
+  ``127.0.1.1 <hostname>`` line in /etc/hosts: Gloo would then listen where no other node can connect, and
+  the job would hang), the ranks pick the interface themselves (:func:`shared_interfaces`): the first IPv4
+  subnet of rank 0's interfaces that every rank has an address in; each rank uses its own interface on it
+  (the names may differ between nodes) and the store listens on rank 0's address there. A rank that cannot
+  reach the store ends with one line naming the address it tried.
 
 Every decision is made on rank 0 or agreed by all ranks over MPI, and a problem raises the same error on
 every rank (no rank is left waiting in a collective).
@@ -41,6 +46,16 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from .interfaces import (
+    Address,
+    host_addresses,
+    interface_ipv4,
+    interface_names,
+    loopback_interface,
+    resolves_to_loopback,
+    shared_interfaces,
+)
+
 log = logging.getLogger(__name__)
 
 #: The environment variable that names the network interface of each torch.distributed backend.
@@ -48,8 +63,6 @@ SOCKET_IFNAME = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 
 #: Name prefix of rank 0's private store folder (under ``$TMPDIR`` or /tmp).
 FOLDER_PREFIX = "mpicrossbow-rendezvous-"
-
-_SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
 
 
 class BootstrapComm(Protocol):
@@ -69,34 +82,6 @@ class BootstrapComm(Protocol):
 
     def Barrier(self) -> None:
         """Wait for every rank."""
-
-
-def interface_ipv4(name: str) -> str | None:
-    """The IPv4 address of network interface ``name``, or None when it has none (or this is not Linux)."""
-    try:
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            request = struct.pack("256s", name.encode()[:15])
-            return socket.inet_ntoa(fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)[20:24])
-    except (ImportError, OSError):
-        return None
-
-
-def interface_names() -> list[str]:
-    """The names of this host's network interfaces."""
-    return [name for _, name in socket.if_nameindex()]
-
-
-def loopback_interface() -> str:
-    """The name of the loopback interface: the one holding 127.0.0.1 (``lo`` on Linux), else the first
-    named ``lo...`` (``lo0`` on BSD and macOS), else ``lo``."""
-    names = interface_names()
-    for name in names:
-        if interface_ipv4(name) == "127.0.0.1":
-            return name
-    return next((name for name in names if name.startswith("lo")), "lo")
 
 
 @dataclass
@@ -175,13 +160,32 @@ def rendezvous(
         store: dist.Store = dist.FileStore(os.path.join(folder, "store"), comm.Get_size())
         where, device = f"file store in {folder}", loopback_interface() if backend == "gloo" else ""
     else:
+        device = interface
         if interface:
             check_interface(comm, interface)
+        elif not one_host and any(comm.allgather(resolves_to_loopback(socket.gethostname()))):
+            mine = pick_interface(comm)
+            interface, device = mine.interface if comm.Get_rank() == 0 else "", mine.interface
         store, where = tcp_store(comm, hosts[0], interface, one_host, timeout_s)
-        device = interface
     prefix = comm.bcast(secrets.token_hex(16) if comm.Get_rank() == 0 else None, root=0)
     saved = use_interface(backend, device) if device else {}
     return Rendezvous(dist.PrefixStore(f"mpicrossbow/{prefix}", store), where, folder, saved)
+
+
+def pick_interface(comm: BootstrapComm) -> Address:
+    """This rank's address on the subnet every rank shares (:func:`shared_interfaces`), the same error on
+    every rank when there is none; collective. Rank 0 logs the choice."""
+    per_rank = comm.allgather(host_addresses())
+    try:
+        chosen = shared_interfaces(per_rank)
+    except ValueError as exc:
+        raise RuntimeError(f"rendezvous across nodes: {exc}") from None
+    if comm.Get_rank() == 0:
+        log.info(
+            "a hostname is on loopback: meeting on %s (rank 0: %s %s; [comm] interface overrides)",
+            chosen[0].network(), chosen[0].interface, chosen[0].address,
+        )  # fmt: skip
+    return chosen[comm.Get_rank()]
 
 
 def shared_folder(comm: BootstrapComm) -> str | None:
@@ -273,14 +277,24 @@ def tcp_store(
     address, port, problem = comm.bcast(endpoint, root=0)
     if problem is not None:
         raise RuntimeError(problem)
-    store = dist.TCPStore(
-        address,
-        port,
-        comm.Get_size(),
-        is_master=rank == 0,
-        timeout=timedelta(seconds=timeout_s),
-        master_listen_fd=listener.detach() if listener is not None else None,  # the store owns it now
-    )
+    try:
+        store = dist.TCPStore(
+            address,
+            port,
+            comm.Get_size(),
+            is_master=rank == 0,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=listener.detach() if listener is not None else None,  # the store owns it now
+        )
+    except (RuntimeError, OSError) as exc:  # torch's DistStoreError is a RuntimeError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        who = (
+            "rank 0 waited for the other ranks at" if rank == 0 else f"{socket.gethostname()} could not reach"
+        )
+        raise RuntimeError(
+            f"rendezvous: {who} the store on {address}:{port} for {timeout_s:g} s ({first}); check that "
+            "the nodes reach each other there, or set [comm] interface"
+        ) from None
     return store, f"tcp store on {address}:{port}"
 
 

@@ -267,8 +267,9 @@ class WatchdogSection:
     )
     peer_timeout: float = setting(
         20.0,
-        "seconds without a heartbeat after which a rank on another node counts as dead and the job is "
-        "aborted (a dead rank on this node is seen at once from its pid); 0: do not check peers",
+        "seconds without a heartbeat (or, for a rank on another node, without an answer to the network "
+        "probe) after which a rank counts as dead or cut off and the job is aborted (a dead rank on this "
+        "node is seen at once from its pid); 0: do not check peers",
         ge=0,
     )
     interval: float = setting(1.0, "seconds between heartbeats and checks", gt=0)
@@ -297,7 +298,8 @@ class CommSection:
         "",
         "gloo/nccl across nodes: the network interface (e.g. ib0) rank 0's rendezvous store listens on, and "
         "the backend's own (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME unless set); empty: the address of rank "
-        "0's hostname. One node needs none: a file store, and Gloo on loopback",
+        "0's hostname, or, when some rank's hostname resolves to loopback (127.0.1.1), the first subnet of "
+        "rank 0's that every rank has an address in. One node needs none: a file store, and Gloo on loopback",
     )
 
 

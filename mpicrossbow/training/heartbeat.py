@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ class Beat:
     phase: str = "compute"
     #: Wall-clock time (``time.time()``) of the loop's last progress on that rank.
     progressed: float = 0.0
+    #: ``[address, port]`` of the rank's link-probe sockets (:mod:`.link_probe`), one per IPv4 address.
+    probes: list[list[str | int]] = field(default_factory=list)
 
     @classmethod
     def mine(cls, rank: int, job: str) -> Beat:

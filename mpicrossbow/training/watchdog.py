@@ -9,7 +9,9 @@ thread
    nodes on the shared file system a run folder lives on;
 2. asks :mod:`.liveness` whether the peer it watches (the next rank in a ring) is still there. A dead
    peer ends the job within seconds on its node (pid check) and within ``peer_timeout`` elsewhere: the rank
-   before it prints one line naming the dead rank, its host and how it died, and aborts;
+   before it prints one line naming the dead rank, its host and how it died, and aborts. A peer on another
+   node is also pinged over the network (:mod:`.link_probe`): silent for ``peer_timeout`` while its
+   heartbeat goes on, the network between the two hosts is gone, and the watcher says so and aborts;
 3. (synchronous rules) when this rank's step has not progressed for ``warn_after`` seconds, logs one warning
    naming the ranks that have not reached its position (the ranks a collective waits for), or saying that
    this rank itself is the one behind; after ``abort_after`` seconds it aborts the job. ``abort_after =
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import IO, Literal
 
 from .heartbeat import PHASES, Beat, fault_file, read_heartbeats, write_heartbeat
+from .link_probe import LinkProbe
 from .liveness import PeerLiveness
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,9 @@ class Watchdog:
         self._stop = threading.Event()
         directory.mkdir(parents=True, exist_ok=True)
         self.liveness = PeerLiveness(self.me, size, directory, peer_timeout)
+        self.probe = LinkProbe(job, peer_timeout) if peer_timeout and size > 1 else None
+        if self.probe is not None:
+            self.me.probes = self.probe.endpoints()
         self._thread = threading.Thread(target=self._loop, name=f"watchdog-rank{rank}", daemon=True)
 
     def start(self) -> Watchdog:
@@ -108,6 +114,8 @@ class Watchdog:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._write()
+        if self.probe is not None:
+            self.probe.close()
         if self._fault_file is not None:
             faulthandler.disable()
             if self._faulthandler_was_on:  # as the user had it (PYTHONFAULTHANDLER, -X faulthandler)
@@ -134,6 +142,10 @@ class Watchdog:
         """Abort when the watched peer is gone."""
         watched = read_heartbeats(self.directory, self.size, self.liveness.watched)
         dead = self.liveness.gone(watched)
+        if not dead and self.probe is not None:
+            peer = self.liveness.watched[0]
+            cut = self.probe.tick(self.me, watched.get(peer))
+            dead = {peer: cut} if cut else {}
         if not dead:
             return False
         reasons = "; ".join(dead[r] for r in sorted(dead))

@@ -21,7 +21,7 @@ from verdicts import WORLD, finish, run_checks, run_main, say
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the /proc reader
 
 from listeners import Listener, listeners
-from mpicrossbow.comm.rendezvous import loopback_interface
+from mpicrossbow.comm.interfaces import loopback_interface
 from mpicrossbow.comm.torchdist import TorchDistCommunicator
 
 

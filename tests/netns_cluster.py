@@ -1,0 +1,412 @@
+"""A real small cluster on this machine: nodes as Linux namespaces joined by virtual Ethernet links.
+
+Each **node** is a process (its "holder", ``sleep infinity`` as PID 1) in its own network, PID, IPC, UTS and
+mount namespaces: hostname ``node<i>``, one interface ``eth0`` with an address of a private /24 that exists
+only inside these namespaces, its own ``/etc/hosts``. With the PID and IPC namespaces MPI sees separate hosts
+and moves data over the links (with a network namespace alone UCX would use shared memory between "nodes").
+The links are veth pairs to a bridge in a **switch** namespace; a rate (``tc tbf``) may be put on any node's
+link, both ways, and a link may be set down. The **head** (``mpiexec``, ``srun``, the test's own commands)
+runs in a namespace of its own on the same bridge with hostname ``head``, sharing the host's PID namespace
+(a process in a sibling PID namespace cannot enter a node).
+
+MPICH's hydra reaches the nodes through its ssh launcher with :attr:`NetnsCluster.launcher` as the
+``-launcher-exec`` program: it drops ssh's options and runs the command inside the named node with
+``nsenter``. :meth:`NetnsCluster.mpiexec` builds that command line.
+
+Everything it makes is named with one per-cluster prefix and removed by :meth:`NetnsCluster.stop` (every
+namespace by name, every holder by pid: killing a node's PID 1 kills every process in it), also when
+:meth:`NetnsCluster.start` fails half way. :func:`leftovers` lists anything of any cluster still present.
+
+By hand (as root): ``python tests/netns_cluster.py --nodes 3 [--rate 1gbit]`` starts a cluster, prints how
+to launch into it, and removes it on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Every namespace, link and folder of a cluster starts with this (and the cluster's own id).
+PREFIX = "xbc"
+TOOLS = ("ip", "unshare", "nsenter", "tc")
+COMMAND_TIMEOUT_S = 20.0
+
+
+def missing_reason() -> str | None:
+    """Why a namespace cluster cannot be started here, or None when it can."""
+    if sys.platform != "linux":
+        return "network-namespace nodes need Linux"
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"missing {', '.join(missing)} (apt-get install -y iproute2 util-linux)"
+    if os.geteuid() != 0:
+        return "network-namespace nodes need root (ip netns, unshare)"
+    return None
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """One set-up command, bounded; a failure raises with its stderr."""
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+@dataclass
+class Node:
+    """One node: its name (= hostname), address, network namespace, holder pid and link ends."""
+
+    name: str
+    address: str
+    netns: str
+    pid: int = 0
+    #: this node's end of its link, inside its namespace
+    inside: str = "eth0"
+    #: the switch's end of the link (in the switch namespace)
+    port: str = ""
+
+
+@dataclass
+class NetnsCluster:
+    """``nodes`` nodes and a head on one bridge (the module docstring): :meth:`start`, then :meth:`stop`."""
+
+    nodes: int = 2
+    #: a tbf rate for every node's link (``1gbit``, ``300mbit``); empty: line rate
+    rate: str = ""
+    ident: str = field(default_factory=lambda: f"{os.getpid() % 10000}{random.randrange(100):02d}")
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix=f"{PREFIX}-")))
+    members: list[Node] = field(default_factory=list)
+    head_netns: str = ""
+    switch: str = ""
+    subnet: str = ""
+
+    @property
+    def hosts(self) -> list[str]:
+        """The nodes' hostnames, in order."""
+        return [n.name for n in self.members]
+
+    @property
+    def launcher(self) -> Path:
+        """The ``-launcher-exec`` program: ``launcher [ssh options] NODE COMMAND...`` runs COMMAND in NODE."""
+        return self.root / "launch-in-node"
+
+    def node(self, name: str) -> Node:
+        """The node named ``name``."""
+        for n in self.members:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node {name} (nodes: {', '.join(self.hosts)})")
+
+    # -- set-up and tear-down ---------------------------------------------------------------------------
+
+    def start(self) -> NetnsCluster:
+        """Make the switch, the head and the nodes; on any failure remove what was made and raise."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        self.subnet = f"10.{random.randrange(16, 250)}.{random.randrange(1, 250)}"
+        self.switch = f"{PREFIX}{self.ident}sw"
+        self.head_netns = f"{PREFIX}{self.ident}hd"
+        names = [f"node{i + 1}" for i in range(self.nodes)]
+        self.members = [
+            Node(
+                name,
+                f"{self.subnet}.{i + 11}",
+                f"{PREFIX}{self.ident}n{i + 1}",
+                port=f"{PREFIX}{self.ident}p{i + 1}",
+            )
+            for i, name in enumerate(names)
+        ]
+        self.write_hosts(loopback=False)
+        _sh("ip", "netns", "add", self.switch)
+        _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        _sh("ip", "-n", self.switch, "link", "set", "lo", "up")
+        self._attach(self.head_netns, f"{PREFIX}{self.ident}ph", f"{self.subnet}.10")
+        for n in self.members:
+            self._attach(n.netns, n.port, n.address)
+            n.pid = self._hold(n)
+            if self.rate:
+                self.set_rate(n.name, self.rate)
+        self._write_launcher()
+
+    def hosts_file(self, host: str) -> Path:
+        """The /etc/hosts that ``host`` (a node's name or ``head``) sees."""
+        return self.root / f"hosts-{host}"
+
+    def write_hosts(self, loopback: bool) -> None:
+        """Every host's /etc/hosts: the head's and nodes' addresses; with ``loopback`` each node's own name
+        first on 127.0.1.1, as Debian writes it (rewritten in place: running nodes see it at once)."""
+        common = ["127.0.0.1 localhost", f"{self.subnet}.10 head"]
+        common += [f"{n.address} {n.name}" for n in self.members]
+        for host in ["head", *self.hosts]:
+            own = [f"127.0.1.1 {host}"] if loopback and host != "head" else []
+            self.hosts_file(host).write_text("\n".join([*own, *common]) + "\n", encoding="utf-8")
+
+    def _attach(self, netns: str, port: str, address: str) -> None:
+        """A namespace ``netns`` with ``eth0`` at ``address``, linked to the bridge through ``port``."""
+        _sh("ip", "netns", "add", netns)
+        _sh(
+            "ip",
+            "link",
+            "add",
+            port,
+            "netns",
+            self.switch,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            netns,
+        )
+        _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
+        _sh("ip", "-n", netns, "addr", "add", f"{address}/24", "dev", "eth0")
+        _sh("ip", "-n", netns, "link", "set", "eth0", "up")
+        _sh("ip", "-n", netns, "link", "set", "lo", "up")
+
+    def _hold(self, n: Node) -> int:
+        """Start the node's holder (PID 1 of its PID namespace) and return its pid as the host sees it."""
+        script = (
+            f"hostname {n.name} && mount --bind {shlex.quote(str(self.hosts_file(n.name)))} /etc/hosts "
+            "&& exec sleep infinity"
+        )
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", n.netns, "unshare", "--fork", "--pid", "--ipc", "--uts", "--mount",
+             "--mount-proc", "sh", "-c", script],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True,
+        )  # fmt: skip
+        (self.root / f"{n.name}.launcher-pid").write_text(str(proc.pid), encoding="utf-8")
+        deadline = time.monotonic() + COMMAND_TIMEOUT_S
+        while time.monotonic() < deadline:
+            pid = _child_sleep(proc.pid)
+            if pid and _hostname_of(pid) == n.name:
+                (self.root / f"{n.name}.pid").write_text(str(pid), encoding="utf-8")
+                return pid
+            if proc.poll() is not None:
+                raise RuntimeError(f"{n.name}: the holder ended: {proc.stderr.read().decode().strip()}")
+            time.sleep(0.01)
+        raise RuntimeError(f"{n.name}: the holder did not start within {COMMAND_TIMEOUT_S:g} s")
+
+    def _write_launcher(self) -> None:
+        pids = " ".join(f"{n.name}={n.pid}" for n in self.members)
+        self.launcher.write_text(
+            f"""#!/bin/sh
+# hydra's ssh launcher: [ssh options] NODE COMMAND... -> COMMAND inside NODE (namespace cluster {self.ident})
+while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
+node="$1"; shift
+pid=""
+for pair in {pids}; do [ "${{pair%%=*}}" = "$node" ] && pid="${{pair#*=}}"; done
+[ -n "$pid" ] || {{ echo "launch-in-node: no node $node in cluster {self.ident}" >&2; exit 255; }}
+exec nsenter -t "$pid" -n -u -i -p -m --wd="$PWD" -- sh -c "$*"
+""",
+            encoding="utf-8",
+        )
+        self.launcher.chmod(0o755)
+
+    def stop(self) -> None:
+        """Remove everything this cluster made: holders by pid, namespaces by name, its folder."""
+        for n in self.members:
+            for pid in (n.pid, _read_int(self.root / f"{n.name}.launcher-pid")):
+                if pid:
+                    _kill(pid)
+        for netns in [n.netns for n in self.members] + [self.head_netns, self.switch]:
+            if netns and netns in _netns_names():
+                _sh("ip", "netns", "del", netns, check=False)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- running things ---------------------------------------------------------------------------------
+
+    def head_command(self, argv: list[str]) -> list[str]:
+        """``argv`` run at the head: its network namespace, hostname ``head`` and the cluster's hosts file,
+        in the host's PID namespace (so that hydra's launcher can enter the nodes)."""
+        script = (
+            f"hostname head && mount --bind {shlex.quote(str(self.hosts_file('head')))} /etc/hosts "
+            f"&& exec {shlex.join(argv)}"
+        )
+        return ["ip", "netns", "exec", self.head_netns, "unshare", "--uts", "--mount", "sh", "-c", script]
+
+    def node_command(self, name: str, argv: list[str]) -> list[str]:
+        """``argv`` run inside node ``name`` (in the current folder)."""
+        pid = self.node(name).pid
+        return ["nsenter", "-t", str(pid), "-n", "-u", "-i", "-p", "-m", f"--wd={os.getcwd()}", "--", *argv]
+
+    def mpiexec(self, mpiexec: str, ranks_per_node: int, argv: list[str], nodes: int = 0) -> list[str]:
+        """An MPICH (hydra) command line at the head: ``ranks_per_node`` ranks on each of the first ``nodes``
+        nodes (all by default), launched into them through :attr:`launcher`."""
+        hosts = self.hosts[: nodes or len(self.members)]
+        inner = [
+            mpiexec, "-launcher", "ssh", "-launcher-exec", str(self.launcher),
+            "-hosts", ",".join(f"{h}:{ranks_per_node}" for h in hosts),
+            "-n", str(ranks_per_node * len(hosts)), *argv,
+        ]  # fmt: skip
+        return self.head_command(inner)
+
+    def link_bytes(self, name: str) -> tuple[int, int]:
+        """Bytes node ``name`` has sent and received on its link (its ``eth0`` counters)."""
+        out = _sh("ip", "-n", self.node(name).netns, "-s", "-j", "link", "show", "eth0").stdout
+        import json
+
+        stats = json.loads(out)[0]["stats64"]
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+
+    def set_rate(self, name: str, rate: str) -> None:
+        """Limit node ``name``'s link to ``rate`` both ways (tbf on its eth0 and on its switch port)."""
+        n = self.node(name)
+        for netns, dev in ((n.netns, n.inside), (self.switch, n.port)):
+            tbf = ["tbf", "rate", rate, "burst", "512kb", "latency", "20ms"]
+            _sh("ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf)
+
+    def clear_rate(self, name: str) -> None:
+        """Line rate again on node ``name``'s link (no qdisc left to remove is fine)."""
+        n = self.node(name)
+        for netns, dev in ((n.netns, n.inside), (self.switch, n.port)):
+            _sh("ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
+    def set_link(self, name: str, up: bool) -> None:
+        """Take node ``name``'s link down (or up again) at the switch: the node no longer reaches anyone."""
+        _sh("ip", "-n", self.switch, "link", "set", self.node(name).port, "up" if up else "down")
+
+    def kill_node(self, name: str) -> None:
+        """Kill every process of node ``name`` at once (its PID 1, the holder, takes them all), as a node that
+        loses power; :meth:`restart_node` brings it back."""
+        n = self.node(name)
+        _kill(_read_int(self.root / f"{n.name}.launcher-pid"))  # the holder's parent, which reaps it
+        _kill(n.pid)
+        n.pid = 0
+
+    def restart_node(self, name: str) -> None:
+        """A fresh holder for node ``name`` (same namespace, address and link): the node boots again."""
+        n = self.node(name)
+        if n.pid:
+            self.kill_node(name)
+        n.pid = self._hold(n)
+        self._write_launcher()
+
+    def describe(self) -> str:
+        """How to use this cluster by hand."""
+        nodes = ", ".join(f"{n.name} {n.address} (pid {n.pid})" for n in self.members)
+        example = shlex.join(self.mpiexec("mpiexec", 1, ["hostname"]))
+        return (
+            f"namespace cluster {self.ident}: {nodes}; head {self.subnet}.10\n"
+            f"  a shell in a node:  {shlex.join(self.node_command(self.hosts[0], ['bash']))}\n"
+            f"  a shell at the head: {shlex.join(self.head_command(['bash']))}\n"
+            f"  MPI across nodes:   {example}"
+        )
+
+
+def _netns_names() -> list[str]:
+    out = _sh("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _read_int(path: Path) -> int:
+    try:
+        return int(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        try:  # our own child: reap it; otherwise wait for its parent to
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            pass
+        time.sleep(0.01)
+
+
+def _child_sleep(pid: int) -> int:
+    """The pid (host's view) of the ``sleep`` the holder chain under ``pid`` ended in, or 0."""
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            if Path(f"/proc/{p}/comm").read_text().strip() == "sleep":
+                return p
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        todo += [int(c) for c in children]
+    return 0
+
+
+def _hostname_of(pid: int) -> str:
+    try:
+        return subprocess.run(
+            ["nsenter", "-t", str(pid), "-u", "hostname"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def leftovers() -> list[str]:
+    """Anything a namespace cluster made that still exists: namespaces, folders, holder processes."""
+    found = [f"namespace {n}" for n in _netns_names() if n.startswith(PREFIX)]
+    found += [f"folder {p}" for p in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*")]
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if f"/{PREFIX}-" in cmd and "mount --bind" in cmd:
+                found.append(f"process {proc.name}: {cmd.strip()[:120]}")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start a cluster by hand, print how to use it, remove it on Ctrl-C or SIGTERM."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nodes", type=int, default=2, help="nodes (default 2)")
+    parser.add_argument("--rate", default="", help="tbf rate on every link, e.g. 1gbit (default: line rate)")
+    args = parser.parse_args(argv)
+    reason = missing_reason()
+    if reason:
+        print(f"netns_cluster: {reason}", file=sys.stderr)
+        return 2
+    cluster = NetnsCluster(args.nodes, args.rate)
+    started = time.perf_counter()
+    cluster.start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        print(
+            f"up in {time.perf_counter() - started:.2f} s\n{cluster.describe()}\nCtrl-C removes it.",
+            flush=True,
+        )
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""mpicrossbow across real nodes: a 3-node cluster of network namespaces (tests/netns_cluster.py), the data
+over veth links, MPICH's hydra launching into the nodes.
+
+One cluster serves the whole module (set-up shared); one mpiexec job trains every rule across 2 nodes × 2
+ranks one run after another (tests/mpi_scripts/digits_runs.py), and the link counters show what each run
+moved between the nodes. Skips without root or ``ip``/``unshare``/``nsenter``/``tc``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from netns_cluster import NetnsCluster, leftovers, missing_reason
+
+from conftest import REPO, find_mpiexec, launcher, mpi_env, only_run
+from mpicrossbow.training.checkpoint import complete_checkpoints as checkpoint_folders
+from mpicrossbow.training.metrics import read_metrics
+
+pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
+
+SCRIPTS = Path(__file__).parent / "mpi_scripts"
+#: label → overrides of launch/digits.cfg, for 2 nodes × 2 ranks: every rule, the hierarchical stages, GSP
+#: with a group per node, and Gloo.
+RULES = {
+    "BSP": "RULE=BSP",
+    "BSP-gloo": "RULE=BSP,comm.backend=gloo",
+    "SMA": "RULE=SMA",
+    "SMA-m2": "RULE=SMA,pool.learners=2",
+    "EASGD": "RULE=EASGD",
+    "EASGD-async": "RULE=EASGD,rule.mode=async",
+    "GOSGD": "RULE=GOSGD,rule.p=0.05",
+    "ASGD": "RULE=ASGD",
+    "SSP": "RULE=SSP,rule.staleness=2",
+    "PSGD": "RULE=PSGD",
+    "WEEDOUT": "RULE=WEEDOUT",
+    "LOCALSGD-hier-m2": "RULE=LOCALSGD,rule.inner_period=2,pool.learners=2",
+    "DILOCO": "RULE=DILOCO",
+    "POSTLOCALSGD": "RULE=POSTLOCALSGD",
+    "GSP-nodes": "RULE=GSP,rule.groups={groups}",
+}
+#: the 4-rank digits target of the one-node tests (tests/test_compression_mpi.py)
+TARGET = 0.93
+
+
+def run_at_head(cluster: NetnsCluster, argv: list[str], timeout: float, env: dict[str, str] | None = None):
+    """``argv`` (an mpiexec line built by the cluster) with the test environment, bounded."""
+    return subprocess.run(
+        argv, cwd=REPO, env=mpi_env(env), capture_output=True, text=True, timeout=timeout
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[NetnsCluster]:
+    """Three nodes for the module; removed at its end (the test of a failed start checks for leftovers)."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    if find_mpiexec() is None:
+        pytest.skip("no mpiexec")
+    made = NetnsCluster(3)
+    started = time.perf_counter()
+    made.start()
+    made.up_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
+def test_three_nodes_start_in_seconds_and_mpi_sees_three_hosts(cluster: NetnsCluster) -> None:
+    assert cluster.up_seconds < 5.0  # type: ignore[attr-defined]
+    proc = run_at_head(cluster, cluster.mpiexec(find_mpiexec() or "", 2, ["hostname"]), timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(proc.stdout.split()) == ["node1", "node1", "node2", "node2", "node3", "node3"]
+
+
+def test_a_failed_start_and_a_stop_leave_nothing_behind() -> None:
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    broken = NetnsCluster(2, rate="no-such-rate")  # tc refuses it after the nodes are up
+    with pytest.raises(RuntimeError, match="tc"):
+        broken.start()
+    mine = [item for item in leftovers() if broken.ident in item or str(broken.root) in item]
+    assert mine == [] and not broken.root.exists()
+    fine = NetnsCluster(2).start()
+    holders = [n.pid for n in fine.members]
+    fine.stop()
+    assert [item for item in leftovers() if fine.ident in item or str(fine.root) in item] == []
+    assert not any(Path(f"/proc/{pid}").exists() for pid in holders)
+
+
+@pytest.fixture(scope="module")
+def every_rule(
+    cluster: NetnsCluster, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, int]]:
+    """One mpiexec across node1 and node2, 2 ranks each: every run of :data:`RULES`, with each run's bytes on
+    node1's and node2's links."""
+    out = tmp_path_factory.mktemp("nodes")
+    groups = out / "groups"
+    groups.write_text("node1\nnode2\n", encoding="utf-8")
+    runs = [f"{label}={spec.format(groups=groups)}" for label, spec in RULES.items()]
+    argv = [sys.executable, str(SCRIPTS / "digits_runs.py"), str(out), *runs, "--", "session.epochs=20"]
+    proc = run_at_head(
+        cluster,
+        cluster.mpiexec(find_mpiexec() or "", 2, argv, nodes=2),
+        90 * len(runs),
+        {"LINK_COUNTERS": "eth0"},
+    )
+    assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    counters = re.findall(r"^LINK (\S+) node1=(\d+) node2=(\d+)$", proc.stdout, re.MULTILINE)
+    assert [c[0] for c in counters] == ["start", *RULES], proc.stdout[-2000:]
+    moved = {}
+    for (_, *before), (label, *after) in itertools.pairwise(counters):
+        moved[label] = min(int(a) - int(b) for a, b in zip(after, before, strict=True))
+    return out, moved, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(RULES))
+def test_every_rule_trains_across_two_nodes_over_the_links(
+    every_rule: tuple[Path, dict[str, int], str], label: str
+) -> None:
+    out, moved, _ = every_rule
+    run = only_run(out / label)
+    metrics = read_metrics(run / "metrics.h5")
+    assert metrics["attrs"]["world_size"] == 4
+    assert metrics["val"]["accuracy"][-1] >= TARGET, metrics["val"]["accuracy"]
+    # every run moved data between the nodes (each node's link, both ways summed): a model is 36 KB
+    assert moved[label] > 100_000, moved
+
+
+@pytest.mark.slow
+def test_bsp_across_nodes_matches_the_same_job_on_one_node(
+    every_rule: tuple[Path, dict[str, int], str], tmp_path: Path
+) -> None:
+    """BSP's run across node1 and node2 — the hierarchical exchange: node-shared memory inside each node, MPI
+    between the node leaders — against the same 4 ranks on one host: the same training to float tolerance
+    (the sums are added in another order across nodes, so not bit for bit: 2e-8 apart in the loss)."""
+    out, _, log = every_rule
+    assert "4 rank(s), rule BSP, comm mpi+shm" in log
+    assert re.search(r"^2\s+node2\s", log, re.MULTILINE), log[-3000:]  # the binding table: rank 2 on node2
+    mpiexec = find_mpiexec() or ""
+    script = [sys.executable, str(SCRIPTS / "digits_runs.py"), str(tmp_path), "BSP=RULE=BSP"]
+    argv = [mpiexec, "-n", "4", *script, "--", "session.epochs=20"]
+    proc = subprocess.run(argv, cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    across = read_metrics(only_run(out / "BSP") / "metrics.h5")
+    alone = read_metrics(only_run(tmp_path / "BSP") / "metrics.h5")
+    np.testing.assert_allclose(across["train"]["loss"], alone["train"]["loss"], rtol=1e-6)
+    np.testing.assert_allclose(across["val"]["accuracy"], alone["val"]["accuracy"], atol=0.003)
+
+
+@pytest.mark.slow
+def test_gloo_across_nodes_whose_hostnames_resolve_to_loopback(cluster: NetnsCluster, tmp_path: Path) -> None:
+    """Debian's ``127.0.1.1 nodeI`` on every node: Gloo alone would listen on loopback and hang; the ranks
+    find the subnet they share, meet there and train."""
+    cluster.write_hosts(loopback=True)
+    try:
+        run = "gloo=RULE=BSP,comm.backend=gloo"
+        argv = [sys.executable, str(SCRIPTS / "digits_runs.py"), str(tmp_path), run, "--", "session.epochs=3"]
+        proc = run_at_head(cluster, cluster.mpiexec(find_mpiexec() or "", 1, argv, nodes=2), timeout=120)
+    finally:
+        cluster.write_hosts(loopback=False)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]
+    assert re.search(rf"meeting on {re.escape(cluster.subnet)}\.0/24 \(rank 0: eth0 ", proc.stderr), (
+        proc.stderr[-3000:]
+    )
+    assert read_metrics(only_run(tmp_path / "gloo") / "metrics.h5")["val"]["accuracy"][-1] >= 0.9
+
+
+#: A digits job long enough to be cut in the middle: 2 nodes x 2 ranks, a checkpoint every epoch.
+LONG = ["session.epochs=400", "checkpoint.every_epochs=1", "checkpoint.keep=2"]
+
+
+def start_long_job(cluster: NetnsCluster, out: Path, rule: str = "BSP") -> subprocess.Popen[str]:
+    """The job of :data:`LONG` under mpiexec across node1 and node2, in the background."""
+    argv = [*launcher(), "-cfg", "launch/digits.cfg", f"RULE={rule}", f"session.output={out}", *LONG]
+    return subprocess.Popen(
+        cluster.mpiexec(find_mpiexec() or "", 2, argv, nodes=2), cwd=REPO, env=mpi_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+
+
+def wait_for_checkpoints(out: Path, count: int, job: subprocess.Popen[str], timeout: float = 120) -> Path:
+    """The run folder once it holds ``count`` complete checkpoints."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = [p for p in out.iterdir() if p.is_dir()] if out.exists() else []
+        if runs and len(complete_checkpoints(runs[0])) >= count:
+            return runs[0]
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no {count} checkpoints in {timeout:g} s")
+
+
+def complete_checkpoints(run: Path) -> list[Path]:
+    return checkpoint_folders(run / "checkpoints") if (run / "checkpoints").exists() else []
+
+
+def finish(job: subprocess.Popen[str], timeout: float) -> tuple[int | None, str, float]:
+    """Wait up to ``timeout`` s: (exit status or None when it had to be killed, stderr, seconds waited)."""
+    started = time.monotonic()
+    try:
+        _, err = job.communicate(timeout=timeout)
+        return job.returncode, err, time.monotonic() - started
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        _, err = job.communicate(timeout=30)
+        return None, err, time.monotonic() - started
+
+
+def resume_finishes(cluster: NetnsCluster, run: Path, out: Path) -> None:
+    """``checkpoint.resume`` of ``run``, two epochs past its newest checkpoint, trains to the end."""
+    newest = complete_checkpoints(run)[-1]
+    argv = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={out}", "checkpoint.every_epochs=1",
+            f"checkpoint.resume={run}", "session.epochs=" + str(epoch_of(newest) + 2)]  # fmt: skip
+    proc = run_at_head(cluster, cluster.mpiexec(find_mpiexec() or "", 2, argv, nodes=2), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{newest.name}" in proc.stderr
+    assert read_metrics(run / "metrics.h5")["val"]["accuracy"][-1] >= 0.9
+
+
+def epoch_of(checkpoint: Path) -> int:
+    import torch
+
+    return int(torch.load(checkpoint / "rank-00000.pt", weights_only=True)["position"]["epoch"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", ["link down", "link crawls", "node killed"])
+def test_a_lost_link_or_node_ends_the_job_in_a_minute_and_the_resume_finishes(
+    cluster: NetnsCluster, tmp_path: Path, failure: str
+) -> None:
+    """BSP across node1 and node2 with a checkpoint every epoch; after two, node2's link is cut, slowed to
+    8 kbit/s, or every process of node2 is killed. The job must end within 60 s — a cut or crawling link with
+    one line naming both nodes and node2's rank (the watchdog's network probe: the heartbeats on the shared
+    file system go on) — the checkpoints stay whole, and a resume across both nodes finishes the run.
+    A killed node ends the job at once through MPICH's hydra, whose own message names no node."""
+    out = tmp_path / "runs"
+    job = start_long_job(cluster, out)
+    try:
+        run = wait_for_checkpoints(out, 2, job)
+        if failure == "link down":
+            cluster.set_link("node2", up=False)
+        elif failure == "link crawls":
+            cluster.set_rate("node2", "8kbit")
+        else:
+            cluster.kill_node("node2")
+        status, err, waited = finish(job, timeout=90)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        cluster.set_link("node2", up=True)
+        cluster.clear_rate("node2")
+        if cluster.node("node2").pid == 0:
+            cluster.restart_node("node2")
+    assert status not in (None, 0), f"still running {waited:.0f} s after the {failure}: {err[-3000:]}"
+    assert waited < 60, err[-3000:]
+    if failure != "node killed":
+        line = re.search(
+            r"the network between node\d and node\d is gone or crawling: rank \d on node\d .*", err
+        )
+        assert line and "node2" in line.group(0), err[-3000:]
+    resume_finishes(cluster, run, out)
