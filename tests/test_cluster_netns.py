@@ -273,3 +273,37 @@ def test_a_lost_link_or_node_ends_the_job_in_a_minute_and_the_resume_finishes(
         )
         assert line and "node2" in line.group(0), err[-3000:]
     resume_finishes(cluster, run, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["BSP", "ASGD"])
+def test_the_embedded_example_runs_across_three_nodes(
+    cluster: NetnsCluster, tmp_path: Path, rule: str
+) -> None:
+    """``examples/train_digits.py`` (the embedded API) under mpiexec on 3 nodes × 1 rank: a synchronous rule
+    (every rank tests the same model each epoch) and a parameter server on node1 serving workers on node2
+    and node3; the saved model loads and the data crossed both workers' links."""
+    saved = tmp_path / "model.pt"
+    argv = [
+        sys.executable,
+        "examples/train_digits.py",
+        "--rule",
+        rule,
+        "--epochs",
+        "3",
+        "--save-model",
+        str(saved),
+    ]
+    before = [sum(cluster.link_bytes(n)) for n in ("node2", "node3")]
+    proc = run_at_head(cluster, cluster.mpiexec(find_mpiexec() or "", 1, argv), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    moved = [sum(cluster.link_bytes(n)) - b for n, b in zip(("node2", "node3"), before, strict=True)]
+    assert min(moved) > 100_000, moved
+    accuracies = [
+        float(a)
+        for a in re.findall(r"Test: average loss [\d.]+, accuracy \d+/\d+ \(([\d.]+)%\)", proc.stdout)
+    ]
+    assert accuracies and accuracies[-1] >= 90.0, proc.stdout[-2000:]
+    import torch
+
+    assert "fc2.weight" in torch.load(saved, weights_only=True)
