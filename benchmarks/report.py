@@ -12,6 +12,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,16 +42,24 @@ def relaunch(module: str, ranks: int, argv: list[str], timeout_s: float = 1800) 
 
 
 def cfg_runs(
-    folder: Path, ranks: int, runs: list[str], common: list[str], timeout_s: float, what: str
+    folder: Path,
+    ranks: int,
+    runs: list[str],
+    common: list[str],
+    timeout_s: float,
+    what: str,
+    launch: Callable[[str, list[str]], list[str]] | None = None,
 ) -> dict[str, float]:
     """Train ``runs`` (``LABEL=CFG,override,...``) one after another in one ``mpiexec -n ranks`` job of
     tests/mpi_scripts/cfg_runs.py (torch starts once per rank; ``crossbow-launch``'s own code path), every run
     with the ``common`` overrides too, each into ``folder/LABEL``; label → final validation accuracy. A failed
-    job is a RuntimeError naming ``what`` with the end of its stderr."""
+    job is a RuntimeError naming ``what`` with the end of its stderr. ``launch(mpiexec, argv)`` builds the
+    whole command line instead of ``mpiexec -n ranks argv`` (across namespace nodes, say)."""
     here = Path(sys.executable).parent / "mpiexec"
     launcher = str(here) if here.exists() else "mpiexec"
     script = REPO / "tests" / "mpi_scripts" / "cfg_runs.py"
-    cmd = [launcher, "-n", str(ranks), sys.executable, str(script), str(folder), *runs, "--", *common]
+    argv = [sys.executable, str(script), str(folder), *runs, "--", *common]
+    cmd = launch(launcher, argv) if launch else [launcher, "-n", str(ranks), *argv]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     )

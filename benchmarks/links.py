@@ -1,0 +1,159 @@
+"""Heterogeneous links — MXNet-G's setting: one node behind a slower link than the others.
+
+A slow link costs no CPU, so on a 2-core machine it is the straggler that can be hosted fairly: every rank
+computes at the same speed and only one node's traffic crawls. The nodes are Linux namespaces joined by
+rate-limited virtual links (tests/netns_cluster.py, as root); two nodes, one rank each (a third rank would
+wait for a core here), node2's link at a third of node1's rate in the second setting; the digits job
+(launch/digits.cfg, 15 epochs, a validation after each) under
+
+* BSP (every step waits for the slow node),
+* GSP with one group per node (a group's leader pushes to the servers asynchronously),
+* ASGD and SSP (staleness 2) with the parameter server colocated on every rank,
+* LOCALSGD and SMA.
+
+Each rate setting is one mpiexec job across the nodes (tests/mpi_scripts/cfg_runs.py), each seed one job;
+the table gives each rule's median wall seconds to the first validation at 97 % (metrics.h5's ``val``
+rows; ``[session] target_accuracy`` would stop only synchronous rules, so every run trains all its epochs
+and validations count alike for every rule), samples per second and final accuracy, and the ratio to BSP's
+time in the same setting, measured side by side in one run.
+
+    python -m benchmarks.links                       # 2 nodes: both at 30 mbit, then node2 at 10 mbit
+    python -m benchmarks.links --rates 300mbit,100mbit --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.report import REPO, append_result, cfg_runs
+from mpicrossbow.training.metrics import read_metrics
+
+sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster is the test suite's own fixture
+from netns_cluster import NetnsCluster, missing_reason
+
+#: one rank per node: two ranks on the 2-core machine, so that no rank waits for a core
+NODES = 2
+TARGET = 0.97
+#: label → the rule's overrides ({groups}: a file with one node's name per line).
+RULES = {
+    "BSP": "RULE=BSP",
+    "GSP (groups = nodes)": "RULE=GSP,rule.groups={groups},rule.placement=colocated",
+    "ASGD (colocated)": "RULE=ASGD,rule.placement=colocated",
+    "SSP (colocated)": "RULE=SSP,rule.staleness=2,rule.placement=colocated",
+    "LOCALSGD": "RULE=LOCALSGD",
+    "SMA": "RULE=SMA",
+}
+
+
+def common(epochs: int) -> list[str]:
+    """The overrides every run takes."""
+    return ["session.epochs=" + str(epochs), "session.log_level=warning"]
+
+
+def measure(cluster: NetnsCluster, out: Path, seed: int, epochs: int) -> dict[str, dict[str, float]]:
+    """Every rule at ``seed`` in one job across the cluster's nodes; label → seconds, samples/s, accuracy."""
+    out.mkdir(parents=True, exist_ok=True)
+    groups = out / "groups"
+    groups.write_text("".join(f"{h}\n" for h in cluster.hosts), encoding="utf-8")
+    labels = {f"r{i}": label for i, label in enumerate(RULES)}
+    specs = [
+        f"{key}=launch/digits.cfg,{RULES[label].format(groups=groups)},session.seed={seed}"
+        for key, label in labels.items()
+    ]
+    folder = out / f"seed{seed}"
+    cfg_runs(
+        folder, NODES, specs, common(epochs), 1800, f"seed {seed}",
+        launch=lambda mpiexec, argv: cluster.mpiexec(mpiexec, 1, argv),
+    )  # fmt: skip
+    found = {}
+    for key, label in labels.items():
+        (run,) = (folder / key).iterdir()
+        metrics = read_metrics(run / "metrics.h5")
+        attrs, val = metrics["attrs"], metrics["val"]
+        hits = [
+            t
+            for t, a, e in zip(val["time"], val["accuracy"], val["epoch"], strict=True)
+            if a >= TARGET and e == e
+        ]
+        found[label] = {
+            "seconds": float(hits[0]) if hits else math.nan,
+            "samples": float(attrs["samples_per_second"]),
+            "accuracy": float(attrs["val_accuracy"]),
+        }
+    return found
+
+
+def median(values: list[float]) -> float:
+    """The median, a missed target (NaN) counting as the slowest."""
+    return statistics.median([math.inf if math.isnan(v) else v for v in values])
+
+
+def table(setting: str, results: list[dict[str, dict[str, float]]]) -> str:
+    """One rate setting's rows."""
+    times = {label: median([r[label]["seconds"] for r in results]) for label in RULES}
+    lines = [
+        f"**{setting}**",
+        "",
+        "| rule | s to 97 % (median) | ÷ BSP | reached | samples/s | final accuracy |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label in RULES:
+        reached = sum(not math.isnan(r[label]["seconds"]) for r in results)
+        t = times[label]
+        ratio = t / times["BSP"] if math.isfinite(t) and math.isfinite(times["BSP"]) else math.nan
+        lines.append(
+            f"| {label} | {'missed' if not math.isfinite(t) else f'{t:.2f}'} | "
+            f"{'–' if math.isnan(ratio) else f'{ratio:.2f}'} | {reached}/{len(results)} | "
+            f"{statistics.median(r[label]['samples'] for r in results):,.0f} | "
+            f"{statistics.median(r[label]['accuracy'] for r in results):.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Start the cluster, measure each rate setting, report."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rates", default="30mbit,10mbit", help="FAST,SLOW: every link, then node2's")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    reason = missing_reason()
+    if reason:
+        print(f"links: {reason}", file=sys.stderr)
+        return 2
+    fast, slow = args.rates.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    sections = []
+    cluster = NetnsCluster(NODES, rate=fast).start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for setting, rate in (
+                (f"both links at {fast}", fast),
+                (f"node2's link at {slow}, node1's at {fast}", slow),
+            ):
+                cluster.set_rate("node2", rate)
+                results = [measure(cluster, Path(tmp) / f"node2-{rate}", s, args.epochs) for s in seeds]
+                sections.append(table(setting, results))
+                print(sections[-1], flush=True)
+    finally:
+        cluster.stop()
+    text = "\n\n".join(sections) + (
+        f"\n\n{NODES} namespace nodes × 1 rank, links limited by tc tbf (both ways), the digits job for "
+        f"{args.epochs} epochs: wall seconds to the first validation (one per epoch) at {TARGET:.0%}, seeds "
+        f"{args.seeds}, medians (a missed target counts last)."
+    )
+    if not args.no_write:
+        print("appended to", append_result("links", "Heterogeneous links: one node behind a slow link", text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
