@@ -220,10 +220,11 @@ def finish(job: subprocess.Popen[str], timeout: float) -> tuple[int | None, str,
         return None, err, time.monotonic() - started
 
 
-def resume_finishes(cluster: NetnsCluster, run: Path, out: Path) -> None:
+def resume_finishes(cluster: NetnsCluster, run: Path, out: Path, rule: str) -> None:
     """``checkpoint.resume`` of ``run``, two epochs past its newest checkpoint, trains to the end."""
     newest = complete_checkpoints(run)[-1]
-    argv = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={out}", "checkpoint.every_epochs=1",
+    argv = [*launcher(), "-cfg", "launch/digits.cfg", f"RULE={rule}", f"session.output={out}",
+            "checkpoint.every_epochs=1",
             f"checkpoint.resume={run}", "session.epochs=" + str(epoch_of(newest) + 2)]  # fmt: skip
     proc = run_at_head(cluster, cluster.mpiexec(find_mpiexec() or "", 2, argv, nodes=2), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -232,23 +233,30 @@ def resume_finishes(cluster: NetnsCluster, run: Path, out: Path) -> None:
 
 
 def epoch_of(checkpoint: Path) -> int:
+    """The furthest epoch any rank's file of ``checkpoint`` holds (a parameter server's holds none)."""
     import torch
 
-    return int(torch.load(checkpoint / "rank-00000.pt", weights_only=True)["position"]["epoch"])
+    return max(
+        int(torch.load(f, weights_only=True)["position"]["epoch"]) for f in checkpoint.glob("rank-*.pt")
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("failure", ["link down", "link crawls", "node killed"])
+@pytest.mark.parametrize(
+    "rule, failure",
+    [("BSP", "link down"), ("BSP", "link crawls"), ("BSP", "node killed"), ("ASGD", "link down")],
+)
 def test_a_lost_link_or_node_ends_the_job_in_a_minute_and_the_resume_finishes(
-    cluster: NetnsCluster, tmp_path: Path, failure: str
+    cluster: NetnsCluster, tmp_path: Path, rule: str, failure: str
 ) -> None:
     """BSP across node1 and node2 with a checkpoint every epoch; after two, node2's link is cut, slowed to
     8 kbit/s, or every process of node2 is killed. The job must end within 60 s — a cut or crawling link with
     one line naming both nodes and node2's rank (the watchdog's network probe: the heartbeats on the shared
     file system go on) — the checkpoints stay whole, and a resume across both nodes finishes the run.
-    A killed node ends the job at once through MPICH's hydra, whose own message names no node."""
+    A killed node ends the job at once through MPICH's hydra, whose own message names no node. ASGD: the same
+    with its coordinated snapshots (before they used matched probes, a snapshot across nodes hung)."""
     out = tmp_path / "runs"
-    job = start_long_job(cluster, out)
+    job = start_long_job(cluster, out, rule)
     try:
         run = wait_for_checkpoints(out, 2, job)
         if failure == "link down":
@@ -272,7 +280,7 @@ def test_a_lost_link_or_node_ends_the_job_in_a_minute_and_the_resume_finishes(
             r"the network between node\d and node\d is gone or crawling: rank \d on node\d .*", err
         )
         assert line and "node2" in line.group(0), err[-3000:]
-    resume_finishes(cluster, run, out)
+    resume_finishes(cluster, run, out, rule)
 
 
 @pytest.mark.slow

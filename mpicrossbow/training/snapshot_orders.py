@@ -7,7 +7,7 @@ sends what to whom, and when:
   SIGTERM/SIGUSR1 — sends every other rank one small order ``[k, stop]`` (k: the snapshot's number, stop: 1
   after a signal) on a private duplicate of COMM_WORLD, so no rule's message can match it, and pauses.
   Several ranks may order snapshot k at once; that is one snapshot.
-* **Noticing.** A training rank probes for an order after every step (``MPI_Iprobe``: microseconds) and
+* **Noticing.** A training rank probes for an order after every step (``MPI_Improbe``: microseconds) and
   pauses when one is in; a serving rank needs no probe: it pauses when every worker's drain reached it.
 * **Meeting.** A pausing rank drains its rule (:meth:`~mpicrossbow.rules.base.Rule.finish`: every message
   in flight is delivered, nothing dropped) and joins one collective with every other rank — those pausing,
@@ -90,12 +90,14 @@ class SnapshotOrders:
         """Whether an order for the current snapshot came in (receives every one that did)."""
         if self.control is None:
             return False
-        while self.control.Iprobe(tag=order_tag(self.number)):
-            self._receive()
+        while (message := self.control.Improbe(tag=order_tag(self.number))) is not None:
+            self._receive(message)
         return self.received > 0
 
-    def _receive(self) -> None:
-        self.control.Recv(self._buffer, tag=order_tag(self.number))
+    def _receive(self, message: Any) -> None:
+        """Take the order a matched probe found (a matched probe: MPICH across nodes has left a plain
+        ``Iprobe`` then ``Recv`` from any source waiting forever, the message seen but never received)."""
+        message.Recv(self._buffer)
         number, stop = (int(v) for v in self._buffer)
         if number != self.number:
             raise RuntimeError(f"snapshot order {number} arrived during snapshot {self.number}")
@@ -118,7 +120,7 @@ class SnapshotOrders:
             largest = int(self.control.allreduce(step, op=MPI.MAX))
             meeting = Meeting(int(total[0]), bool(total[1] and total[2]), int(total[2]), largest)
             while self.received < meeting.orders - int(self.ordered):
-                self._receive()
+                self._receive(self.control.Mprobe(tag=order_tag(self.number)))
             MPI.Request.Waitall(self._sends)
         self._sends.clear()
         if meeting.snapshot:
