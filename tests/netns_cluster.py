@@ -24,6 +24,7 @@ to launch into it, and removes it on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shlex
@@ -262,8 +263,6 @@ exec nsenter -t "$pid" -n -u -i -p -m --wd="$PWD" -- sh -c "$*"
     def link_bytes(self, name: str) -> tuple[int, int]:
         """Bytes node ``name`` has sent and received on its link (its ``eth0`` counters)."""
         out = _sh("ip", "-n", self.node(name).netns, "-s", "-j", "link", "show", "eth0").stdout
-        import json
-
         stats = json.loads(out)[0]["stats64"]
         return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 

@@ -13,20 +13,9 @@ _SIOCGIFNETMASK = 0x891B  # ... its netmask
 _SIOCGIFFLAGS = 0x8913  # ... its flags (IFF_UP = 1, IFF_LOOPBACK = 8)
 
 
-def interface_ipv4(name: str) -> str | None:
-    """The IPv4 address of network interface ``name``, or None when it has none (or this is not Linux)."""
-    try:
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            request = struct.pack("256s", name.encode()[:15])
-            return socket.inet_ntoa(fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)[20:24])
-    except (ImportError, OSError):
-        return None
-
-
 def _ioctl(name: str, request: int) -> bytes | None:
+    """The answer of a Linux interface ioctl for interface ``name`` (an ``ifreq``), or None (no such
+    interface, no address, or not Linux)."""
     try:
         import fcntl
         import struct
@@ -35,6 +24,12 @@ def _ioctl(name: str, request: int) -> bytes | None:
             return fcntl.ioctl(sock.fileno(), request, struct.pack("256s", name.encode()[:15]))
     except (ImportError, OSError):
         return None
+
+
+def interface_ipv4(name: str) -> str | None:
+    """The IPv4 address of network interface ``name``, or None when it has none (or this is not Linux)."""
+    answer = _ioctl(name, _SIOCGIFADDR)
+    return socket.inet_ntoa(answer[20:24]) if answer is not None else None
 
 
 @dataclass(frozen=True)
@@ -56,7 +51,7 @@ def host_addresses() -> list[Address]:
     for name in interface_names():
         flags, address, mask = (
             _ioctl(name, _SIOCGIFFLAGS),
-            _ioctl(name, _SIOCGIFADDR),
+            interface_ipv4(name),
             _ioctl(name, _SIOCGIFNETMASK),
         )
         if flags is None or address is None or mask is None:
@@ -64,7 +59,7 @@ def host_addresses() -> list[Address]:
         up, loopback = flags[16] & 1, flags[16] & 8  # ifr_flags, after the 16-byte name
         if up and not loopback:
             prefix = ipaddress.ip_network(f"0.0.0.0/{socket.inet_ntoa(mask[20:24])}").prefixlen
-            out.append(Address(name, socket.inet_ntoa(address[20:24]), prefix))
+            out.append(Address(name, address, prefix))
     return out
 
 

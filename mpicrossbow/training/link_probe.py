@@ -95,9 +95,7 @@ class LinkProbe:
             while True:
                 try:
                     data, sender = sock.recvfrom(512)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError:
+                except OSError:  # nothing waiting (BlockingIOError) or the socket failed: done here
                     break
                 if data == PING + b" " + self.job:
                     try:
