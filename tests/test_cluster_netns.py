@@ -221,11 +221,12 @@ def finish(job: subprocess.Popen[str], timeout: float) -> tuple[int | None, str,
 
 
 def resume_finishes(cluster: NetnsCluster, run: Path, out: Path, rule: str) -> None:
-    """``checkpoint.resume`` of ``run``, two epochs past its newest checkpoint, trains to the end."""
+    """``checkpoint.resume`` of ``run``, six epochs past its newest checkpoint, trains to the end (an
+    asynchronous rule resumed from epoch 2 is not reliably at 90 % two epochs later: 0.86 once in CI)."""
     newest = complete_checkpoints(run)[-1]
     argv = [*launcher(), "-cfg", "launch/digits.cfg", f"RULE={rule}", f"session.output={out}",
             "checkpoint.every_epochs=1",
-            f"checkpoint.resume={run}", "session.epochs=" + str(epoch_of(newest) + 2)]  # fmt: skip
+            f"checkpoint.resume={run}", "session.epochs=" + str(epoch_of(newest) + 6)]  # fmt: skip
     proc = run_at_head(cluster, cluster.mpiexec(find_mpiexec() or "", 2, argv, nodes=2), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{newest.name}" in proc.stderr
