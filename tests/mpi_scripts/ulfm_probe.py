@@ -1,0 +1,36 @@
+"""What the elastic tests rely on in the Open MPI environment: one rank SIGKILLs itself, the survivors see a
+process-failure error, revoke, shrink and agree. Run as ``mpiexec --with-ft ulfm -n N python ulfm_probe.py``;
+prints ``SURVIVOR <old rank> <new rank> <new size> <agreed>`` on each survivor."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+from mpi4py import MPI
+
+VICTIM = 1
+
+
+def main() -> None:
+    """Kill rank VICTIM, then recover on the others and print what they agreed on."""
+    comm = MPI.COMM_WORLD
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    if comm.rank == VICTIM:
+        os.kill(os.getpid(), signal.SIGKILL)
+    value = np.ones(1)
+    try:
+        for _ in range(10_000):
+            comm.Allreduce(MPI.IN_PLACE, value)
+    except MPI.Exception as exc:
+        assert exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
+    comm.Revoke()
+    survivors = comm.Shrink()
+    agreed = survivors.Agree(0b111 if survivors.rank else 0b101)
+    print(f"SURVIVOR {comm.rank} {survivors.rank} {survivors.size} {agreed}", flush=True)
+    survivors.Free()
+
+
+if __name__ == "__main__":
+    main()
