@@ -2,9 +2,9 @@
 
 Start a job with ``crossbow-launch -cfg session.cfg`` (under ``mpirun`` or on its own), from Python with
 ``rule = BSP(); rule.init(devices=[...], modelfile=..., modelclass=...); rule.wait()``, or put a rule into
-your own training loop: ``import mpicrossbow as xb``, ``xb.init()``, ``xb.shard(...)``,
-``xb.distribute(model, optimizer, rule="SMA")``, ``with xb.consensus(model): ...``, ``xb.finish()``
-(:mod:`mpicrossbow.embed`).
+your own training loop: ``import mpicrossbow as xb``, ``world = xb.init()`` (first; ``world.rank``,
+``.size``, ``.device``), ``xb.shard(...)``, ``xb.distribute(model, optimizer, rule="SMA")``,
+``with xb.consensus(model): ...``, ``xb.finish()`` (:mod:`mpicrossbow.embed`).
 
 Names are resolved on first use (PEP 562), so ``crossbow-launch`` on its way to ``mpiexec`` imports no torch.
 Every rule class exported here (``BSP``, ``SMA``, ``EASGD``, ..., and ``Rule`` for your own) carries

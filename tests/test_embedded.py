@@ -10,13 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import mpicrossbow as xb
 from conftest import REPO
 from data.digits import digits_dataset
 from mpicrossbow.data.loader import LoaderData, LoaderOptions
+from mpicrossbow.embed import api
 from mpicrossbow.embed.own_model import OwnModel
 from mpicrossbow.embed.sharded_loader import Part, ShardedLoader
 from mpicrossbow.embed.step_hooks import StepHooks
 from mpicrossbow.errors import ContractError, DataError, UsageError
+from mpicrossbow.launch.world import World
 from mpicrossbow.model.shard import Shard
 from mpicrossbow.rules.base import Rule
 
@@ -191,3 +194,92 @@ def test_models_the_rule_cannot_exchange_are_refused() -> None:
         OwnModel(mixed, torch.optim.SGD(mixed.parameters(), lr=0.1), lambda: None)
     with pytest.raises(ContractError, match=r"torch\.optim\.Optimizer"):
         OwnModel(model, "sgd", lambda: None)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ xb.init: first, once, its arguments named
+def fake_world(rank: int = 0, size: int = 1) -> World:
+    """A World as xb.init leaves it, without starting MPI."""
+    return World(rank, size, rank, size, 0, 1, "node1", None, device=torch.device("cpu"))
+
+
+@pytest.fixture
+def fresh_process(monkeypatch: pytest.MonkeyPatch) -> api._Process:
+    """The embedded API's process state as a script finds it before xb.init (put back afterwards)."""
+    state = api._Process()
+    monkeypatch.setattr(api, "_state", state)
+    return state
+
+
+def test_the_api_before_xb_init_is_an_error_that_says_to_call_it(fresh_process: api._Process) -> None:
+    """No implicit start (it used to fix the device behind the user's back, and a later
+    ``xb.init(devices=...)`` was ignored): every call that needs the world says to call xb.init first."""
+    model, optimizer = model_and_optimizer()
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 4), torch.zeros(8))
+    calls = {
+        "xb.shard": lambda: xb.shard(data, 4),
+        "xb.distribute": lambda: xb.distribute(model, optimizer, rule="SMA"),
+        "xb.finish": xb.finish,
+        "xb.consensus": lambda: xb.consensus(model).__enter__(),
+        "xb.checkpoint": lambda: xb.checkpoint("folder"),
+        "xb.restore": lambda: xb.restore("folder"),
+        "xb.noise_scale": xb.noise_scale,
+    }
+    for what, call in calls.items():
+        with pytest.raises(UsageError) as caught:
+            call()
+        assert str(caught.value) == (
+            f"{what} before xb.init(): call xb.init(...) first, on every rank (it joins the MPI world and "
+            "picks this rank's device)"
+        )
+    assert fresh_process.world is None and fresh_process.job is None, "a call started the world after all"
+    assert "zero_grad" not in vars(optimizer), "xb.distribute hooked the optimizer before refusing"
+
+
+def test_a_second_xb_init_returns_the_world_or_refuses_to_change_it(fresh_process: api._Process) -> None:
+    """Asking for nothing new (the same arguments, or defaults) returns the same World; an argument that
+    differs from the first call's is one UsageError naming both values, never silently ignored."""
+    world = fresh_process.world = fake_world()
+    fresh_process.init_args = {
+        "devices": "cpu",
+        "bind": "none",
+        "comm": {},
+        "log_level": "info",
+        "threads": False,
+    }
+    assert xb.init() is world
+    assert xb.init("cpu") is world and xb.init(devices="cpu", bind="none", comm={}) is world
+    with pytest.raises(UsageError) as caught:
+        xb.init(devices="cuda1")
+    assert str(caught.value) == (
+        "xb.init(devices='cuda1'): xb.init already ran in this process with devices='cpu', and MPI, the "
+        "device and the binding are chosen once: pass every argument to the first xb.init call (xb.init() "
+        "without arguments returns the same world)"
+    )
+    with pytest.raises(UsageError, match=r"^xb\.init\(bind='core', threads=True\): .* with bind='none', "):
+        xb.init(bind="core", threads=True)
+    with pytest.raises(UsageError, match=r"^xb\.init\(comm=\{'backend': 'gloo'\}\): .* with comm=\{\}, "):
+        xb.init(comm={"backend": "gloo"})
+    fresh_process.init_args = {**fresh_process.init_args, "devices": None}  # the first call chose nothing
+    with pytest.raises(UsageError, match=r"^xb\.init\(devices='cpu'\): .* with devices=None, "):
+        xb.init(devices="cpu")
+
+
+@pytest.mark.parametrize(
+    ("devices", "words"),
+    [
+        ("gpu0", "xb.init(devices='gpu0'): unknown device 'gpu0'; valid forms: cudaN, cpu, cpuN"),
+        (
+            "cpu0,cpu1,cpu2",
+            "xb.init(devices='cpu0,cpu1,cpu2') lists 3 device(s) (cpu0,cpu1,cpu2) but the job",
+        ),
+        ("far:cpu0,cpu1", "xb.init(devices='far:cpu0,cpu1'): rank 1 is on host "),
+        (" ", "xb.init(devices=' '): the list is empty; give one device per rank, e.g. devices=cpu0,cpu1"),
+        ("cuda9,cuda9", "xb.init(devices='cuda9,cuda9')"),  # no CUDA here, or no 10 GPUs
+    ],
+)
+def test_a_bad_devices_argument_names_the_argument_not_the_cfg_key(devices: str, words: str) -> None:
+    """xb.init reads no cfg: its device checks (crossbow-launch's DEVICES checks) name ``devices=``."""
+    with pytest.raises(UsageError) as caught:
+        api.choose_device(devices, fake_world(rank=1, size=2))
+    assert str(caught.value).startswith(words) and "DEVICES" not in str(caught.value), str(caught.value)
+    assert api.choose_device("cpu0,cpu1", fake_world(rank=1, size=2)) == torch.device("cpu")

@@ -145,3 +145,24 @@ def test_a_failing_rank_ends_the_job_with_one_line(mpiexec: str, mode: str, word
         assert "injected failure" in traceback.read_text()
         traceback.unlink()
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("call", "line"),
+    [
+        (
+            "xb.init(devices='gpu0')",
+            "xb.init(devices='gpu0'): unknown device 'gpu0'; valid forms: cudaN, cpu, cpuN, host:cuda0,cuda1",
+        ),
+        ("xb.init(bind='tight')", "xb.init(bind='tight'): 'tight' is not valid; choose one of none, core, "),
+    ],
+)
+def test_a_bad_init_argument_is_one_line_naming_the_argument(mpiexec: str, call: str, line: str) -> None:
+    """``mpiexec -n 2`` of a script whose xb.init gets a bad ``devices=`` or ``bind=``: rank 0 prints one
+    line naming the argument as written (not crossbow-launch's DEVICES / [numa] bind), every rank exits 2."""
+    script = f"import mpicrossbow as xb\n{call}\nprint('NOT REACHED')\n"
+    proc = run_mpi(mpiexec, 2, [sys.executable, "-c", script], timeout=90)
+    lines = [text for text in proc.stderr.splitlines() if text.startswith("mpicrossbow: error: ")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(f"mpicrossbow: error: {line}"), proc.stderr[-2000:]
+    assert "NOT REACHED" not in proc.stdout and "Traceback" not in proc.stderr

@@ -2,7 +2,7 @@
 
     import mpicrossbow as xb
 
-    xb.init()                                                   # the MPI world, this rank's device
+    world = xb.init()                                           # the MPI world: world.rank, .size, .device
     loader = xb.shard(train_set, batch_size=64, seed=1)         # this rank's share, new order per epoch
     model, optimizer = xb.distribute(model, optimizer, rule="SMA")
     for epoch in range(epochs):
@@ -14,15 +14,21 @@
         torch.save(model.state_dict(), "model.pt")              # rank 0 writes it once
 
 One process-wide state holds the world (``init``) and the current job (``distribute`` to ``finish``); a
-finished job may be followed by another ``distribute``. Failures follow ``crossbow-launch``'s protocol: bad
-input found before the ranks talk is one line from rank 0 and the same exit status everywhere; an exception
-on any rank later ends the whole job with one line naming the rank (the traceback goes to a file the line
-names); a rank that leaves the script with its job unfinished ends the job instead of leaving peers waiting.
+finished job may be followed by another ``distribute``. ``init`` comes first and explicitly, as ``hvd.init()``
+and ``init_process_group`` do: ``shard``, ``distribute``, ``finish`` and the rest before it are a UsageError
+that says so, and a second ``init`` that would change the first one's arguments is one too (MPI, the device
+and the binding are chosen once per process), never silently ignored.
+
+Failures follow ``crossbow-launch``'s protocol: bad input found before the ranks talk is one line from rank 0
+and the same exit status everywhere; an exception on any rank later ends the whole job with one line naming
+the rank (the traceback goes to a file the line names); a rank that leaves the script with its job
+unfinished ends the job instead of leaving peers waiting.
 """
 
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
 import os
 import secrets
@@ -44,7 +50,7 @@ from ..comm import make_communicator
 from ..config.fields import build
 from ..config.sections import CommSection, NumaSection, SessionSection
 from ..data.loader import LoaderOptions
-from ..errors import USAGE_EXIT_CODE, UsageError
+from ..errors import USAGE_EXIT_CODE, ConfigError, UsageError
 from ..launch.binding import bind as bind_cores
 from ..launch.binding import gather_facts
 from ..launch.devices import device_for_rank, parse_devices
@@ -75,6 +81,8 @@ class _Process:
     """What this process knows: its world, the communicator settings, its loaders and the current job."""
 
     world: World | None = None
+    #: The arguments of the ``init`` call that made ``world`` (a later ``init`` may not change them).
+    init_args: dict[str, Any] = field(default_factory=dict)
     comm: CommSection = field(default_factory=CommSection)
     job: EmbeddedJob | None = None
     part: Part | None = None
@@ -102,10 +110,24 @@ def init(
     ``torch.device("cuda")`` means it), else the CPU. ``bind`` pins the rank's threads as ``[numa] bind``
     does (``none``, ``core``, ``numa``, ``socket``, ``gpu``); ``comm`` holds ``[comm]`` keys (backend,
     compression, ...). ``threads`` starts MPI with ``MPI_THREAD_MULTIPLE``, which a rule that talks MPI from
-    a second thread needs (parameter servers with ``placement=colocated``). Collective; calling it again
-    returns the same World. Bad arguments end every rank with one line and status 2.
+    a second thread needs (parameter servers with ``placement=colocated``). Bad arguments end every rank
+    with one line naming the argument (``xb.init(devices='gpu0'): unknown device ...``) and status 2.
+    Collective.
+
+    Call it first, once, on every rank: :func:`shard`, :func:`distribute` and :func:`finish` before it are a
+    UsageError. Called again, it returns the same World when it asks for nothing new (the same arguments, or
+    arguments left at their defaults: ``xb.init()`` fetches the world anywhere); an argument that differs
+    from the first call's is a UsageError, since MPI, the device and the binding are chosen once per process.
+
+    Returns this rank's :class:`~mpicrossbow.launch.world.World`: ``rank`` and ``size`` (in COMM_WORLD),
+    ``local_rank`` and ``local_size`` (on this node), ``node`` and ``nodes``, ``hostname``, ``launcher``
+    (``mpich``, ``openmpi``, ``slurm-pmi2``, ... or None in a plain process), ``device`` (the ``torch.device``
+    chosen above) and ``mpi`` (mpi4py's COMM_WORLD), so ``if xb.init().rank == 0: ...`` needs no mpi4py.
     """
+    asked = {"devices": devices, "bind": bind, "comm": dict(comm or {}), "log_level": log_level}
+    asked["threads"] = threads
     if _state.world is not None:
+        _check_repeated_init(asked)
         return _state.world
     tasks = srun_tasks_without_pmi()
     if tasks:  # every task would see a world of one and train alone
@@ -118,8 +140,14 @@ def init(
     chosen: dict[str, Any] = {}
 
     def prepare() -> None:
-        chosen["comm"] = build(CommSection, dict(comm or {}), "comm")
-        chosen["numa"] = build(NumaSection, {"bind": bind}, "numa")
+        try:
+            chosen["comm"] = build(CommSection, asked["comm"], "comm")
+        except ConfigError as exc:
+            raise UsageError(f"xb.init(comm=...): {exc}") from None
+        try:
+            chosen["numa"] = build(NumaSection, {"bind": bind}, "numa")
+        except ConfigError as exc:
+            raise _as_argument(exc, "[numa] bind", "bind", bind) from None
         chosen["device"] = choose_device(devices, world)
 
     _agree(world, prepare)
@@ -131,14 +159,47 @@ def init(
     _state.comm = chosen["comm"]
     _state.tracebacks = Path(tempfile.gettempdir()) / f"mpicrossbow-{world.bcast(secrets.token_hex(4))}"
     _state.world = replace(world, device=device)
+    _state.init_args = asked
     log.info("%d rank(s); rank 0 on %s, %d thread(s)", world.size, device, torch.get_num_threads())
     return _state.world
 
 
+def _check_repeated_init(asked: dict[str, Any]) -> None:
+    """A second ``init`` may ask for nothing new; one that would change the first call's arguments is a
+    UsageError, not silently ignored (MPI, the device and the binding are chosen once per process)."""
+    defaults = {name: p.default for name, p in inspect.signature(init).parameters.items()}
+    defaults["comm"] = {}
+    first = _state.init_args
+    changed = [k for k, value in asked.items() if value != defaults[k] and value != first.get(k, defaults[k])]
+    if changed:
+        now = ", ".join(f"{k}={asked[k]!r}" for k in changed)
+        before = ", ".join(f"{k}={first.get(k, defaults[k])!r}" for k in changed)
+        raise UsageError(
+            f"xb.init({now}): xb.init already ran in this process with {before}, and MPI, the device and the "
+            "binding are chosen once: pass every argument to the first xb.init call (xb.init() without "
+            "arguments returns the same world)"
+        )
+
+
+def _as_argument(exc: ConfigError, key: str, name: str, value: object) -> UsageError:
+    """``exc``, a check worded for the cfg key ``key``, reworded for the argument ``name=value`` the user
+    passed: ``xb.init`` reads no cfg, so ``DEVICES: unknown device 'gpu0'`` would name a key nobody wrote."""
+    text = str(exc)
+    if text.startswith(key):
+        text = f"xb.init({name}={value!r})" + text[len(key) :]
+    return UsageError(text.replace(f"{key}=", f"{name}="))
+
+
 def choose_device(devices: str | None, world: World) -> torch.device:
-    """``devices``' entry for this rank, or CUDA device ``local_rank % count`` (the CPU without CUDA)."""
+    """``devices``' entry for this rank, or CUDA device ``local_rank % count`` (the CPU without CUDA).
+
+    A bad ``devices`` is a UsageError naming the argument (``xb.init(devices='gpu0'): unknown device ...``),
+    not the ``DEVICES`` key of crossbow-launch's cfg whose checks it reuses."""
     if devices:
-        return device_for_rank(parse_devices(devices), world.rank, world.size).torch_device()
+        try:
+            return device_for_rank(parse_devices(devices), world.rank, world.size).torch_device()
+        except ConfigError as exc:
+            raise _as_argument(exc, "DEVICES", "devices", devices) from None
     if torch.cuda.is_available():
         return torch.device("cuda", world.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -153,7 +214,7 @@ def shard(
     processes load ``prefetch`` batches ahead. Iterate it once per epoch; a rank the rule keeps out of
     training (a parameter server) gets no batches. See :mod:`.sharded_loader`.
     """
-    world = init()
+    world = _world("xb.shard")
     options = LoaderOptions(workers=workers, prefetch=prefetch, pin_memory=world.device.type == "cuda")
     loader = ShardedLoader(dataset, batch_size, seed, _current_part, options)
     _state.loaders.add(loader)
@@ -164,7 +225,7 @@ def _current_part() -> Part:
     """The part the current rule gives this rank (``rank`` of ``size`` before any ``distribute``)."""
     if _state.part is not None:
         return _state.part
-    world = init()
+    world = _world("a loader of xb.shard")
     return Part(world.rank, world.size)
 
 
@@ -196,7 +257,7 @@ def distribute(
     ``noise_scale_every`` (``[session] noise_scale_every``): measure the gradient noise scale every N
     optimizer steps (0: never); :func:`noise_scale` reads it.
     """
-    world = init()
+    world = _world("xb.distribute")
     if _state.job is not None and not _state.job.finished:
         raise UsageError("xb.distribute: a model is already distributed; call xb.finish() before another")
     built: dict[str, Any] = {}
@@ -267,7 +328,22 @@ def _steps_per_epoch() -> int | None:
     return next((len(loader) for loader in _state.loaders), None)
 
 
+def _world(what: str) -> World:
+    """The world of :func:`init`; before it, a UsageError saying that ``what`` needs ``xb.init`` first.
+
+    No implicit start: an ``init`` made behind the user's back would fix the device and binding, and the
+    user's own ``xb.init(devices=...)`` after it could only fail."""
+    if _state.world is None:
+        raise UsageError(
+            f"{what} before xb.init(): call xb.init(...) first, on every rank (it joins the MPI world and "
+            "picks this rank's device)"
+        )
+    return _state.world
+
+
 def _job(what: str) -> EmbeddedJob:
+    """The current job; before :func:`distribute` (or :func:`init`), a UsageError naming ``what``."""
+    _world(what)
     if _state.job is None:
         raise UsageError(f"{what} before xb.distribute(model, optimizer, rule=...)")
     return _state.job
@@ -296,10 +372,11 @@ def finish() -> bool:
     Returns True on rank 0 only: every rank now holds the same model, and ``if xb.finish(): torch.save(...)``
     writes it once instead of once per rank into the same file.
     """
+    world = _world("xb.finish")
     if _state.job is not None:
         _state.job.finish()
     _state.part, _state.loaders = None, weakref.WeakSet()  # the next job cuts its own loaders' parts
-    return init().rank == 0
+    return world.rank == 0
 
 
 def checkpoint(path: str | Path) -> None:

@@ -135,6 +135,15 @@ class EASGD(Rule):
                 for group in optimizer.param_groups:
                     group.update(momentum=self.hyper.momentum, nesterov=self.hyper.momentum > 0, dampening=0)
         if self.synchronous:
+            delta = self.hyper.momentum
+            local = "the optimizer's own" if delta is None else f"EAMSGD's Nesterov momentum δ = {delta:g}"
+            log.info(
+                "EASGD sync: %d learner(s), α = %g, τ = %d, local step: %s",
+                k,
+                self.alpha,
+                self.hyper.tau,
+                local,
+            )
             return
         if self.comm.rank == SERVER:
             self._server = ElasticServer(

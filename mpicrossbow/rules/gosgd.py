@@ -104,6 +104,12 @@ class GOSGD(Rule):
         self.posted: dict[int, tuple[Handle, Handle] | None] = {s: None for s in self.peers}
         for s in self.peers:
             self._post(s)
+        log.info(
+            "GOSGD: %d learner(s), gossip probability p = %g per step, peers drawn %s",
+            self.k,
+            self.hyper.p,
+            "by the test schedule" if self.schedule is not None else f"with seed ({self.hyper.seed}, rank)",
+        )
         self.outbox: list[tuple[Handle, Handle, torch.Tensor, torch.Tensor]] = []
         #: Messages between learners of this rank: (source learner, destination j, snapshot, mass).
         self.local: list[tuple[int, int, torch.Tensor, int]] = []

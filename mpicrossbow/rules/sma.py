@@ -75,7 +75,12 @@ class SMA(Rule):
         self.check_learners(k)
         self.alpha = self.hyper.alpha if self.hyper.alpha is not None else default_alpha(k, mu)
         log.info(
-            "SMA: α = %.4g over k = %d learner(s) (stability bound %.4g)", self.alpha, k, alpha_bound(k, mu)
+            "SMA: α = %.4g%s, z's momentum μ = %g over k = %d learner(s) (stability bound %.4g)",
+            self.alpha,
+            "" if self.hyper.alpha is not None else " (default)",
+            mu,
+            k,
+            alpha_bound(k, mu),
         )
         self.corrections = [torch.zeros_like(self.z) for _ in self.pool.learners]
         self.comm.share(self.corrections[0])  # the buffer every step's allreduce sums
