@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 hostfile=args.hostfile,
                 bind=config.numa.bind,
                 launcher=args.launcher,
+                fault_tolerant=config.fault.elastic is not False,
             )
         except UsageError as exc:
             say(str(exc))

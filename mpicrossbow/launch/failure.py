@@ -4,11 +4,14 @@
   ranks agree on it with one ``allgather``, rank 0 prints one line, every rank exits with status 2.
 * Any exception later, on any rank, goes to :func:`abort`: one line naming the rank and the cause (the
   traceback goes to ``rank<r>.traceback`` in the run folder), then ``MPI_Abort``, which ends every rank.
+  In elastic training (``[fault] elastic``) it goes to :func:`leave_job` instead: the same line and file,
+  then this rank alone ends by SIGKILL, which the survivors' ULFM sees, and they go on without it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -76,6 +79,26 @@ def agree(world: World, prepare: Callable[[], object], prefix: str = ERROR_PREFI
 
 def abort(world: World, exc: BaseException, run_dir: Path | None, prefix: str = ERROR_PREFIX) -> NoReturn:
     """Print one line naming this rank and the cause, keep the traceback in a file, abort every rank."""
+    text, code, detail = _account(world, exc, run_dir)
+    line = f"rank {world.rank} of {world.size} on {world.hostname} failed: {text}{detail}"
+    abort_job(world, line, code, prefix=prefix)
+
+
+def leave_job(world: World, exc: BaseException, run_dir: Path | None, prefix: str = ERROR_PREFIX) -> NoReturn:
+    """Elastic training: this rank alone fails. One line naming it and the cause, the traceback in its file
+    (as :func:`abort` writes them), then SIGKILL of this process — the one way of ending that ULFM reports
+    to the survivors (an ``exit`` or a Python exception leaves them waiting), who drop it and go on."""
+    text, _, detail = _account(world, exc, run_dir)
+    say(
+        f"rank {world.rank} of {world.size} on {world.hostname} failed and leaves the job: {text}{detail}",
+        prefix,
+    )
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILL cannot be caught")  # pragma: no cover
+
+
+def _account(world: World, exc: BaseException, run_dir: Path | None) -> tuple[str, int, str]:
+    """``(cause, exit status, where the traceback is)`` of a failure: the parts of its one line."""
     if isinstance(exc, KeyboardInterrupt):
         text, code = "interrupted", 130
     elif isinstance(exc, UsageError):
@@ -93,8 +116,7 @@ def abort(world: World, exc: BaseException, run_dir: Path | None, prefix: str = 
         and not isinstance(exc, (KeyboardInterrupt, StorageError))
     ):
         detail = write_traceback(exc, run_dir / f"rank{world.rank}.traceback")
-    line = f"rank {world.rank} of {world.size} on {world.hostname} failed: {text}{detail}"
-    abort_job(world, line, code, prefix=prefix)
+    return text, code, detail
 
 
 def write_traceback(exc: BaseException, path: Path) -> str:

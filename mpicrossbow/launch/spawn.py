@@ -124,13 +124,18 @@ def spawn_command(
     args: Sequence[str],
     hostfile: Sequence[tuple[str, int]] | None = None,
     bind: str = "none",
+    fault_tolerant: bool = False,
 ) -> list[str]:
     """The launcher command: one rank per device, on the hosts that DEVICES or a hostfile names.
 
     Open MPI binds ranks itself by default; when mpicrossbow binds (``bind`` other than none) it is told
-    ``--bind-to none`` so the two do not fight. Hydra (MPICH) binds nothing unless asked.
+    ``--bind-to none`` so the two do not fight. Hydra (MPICH) binds nothing unless asked. ``fault_tolerant``
+    (``[fault] elastic`` true or auto) starts Open MPI with ``--with-ft ulfm``, without which a lost rank
+    ends its job; Hydra has no such mode (its ranks then say so, and ``elastic = true`` stops there).
     """
     cmd = [mpiexec, "-n", str(len(devices))]
+    if fault_tolerant and flavor == "openmpi":
+        cmd += ["--with-ft", "ulfm"]
     hosts = host_counts(devices, hostfile)
     if hosts:
         spec = ",".join(f"{h}:{n}" for h, n in hosts)
@@ -226,13 +231,14 @@ def spawn(
     hostfile: str | None = None,
     bind: str = "none",
     launcher: str = "auto",
+    fault_tolerant: bool = False,
 ) -> int:
     """Start the job for ``devices`` running ``crossbow-launch args`` on every rank; return its status.
 
     ``launcher``: ``mpiexec``, ``srun``, or ``auto`` (srun inside a Slurm allocation when it exists). It
     returns once the job's last process has ended (:mod:`~mpicrossbow.launch.reaper`), having removed the
     shared-memory segments the job's MPI left in this node's ``/dev/shm`` (a failed job leaves one):
-    :mod:`~mpicrossbow.launch.shm_hygiene`.
+    :mod:`~mpicrossbow.launch.shm_hygiene`. ``fault_tolerant``: see :func:`spawn_command`.
     """
     hosts = read_hostfile(hostfile) if hostfile else None
     if any_size(tuple(devices)) and ranks is None and hosts:
@@ -248,7 +254,8 @@ def spawn(
     else:
         mpiexec = find_mpiexec()
         flavor = mpi_flavor(mpiexec)
-        cmd, env = spawn_command(mpiexec, flavor, devices, args, hosts, bind), spawn_env(flavor, len(devices))
+        cmd = spawn_command(mpiexec, flavor, devices, args, hosts, bind, fault_tolerant)
+        env = spawn_env(flavor, len(devices))
     env.update(terminal_env())
     with removing_new_segments(), awaiting_orphans():
         return run_job(cmd, env)

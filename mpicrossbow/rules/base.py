@@ -169,6 +169,24 @@ class Rule:
         """
         raise ConfigError(f"RULE={self.name} does not support [pool] learners = auto; set a number")
 
+    @property
+    def elastic(self) -> bool:
+        """Whether this rule can go on after a rank is lost (``[fault] elastic``): it overrides
+        :meth:`on_rebind`. Asked before training, so a rule that cannot is refused at start, not at the
+        first loss."""
+        return type(self).on_rebind is not Rule.on_rebind
+
+    def on_rebind(self, lost: tuple[int, ...]) -> None:
+        """Ranks were lost (``lost``: their ranks before the loss) and ``self.comm`` now spans the survivors,
+        renumbered (elastic training, :mod:`mpicrossbow.comm.elastic`); collective over the survivors.
+
+        Called after every survivor restored the state of the last step all of them committed. A rule whose
+        state follows ``self.comm.size`` at every use has nothing to do; a rule with fixed roles, peers or
+        communicators derived from ``self.comm`` (splits, node groups) rebuilds them here. The default
+        refuses, so a rule never goes on over a changed world without its consent.
+        """
+        raise ConfigError(f"RULE={self.name} does not support [fault] elastic: a lost rank ends the job")
+
     def on_lr_change(self, old: float, new: float) -> None:
         """Called when the learning-rate schedule changes the rate (SMA resets replicas on a step down)."""
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..comm.ulfm import ElasticEnd
 from ..config import Config
 from ..errors import UsageError
 from ..launch.binding import bind, device_label, gather_facts, report
 from ..launch.collector import collector_off_then_frozen
 from ..launch.devices import device_for_rank
-from ..launch.failure import abort, agree
+from ..launch.failure import abort, agree, leave_job
 from ..launch.world import World, detect_world
 from ..log import setup_logging
 from ..rules.base import Rule
@@ -69,13 +70,17 @@ def prepare_session(config: Config, rule: Rule | None = None) -> tuple[World, Se
 
 def train(world: World, session: Session) -> RunResult:
     """Connect the ranks (unless ``rule.init()`` connected them already), train to the end and close; any
-    exception aborts the whole job with one line."""
+    exception aborts the whole job with one line — in elastic training only this rank, by a signal the
+    survivors see (:func:`~mpicrossbow.launch.failure.leave_job`), unless it is bad input or an interrupt,
+    which every rank meets alike."""
     try:
         if session.parts is None:
             session.prepare_collective()
         result = session.run()
         session.close()
     except BaseException as exc:
+        if session.elastic and not isinstance(exc, (KeyboardInterrupt, UsageError, ElasticEnd)):
+            leave_job(world, exc, session.run_dir)
         abort(world, exc, session.run_dir)
     return result
 

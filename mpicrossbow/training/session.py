@@ -34,6 +34,7 @@ from ..rules.patience import AUTO_ABORT_S, Patience
 from ..rules.registry import resolve
 from .autotune import AutoTuner
 from .checkpointing import Checkpointing
+from .elastic_setting import resolve_elastic
 from .evaluation import Evaluator
 from .faults import FaultInjector, Straggler
 from .modes import choose_mode
@@ -73,6 +74,8 @@ class Session:
         self.tuner: AutoTuner | None = None
         self.binding: Binding | None = None  # set by the runner before prepare_local
         self.device = torch.device("cpu")
+        #: Whether this run goes on after losing a rank (``[fault] elastic``, resolved in prepare_local).
+        self.elastic = False
 
     # --------------------------------------------------------------- local
     def prepare_local(self) -> None:
@@ -94,6 +97,7 @@ class Session:
         rule, cfg = resolve(cfg, self.rule)  # session.cfg records the resolved hyper-parameters
         self.rule, self.config = rule, cfg
         self._check_combinations()
+        self.elastic = resolve_elastic(cfg, rule, world)
         auto = cfg.pool.learners == "auto"
         learners = 1 if auto else int(cfg.pool.learners)
         torch.manual_seed(cfg.session.seed)  # the same initial replicas everywhere (bind broadcasts anyway)

@@ -1,0 +1,130 @@
+"""Elastic training's pieces without MPI jobs: the setting, its resolution, the launcher's flag, the rule
+hook (issue 40). The jobs themselves are in tests/test_elastic_mpi.py."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import run_local
+from mpicrossbow.config import load_config
+from mpicrossbow.errors import ConfigError
+from mpicrossbow.launch.devices import parse_devices
+from mpicrossbow.launch.failure import ERROR_PREFIX
+from mpicrossbow.launch.spawn import spawn_command
+from mpicrossbow.launch.world import World
+from mpicrossbow.rules.base import Rule
+from mpicrossbow.rules.registry import resolve
+from mpicrossbow.training import elastic_setting
+from mpicrossbow.training.elastic_setting import resolve_elastic
+
+WORLD = World(rank=0, size=2, local_rank=0, local_size=2, node=0, nodes=1, hostname="h", launcher="x", mpi=1)
+
+
+def digits(*overrides: str) -> tuple[Rule, object]:
+    """The digits job's resolved rule and config with ``overrides``."""
+    rule, config = resolve(load_config("launch/digits.cfg", list(overrides)))
+    return rule, config
+
+
+def test_elastic_is_off_by_default_and_reads_true_false_auto() -> None:
+    assert load_config("launch/digits.cfg").fault.elastic is False
+    assert load_config("launch/digits.cfg", ["fault.elastic=true"]).fault.elastic is True
+    assert load_config("launch/digits.cfg", ["fault.elastic=auto"]).fault.elastic == "auto"
+    with pytest.raises(ConfigError, match="elastic"):
+        load_config("launch/digits.cfg", ["fault.elastic=maybe"])
+    with pytest.raises(ConfigError, match="min_ranks"):
+        load_config("launch/digits.cfg", ["fault.min_ranks=0"])
+
+
+def test_crossbow_launch_starts_open_mpi_with_ulfm_only_when_elastic() -> None:
+    devices = parse_devices("cpu0,cpu1")
+    assert spawn_command("m", "openmpi", devices, [], fault_tolerant=True)[:5] == [
+        "m", "-n", "2", "--with-ft", "ulfm",
+    ]  # fmt: skip
+    assert "--with-ft" not in spawn_command("m", "openmpi", devices, [])
+    assert "--with-ft" not in spawn_command("m", "mpich", devices, [], fault_tolerant=True)
+
+
+def test_false_never_asks_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail() -> str:
+        raise AssertionError("asked")
+
+    monkeypatch.setattr(elastic_setting, "ulfm_missing", fail)
+    rule, config = digits()
+    assert resolve_elastic(config, rule, WORLD) is False  # type: ignore[arg-type]
+
+
+def test_true_without_ulfm_is_a_config_error_saying_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: "this MPI (MPICH) has no ULFM: install it")
+    rule, config = digits("fault.elastic=true")
+    with pytest.raises(ConfigError, match=r"\[fault\] elastic = true: this MPI \(MPICH\) has no ULFM"):
+        resolve_elastic(config, rule, WORLD)  # type: ignore[arg-type]
+    rule, config = digits("fault.elastic=auto")
+    assert resolve_elastic(config, rule, WORLD) is False  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (("comm.backend=gloo",), "backend = gloo cannot shrink"),
+        (("comm.shared_memory=on",), "shared_memory = on"),
+        (("RULE=ASGD",), "asynchronous"),
+    ],
+)
+def test_what_elastic_cannot_follow_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, overrides: tuple[str, ...], match: str
+) -> None:
+    monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: None)
+    rule, config = digits("fault.elastic=true", *overrides)
+    with pytest.raises(ConfigError, match=match):
+        resolve_elastic(config, rule, WORLD)  # type: ignore[arg-type]
+    rule, config = digits("fault.elastic=auto", *overrides)
+    assert resolve_elastic(config, rule, WORLD) is False  # type: ignore[arg-type]
+    assert resolve_elastic(config, rule, replace(WORLD, rank=1)) is False  # type: ignore[arg-type]
+
+
+def test_a_rule_refuses_to_rebind_unless_it_says_how() -> None:
+    class Plain(Rule):
+        name = "PLAIN"
+
+    class Follows(Rule):
+        name = "FOLLOWS"
+
+        def on_rebind(self, lost: tuple[int, ...]) -> None:
+            """Nothing to rebuild."""
+
+    assert not Plain().elastic and Follows().elastic
+    with pytest.raises(ConfigError, match="RULE=PLAIN does not support"):
+        Plain().on_rebind((1,))
+
+
+LEAVER = """
+import sys
+from pathlib import Path
+from mpicrossbow.launch.failure import leave_job
+from mpicrossbow.launch.world import World
+
+world = World(rank=2, size=4, local_rank=2, local_size=4, node=0, nodes=1, hostname="h", launcher=None)
+try:
+    raise ValueError("a bug in step 7")
+except ValueError as exc:
+    leave_job(world, exc, Path(sys.argv[1]))
+print("still here")
+"""
+
+
+def test_a_failing_elastic_rank_writes_its_traceback_and_dies_by_sigkill(tmp_path: Path) -> None:
+    """ULFM reports a rank that ends by a signal, never one that exits: after its line and traceback file
+    the rank SIGKILLs itself."""
+    proc = run_local([sys.executable, "-c", LEAVER, str(tmp_path)], timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
+    assert "still here" not in proc.stdout
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith(ERROR_PREFIX)]
+    assert "rank 2 of 4 on h failed and leaves the job: ValueError: a bug in step 7" in line
+    assert f"traceback in {tmp_path / 'rank2.traceback'}" in line
+    assert "a bug in step 7" in (tmp_path / "rank2.traceback").read_text()
