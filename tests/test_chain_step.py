@@ -19,8 +19,8 @@ from torch import nn
 from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.errors import ContractError
 from mpicrossbow.pool import FusedPool
-from mpicrossbow.pool.batched_chain import grad_rows
 from mpicrossbow.pool.chain_step import ChainStep
+from mpicrossbow.pool.step_gradients import grad_rows
 
 STEPS = 4
 

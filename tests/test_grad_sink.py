@@ -1,4 +1,4 @@
-"""Chains writing their gradients straight into the rows during the pool's step (pool/grad_sink.py).
+"""Chains putting their gradients straight into the rows during the pool's step (pool/step_gradients.py).
 
 Inside a network trained through autograd (here a BatchNorm before the chain), the chain's weights get their
 gradients from the chain itself, not from autograd's accumulation: every watcher must still hear every
@@ -14,7 +14,7 @@ from test_fused import plain, pools, train_alongside
 from torch import nn
 
 from mpicrossbow.pool.fused_chain import FusedChain
-from mpicrossbow.pool.grad_sink import GradSink
+from mpicrossbow.pool.step_gradients import StepGradients
 
 
 def normed() -> object:
@@ -60,11 +60,11 @@ def test_outside_the_pools_step_a_chain_returns_its_gradients() -> None:
     out = fused.fused(torch.randn(2, 5, 12))
     out.sum().backward()  # the sink is closed: autograd accumulates as for any node
     assert fused.grads2d.abs().sum() > 0
-    assert not fused._sink.active
+    assert not fused._gradients.active
 
 
 def test_the_sink_closes_when_the_step_fails() -> None:
-    sink = GradSink({}, 2)
+    sink = StepGradients(torch.zeros(2, 3))
     with pytest.raises(RuntimeError, match="boom"), sink.open():
         assert sink.active
         raise RuntimeError("boom")

@@ -26,8 +26,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function
 
-from ..errors import ContractError
-from .grad_sink import GradSink
+from .step_gradients import StepGradients, put_product, put_sum
 
 _Forward = Callable[[torch.Tensor], torch.Tensor]
 #: ``backward(grad, saved)`` where ``saved`` is the activation's input or output (see :class:`Kernels`).
@@ -137,11 +136,10 @@ def chain_backward(
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """The steps backwards from ``grad`` (the output's): ``∂x = ∂y @ W``, ``∂W = ∂yᵀ @ x`` (the weight's
     layout), ``∂b = Σₙ ∂y``. Returns the input's gradient (None unless ``input_grad``) and each weight's
-    (None where not ``wanted``). With ``into``, each weight's gradient is written into ``into[k]`` instead
-    (added to it with ``add``, else overwriting it) and ``ready(k)`` is called as soon as it is there.
-
-    The arithmetic runs in the saved tensors' dtype (16 bits under mixed precision); a gradient row of
-    another dtype (the fp32 master rows) receives the product cast, added or copied."""
+    (None where not ``wanted``). With ``into``, each weight's gradient is put into ``into[k]`` instead
+    (added to it with ``add``, else overwriting it: :func:`~.step_gradients.put_product`) and ``ready(k)``
+    is called as soon as it is there. The arithmetic runs in the saved tensors' dtype (16 bits under mixed
+    precision)."""
     grads: list[torch.Tensor | None] = [None] * len(weights)
     k = len(weights)
     dtype = saved[0].dtype
@@ -155,21 +153,15 @@ def chain_backward(
         weight, bias = weights[k], weights[k + 1]
         assert weight is not None
         weight = weight.to(dtype)
-        if into is not None and into[k].dtype != dtype:  # type: ignore[union-attr]
-            _cast_into(into, k, grad, kept, bias is not None, add)
-        elif into is None:
+        if into is None:
             if wanted[k]:
                 grads[k] = torch.bmm(grad.transpose(1, 2), kept)
             if bias is not None and wanted[k + 1]:
                 grads[k + 1] = grad.sum(1)
-        elif add:
-            into[k].baddbmm_(grad.transpose(1, 2), kept)  # type: ignore[union-attr]
-            if bias is not None:
-                into[k + 1].add_(grad.sum(1))  # type: ignore[union-attr]
         else:
-            torch.bmm(grad.transpose(1, 2), kept, out=into[k])
+            put_product(into[k], grad.transpose(1, 2), kept, add)  # type: ignore[arg-type]
             if bias is not None:
-                torch.sum(grad, 1, out=into[k + 1])
+                put_sum(into[k + 1], grad, add)  # type: ignore[arg-type]
         if ready is not None:
             ready(k)
             if bias is not None:
@@ -185,7 +177,7 @@ class _Chain(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, steps: Steps, sink: GradSink | None, x: torch.Tensor, *weights: torch.Tensor | None
+        ctx: Any, steps: Steps, sink: StepGradients | None, x: torch.Tensor, *weights: torch.Tensor | None
     ) -> torch.Tensor:
         """Every step in turn (in autocast's dtype when autocast is on); keeps each Linear's input and each
         activation's input or output."""
@@ -199,13 +191,13 @@ class _Chain(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """The steps backwards (:func:`chain_backward`): the weights' gradients added into their ``.grad``
-        rows while the pool's sink is open (:mod:`.grad_sink`), else handed to autograd to accumulate."""
+        """The steps backwards (:func:`chain_backward`): the weights' gradients put into their ``.grad`` rows
+        while the pool's backward runs (:mod:`.step_gradients`), else handed to autograd to accumulate."""
         steps, sink, params = ctx.steps, ctx.sink, ctx.params
         tensors = ctx.saved_tensors
         saved, weights = tensors[: len(steps)], tensors[len(steps) :]
         wanted = ctx.needs_input_grad[3:]
-        into = grad_rows(params) if sink is not None and sink.active else None
+        into = None if sink is None else sink.rows_of(params)
         grad_x, grads = chain_backward(
             steps,
             grad,
@@ -214,42 +206,19 @@ class _Chain(torch.autograd.Function):
             wanted,
             ctx.needs_input_grad[2],
             into,
-            add=True,
-            ready=None if into is None else lambda k: sink.written(params[k]),
+            add=True if sink is None else sink.adds,
+            ready=None if into is None else sink.announcer(params),
         )
         return (None, None, grad_x, *grads)
 
 
-def _cast_into(
-    into: Sequence[torch.Tensor | None], k: int, grad: torch.Tensor, kept: torch.Tensor, bias: bool, add: bool
-) -> None:
-    """Weight ``k``'s (and its bias's) gradient computed in ``grad``'s dtype, then added or copied into rows
-    of another dtype (mixed precision: 16-bit products, fp32 rows)."""
-    weight_row, bias_row = into[k], into[k + 1]
-    assert weight_row is not None
-    product = torch.bmm(grad.transpose(1, 2), kept)
-    weight_row.add_(product) if add else weight_row.copy_(product)
-    if bias:
-        assert bias_row is not None
-        total = grad.sum(1, dtype=bias_row.dtype)
-        bias_row.add_(total) if add else bias_row.copy_(total)
-
-
-def grad_rows(weights: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """Each weight's ``.grad`` — its view of the pool's gradient rows — for a chain to write into; an error
-    naming the problem if a weight has none (the rows were not pointed at it)."""
-    into = [None if w is None else w.grad for w in weights]
-    if any(g is None for g, w in zip(into, weights, strict=True) if w is not None):
-        raise ContractError("a fused chain writes into its weights' .grad rows, and one has none")
-    return into
-
-
 def batched_chain(
-    steps: Steps, x: torch.Tensor, weights: Sequence[torch.Tensor | None], sink: GradSink | None = None
+    steps: Steps, x: torch.Tensor, weights: Sequence[torch.Tensor | None], sink: StepGradients | None = None
 ) -> torch.Tensor:
     """The chain ``steps`` on ``x`` ``(m, N, in)`` with ``weights`` (each Linear's ``(m, out, in)`` weight and
-    ``(m, out)`` bias or None, in order): ``(m, N, out)``, one autograd node. While ``sink`` is open, its
-    backward adds the weights' gradients straight into their ``.grad`` (:mod:`.grad_sink`)."""
+    ``(m, out)`` bias or None, in order): ``(m, N, out)``, one autograd node. While the pool's backward runs
+    (``sink`` open), its backward puts the weights' gradients straight into their ``.grad``
+    (:mod:`.step_gradients`)."""
     return _Chain.apply(steps, sink, x, *weights)
 
 

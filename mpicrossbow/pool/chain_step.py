@@ -14,23 +14,24 @@ at m = 8, batch 4, one thread: 462 µs a step against 296 µs this way, where th
 batch 32) takes 323 µs.
 
 The arithmetic is the autograd path's, kernel for kernel, so the gradients are the same; two differences in
-behaviour, both handled by the pool: the gradients are *written*, not added, so the pool does not zero the
-rows before such a step; and no autograd hook fires, so the pool's :class:`~.grad_sink.GradSink` tells its
-gradient watchers as each weight's gradient is complete, last layer first.
+behaviour, both under the pool's :class:`~.step_gradients.StepGradients` (the gradient contract): the
+gradients are *written*, not added (the pool starts such a step with ``start(written=True)``, which does not
+zero the rows); and no autograd hook fires, so the step tells the pool's gradient watchers as each weight's
+gradient is complete, last layer first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from .batched_chain import chain_backward, chain_forward, grad_rows
+from .batched_chain import chain_backward, chain_forward
 from .fuse import FusedFlatten, FusedNetwork
 from .fused_chain import FusedChain
-from .precision import FP32, Precision
 from .replica_loss import cross_entropy_and_grad
+from .step_gradients import StepGradients, grad_rows
 
 
 class ChainStep:
@@ -58,27 +59,22 @@ class ChainStep:
         return targets.dtype == torch.long
 
     def __call__(
-        self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        written: Callable[[torch.Tensor], None] | None = None,
-        precision: Precision = FP32,
+        self, inputs: torch.Tensor, targets: torch.Tensor, gradients: StepGradients
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every replica's step on ``inputs`` ``(m, N, …)`` and ``targets`` ``(m, N)``: its gradients written
-        into the weights' ``.grad``; returns each replica's mean loss ``(m,)`` and the output ``(m, N, C)``.
-        ``written(weight)`` is called as soon as a weight's gradient is there (a :class:`~.grad_sink.GradSink`
-        telling the pool's watchers).
+        """Every replica's step on ``inputs`` ``(m, N, …)`` and ``targets`` ``(m, N)``: its gradients put
+        into the weights' ``.grad`` as ``gradients`` says (written, after ``start(written=True)``), each
+        weight's watchers told as soon as it is there; returns each replica's mean loss ``(m,)`` and the
+        output ``(m, N, C)``.
 
-        ``precision``: the chain computes in its autocast dtype (the loss in fp32, as autocast computes it),
-        and the loss's gradient starts at its loss scale instead of 1 — the one place a step by hand takes
-        the scale; every gradient below it carries the factor, as autograd's would."""
+        The chain computes in the precision's autocast dtype (the loss in fp32, as autocast computes it), and
+        the loss's gradient starts at ``gradients.scale`` instead of 1: every gradient below it carries the
+        factor, as autograd's would."""
         with torch.no_grad():
             h = inputs
             for layer in self.prefix:
                 h = layer(h)
-            output, saved = chain_forward(self.chain.steps, h, self.weights, precision.dtype)
-            losses, grad = cross_entropy_and_grad(output.float(), targets, precision.scale)
-            into = grad_rows(self.weights)
+            output, saved = chain_forward(self.chain.steps, h, self.weights, gradients.precision.dtype)
+            losses, grad = cross_entropy_and_grad(output.float(), targets, gradients.scale)
             chain_backward(
                 self.chain.steps,
                 grad,
@@ -86,7 +82,8 @@ class ChainStep:
                 self.weights,
                 self._wanted,
                 False,
-                into,
-                ready=None if written is None else lambda k: written(self.weights[k]),
+                grad_rows(self.weights),
+                add=gradients.adds,
+                ready=gradients.announcer(self.weights),
             )
         return losses, output

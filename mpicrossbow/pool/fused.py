@@ -23,9 +23,10 @@ inspecting one replica.
 ``model.loss(out_j, y_j)``, so replica j's gradient equals its serial gradient. When the model keeps the
 default cross-entropy (and the default top-1 ``correct``), it is computed for all replicas in one call.
 
-**A network that is one chain** of Linear layers and activations (an MLP) under the default loss takes
-its fused steps without autograd (:mod:`.chain_step`): gradients are written into the rows rather than
-added, so :meth:`FusedPool.compute` does not zero them first, and the gradient watchers are called by hand.
+**Gradients** reach the rows under one contract (:mod:`.step_gradients`): zeroed, then added by autograd
+and by the chains; or, for a network that is one chain of Linear layers and activations (an MLP) under the
+default loss, whose fused steps run without autograd (:mod:`.chain_step`), written without zeroing, the
+gradient watchers told by the step itself.
 
 **Optimizer.** Built once, ``model.optimizer(fused_params, optim)``, over the ``(m, …)`` fused parameters;
 when the model keeps TorchModel's default recipe (one SGD parameter group) it is given
@@ -66,13 +67,13 @@ from .flat import empty_flat, point_grads_into, point_into
 from .form import FUSED, FormChoice
 from .fuse import FlatSlots, FusedNetwork, synchronize
 from .fused_chain import FusedChain, chain_runs
-from .grad_sink import GradSink
 from .learner import evaluate
 from .precision import Precision
 from .replicated_network import ReplicatedNetwork
 from .serial import learner_data
 from .spec import PoolSpec
 from .staging import PinnedStaging
+from .step_gradients import StepGradients
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class FusedPool(LearnerPool):
 
     def _wire_chains(self, owner: str) -> None:
         """The step by hand (:mod:`.chain_step`) where the network is one chain under the default loss, and
-        the gradient sink every chain writes into during a fused step (:mod:`.grad_sink`)."""
+        the step's gradient contract every chain puts its gradients through (:mod:`.step_gradients`)."""
         #: The fused step without autograd, where the network is one chain under the default loss.
         self._chain_step = ChainStep.of(self.fused) if self._default_loss else None
         if self._chain_step is not None:
@@ -221,12 +222,13 @@ class FusedPool(LearnerPool):
                 "fused steps are differentiated by hand, without the autograd engine",
                 owner,
             )
-        #: Where chains write their gradients during a fused step, and who is told.
-        self._sink = GradSink({id(p): i for i, p in enumerate(self.fused_params)}, self.m)
+        #: How a step's gradients reach the rows (zeroed and added, or written), and who is told.
+        index = {id(p): i for i, p in enumerate(self.fused_params)}
+        self._gradients = StepGradients(self.grads2d, self.precision, index, self.m)
         chains = [chain for chain in self.fused.modules() if isinstance(chain, FusedChain)]
         for chain in chains:
-            chain.sink = self._sink
-        #: The parameters whose watchers the sink tells (no autograd hook: their gradients are written).
+            chain.sink = self._gradients
+        #: The parameters whose watchers the step tells (no autograd hook: their gradients are put by hand).
         self._sunk = {id(w) for chain in chains for w in chain.weights if w is not None}
 
     @property
@@ -300,8 +302,7 @@ class FusedPool(LearnerPool):
         inputs, targets = self._next_batches(count)
         fused = self.choice.form() == FUSED
         by_hand = fused and self._chain_step is not None and self._chain_step.serves(targets)
-        if not by_hand:  # a chain step writes every gradient rather than adding to it
-            self.grads2d.zero_()
+        self._gradients.start(written=by_hand)
         timing = self.choice.timing
         if timing:
             synchronize(self.device)
@@ -331,7 +332,7 @@ class FusedPool(LearnerPool):
             result = self._fused_step(inputs, targets, by_hand)
         except Exception as exc:  # any failure of the fused forms; the unfused form reports real errors
             self.buffers2d.copy_(saved)
-            self.grads2d.zero_()
+            self._gradients.start()
             log.info(
                 "fused engine: no fused form runs %s (%s); its replicas run one after another",
                 type(self.learners[0].module).__name__,
@@ -349,20 +350,17 @@ class FusedPool(LearnerPool):
         its hits)."""
         if not self.fused.training:
             self.fused.train()
-        sink = self._sink
         if by_hand:
             assert self._chain_step is not None
-            written = sink.written if sink.watchers else None
-            losses, output = self._chain_step(inputs, targets, written, self.precision)
+            losses, output = self._chain_step(inputs, targets, self._gradients)
             with torch.no_grad():
                 return losses, self._hits(output, targets)
-        with sink.open():
-            with self.precision.autocast():
-                output = self.fused(inputs)
-                losses = self._losses(output, targets)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
-                self.precision.backward(losses.sum())
+        with self.precision.autocast():
+            output = self.fused(inputs)
+            losses = self._losses(output, targets)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
+            self._gradients.backward(losses.sum())
         with torch.no_grad():
             return losses.detach(), self._hits(output, targets)
 
@@ -376,7 +374,7 @@ class FusedPool(LearnerPool):
             with self.precision.autocast():
                 output = module(x)
                 loss = self.model.loss(output, y)
-            self.precision.backward(loss)
+            self._gradients.backward(loss)
             with torch.no_grad():
                 losses.append(loss.detach().float())
                 hit = self.model.correct(output, y)
@@ -393,9 +391,9 @@ class FusedPool(LearnerPool):
     def watch_gradients(self, ready: Callable[[int, int], None]) -> Callable[[], None]:
         """A post-accumulate-grad hook on every fused parameter, ``ready(i, m)`` (the fused form: all replicas
         at once), and on every replica's parameter, ``ready(i, 1)`` (the replicas one after another). A
-        gradient written straight into its row (:mod:`.grad_sink`) fires no hook; the sink calls
+        gradient put straight into its row (:mod:`.step_gradients`) fires no hook; the step calls
         ``ready(i, m)`` itself."""
-        watchers = self._sink.watchers
+        watchers = self._gradients.watchers
         watchers.append(ready)
         handles = [
             p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i, self.m))
@@ -482,7 +480,7 @@ class FusedPool(LearnerPool):
         old_state = self.optimizer.state_dict()["state"]
         close_datas(self.datas)
         fresh = FusedPool(self.model, self.spec.resized(learners))
-        fresh.precision = self.precision  # one loss scale through the run
+        fresh.precision = fresh._gradients.precision = self.precision  # one loss scale through the run
         rows = [j if j < old_m else 0 for j in range(learners)]
         fresh.params2d.copy_(old_params[rows])
         fresh.buffers2d.copy_(old_buffers[rows])

@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import ContractError
 from .batched_chain import Steps, activation_kernels, batched_chain
 from .fuse import FusedLinear
-from .grad_sink import GradSink
+from .step_gradients import StepGradients
 
 
 def _steps(layers: Sequence[nn.Module]) -> Steps:
@@ -44,8 +44,8 @@ class FusedChain(nn.Module):
         self.weights = [
             t for layer in layers if isinstance(layer, FusedLinear) for t in (layer.weight, layer.bias)
         ]
-        #: Where the backward writes the weights' gradients during the pool's step (set by the pool).
-        self.sink: GradSink | None = None
+        #: The pool's gradients, which the backward puts its weights' gradients into (set by the pool).
+        self.sink: StepGradients | None = None
 
     @staticmethod
     def joins(layer: nn.Module) -> bool:

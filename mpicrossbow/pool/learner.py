@@ -12,6 +12,7 @@ from ..config import OptimSection
 from ..errors import CheckpointError, ContractError
 from .flat import attach_flat_grads, flatten_into_buffer
 from .precision import FP32, Precision
+from .step_gradients import StepGradients
 
 
 class Learner:
@@ -47,6 +48,8 @@ class Learner:
             )
         self.params = flatten_into_buffer(self.param_list)
         self.grads = attach_flat_grads(self.param_list, self.params)
+        #: The step's gradient contract over the flat gradient (zeroed, then the scaled loss's backward).
+        self.gradients = StepGradients(self.grads, precision)
         float_buffers = [b for b in self.module.buffers() if b.is_floating_point()]
         self.buffers = flatten_into_buffer(float_buffers) if float_buffers else torch.zeros(0, device=device)
         self.optimizer = model.optimizer(self.param_list, optim)
@@ -57,13 +60,13 @@ class Learner:
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """Zero the flat gradient, run forward and backward on one batch, accumulate the batch's stats."""
         self.module.train()
-        self.grads.zero_()
+        self.gradients.start()
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         with self.precision.autocast():
             output = self.module(inputs)
             loss = self.model.loss(output, targets)
-        self.precision.backward(loss)
+        self.gradients.backward(loss)
         with torch.no_grad():
             self.last_loss = loss.detach().float()
             hits = torch.as_tensor(

@@ -63,7 +63,8 @@ class Precision:
 
     @property
     def scale(self) -> float:
-        """The factor the loss is multiplied by before backward (1 unless fp16)."""
+        """The factor the loss is multiplied by before backward (1 unless fp16; the backward itself:
+        :class:`~.step_gradients.StepGradients`)."""
         return self.loss_scale.scale if self.loss_scale is not None else 1.0
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -71,11 +72,6 @@ class Precision:
         if self.dtype is None:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, the loss multiplied by :attr:`scale` first (fp16)."""
-        scale = self.scale
-        (loss * scale if scale != 1.0 else loss).backward()
 
     def state_dict(self) -> dict[str, Any]:
         """The loss scale's state (empty without one), for a checkpoint."""
