@@ -131,21 +131,29 @@ def plot(cluster: Cluster, model: str, nbytes: float, path: Path) -> None:
 
 
 # ------------------------------------------------------------------ measuring here
-def time_comm(world: Any, comm: Any) -> dict[str, list[tuple[int, float]]]:
-    """The communicator's allreduce and a one-way isend/irecv (0 → 1) at SIZES: slowest rank's medians."""
+def time_comm(
+    world: Any,
+    comm: Any,
+    sizes: tuple[int, ...] = SIZES,
+    kinds: tuple[str, ...] = ("allreduce", "p2p"),
+    repeats: int = 15,
+) -> dict[str, list[tuple[int, float]]]:
+    """The communicator's allreduce (``iallreduce``: started non-blocking, then waited for) and a one-way
+    isend/irecv (``p2p``, 0 → 1) at ``sizes``: the slowest rank's median of ``repeats`` (the first 3 left out,
+    as warm-up)."""
     import torch
     from mpi4py import MPI
 
-    out: dict[str, list[tuple[int, float]]] = {"allreduce": [], "p2p": []}
-    for size in SIZES:
+    out: dict[str, list[tuple[int, float]]] = {kind: [] for kind in kinds}
+    for size in sizes:
         buf = torch.ones(size // 4)
-        for kind in ("allreduce", "p2p"):
+        for kind in kinds:
             samples = []
-            for _ in range(15):
+            for _ in range(repeats):
                 world.Barrier()
                 start = time.perf_counter()
-                if kind == "allreduce":
-                    comm.allreduce(buf).wait()
+                if kind in ("allreduce", "iallreduce"):
+                    comm.allreduce(buf, async_op=kind == "iallreduce").wait()
                 elif comm.rank == 0:
                     comm.isend(buf, 1, 77).wait()
                 elif comm.rank == 1:
@@ -180,54 +188,63 @@ def measure_here(steps: int, rounds: int) -> dict[str, object]:
     }  # fmt: skip
 
 
-def time_rules(world: Any, steps: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds per step (slowest rank) of the floor and every rule, ``rounds`` times each, interleaved."""
+def time_rules(
+    world: Any, steps: int, rounds: int, hidden: int = HIDDEN, extra: tuple[str, ...] = ()
+) -> dict[str, list[float]]:
+    """Seconds per step (slowest rank) of the floor and every rule, ``rounds`` times each, interleaved, on the
+    digits MLP with two hidden layers of ``hidden``, every run with the ``extra`` overrides. One untimed run
+    of the floor comes first: a process's first training pays for warming up (imports, allocations) that no
+    later run does."""
     from mpi4py import MPI
 
     from mpicrossbow.config import load_config
     from mpicrossbow.training.runner import prepare_session, train
 
-    runs = [
-        ("floor", "LOCALSGD", [f"rule.period={10 * steps}"]),
-        *((r, r, OVERRIDES.get(r, [])) for r in RULES),
-    ]
+    floor = ["rule.period=" + str(10 * steps)]
+    runs = [("floor", "LOCALSGD", floor), *((r, r, OVERRIDES.get(r, [])) for r in RULES)]
     times: dict[str, list[float]] = {label: [] for label, _, _ in runs}
     with tempfile.TemporaryDirectory() as out:
+
+        def seconds_per_step(rule: str, own: list[str]) -> float:
+            overrides = [
+                f"RULE={rule}", f"session.steps={steps}", "session.validate_every=0",
+                "session.progress=off", "session.log_level=warning", f"session.output={out}",
+                f"model.hidden={hidden}", *extra, *own,
+            ]  # fmt: skip
+            w, session, code = prepare_session(load_config("launch/digits.cfg", overrides))
+            if code:
+                sys.exit(code)
+            result = train(w, session)
+            mine = result.train_seconds if result.train_seconds == result.train_seconds else 0.0
+            return float(world.allreduce(mine, op=MPI.MAX)) / steps
+
+        seconds_per_step("LOCALSGD", floor)  # the warm-up
         for _ in range(rounds):
-            for label, rule, extra in runs:
-                overrides = [
-                    f"RULE={rule}", f"session.steps={steps}", "session.validate_every=0",
-                    "session.progress=off", "session.log_level=warning", f"session.output={out}",
-                    f"model.hidden={HIDDEN}", *extra,
-                ]  # fmt: skip
-                w, session, code = prepare_session(load_config("launch/digits.cfg", overrides))
-                if code:
-                    sys.exit(code)
-                result = train(w, session)
-                mine = result.train_seconds if result.train_seconds == result.train_seconds else 0.0
-                times[label].append(world.allreduce(mine, op=MPI.MAX) / steps)
+            for label, rule, own in runs:
+                times[label].append(seconds_per_step(rule, own))
     return times
 
 
-def time_pass(world: Any) -> float:
-    """Seconds per byte of one elementwise pass (``a += b``) over the validation model's parameters, every
-    rank at once: the slowest rank's median."""
+def time_pass(world: Any, hidden: int = HIDDEN) -> float:
+    """Seconds per byte of one elementwise pass (``a += b``) over the validation model's parameters (the
+    digits MLP with hidden layers of ``hidden``), every rank at once: the slowest rank's median."""
     import torch
     from mpi4py import MPI
 
-    buffers = [torch.ones(model_bytes() // 4) for _ in range(8)]  # as many as a rule touches: not in cache
+    nbytes = model_bytes(hidden)
+    buffers = [torch.ones(nbytes // 4) for _ in range(8)]  # as many as a rule touches: not in cache
     samples = []
     for i in range(24):
         world.Barrier()
         start = time.perf_counter()
         buffers[i % 8].add_(buffers[(i + 3) % 8])
         samples.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return statistics.median(samples[8:]) / model_bytes()
+    return statistics.median(samples[8:]) / nbytes
 
 
-def model_bytes() -> int:
-    """fp32 bytes of the validation model: the digits MLP with two hidden layers of HIDDEN."""
-    return 4 * (64 * HIDDEN + HIDDEN * HIDDEN + HIDDEN * 10 + 2 * HIDDEN + 10)
+def model_bytes(hidden: int = HIDDEN) -> int:
+    """fp32 bytes of the validation model: the digits MLP with two hidden layers of ``hidden``."""
+    return 4 * (64 * hidden + hidden * hidden + hidden * 10 + 2 * hidden + 10)
 
 
 def fit_link(measured: list[dict[str, object]], collective: str = "allreduce") -> Link:

@@ -13,7 +13,9 @@ from benchmarks.scaling_model import (
     Cluster,
     Link,
     allreduce,
+    allreduce_on,
     efficiency,
+    halving_doubling_allreduce,
     ring_allreduce,
     step_time,
     tree_allreduce,
@@ -55,12 +57,13 @@ def test_rule_steps_by_hand() -> None:
 
 
 def test_a_parameter_server_queues_and_then_bounds_the_step() -> None:
-    # 4 ranks, 1 server, 3 workers, τ = 1: round trip 2·(1 µs + 1 ms); service 2 ms per push
+    # 4 ranks, 1 server, 3 workers, τ = 1: round trip 2·(1 µs + 1 ms); service 2 ms per push; a push waits
+    # for the 2 other workers' pushes
     light = step_time("ASGD", 4, 0.1, MB, NODE, period=1)
-    rho = 3 * 2e-3 / (0.1 + 2 * 1.001e-3)
+    rho = 2 * 2e-3 / (0.1 + 2 * 1.001e-3)
     wait = rho * 2e-3 / (2 * (1 - rho))
     assert light.seconds == pytest.approx(0.1 + 2 * 1.001e-3 + wait) and light.training_ranks == 3
-    heavy = step_time("ASGD", 4, 0.001, MB, NODE, period=1)  # 3 pushes of 2 ms per 1 ms step: ρ > 1
+    heavy = step_time("ASGD", 4, 0.001, MB, NODE, period=1)  # 2 other pushes of 2 ms per 3 ms step: ρ > 1
     assert heavy.seconds == pytest.approx(3 * 2e-3)
     # efficiency counts the server's GPU: at best 3 of 4
     assert efficiency("ASGD", 4, 10.0, 1.0, NODE, period=1) == pytest.approx(0.75, rel=1e-3)
@@ -74,9 +77,9 @@ def test_ranks_sharing_cores_stretch_exchange_and_lose_overlap() -> None:
     assert step_time("SMA", 4, 0.01, MB, shared).seconds == pytest.approx(0.01 + 2 * c)
     assert step_time("BSP", 4, 0.01, MB, shared, overlap=0.5).seconds == pytest.approx(0.01 + 2 * c)
     assert step_time("BSP", 2, 0.01, MB, shared).seconds == step_time("BSP", 2, 0.01, MB, NODE).seconds
-    # A worker's round trip, 2·(1 µs + 1 ms), takes twice as long; the queue as before (3 pushes of 2 ms)
+    # A worker's round trip, 2·(1 µs + 1 ms), takes twice as long; the queue as before (2 others' pushes)
     serial = 0.01 + 2 * 2 * 1.001e-3
-    rho = 3 * 2e-3 / serial
+    rho = 2 * 2e-3 / serial
     asgd = step_time("ASGD", 4, 0.01, MB, shared, period=1).seconds
     assert asgd == pytest.approx(serial + rho * 2e-3 / (2 * (1 - rho)))
     # never below the cores' seconds of one round: 3 workers' compute (0.01 · 2/4) and round trips, 3 pushes
@@ -95,3 +98,51 @@ def test_the_horovod_paper_cluster_scales_inception_and_resnet101_near_90_percen
 def test_cluster_files_load(tmp_path: Path) -> None:
     cluster, _, batch = load_cluster(REPO / "benchmarks" / "clusters" / "h100_ib.ini")
     assert cluster.gpus_per_node == 8 and cluster.inter.beta == pytest.approx(8 / 3200e9) and batch == 64
+
+
+def test_mpich_allreduce_halves_and_doubles_and_folds_odd_rank_counts() -> None:
+    # 2 ranks: recursive doubling's one exchange, α + n β, beats halving-doubling's 2 α + n β
+    assert halving_doubling_allreduce(MB, 2, LINK) == pytest.approx(1e-6 + 1e-3)
+    # 3 ranks: that exchange between two, plus the third's buffer in and the result out: 3 (α + n β)
+    assert halving_doubling_allreduce(MB, 3, LINK) == pytest.approx(3 * (1e-6 + 1e-3))
+    # 4 ranks, 1 MB: halving-doubling, 2·2·1 µs + 2·(3/4)·1 ms, beats recursive doubling's 2 (α + n β)
+    assert halving_doubling_allreduce(MB, 4, LINK) == pytest.approx(4e-6 + 1.5e-3)
+    # 6 ranks: 4 of them as above, plus the fold
+    assert halving_doubling_allreduce(MB, 6, LINK) == pytest.approx(4e-6 + 1.5e-3 + 2 * (1e-6 + 1e-3))
+    assert halving_doubling_allreduce(MB, 1, LINK) == 0.0
+    assert allreduce_on(MB, 3, LINK) == pytest.approx(ring_allreduce(MB, 3, LINK))  # nccl: the ring here
+    mpich = dataclasses.replace(NODE, collectives="mpich")
+    assert allreduce(MB, 8, mpich) == pytest.approx(halving_doubling_allreduce(MB, 8, NODE.inter))
+    with pytest.raises(ValueError, match="collectives"):
+        allreduce_on(MB, 3, LINK, "gloo")
+
+
+#: Three one-rank nodes on two cores (namespace nodes of one machine): 10 µs, 10 ns a byte between nodes.
+NODES = Cluster("nodes", gpus_per_node=1, intra=LINK, inter=Link(10e-6, 1e-8), cores=2, collectives="mpich")
+
+
+def test_network_time_is_not_stretched_by_shared_cores() -> None:
+    """3 ranks on 2 cores: across nodes a message takes the wire's time; within a node the cores' copies
+    take 3/2 as long."""
+    wire = halving_doubling_allreduce(MB, 3, NODES.inter)  # 3·(10 µs + 10 ms)
+    assert step_time("BSP", 3, 0.01, MB, NODES).seconds == pytest.approx(0.01 + wire)
+    one_node = dataclasses.replace(NODES, gpus_per_node=4)
+    assert step_time("BSP", 3, 0.01, MB, one_node).seconds == pytest.approx(
+        0.01 + 1.5 * halving_doubling_allreduce(MB, 3, LINK)
+    )
+    assert step_time("LOCALSGD", 3, 0.01, MB, NODES, period=8).seconds == pytest.approx(0.01 + wire / 8)
+
+
+def test_a_lone_worker_never_queues_and_a_full_duplex_server_serves_the_push_alone() -> None:
+    # 2 nodes, one server, one worker: its round trip 2·(10 µs + 10 ms), no other push to wait for
+    assert step_time("ASGD", 2, 0.01, MB, NODES, period=1).seconds == pytest.approx(0.01 + 2 * 10.01e-3)
+    # 3 nodes, 2 workers: a push holds the server's link 10 ms (the reply leaves on the other direction);
+    # the other worker keeps it busy ρ = 10 ms / 30.02 ms of a step
+    step = 0.01 + 2 * 10.01e-3
+    rho = 1e-2 / step
+    asgd = step_time("ASGD", 3, 0.01, MB, NODES, period=1).seconds
+    assert asgd == pytest.approx(step + rho * 1e-2 / (2 * (1 - rho)))
+    # GSP, one group: its leader alone pushes (no queue); the 2 workers average (2 ranks: 10.01 ms) and the
+    # leader broadcasts w (10 µs + 10 ms)
+    gsp = step_time("GSP", 3, 0.01, MB, NODES, period=1).seconds
+    assert gsp == pytest.approx(step + 10.01e-3 + 10.01e-3)
