@@ -30,8 +30,10 @@ from mpicrossbow.config import OptimSection
 from mpicrossbow.data.arrays import ArrayDataset
 from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.data.loader import LoaderOptions
+from mpicrossbow.model.contract import sgd_settings
 from mpicrossbow.pool import FusedPool, SerialPool, fused_conv1d
 from mpicrossbow.pool.fuse import FusedConv2d, fastest
+from mpicrossbow.pool.fused import default_recipe
 from mpicrossbow.pool.fused_conv1d import FusedConv1d
 from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.spec import PoolSpec
@@ -95,6 +97,23 @@ class SmoothedAdamMLP(MLP):
 
     def optimizer(self, params: Any, optim: OptimSection) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=1e-3)
+
+
+class OwnSGDMLP(MLP):
+    """An MLP whose optimizer is SGD with its own learning rate: not the default recipe."""
+
+    def optimizer(self, params: Any, optim: OptimSection) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=optim.lr * 2, momentum=optim.momentum)
+
+
+def test_the_default_recipe_steps_the_rows_any_other_optimizer_the_fused_parameters() -> None:
+    """The optimizer is chosen by what it declares (class, groups, settings), not by which method built it."""
+    _, default = pools(MLP(hidden=8), 3)
+    assert [p.shape for p in default.optimizer.param_groups[0]["params"]] == [default.params2d[0].shape] * 3
+    for custom in (SmoothedAdamMLP(hidden=8), OwnSGDMLP(hidden=8)):
+        _, fused = pools(custom, 3)
+        assert list(map(id, fused.optimizer.param_groups[0]["params"])) == list(map(id, fused.fused_params))
+    assert not default_recipe(torch.optim.SGD(default.fused_params[:1], **sgd_settings(OPTIM)), OPTIM, 2)
 
 
 MODELS = {

@@ -77,6 +77,9 @@ from .step_gradients import StepGradients
 
 log = logging.getLogger(__name__)
 
+#: A step's result: each replica's loss and its hits, ``(m,)`` each.
+_Step = tuple[torch.Tensor, torch.Tensor]
+
 #: Autograd warns when a .grad's strides differ from a dense parameter's; ours are strided views by design.
 _LAYOUT_WARNING = "grad and param do not obey the gradient layout contract"
 
@@ -137,14 +140,22 @@ class FusedPool(LearnerPool):
     learners: list[FusedLearner]  # type: ignore[assignment]
 
     def __init__(self, model: Any, spec: PoolSpec) -> None:
-        owner = type(model).__name__
+        self.model = model
+        #: One precision, and so one loss scale, through the run (a resize keeps it).
+        self.precision = Precision.of(spec.optim, spec.device)
+        self._default_loss = getattr(type(model), "loss", None) is TorchModel.loss
+        self._default_correct = getattr(type(model), "correct", None) is TorchModel.correct
+        self._build(spec)
+
+    def _build(self, spec: PoolSpec) -> None:
+        """Everything that depends on the learner count, built for ``spec``: at construction, and again by
+        :meth:`resize` (which then copies the rows it keeps)."""
         learners, device = spec.learners, spec.device
         if learners < 1:
             raise ValueError(f"learners must be >= 1, got {learners}")
-        self.model, self.spec, self.device, self.m = model, spec, device, learners
-        self.precision = Precision.of(spec.optim, device)
-        replicas = [model.module().to(device) for _ in range(learners)]
-        self.datas, self._n_batch_train = learner_data(model, spec)
+        self.spec, self.device, self.m = spec, device, learners
+        replicas = [self.model.module().to(device) for _ in range(learners)]
+        self.datas, self._n_batch_train = learner_data(self.model, spec)
         #: In-memory shards of one layout are held stacked and drawn in one index (None: apart).
         self._joint_arrays = (
             JointArrays(self.datas) if learners > 1 and JointArrays.serves(self.datas) else None
@@ -155,50 +166,15 @@ class FusedPool(LearnerPool):
         self._waited = [0.0]
         #: Pinned, asynchronous host → device copies of the stacked batches (CUDA only).
         self._staging = PinnedStaging(device) if device.type == "cuda" else None
-
-        param_lists, buffer_lists = _replica_tensors(replicas, owner)
-        first_params, first_buffers = param_lists[0], buffer_lists[0]
-        n_params = sum(p.numel() for p in first_params)
-        n_buffers = sum(b.numel() for b in first_buffers)
-        self.params2d = _empty_rows(learners, n_params, first_params[0])
-        self.grads2d = _empty_rows(learners, n_params, first_params[0]).zero_()
-        self.buffers2d = (
-            _empty_rows(learners, n_buffers, first_params[0])
-            if first_buffers
-            else torch.zeros(learners, 0, device=device, dtype=first_params[0].dtype)
-        )
-        self.learners = []
-        for j, replica in enumerate(replicas):
-            point_into(param_lists[j], self.params2d[j])
-            point_grads_into(param_lists[j], self.grads2d[j])
-            if buffer_lists[j]:
-                point_into(buffer_lists[j], self.buffers2d[j])
-            self.learners.append(FusedLearner(replica, self.params2d[j], self.grads2d[j], self.buffers2d[j]))
-
-        slots = FlatSlots(
-            self.params2d,
-            self.grads2d,
-            self.buffers2d,
-            _offsets(first_params),
-            _offsets(first_buffers),
-        )
+        slots = self._make_rows(replicas)
+        owner = type(self.model).__name__
         self.fused = fused_network(replicas[0], slots, owner)
         self.fused_params = slots.ordered_params()
         #: Column offset of each fused parameter in a row, in the order of ``fused_params``.
         self.fused_offsets = sorted(slots.fused_params)
-        if len(self.fused_params) != len(first_params):
+        if len(self.fused_params) != len(slots.param_offsets):
             raise ContractError(f"{owner}: some parameters are not used by any fusable layer")
-        if getattr(type(model), "optimizer", None) is TorchModel.optimizer:
-            # The default recipe is one elementwise parameter group: give it the m contiguous rows as its
-            # parameters, so a step is a few ops on m flat tensors (see the module docstring).
-            rows = [nn.Parameter(row) for row in self.params2d]
-            for row, grad in zip(rows, self.grads2d, strict=True):
-                row.grad = grad
-            self.optimizer = rows_sgd(rows, spec.optim) or model.optimizer(rows, spec.optim)
-        else:
-            self.optimizer = model.optimizer(self.fused_params, spec.optim)
-        self._default_loss = getattr(type(model), "loss", None) is TorchModel.loss
-        self._default_correct = getattr(type(model), "correct", None) is TorchModel.correct
+        self.optimizer = self._make_optimizer(spec.optim)
         self._wire_chains(owner)
         #: Each learner's loss sum (row 0) and hits (row 1) since the last take_stats: one add a step.
         self._stats = torch.zeros(2, learners, dtype=torch.float64, device=device)
@@ -210,6 +186,37 @@ class FusedPool(LearnerPool):
         # One learner has nothing to fuse: auto runs it as the plain replica it is, without a trial.
         self.choice = FormChoice("never" if spec.fuse == "auto" and learners == 1 else spec.fuse)
         self._fused_ran = False
+
+    def _make_rows(self, replicas: list[nn.Module]) -> FlatSlots:
+        """The ``(m, P)`` params and grads and ``(m, B)`` buffers, every replica's tensors pointed into its
+        row, the learners over those rows; where replica 0's tensors sit in them (for the fused network)."""
+        param_lists, buffer_lists = _replica_tensors(replicas, type(self.model).__name__)
+        first_params, first_buffers = param_lists[0], buffer_lists[0]
+        m, n_params = len(replicas), sum(p.numel() for p in first_params)
+        self.params2d = _empty_rows(m, n_params, first_params[0])
+        self.grads2d = _empty_rows(m, n_params, first_params[0]).zero_()
+        self.buffers2d = _empty_rows(m, sum(b.numel() for b in first_buffers), first_params[0])
+        self.learners = []
+        for j, replica in enumerate(replicas):
+            point_into(param_lists[j], self.params2d[j])
+            point_grads_into(param_lists[j], self.grads2d[j])
+            if buffer_lists[j]:
+                point_into(buffer_lists[j], self.buffers2d[j])
+            self.learners.append(FusedLearner(replica, self.params2d[j], self.grads2d[j], self.buffers2d[j]))
+        offsets = (_offsets(first_params), _offsets(first_buffers))
+        return FlatSlots(self.params2d, self.grads2d, self.buffers2d, *offsets)
+
+    def _make_optimizer(self, optim: OptimSection) -> torch.optim.Optimizer:
+        """The model's optimizer over the fused parameters; where it is the default recipe (one group of SGD
+        with ``[optim]``'s settings over all of them, :func:`default_recipe`), that recipe over the m
+        contiguous rows instead, so a step is a few ops on m flat tensors (see the module docstring)."""
+        optimizer = self.model.optimizer(self.fused_params, optim)
+        if not default_recipe(optimizer, optim, len(self.fused_params)):
+            return optimizer
+        rows = [nn.Parameter(row) for row in self.params2d]
+        for row, grad in zip(rows, self.grads2d, strict=True):
+            row.grad = grad
+        return rows_sgd(rows, optim) or self.model.optimizer(rows, optim)
 
     def _wire_chains(self, owner: str) -> None:
         """The step by hand (:mod:`.chain_step`) where the network is one chain under the default loss, and
@@ -297,21 +304,15 @@ class FusedPool(LearnerPool):
         )
 
     def compute(self, count: int) -> None:
-        """Zero the gradients, then every learner's forward and backward on its next batch, in the form
-        :attr:`choice` says (one fused network, or the replicas one after another; see :mod:`.form`)."""
+        """Every learner's forward and backward on its next batch, in the step :meth:`_step_for` picks (the
+        form :attr:`choice` says, see :mod:`.form`); each step starts the gradients' contract itself."""
         inputs, targets = self._next_batches(count)
-        fused = self.choice.form() == FUSED
-        by_hand = fused and self._chain_step is not None and self._chain_step.serves(targets)
-        self._gradients.start(written=by_hand)
+        step = self._step_for()
         timing = self.choice.timing
         if timing:
             synchronize(self.device)
             started = time.perf_counter()
-        if fused:
-            step = self._fused_step if self._fused_ran else self._first_fused_step
-            losses, hits = step(inputs, targets, by_hand)
-        else:
-            losses, hits = self._unfused_step(inputs, targets)
+        losses, hits = step(inputs, targets)
         if timing:
             synchronize(self.device)
         self.choice.record(time.perf_counter() - started if timing else None)
@@ -322,17 +323,23 @@ class FusedPool(LearnerPool):
             self._stats.add_(torch.where(torch.isfinite(losses), row, 0.0))
             self._samples += n
 
-    def _first_fused_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, by_hand: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step_for(self) -> Callable[[torch.Tensor, torch.Tensor], _Step]:
+        """The step this batch takes: the replicas one after another (the unfused form), the fused network's
+        first step (guarded), or a fused step (by hand or through autograd, :meth:`_fused_step`)."""
+        if self.choice.form() != FUSED:
+            return self._unfused_step
+        if not self._fused_ran:
+            return self._first_fused_step
+        return self._fused_step
+
+    def _first_fused_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> _Step:
         """The first fused step, guarded: a network no fused form can run (vmap refuses control flow on
         values, for one) trains with its replicas one after another instead, never refused."""
         saved = self.buffers2d.clone()
         try:
-            result = self._fused_step(inputs, targets, by_hand)
+            result = self._fused_step(inputs, targets)
         except Exception as exc:  # any failure of the fused forms; the unfused form reports real errors
             self.buffers2d.copy_(saved)
-            self._gradients.start()
             log.info(
                 "fused engine: no fused form runs %s (%s); its replicas run one after another",
                 type(self.learners[0].module).__name__,
@@ -343,18 +350,17 @@ class FusedPool(LearnerPool):
         self._fused_ran = True
         return result
 
-    def _fused_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, by_hand: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward and backward of the fused network (by hand: :mod:`.chain_step`); (each replica's loss,
-        its hits)."""
+    def _fused_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> _Step:
+        """One forward and backward of the fused network: by hand (:mod:`.chain_step`) where it serves the
+        targets, else through autograd."""
         if not self.fused.training:
             self.fused.train()
-        if by_hand:
-            assert self._chain_step is not None
+        if self._chain_step is not None and self._chain_step.serves(targets):
+            self._gradients.start(written=True)
             losses, output = self._chain_step(inputs, targets, self._gradients)
             with torch.no_grad():
                 return losses, self._hits(output, targets)
+        self._gradients.start()
         with self.precision.autocast():
             output = self.fused(inputs)
             losses = self._losses(output, targets)
@@ -366,6 +372,7 @@ class FusedPool(LearnerPool):
 
     def _unfused_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each replica's own forward and backward, one after another, on the pool's shared rows."""
+        self._gradients.start()
         losses, hits = [], []
         for learner, x, y in zip(self.learners, inputs, targets, strict=True):
             module = learner.module
@@ -471,32 +478,32 @@ class FusedPool(LearnerPool):
         self.load_precision_state(state)
 
     def resize(self, learners: int) -> None:
-        """Rebuild for ``learners`` replicas between epochs (auto-tuner); rows kept, new rows copy row 0.
+        """Rebuild for ``learners`` replicas between epochs (auto-tuner, :meth:`_build`); rows kept, new rows
+        copy row 0.
 
         With the default optimizer recipe the momentum rows move along (a new learner copies learner 0's,
         as the serial engine does); a custom optimizer restarts with fresh state, with a warning.
         """
         old_m, old_params, old_buffers = self.m, self.params2d.clone(), self.buffers2d.clone()
         old_state = self.optimizer.state_dict()["state"]
+        lr = self.optimizer.param_groups[0]["lr"]
         close_datas(self.datas)
-        fresh = FusedPool(self.model, self.spec.resized(learners))
-        fresh.precision = fresh._gradients.precision = self.precision  # one loss scale through the run
+        self._build(self.spec.resized(learners))
         rows = [j if j < old_m else 0 for j in range(learners)]
-        fresh.params2d.copy_(old_params[rows])
-        fresh.buffers2d.copy_(old_buffers[rows])
-        new_params = fresh.optimizer.param_groups[0]["params"]
+        self.params2d.copy_(old_params[rows])
+        self.buffers2d.copy_(old_buffers[rows])
+        new_params = self.optimizer.param_groups[0]["params"]
         by_row = len(new_params) == learners and len(old_state) == old_m
         if by_row and all(isinstance(s.get("momentum_buffer"), torch.Tensor) for s in old_state.values()):
             for param, src in zip(new_params, rows, strict=True):
-                fresh.optimizer.state[param] = {
+                self.optimizer.state[param] = {
                     **old_state[src],
                     "momentum_buffer": old_state[src]["momentum_buffer"].clone(),
                 }
         elif old_state:
             log.warning("fused pool resized to %d learners: optimizer state restarts", learners)
-        for group in fresh.optimizer.param_groups:
-            group["lr"] = self.optimizer.param_groups[0]["lr"]
-        self.__dict__.update(fresh.__dict__)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def set_lr(self, lr: float, epoch: int) -> None:
         """Same learning rate for every learner."""
@@ -552,6 +559,19 @@ def fused_network(root: nn.Module, slots: FlatSlots, owner: str) -> nn.Module:
             "fused engine: %d run(s) of Linear layers and activations differentiated as one node", chains
         )
     return network
+
+
+def default_recipe(optimizer: torch.optim.Optimizer, optim: OptimSection, params: int) -> bool:
+    """Whether ``optimizer`` declares the default recipe: plain ``torch.optim.SGD``, one parameter group over
+    all ``params`` fused parameters, its settings those ``[optim]`` gives (:func:`sgd_settings`). Such an
+    optimizer is elementwise and blind to the parameters' shapes, so it may step the m rows instead; any other
+    (another class, several groups, other settings) keeps the fused parameters it was given."""
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return False
+    group = dict(optimizer.param_groups[0])
+    count = len(group.pop("params"))
+    expected = torch.optim.SGD([torch.zeros(1)], **sgd_settings(optim)).defaults
+    return count == params and group == expected
 
 
 def rows_sgd(rows: list[nn.Parameter], optim: OptimSection) -> torch.optim.Optimizer | None:
