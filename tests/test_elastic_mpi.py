@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import REPO, launcher, run_local, run_mpi
+from conftest import REPO, launcher, only_run, run_local, run_mpi
 from mpicrossbow.launch.failure import ERROR_PREFIX
 from openmpi_env import OpenMPIEnv
 
@@ -65,3 +68,52 @@ def test_crossbow_launch_alone_starts_open_mpi_fault_tolerant(openmpi: OpenMPIEn
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "RULE=ASGD is asynchronous" in lines[0], proc.stderr[-3000:]
+
+
+def elastic_job(openmpi: OpenMPIEnv, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """The digits job for 4 epochs on 4 ranks under ``mpiexec --with-ft ulfm``, elastic, checkpointing every
+    2 epochs (the final checkpoint holds every survivor's state), with ``overrides``."""
+    args = digits_args(out, "session.epochs=4", "fault.elastic=true", "checkpoint.every_epochs=2", *overrides)
+    return run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
+
+
+def accuracy(stderr: str) -> float:
+    """The final validation accuracy from the job's ``done:`` line."""
+    (done,) = re.findall(r"done: .* val accuracy ([0-9.]+)", stderr)
+    return float(done)
+
+
+@pytest.mark.parametrize(
+    ("rule", "action"),
+    # SMA recovers the same way (its z bitwise equal on the survivors in 2 runs here) but one run of 3 hung
+    # after the recovery, so it is not claimed yet (docs/reliability.md).
+    [("BSP", "kill"), ("BSP", "kill_in_exchange")],
+)
+def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
+    openmpi: OpenMPIEnv, tmp_path: Path, rule: str, action: str
+) -> None:
+    """SIGKILL of rank 2 of 4 at step 40 (at the step's start, or inside its exchange once the first
+    allreduce started): the job finishes on 3 ranks with status 0, one line names the lost rank and the
+    step, and every survivor holds the same consensus bit for bit (BSP's replicas, SMA's z): the step that
+    met the loss was dropped on all of them, never applied on some."""
+    proc = elastic_job(
+        openmpi, tmp_path, f"RULE={rule}", "fault.rank=2", "fault.step=40", f"fault.action={action}"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
+    assert len(lost) == 1 and "lost rank(s) 2 (start numbering) at step 40; 3 rank(s) go on" in lost[0], lost
+    final = only_run(tmp_path) / "checkpoints" / "step-000000088"
+    states = [torch.load(final / f"rank-{r:05d}.pt", weights_only=True) for r in range(3)]
+    assert not (final / "rank-00003.pt").exists()
+    held = [s["rule"]["z"] if rule == "SMA" else s["pool"]["learners"][0]["params"] for s in states]
+    assert all(torch.equal(held[0], other) for other in held[1:])
+    assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
+
+
+def test_elastic_bsp_ends_close_to_an_uninterrupted_run(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
+    """Losing one rank of four at step 40 of 88 costs little: the final accuracy is within 3 points of the
+    same job run whole (one seed; measured 0.9108 against the whole run's figure below)."""
+    whole = elastic_job(openmpi, tmp_path / "whole")
+    broken = elastic_job(openmpi, tmp_path / "broken", "fault.rank=1", "fault.step=40", "fault.action=kill")
+    assert whole.returncode == 0 and broken.returncode == 0, (whole.stderr[-2000:], broken.stderr[-2000:])
+    assert abs(accuracy(whole.stderr) - accuracy(broken.stderr)) <= 0.03

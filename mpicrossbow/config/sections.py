@@ -240,10 +240,14 @@ class FaultSection:
 
     rank: int = setting(-1, "the rank that fails (-1: none)", ge=-1)
     step: int = setting(0, "the step (0-based, counted over the whole run) at which it fails", ge=0)
-    action: Literal["raise", "exit", "kill", "hang", "nan", "kill_in_save", "signal"] = setting(
-        "raise",
-        "raise an exception, exit(3), SIGKILL itself, hang, make its loss NaN, SIGKILL itself "
-        "in the middle of writing the checkpoint of that step, or send itself SIGUSR1 (a stop drill)",
+    action: Literal["raise", "exit", "kill", "hang", "nan", "kill_in_save", "signal", "kill_in_exchange"] = (
+        setting(
+            "raise",
+            "raise an exception, exit(3), SIGKILL itself, hang, make its loss NaN, SIGKILL itself "
+            "in the middle of writing the checkpoint of that step, send itself SIGUSR1 (a stop drill), or "
+            "SIGKILL itself inside the step's exchange, right after its first operation started (elastic "
+            "runs; otherwise as kill)",
+        )
     )
     elastic: bool | Literal["auto"] = setting(
         False,

@@ -136,6 +136,15 @@ class BSP(Rule):
         assert self.comm is not None and self.pool is not None
         self.pairs = PairSwap(self.comm, [learner.params for learner in self.pool.learners])
 
+    def on_rebind(self, lost: tuple[int, ...]) -> None:
+        """Elastic training lost ranks: k follows the communicator's size at every average; the buckets
+        and the swap pairs are planned again over the survivors."""
+        log.info("BSP now over %d learner(s) after losing rank(s) %s", self.world_learners, lost)
+        self._stop_watching()
+        self._watch()
+        assert self.comm is not None and self.pool is not None
+        self.pairs = PairSwap(self.comm, [learner.params for learner in self.pool.learners])
+
     def on_gradients(self, step: int) -> None:
         """Gradient mode: G = mean of every learner's gradient, before the optimizer step."""
         if self.mode != "grad":

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..comm.base import Handle
+from ..comm.ulfm import PeerLost
 from ..config.fields import setting
 from ..errors import ConfigError
 from .base import Rule
@@ -160,8 +161,22 @@ class SMA(Rule):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore z, z_prev and α."""
+        """Restore z, z_prev and an explicit α (a default α follows k, set at bind, resize and rebind: on a
+        resume the same k gives the same value; after an elastic loss it is the survivors')."""
         self._complete()
         self.z.copy_(state["z"])
         self.z_prev.copy_(state["z_prev"])
-        self.alpha = float(state["alpha"])
+        if self.hyper.alpha is not None:
+            self.alpha = float(state["alpha"])
+
+    def on_rebind(self, lost: tuple[int, ...]) -> None:
+        """Elastic training lost ranks: the allreduce in flight met the loss and is dropped (the loop
+        restores z from the last committed step next); α (when defaulted) follows the survivors' k, and every
+        mean's divisor is the communicator's size at its use."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:  # completes with the loss's error; a request left pending would hold up MPI_Finalize
+                pending.wait()
+            except PeerLost:
+                pass
+        self.on_resize()

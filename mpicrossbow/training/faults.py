@@ -4,7 +4,9 @@
 whole run): ``raise`` an exception, ``exit`` (``sys.exit(3)``, as user code might), ``kill`` itself
 with SIGKILL, ``hang`` forever, make its loss ``nan``, ``kill_in_save``: SIGKILL itself in the middle
 of writing the checkpoint taken once s steps are done (its file written, not yet renamed into place), or
-``signal``: send itself SIGUSR1, as Slurm does before a time limit (a drill of the checkpoint-and-stop).
+``signal``: send itself SIGUSR1, as Slurm does before a time limit (a drill of the checkpoint-and-stop), or
+``kill_in_exchange``: SIGKILL itself inside step s's exchange, once its first operation started (elastic runs,
+whose communicator knows that moment; otherwise at the step's start, as ``kill``).
 Every other rank is unaffected; what the job does next is what the tests check.
 """
 
@@ -62,6 +64,18 @@ class FaultInjector:
             log.warning("[fault] nan loss at step %d (injected)", step)
             losses[0].fill_(float("nan"))
             grads[0].fill_(float("nan"))
+
+    def in_exchange(self, step: int) -> Callable[[], None] | None:
+        """``action = kill_in_exchange``: a hook that SIGKILLs this rank, for the elastic communicator to
+        spring right after the step's first exchange operation started (:mod:`mpicrossbow.comm.elastic`)."""
+        if not self._due(step, "kill_in_exchange"):
+            return None
+
+        def kill() -> None:
+            log.warning("[fault] kill in the exchange of step %d (injected)", step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return kill
 
     def in_save(self, step: int) -> Callable[[], None] | None:
         """``action = kill_in_save``: a hook that SIGKILLs this rank before its checkpoint file is renamed."""

@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..comm.elastic import ElasticCommunicator
 from ..trace import span
+from .elastic_steps import ElasticSteps
 from .evaluation import per_sample
 from .learner_tuning import LearnerTuning
 from .nan_guard import check_finite
@@ -61,7 +63,17 @@ class TrainLoop:
         signals: SignalStop | None = None,
         snapshots: Snapshots | None = None,
     ) -> None:
-        self.parts, self.validate, self.reduce, self.signals = parts, validate, reduce, signals
+        self.parts, self.validate, self.reduce = parts, validate, reduce
+        self.signals: Callable[[int], bool] | None = signals
+        #: Elastic training's committed steps (``[fault] elastic``), else None.
+        self.elastic: ElasticSteps | None = None
+        if isinstance(parts.comm, ElasticCommunicator):
+            self.elastic = ElasticSteps(parts, parts.comm, parts.config.fault.min_ranks)
+            self.validate = self.elastic.collective(validate, "validation")
+            self.reduce = self.elastic.collective(reduce, "the epoch's statistics")
+            if signals is not None:
+                self.elastic.after_recovery.append(signals.forget_pending)
+                self.signals = self.elastic.collective(signals, "the signal check")
         self.snapshots = snapshots
         cfg, pool = parts.config, parts.pool
         self.budget = cfg.session.steps
@@ -153,13 +165,22 @@ class TrainLoop:
         if timeline is not None:
             timeline.before_step(self.step)
         parts.faults.at_step(self.step)
+        trap = parts.faults.in_exchange(self.step)
+        if trap is not None:
+            if self.elastic is None:
+                trap()
+            self.elastic.comm.trap = trap  # type: ignore[union-attr]
         lr = self._lr_at(self.epoch + count / per_epoch)
         if lr != self.lr:
             if self.lr > 0:
                 parts.rule.on_lr_change(self.lr, lr)
             parts.pool.set_lr(lr, self.epoch)
             self.lr = lr
-        exchange_s = train_step(parts.pool, parts.rule, self.step, count, self._guard, self.noise)
+
+        def run() -> float:
+            return train_step(parts.pool, parts.rule, self.step, count, self._guard, self.noise)
+
+        exchange_s = run() if self.elastic is None else self.elastic.step(run, self.step)
         self.out.exchange_s += exchange_s
         if timeline is not None and timeline.recording:
             timeline.exchange_s += exchange_s

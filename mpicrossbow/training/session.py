@@ -20,6 +20,7 @@ import torch
 
 from ..comm import make_communicator
 from ..comm.base import Communicator
+from ..comm.elastic import elastic_over_mpi
 from ..config import Config
 from ..config.sections import WatchdogSection
 from ..errors import CheckpointError, ConfigError
@@ -191,7 +192,8 @@ class Session:
         reporting: the parts the run mode gets."""
         assert self.pool is not None and self.rule is not None and self.checkpoints is not None
         cfg, world, mpi = self.config, self.world, self.world.mpi
-        self.comm = make_communicator(cfg.comm, self.device, mpi)
+        maker = elastic_over_mpi if self.elastic else make_communicator
+        self.comm = maker(cfg.comm, self.device, mpi)
         run_dir = (self.checkpoints.resumed_run_dir() or make_run_dir(cfg)) if world.rank == 0 else None
         self.run_dir = Path(world.bcast(str(run_dir.absolute()) if run_dir is not None else ""))
         self.rule.patience = patience(cfg.watchdog)
@@ -253,7 +255,8 @@ class Session:
             wd.interval,
             # A dead peer's own status (a kill) is what the launcher reports: nothing to record over it.
             lambda line, peer_gone: abort_job(world, line, record=not peer_gone),
-            peer_timeout=wd.peer_timeout,
+            peer_timeout=0.0 if self.elastic else wd.peer_timeout,
+            peers=not self.elastic,  # elastic: ULFM reports a dead peer and the survivors go on
             stalls=synchronous,
             job=job,
         ).start()

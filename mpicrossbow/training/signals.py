@@ -91,6 +91,11 @@ class SignalStop:
         self._pending.append(self.comm.allreduce(self._flag, ReduceOp.MAX, async_op=True))
         return False
 
+    def forget_pending(self) -> None:
+        """Elastic training recovered from a lost rank: the check in flight was on the lost world's
+        communicator and will never complete; the next check starts afresh over the survivors."""
+        self._pending.clear()
+
     def grace(self) -> float:
         """Seconds a loop may stay away after SIGTERM before the rank counts as stuck."""
         return min(TERM_GRACE_MAX_S, max(TERM_GRACE_S, 3 * self._longest))

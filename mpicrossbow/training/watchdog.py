@@ -65,6 +65,7 @@ class Watchdog:
         peer_timeout: float = 0.0,
         stalls: bool = True,
         job: str = "",
+        peers: bool = True,
     ) -> None:
         self.directory, self.rank, self.size = directory, rank, size
         self.warn_after, self.abort_after, self.interval = warn_after, abort_after, interval
@@ -80,7 +81,8 @@ class Watchdog:
         self._faulthandler_was_on = False
         self._stop = threading.Event()
         directory.mkdir(parents=True, exist_ok=True)
-        self.liveness = PeerLiveness(self.me, size, directory, peer_timeout)
+        # Elastic training (``peers`` False) goes on without a dead peer: ULFM reports it, nobody aborts.
+        self.liveness = PeerLiveness(self.me, size if peers else 1, directory, peer_timeout)
         self.probe = LinkProbe(job, peer_timeout) if peer_timeout and size > 1 else None
         if self.probe is not None:
             self.me.probes = self.probe.endpoints()

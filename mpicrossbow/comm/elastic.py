@@ -1,0 +1,294 @@
+"""The elastic communicator: the one place a lost rank is noticed and recovered from (``[fault] elastic``).
+
+Rules keep talking to a :class:`~mpicrossbow.comm.base.Communicator`; in elastic training it is an
+:class:`ElasticCommunicator`, which forwards every operation to the communicator over the current members
+and swaps that communicator underneath when a rank is lost — as torchft keeps its rules unaware of
+reconfiguration by swapping the process group under its Manager. It does three things:
+
+* **notice**: an operation (or the wait of its handle) that meets a process failure — ULFM's
+  ERR_PROC_FAILED, ERR_PROC_FAILED_PENDING or ERR_REVOKED — revokes the communicator, so every other member
+  blocked anywhere in it is released with ERR_REVOKED, and raises :class:`~mpicrossbow.comm.ulfm.PeerLost`;
+* **commit**: :meth:`ElasticCommunicator.commit` is the fault-tolerant agreement (``MPI_Comm_agree``) that a
+  piece of collective work completed on every member; all survivors get the same answer, also when a rank
+  died during the agreement itself (torchft's ``should_commit``);
+* **recover**: :meth:`ElasticCommunicator.recover` shrinks to the survivors, builds the communicator the run
+  uses over them (the same factory as at start: compression, splits made afresh), and moves the
+  :class:`~mpicrossbow.comm.membership.Membership` one version on.
+
+What to do with the work that was not committed, and what a rule must rebuild (its splits, its peers), is
+the training loop's business (:mod:`mpicrossbow.training.elastic_steps`) and the rule's (``on_rebind``). The
+fault-tolerant substrate is a :class:`FaultTolerantGroup`: :class:`MPIGroup` over mpi4py with ULFM here, an
+in-process double with injectable deaths in :mod:`mpicrossbow.comm.inprocess_faults`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ..config import CommSection
+from .base import Communicator, Handle, ReduceOp
+from .membership import Membership
+from .ulfm import PeerLost, is_process_failure
+
+R = TypeVar("R")
+
+
+class FaultTolerantGroup(ABC):
+    """A group of processes that can be revoked, shrunk to its live members and agree despite failures."""
+
+    @abstractmethod
+    def communicator(self) -> Communicator:
+        """The communicator the run uses over this group (built on first call, then the same object)."""
+
+    @abstractmethod
+    def start_ranks(self) -> tuple[int, ...]:
+        """The members' ranks at start, in rank order (local: no communication)."""
+
+    @abstractmethod
+    def revoke(self) -> None:
+        """Make every pending and future operation of the group fail on every member (idempotent)."""
+
+    @abstractmethod
+    def shrink(self) -> FaultTolerantGroup:
+        """The group of the live members (collective over them; works on a revoked group)."""
+
+    @abstractmethod
+    def agree(self, flag: bool) -> bool:
+        """AND of every live member's ``flag``; False on every member when a member failed (collective,
+        fault-tolerant, the same answer everywhere)."""
+
+    @property
+    def native(self) -> Any:
+        """The library's own handle of the group (an mpi4py communicator), for code that needs it."""
+        return None
+
+    def is_failure(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says a member was lost (or the group revoked because of it)."""
+        return isinstance(exc, PeerLost) or is_process_failure(exc)
+
+
+class MPIGroup(FaultTolerantGroup):
+    """An mpi4py communicator under ULFM; ``build`` makes the run's communicator over it."""
+
+    def __init__(self, comm: Any, build: Callable[[Any], Communicator]) -> None:
+        from mpi4py import MPI
+
+        comm.Set_errhandler(MPI.ERRORS_RETURN)  # errors become exceptions, never an abort of the job
+        self._comm, self._build = comm, build
+        self._built: Communicator | None = None
+
+    @property
+    def native(self) -> Any:
+        """The mpi4py communicator."""
+        return self._comm
+
+    def communicator(self) -> Communicator:
+        """``build(comm)``, made once."""
+        if self._built is None:
+            self._built = self._build(self._comm)
+        return self._built
+
+    def start_ranks(self) -> tuple[int, ...]:
+        """The members' ``COMM_WORLD`` ranks (a group translation: local)."""
+        from mpi4py import MPI
+
+        group, world = self._comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            return tuple(int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.size)), world))
+        finally:
+            group.Free()
+            world.Free()
+
+    def revoke(self) -> None:
+        """``MPI_Comm_revoke`` (a second revoke, or one of a broken communicator, is harmless)."""
+        from mpi4py import MPI
+
+        try:
+            self._comm.Revoke()
+        except MPI.Exception:
+            pass
+
+    def shrink(self) -> MPIGroup:
+        """``MPI_Comm_shrink``: the survivors, in their old order."""
+        return MPIGroup(self._comm.Shrink(), self._build)
+
+    def agree(self, flag: bool) -> bool:
+        """``MPI_Comm_agree`` on ``flag``; a failure it reports (uniformly) is a False."""
+        from mpi4py import MPI
+
+        try:
+            return bool(self._comm.Agree(int(flag)) & 1)
+        except MPI.Exception as exc:
+            if not is_process_failure(exc):
+                raise
+            return False
+
+
+class GuardedCommunicator(Communicator):
+    """Forwards to ``target()``; an operation that meets a lost rank revokes ``group()`` and raises
+    :class:`PeerLost` instead of the library's error."""
+
+    def __init__(self, target: Callable[[], Communicator], group: Callable[[], FaultTolerantGroup]) -> None:
+        self._target, self._group = target, group
+        #: Fault injection (``[fault] action = kill_in_exchange``): called once, right after the next
+        #: operation has started (a blocking one: completed here), then disarmed.
+        self.trap: Callable[[], None] | None = None
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        """``elastic+`` and the inner communicator's name."""
+        return f"elastic+{self._target().name}"
+
+    def _call(self, fn: Callable[[], R], group: FaultTolerantGroup | None = None) -> R:
+        """``fn()``, its lost-rank failure turned into a revoke (of ``group``, default the current one: a
+        handle revokes the group it was started in) and :class:`PeerLost`."""
+        try:
+            return fn()
+        except Exception as exc:
+            group = self._group() if group is None else group
+            if not group.is_failure(exc):
+                raise
+            group.revoke()
+            if isinstance(exc, PeerLost):
+                raise
+            raise PeerLost(f"a rank was lost ({exc})") from exc
+
+    def _handle(self, fn: Callable[[], Handle]) -> Handle:
+        group = self._group()
+        handle = _GuardedHandle(self._call(fn, group), self, group)
+        trap, self.trap = self.trap, None
+        if trap is not None:
+            trap()
+        return handle
+
+    @property
+    def rank(self) -> int:
+        """The rank among the current members."""
+        return self._target().rank
+
+    @property
+    def size(self) -> int:
+        """The current members."""
+        return self._target().size
+
+    @property
+    def overlaps(self) -> bool:
+        """As the inner communicator."""
+        return self._target().overlaps
+
+    @property
+    def exact(self) -> Communicator:
+        """The inner communicator without compression, guarded the same way."""
+        return GuardedCommunicator(lambda: self._target().exact, self._group)
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
+        """The inner allreduce."""
+        return self._handle(lambda: self._target().allreduce(tensor, op, async_op))
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, async_op: bool = False) -> Handle:
+        """The inner broadcast."""
+        return self._handle(lambda: self._target().broadcast(tensor, root, async_op))
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        """The inner isend."""
+        return self._handle(lambda: self._target().isend(tensor, dst, tag))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+        """The inner irecv."""
+        return self._handle(lambda: self._target().irecv(tensor, src, tag))
+
+    def barrier(self) -> None:
+        """The inner barrier."""
+        self._call(lambda: self._target().barrier())
+
+    def split(self, color: int, key: int | None = None) -> Communicator:
+        """The inner split, guarded; it spans the members of now (a rule remakes it in ``on_rebind``)."""
+        inner = self._call(lambda: self._target().split(color, key))
+        return GuardedCommunicator(lambda: inner, self._group)
+
+    def split_node(self) -> Communicator:
+        """The inner node split, guarded; remade by the rule in ``on_rebind`` as :meth:`split`."""
+        inner = self._call(lambda: self._target().split_node())
+        return GuardedCommunicator(lambda: inner, self._group)
+
+    def share(self, tensor: torch.Tensor) -> None:
+        """The inner share (a no-op: elastic runs use no node-shared memory)."""
+        self._call(lambda: self._target().share(tensor))
+
+    def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
+        """The inner mean (its divisor is the caller's, from the current size)."""
+        self._call(lambda: self._target().allreduce_mean(tensor, count))
+
+    def allreduce_scalars(self, values: list[float], op: ReduceOp = ReduceOp.SUM) -> list[float]:
+        """The inner scalar allreduce."""
+        return self._call(lambda: self._target().allreduce_scalars(values, op))
+
+
+class _GuardedHandle(Handle):
+    """A pending operation whose wait or test may meet a lost rank: :class:`PeerLost` then."""
+
+    def __init__(self, inner: Handle, comm: GuardedCommunicator, group: FaultTolerantGroup) -> None:
+        self._inner, self._comm, self._group = inner, comm, group
+
+    def wait(self) -> None:
+        """The inner wait, guarded."""
+        self._comm._call(self._inner.wait, self._group)
+
+    def test(self) -> bool:
+        """The inner test, guarded."""
+        return self._comm._call(self._inner.test, self._group)
+
+
+class ElasticCommunicator(GuardedCommunicator):
+    """The run's communicator in elastic training: the current members' communicator, swapped on recovery."""
+
+    def __init__(self, group: FaultTolerantGroup) -> None:
+        super().__init__(lambda: self._inner, lambda: self._group_now)
+        self._group_now = group
+        self._inner = group.communicator()
+        self.membership = Membership(0, group.start_ranks(), self._inner.rank)
+
+    @property
+    def group(self) -> FaultTolerantGroup:
+        """The fault-tolerant group of the current members."""
+        return self._group_now
+
+    def commit(self, ok: bool) -> bool:
+        """Whether the work since the last commit completed on every member: ``ok`` from each (False where
+        it met a lost rank; that member revokes first, so none stays blocked), agreed fault-tolerantly."""
+        if not ok:
+            self._group_now.revoke()
+        return self._group_now.agree(ok)
+
+    def recover(self) -> Membership:
+        """Revoke, shrink to the survivors, rebuild the run's communicator over them; the new membership.
+        Collective over the survivors. The old communicator is dropped, not freed: freeing is collective
+        and would wait on the dead."""
+        self._group_now.revoke()
+        self._group_now = self._group_now.shrink()
+        self._inner = self._group_now.communicator()
+        ranks = self._group_now.start_ranks()
+        self.membership = Membership(self.membership.version + 1, ranks, self._inner.rank)
+        return self.membership
+
+    def close(self) -> None:
+        """Close the current members' communicator."""
+        self._inner.close()
+
+    def __repr__(self) -> str:
+        return f"ElasticCommunicator({self._inner!r}, {self.membership})"
+
+
+def elastic_over_mpi(section: CommSection, device: torch.device | str, mpi_comm: Any) -> ElasticCommunicator:
+    """The run's communicator for elastic training over ``mpi_comm`` (a duplicate is taken): what
+    :func:`~mpicrossbow.comm.make_communicator` builds from ``section``, without node-shared memory (its
+    polling would wait on a dead rank forever), rebuilt the same way over the survivors after a loss."""
+    from . import make_communicator
+
+    plain = dataclasses.replace(section, shared_memory="off")
+    return ElasticCommunicator(MPIGroup(mpi_comm.Dup(), lambda comm: make_communicator(plain, device, comm)))

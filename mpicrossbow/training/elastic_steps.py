@@ -1,0 +1,162 @@
+"""Elastic steps: a synchronous rule's step is committed on every survivor or on none, and a lost rank costs
+the step it was lost in, not the job (``[fault] elastic``).
+
+Every step runs as torchft runs one: the step, then a fault-tolerant agreement that it completed on every
+rank (:meth:`~mpicrossbow.comm.elastic.ElasticCommunicator.commit`, ``MPI_Comm_agree``). Before the step
+each rank keeps a copy of what the step changes (its learners' weights, buffers, optimizer state and the
+rule's state: ``state_dict``); when the agreement says some rank did not complete it (it met a lost rank,
+or was the one lost), every survivor
+
+1. recovers the communicator (revoke, shrink, rebuild: :meth:`ElasticCommunicator.recover`);
+2. restores its copy, so no survivor keeps a partial step — a collective that completed on some ranks
+   before the death and failed on others is undone everywhere, and the survivors' replicas are bit for bit
+   what they were after the last committed step; the step is **dropped** (its batch is not trained; the
+   step count, the learning-rate schedule and the epoch go on);
+3. moves the run's world on (rank, size and communicator in the parts that gather or report), tells the
+   rule (``on_rebind``: it rebuilds splits and peers; every mean divides by the new size, read from the
+   communicator at each use) and logs one line naming the lost ranks and the step.
+
+The lowest survivor is rank 0 afterwards: the run folder, ``metrics.h5`` and validation lines are its. The
+collectives between steps (the epoch's statistics, validation) are retried over the survivors until they
+commit, so an epoch is reported once. The lost rank's data shard is dropped for the rest of the run: each
+survivor keeps reading its own shard, so steps per epoch, the schedule and the epoch count stay as they were
+(re-partitioning the data among survivors would change all three mid-run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ..comm.elastic import ElasticCommunicator
+from ..comm.ulfm import ElasticEnd, PeerLost
+from ..log import setup_logging
+from .checkpoint import Checkpointer
+from .parts import RankParts
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def cloned(value: Any) -> Any:
+    """A copy of ``value`` with every tensor cloned (dicts, lists and tuples walked); the rest shared."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cloned(v) for v in value)
+    return value
+
+
+class ElasticSteps:
+    """One rank's part of elastic training: commits its steps, recovers with the other survivors."""
+
+    def __init__(self, parts: RankParts, comm: ElasticCommunicator, min_ranks: int) -> None:
+        self.parts, self.comm, self.min_ranks = parts, comm, min_ranks
+        #: The state after the last committed step (what a dropped step restores), once taken.
+        self.saved: tuple[Any, Any] | None = None
+        #: The ranks (numbered as before it) the last recovery lost.
+        self.lost: tuple[int, ...] = ()
+        #: Called after every recovery, before the rule's ``on_rebind`` (parts with work in flight on the
+        #: lost world's communicator drop it here).
+        self.after_recovery: list[Callable[[], None]] = []
+        #: Seconds from meeting a loss to training again, one entry per recovery (the benchmark's figure).
+        self.recoveries: list[float] = []
+
+    def step(self, run: Callable[[], float], step: int) -> float:
+        """Run ``run`` (one train_step; returns its exchange seconds) as a committed step; 0.0 when it was
+        dropped because a rank was lost.
+
+        The copy to restore is taken after each committed step (before the first one, at start): taking it
+        completes what the step left in flight (SMA's allreduce of its corrections), so the agreement that
+        follows covers the whole exchange — at the price of SMA's overlap of that allreduce with the next
+        step's backward."""
+        parts = self.parts
+        if self.saved is None:
+            self.saved = self._capture()
+        started, seconds, ok, after = time.perf_counter(), 0.0, True, None
+        try:
+            seconds = run()
+            after = self._capture()
+        except PeerLost:
+            ok = False
+        if self.comm.commit(ok):
+            self.saved = after
+            return seconds
+        self.recover(f"step {step}", started)
+        parts.rule.on_rebind(self.lost)  # first: a rule drops what it had in flight on the lost world
+        pool_state, rule_state = self.saved
+        parts.pool.load_state_dict(pool_state)
+        parts.rule.load_state_dict(rule_state)
+        return 0.0
+
+    def _capture(self) -> tuple[Any, Any]:
+        """A copy of everything a step changes: the learners' state and the rule's."""
+        return cloned((self.parts.pool.state_dict(), self.parts.rule.state_dict()))
+
+    def collective(self, fn: Callable[..., T], what: str) -> Callable[..., T]:
+        """``fn`` as a committed collective: retried over the survivors until every one completed it."""
+
+        def run(*args: Any) -> T:
+            while True:
+                started, ok, value = time.perf_counter(), True, None
+                try:
+                    value = fn(*args)
+                except PeerLost:
+                    ok = False
+                if self.comm.commit(ok):
+                    return value  # type: ignore[return-value]
+                self.recover(what, started)
+                self.parts.rule.on_rebind(self.lost)
+
+        return run
+
+    def recover(self, where: str, started: float) -> None:
+        """Shrink to the survivors and move the run's world on; ElasticEnd below ``min_ranks``."""
+        before = self.comm.membership
+        after = self.comm.recover()
+        self.lost = after.lost_since(before)
+        names = ", ".join(str(before.ranks[r]) for r in self.lost)
+        if after.size < self.min_ranks:
+            raise ElasticEnd(
+                f"lost rank(s) {names} at {where}: {after.size} rank(s) left, fewer than "
+                f"[fault] min_ranks = {self.min_ranks}"
+            )
+        self._move_world(after.rank, after.size)
+        for hook in self.after_recovery:
+            hook()
+        level = logging.INFO if after.rank == 0 else logging.WARNING
+        setup_logging(after.rank, after.size, level)
+        seconds = time.perf_counter() - started
+        self.recoveries.append(seconds)
+        if after.rank == 0:
+            log.warning(
+                "elastic: lost rank(s) %s (start numbering) at %s; %d rank(s) go on (%s); recovered in %.3fs",
+                names,
+                where,
+                after.size,
+                after,
+                seconds,
+            )
+
+    def _move_world(self, rank: int, size: int) -> None:
+        """Put the survivors' world where the run's parts read it (reporting, evaluation, checkpoints)."""
+        from mpi4py import MPI
+
+        parts, mpi = self.parts, self.comm.group.native
+        local = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        world = dataclasses.replace(
+            parts.world, rank=rank, size=size, local_rank=local.rank, local_size=local.size, mpi=mpi
+        )
+        local.Free()
+        parts.world = parts.reporter.world = parts.evaluator.world = parts.checkpoints.world = world
+        saver = parts.checkpoints.saver
+        if saver is not None:
+            parts.checkpoints.saver = Checkpointer(saver.directory, rank, size, saver.keep, mpi)
