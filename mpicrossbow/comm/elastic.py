@@ -17,8 +17,9 @@ reconfiguration by swapping the process group under its Manager. It does three t
 
 What to do with the work that was not committed, and what a rule must rebuild (its splits, its peers), is
 the training loop's business (:mod:`mpicrossbow.training.elastic_steps`) and the rule's (``on_rebind``). The
-fault-tolerant substrate is a :class:`FaultTolerantGroup`: :class:`MPIGroup` over mpi4py with ULFM here, an
-in-process double with injectable deaths in :mod:`mpicrossbow.comm.inprocess_faults`.
+fault-tolerant substrate is a :class:`FaultTolerantGroup`: :class:`MPIGroup` over mpi4py with ULFM; an
+in-process double with injectable deaths (torchft's FakeProcessGroupWrapper) would implement it too (not
+written yet).
 """
 
 from __future__ import annotations
