@@ -32,7 +32,8 @@ from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.data.loader import LoaderOptions
 from mpicrossbow.model.contract import sgd_settings
 from mpicrossbow.pool import FusedPool, SerialPool, fused_conv1d
-from mpicrossbow.pool.fuse import FusedConv2d, fastest
+from mpicrossbow.pool.chooser import pick, time_forms
+from mpicrossbow.pool.fuse import FusedConv2d
 from mpicrossbow.pool.fused import default_recipe
 from mpicrossbow.pool.fused_conv1d import FusedConv1d
 from mpicrossbow.pool.replicated_network import ReplicatedNetwork
@@ -131,7 +132,7 @@ def test_fused_equals_serial_after_k_steps(name: str, m: int) -> None:
     if name == "resnet20":  # ResNet's BatchNorm on 2×2 maps amplifies the round-off of a GEMM convolution
         for conv in fused.fused.modules():  # (unfold: exact in float64, see the test below); pin one form
             if isinstance(conv, FusedConv2d):
-                conv.mode = "grouped"
+                conv.form = "grouped"
     assert_rows_equal(serial, fused, "params")
     assert_rows_equal(serial, fused, "buffers")
     train_alongside(serial, fused)
@@ -249,11 +250,12 @@ def test_any_network_fuses_through_its_own_forward_and_equals_serial(
     with caplog.at_level("INFO", logger="mpicrossbow.pool"):
         serial, fused = pools(VMAP_MODELS[name](), 3)
         assert isinstance(fused.fused, ReplicatedNetwork)
-        assert "forward runs once on every replica's values" in caplog.text
+        assert "the layers path cannot run this network (the fused engine cannot fuse" in caplog.text
+        assert "next: replicated" in caplog.text
         # The whole epoch: the last steps replay the recorded forward (test_replay.py).
         train_alongside(serial, fused, fused.n_batch_train)
     assert fused.fused.replays.replayed >= 1, caplog.text
-    assert fused.fused.fallback is None, caplog.text  # no vmap needed
+    assert isinstance(fused.fused, ReplicatedNetwork), caplog.text  # no vmap needed
     assert not fused.fused.looped, f"ran once per replica: {fused.fused.looped}"
     assert serial.take_stats()[1] == fused.take_stats()[1]
     assert serial.validate() == pytest.approx(fused.validate(), rel=1e-5)
@@ -270,13 +272,13 @@ def test_rules_run_unchanged_on_the_fused_pool(make_rule: Any) -> None:
         assert np.abs(f - start).max() > 1e-3  # the replicas really trained
 
 
-@pytest.mark.parametrize("mode", FusedConv2d.MODES)
-def test_both_convolution_forms_match_serial(mode: str) -> None:
+@pytest.mark.parametrize("form", FusedConv2d.FORMS)
+def test_both_convolution_forms_match_serial(form: str) -> None:
     serial, fused = pools(LeNet(), 3)
     convs = [layer for layer in fused.fused.modules() if isinstance(layer, FusedConv2d)]
     assert len(convs) == 2
     for conv in convs:
-        conv.mode = mode
+        conv.form = form
     serial.start_epoch(0)
     fused.start_epoch(0)
     for step in range(STEPS):
@@ -285,7 +287,7 @@ def test_both_convolution_forms_match_serial(mode: str) -> None:
         serial.apply()
         fused.apply()
     assert_rows_equal(serial, fused, "params")
-    assert all(conv.mode == mode for conv in convs)
+    assert all(conv.form == form for conv in convs)
 
 
 class Signals(nn.Module):
@@ -306,7 +308,7 @@ class Signals(nn.Module):
 
 @pytest.mark.parametrize("form", ["lengthwise", "two_d"])
 def test_both_conv1d_forms_match_serial(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused_conv1d, "fastest", lambda forms, *args, **kwargs: form)
+    monkeypatch.setattr(fused_conv1d, "pick", lambda timed, margin: form)
     serial, fused = pools(plain(Signals, (2, 20), 3), 3)
     train_alongside(serial, fused)
     convs = [v for v in fused.fused.replication.state.values() if isinstance(v, FusedConv1d)]
@@ -330,28 +332,29 @@ def test_both_conv1d_forms_hand_their_output_on_in_the_same_layout() -> None:
 def test_the_lengthwise_convolution_is_kept_unless_clearly_slower() -> None:
     slow, fast = (lambda x: x * 2.0), (lambda x: x * 2.0)
     x = torch.randn(2000, 200, requires_grad=True)
-    assert fastest({"a": fast, "b": slow}, x, [], margin=0.99) == "a"  # the first kept within the margin
+    assert pick(time_forms({"a": fast, "b": slow}, x, []), margin=0.99) == "a"  # the first kept within it
 
     def slower(x: torch.Tensor) -> torch.Tensor:
         return (x * 2.0).exp().log()
 
-    assert fastest({"slower": slower, "plain": fast}, x, [], margin=0.0) == "plain"
+    assert pick(time_forms({"slower": slower, "plain": fast}, x, [])) == "plain"
 
 
 def test_forms_are_timed_without_the_input_gradient_of_a_first_layer() -> None:
     """Data needs no gradient, so a form is timed without it (a form that cannot give one still runs)."""
     weight = torch.randn(3, requires_grad=True)
     data = torch.randn(5, 3)
-    assert fastest({"params only": lambda x: x.detach() * weight}, data, [weight]) == "params only"
+    assert list(time_forms({"params only": lambda x: x.detach() * weight}, data, [weight])) == ["params only"]
     with pytest.raises(RuntimeError, match="not have been used"):
-        fastest({"params only": lambda x: x.detach() * weight}, data.requires_grad_(True), [weight])
+        time_forms({"params only": lambda x: x.detach() * weight}, data.requires_grad_(True), [weight])
 
 
 def test_choosing_a_convolution_form_leaves_gradients_alone() -> None:
     _, fused = pools(LeNet(), 2)
     conv = next(layer for layer in fused.fused.modules() if isinstance(layer, FusedConv2d))
     fused.grads2d.fill_(0.5)
-    assert conv.choose(torch.randn(4, 2, 8, 8)) in FusedConv2d.MODES
+    assert conv.choose(torch.randn(4, 2, 8, 8)) in FusedConv2d.FORMS
+    assert set(conv.timed) == set(conv.forms), "every form's time is kept for the run's record"
     assert torch.equal(fused.grads2d, torch.full_like(fused.grads2d, 0.5))
 
 
@@ -361,19 +364,19 @@ def test_unfold_convolution_equals_grouped_in_float64() -> None:
     torch.set_default_dtype(torch.float64)
     try:
         grads = {}
-        for mode in ("grouped", "unfold"):
+        for form in ("grouped", "unfold"):
             torch.manual_seed(3)
             pool = FusedPool(
                 ResNet20(dataset="digits"), PoolSpec(0, 1, 8, OPTIM, CPU, seed=3, learners=3, fuse="always")
             )
             for conv in pool.fused.modules():
                 if isinstance(conv, FusedConv2d):
-                    conv.mode = mode
+                    conv.form = form
             pool.start_epoch(0)
             x, y = pool._next_batches(0)
             pool.grads2d.zero_()
             pool._losses(pool.fused(x.double()), y).sum().backward()
-            grads[mode] = pool.grads2d.clone()
+            grads[form] = pool.grads2d.clone()
     finally:
         torch.set_default_dtype(previous)
     torch.testing.assert_close(grads["unfold"], grads["grouped"], rtol=0, atol=1e-10)
@@ -398,7 +401,7 @@ def test_auto_times_both_forms_then_keeps_one(caplog: pytest.LogCaptureFixture) 
     serial.start_epoch(0)
     fused.start_epoch(0)
     warming, trial = [], fused.choice.steps_to_decide
-    with caplog.at_level("INFO", logger="mpicrossbow.pool.form"):
+    with caplog.at_level("INFO", logger="mpicrossbow.pool.chooser"):
         for step in range(trial + 2):
             ran.append(fused.choice.form())
             warming.append(fused.warming_up)
@@ -411,7 +414,7 @@ def test_auto_times_both_forms_then_keeps_one(caplog: pytest.LogCaptureFixture) 
     # The auto-tuner leaves the trial's steps out of its measurement (test_autotune.py).
     assert warming == [True] * trial + [False, False] and not serial.warming_up
     assert len(fused.choice.times["fused"]) == len(fused.choice.times["unfused"]) == fused.choice.rounds
-    assert "ms a step fused" in caplog.text and "ms one replica after another" in caplog.text
+    assert "ms fused (layers path)" in caplog.text and "ms unfused; runs" in caplog.text
     assert_rows_equal(serial, fused, "params")
 
 

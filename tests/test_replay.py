@@ -298,7 +298,7 @@ def test_a_recording_that_fails_leaves_the_forward_running(
     x = inputs()
     with caplog.at_level("INFO", logger="mpicrossbow.pool"):
         outs = [net(x) for _ in range(4)]
-    assert net.fallback is None and net.replays.replayed == 0
+    assert net.replays.replayed == 0
     assert "could not be recorded (KeyError: 'injected')" in caplog.text
     replica = fused.learners[0].module.eval()
     for out in outs:

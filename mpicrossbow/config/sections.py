@@ -182,10 +182,13 @@ class PoolSection:
         "serial: one learner after another; fused: the replicas as one wider model; "
         "streams: one CUDA stream per learner",
     )
-    fuse: Literal["auto", "always", "never"] = setting(
+    fuse: Literal["auto", "always", "never", "layers", "replicated", "vmapped"] = setting(
         "auto",
-        "engine = fused: always one fused network; never the replicas one after another (one flat "
-        "optimizer); auto times both on the first training steps and keeps the faster",
+        "engine = fused: the path that runs the replicas and the step form; auto: the first path that runs "
+        "the network (layers, then replicated, then vmapped), timed against the replicas one after another "
+        "on the first steps, the faster kept; always: that path, untimed; layers, replicated or vmapped: "
+        "that path pinned (an error where it cannot run the network); never: the replicas one after another "
+        "(one flat optimizer). The log and metrics.h5 (fused_path, fused_choice) say what ran and why",
     )
     max_learners: int = setting(16, "learners = auto: the most learners per rank the tuner tries", ge=1)
     tune: Literal["goodput", "throughput"] = setting(

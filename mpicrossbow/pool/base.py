@@ -83,6 +83,11 @@ class LearnerPool(Replicas):
         forms): such a step is not the pool's steady speed, and the auto-tuner leaves it out."""
         return False
 
+    def run_record(self) -> dict[str, Any]:
+        """What the pool settled on to run (the fused engine's path and forms, and the measurements behind
+        them), as attributes for the run's metrics.h5; nothing by default."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """Every learner's replica, buffers, optimizer state and running stats, for a checkpoint."""
         raise NotImplementedError(f"{type(self).__name__} cannot be checkpointed")

@@ -32,7 +32,6 @@ could not see); write custom blocks from the supported layers and :class:`Residu
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 
 import torch
@@ -42,6 +41,7 @@ from torch import nn
 from ..errors import ContractError
 from ..model.residual import Residual
 from .batched_chain import batched_linear
+from .chooser import pick, time_forms
 
 
 def grouped(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -129,14 +129,15 @@ class FusedConv2d(nn.Module):
 
     oneDNN's grouped convolutions are fast for small images and slow for some larger ones (LeNet's second
     convolution on 14×14 maps ran about 2× slower grouped than as 8 separate convolutions). So on its first
-    training forward a layer times both forms on the real input — forward plus backward through
-    ``torch.autograd.grad``, which leaves ``.grad`` untouched — and keeps the faster (``mode``); either form
-    computes each replica's convolution exactly, so the choice changes only speed and float round-off.
+    training forward a layer times its forms on the real input (:func:`~.chooser.time_forms`: forward plus
+    backward through ``torch.autograd.grad``, which leaves ``.grad`` untouched) and keeps the fastest
+    (``form``, its measurements ``timed``); either form computes each replica's convolution exactly, so the
+    choice changes only speed and float round-off.
     """
 
-    #: Candidate forms, in the order tried; ``mode`` is one of them once chosen. ``unfold`` (im2col and one
+    #: Candidate forms, in the order tried; ``form`` is one of them once chosen. ``unfold`` (im2col and one
     #: batched matmul over the m replicas) serves replicas whose own convolution is not grouped.
-    MODES = ("grouped", "channels_last", "split", "unfold")
+    FORMS = ("grouped", "channels_last", "split", "unfold")
 
     def __init__(self, layer: nn.Conv2d, slots: FlatSlots) -> None:
         super().__init__()
@@ -152,21 +153,23 @@ class FusedConv2d(nn.Module):
         self.kernel_size = layer.kernel_size
         #: A 1-D convolution runs as a 2-D one over ``(…, 1, L)`` (its kernel gains an axis).
         self.one_d = self.weight.ndim == 4
-        self.mode: str | None = "grouped" if self.m == 1 else None
+        self.form: str | None = "grouped" if self.m == 1 else None
+        #: Each form's best forward + backward seconds on the first training input (empty until then).
+        self.timed: dict[str, float] = {}
         plain = layer.groups == 1 and not isinstance(layer.padding, str)
-        self.modes = self.MODES if plain else ("grouped", "channels_last", "split")
+        self.forms = self.FORMS if plain else ("grouped", "channels_last", "split")
         if self.one_d:
             # A 1-D convolution's channels-last 2-D output interleaves replicas and channels unlike the
             # lengthwise form's (m, N, L, C), so the layers after it convert: on the MNIST-1D CNN at m = 8,
             # batch 128, the form won its own timing by more than 15 % yet made the step 7-10 % slower.
-            self.modes = tuple(mode for mode in self.modes if mode != "channels_last")
+            self.forms = tuple(form for form in self.forms if form != "channels_last")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Replica j's filters see only replica j's channels."""
         x = grouped(x, self.m)
-        if self.mode is None and self.training and torch.is_grad_enabled():
-            self.mode = self.choose(x)
-        return getattr(self, self.mode or "grouped")(x)
+        if self.form is None and self.training and torch.is_grad_enabled():
+            self.form = self.choose(x)
+        return getattr(self, self.form or "grouped")(x)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """One convolution with m × groups groups (the weight view is reshaped, one copy)."""
@@ -220,48 +223,10 @@ class FusedConv2d(nn.Module):
         return y.view(m, out, n, h_out, w_out).permute(2, 0, 1, 3, 4).reshape(n, m * out, h_out, w_out)
 
     def choose(self, x: torch.Tensor, repeats: int = 3) -> str:
-        """The faster form on input ``x`` (see :func:`fastest`)."""
+        """The fastest form on input ``x``, its measurements kept in :attr:`timed`."""
         params = [p for p in (self.weight, self.bias) if p is not None]
-        return fastest({mode: getattr(self, mode) for mode in self.modes}, x, params, repeats)
-
-
-def fastest(
-    forms: dict[str, Callable[[torch.Tensor], torch.Tensor]],
-    x: torch.Tensor,
-    params: list[torch.Tensor],
-    repeats: int = 3,
-    margin: float = 0.0,
-) -> str:
-    """The name of the fastest of ``forms`` on input ``x``: best of ``repeats`` timed forward + backward
-    passes each, after one warm-up. The first form keeps its place unless another is faster by more than
-    ``margin`` (a fraction of its time): for a form whose gains the layer's own timing cannot see.
-
-    The backward asks for the input's gradient only where training will (not for a first layer, whose
-    input is data): the forms differ most there (an unfolded form's col2im). ``torch.autograd.grad`` leaves
-    every ``.grad`` untouched.
-    """
-    probe = x.detach().requires_grad_(x.requires_grad)
-    wrt = [probe, *params] if x.requires_grad else params
-    best: dict[str, float] = {}
-    for name, run in forms.items():
-        times = []
-        for _ in range(repeats + 1):  # the first call warms up
-            synchronize(x.device)
-            t0 = time.perf_counter()
-            out = run(probe)
-            torch.autograd.grad(out, wrt, torch.ones_like(out))
-            synchronize(x.device)
-            times.append(time.perf_counter() - t0)
-        best[name] = min(times[1:])
-    first = next(iter(forms))
-    best[first] *= 1.0 - margin
-    return min(best, key=best.__getitem__)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued kernels, so a timing measures them (no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        self.timed = time_forms({form: getattr(self, form) for form in self.forms}, x, params, repeats)
+        return pick(self.timed)
 
 
 class FusedBatchNorm(nn.Module):

@@ -40,8 +40,9 @@ trust ratios, norm-based clipping inside the optimizer, Shampoo) would mix repli
 A network with a layer the layer-by-layer fuser does not know runs its own ``forward()`` once on every
 replica's values (:mod:`.replicated_network`): one operator call for all replicas where a rule exists, one
 call per replica where not, and ``torch.func.vmap`` (:mod:`.vmapped`) where that forward cannot be followed;
-a network no fused form runs trains its replicas one after another. The log says which path was taken and
-which operators ran once per replica. Frozen parameters (``requires_grad=False``) are rejected.
+a network no fused form runs trains its replicas one after another. One chooser decides path and step form
+(:mod:`.chooser`, ``[pool] fuse`` pins them); the log and metrics.h5 say what it chose and why, and which
+operators ran once per replica. Frozen parameters (``requires_grad=False``) are rejected.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ from ..errors import CheckpointError, ContractError
 from ..model.contract import TorchModel, sgd_settings
 from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
 from .chain_step import ChainStep
+from .chooser import FUSED, Chooser, synchronize
 from .flat import empty_flat, point_grads_into, point_into
-from .form import FUSED, FormChoice
-from .fuse import FlatSlots, FusedNetwork, synchronize
+from .fuse import FlatSlots, FusedNetwork
 from .fused_chain import FusedChain, chain_runs
 from .learner import evaluate
 from .precision import Precision
@@ -74,6 +75,7 @@ from .serial import learner_data
 from .spec import PoolSpec
 from .staging import PinnedStaging
 from .step_gradients import StepGradients
+from .vmapped import VmappedNetwork
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +168,16 @@ class FusedPool(LearnerPool):
         self._waited = [0.0]
         #: Pinned, asynchronous host → device copies of the stacked batches (CUDA only).
         self._staging = PinnedStaging(device) if device.type == "cuda" else None
-        slots = self._make_rows(replicas)
+        slots, root = self._make_rows(replicas), replicas[0]
         owner = type(self.model).__name__
-        self.fused = fused_network(replicas[0], slots, owner)
+        builders = {
+            "layers": lambda: layers_network(root, slots),
+            "replicated": lambda: ReplicatedNetwork(root, slots),
+            "vmapped": lambda: VmappedNetwork(root, slots),
+        }
+        self.choice = Chooser(spec.fuse, builders, learners)
+        #: The network of the chooser's path (under ``never`` too: its parameters are the optimizer's).
+        self.fused = self.choice.network()
         self.fused_params = slots.ordered_params()
         #: Column offset of each fused parameter in a row, in the order of ``fused_params``.
         self.fused_offsets = sorted(slots.fused_params)
@@ -183,8 +192,6 @@ class FusedPool(LearnerPool):
         self._last_losses = torch.zeros(learners, device=device)
         for j, learner in enumerate(self.learners):  # a view: a fault injected into it is seen by nonfinite()
             learner.last_loss = self._last_losses[j]
-        # One learner has nothing to fuse: auto runs it as the plain replica it is, without a trial.
-        self.choice = FormChoice("never" if spec.fuse == "auto" and learners == 1 else spec.fuse)
         self._fused_ran = False
 
     def _make_rows(self, replicas: list[nn.Module]) -> FlatSlots:
@@ -242,6 +249,10 @@ class FusedPool(LearnerPool):
     def warming_up(self) -> bool:
         """While the form trial runs (``fuse = auto``: the fused network and the replicas alternate)."""
         return self.choice.chosen is None
+
+    def run_record(self) -> dict[str, Any]:
+        """The chooser's path, forms and their measurements (:meth:`.Chooser.record`)."""
+        return self.choice.record()
 
     @property
     def n_batch_train(self) -> int:
@@ -315,7 +326,7 @@ class FusedPool(LearnerPool):
         losses, hits = step(inputs, targets)
         if timing:
             synchronize(self.device)
-        self.choice.record(time.perf_counter() - started if timing else None)
+        self.choice.record_step(time.perf_counter() - started if timing else None)
         with torch.no_grad():
             self._last_losses.copy_(losses)
             n = targets.shape[1]
@@ -333,22 +344,25 @@ class FusedPool(LearnerPool):
         return self._fused_step
 
     def _first_fused_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> _Step:
-        """The first fused step, guarded: a network no fused form can run (vmap refuses control flow on
-        values, for one) trains with its replicas one after another instead, never refused."""
+        """The first fused step, on the chooser's path: a path that refuses it (:meth:`.Chooser.refuses`)
+        hands over to the next, the running statistics it moved restored, down to the replicas one after
+        another; any other exception is raised."""
         saved = self.buffers2d.clone()
-        try:
-            result = self._fused_step(inputs, targets)
-        except Exception as exc:  # any failure of the fused forms; the unfused form reports real errors
-            self.buffers2d.copy_(saved)
-            log.info(
-                "fused engine: no fused form runs %s (%s); its replicas run one after another",
-                type(self.learners[0].module).__name__,
-                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-            )
-            self.choice = FormChoice("never")
-            return self._unfused_step(inputs, targets)
-        self._fused_ran = True
-        return result
+        while True:
+            try:
+                result = self._fused_step(inputs, targets)
+            except (ContractError, RuntimeError) as exc:  # a path's refusal, see .chooser
+                if not self.choice.refuses(exc):
+                    raise
+                self.buffers2d.copy_(saved)
+                network = self.choice.next_network(exc)
+                if network is None:
+                    return self._unfused_step(inputs, targets)
+                self.fused = network
+                continue
+            self._fused_ran = True
+            self.choice.ran(self.fused)
+            return result
 
     def _fused_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> _Step:
         """One forward and backward of the fused network: by hand (:mod:`.chain_step`) where it serves the
@@ -539,20 +553,10 @@ class FusedPool(LearnerPool):
             )
 
 
-def fused_network(root: nn.Module, slots: FlatSlots, owner: str) -> nn.Module:
-    """The layer-by-layer fused network where every layer is one the fuser widens (its runs of Linear layers
-    and activations as one node each, :mod:`.fused_chain`), else replica 0's forward on every replica's
-    values (:mod:`.replicated_network`, itself falling back to ``torch.func.vmap``)."""
-    try:
-        network = FusedNetwork(root, slots)
-    except ContractError as exc:
-        slots.fused_params.clear()
-        log.info(
-            "fused engine: %s; %s's forward runs once on every replica's values instead",
-            exc.args[0].split(";")[0],
-            owner,
-        )
-        return ReplicatedNetwork(root, slots)
+def layers_network(root: nn.Module, slots: FlatSlots) -> nn.Module:
+    """The layer-by-layer fused network (its runs of Linear layers and activations as one node each,
+    :mod:`.fused_chain`); a ContractError where a layer is not one the fuser widens."""
+    network = FusedNetwork(root, slots)
     chains = chain_runs(network)
     if chains:
         log.debug(

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import handle_torch_function, has_torch_function
 
-from .fuse import FusedConv2d, batched, fastest
+from .chooser import pick, time_forms
+from .fuse import FusedConv2d, batched
 
 
 class FusedConv1d(nn.Module):
@@ -53,13 +54,15 @@ class FusedConv1d(nn.Module):
         #: Lengthwise serves replicas whose own convolution is ungrouped with numeric padding.
         self.padding = None if isinstance(spec.padding, str) or spec.groups != 1 else _one(spec.padding)[0]
         self.form: str | None = None if self.padding is not None else "two_d"
+        #: Each form's best forward + backward seconds on the first training input (empty until then).
+        self.timed: dict[str, float] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every replica's convolution of its own ``(N, C, L)`` values with its own kernel."""
         if self.form is None and self.training and torch.is_grad_enabled():
             params = [p for p in (self.weight, self.bias) if p is not None]
-            forms = {"lengthwise": self.lengthwise, "two_d": self.two_d}
-            self.form = fastest(forms, x, params, margin=self.MARGIN)
+            self.timed = time_forms({"lengthwise": self.lengthwise, "two_d": self.two_d}, x, params)
+            self.form = pick(self.timed, self.MARGIN)
         return self.two_d(x) if self.form == "two_d" else self.lengthwise(x)
 
     def lengthwise(self, x: torch.Tensor) -> torch.Tensor:

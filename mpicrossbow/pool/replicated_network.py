@@ -11,15 +11,13 @@ avoids vmap's per-operator batching overhead and picks each convolution's fastes
 in a row ran the same operators, later ones replay them without the forward's Python (:mod:`.replay`).
 
 What this path cannot follow (control flow on tensor values, arithmetic on a parameter outside any operator
-on the input, in-place writes into the input) shows in the first training forward as a ContractError;
-from then on the network runs under ``torch.func.vmap`` (:mod:`.vmapped`), the running statistics that
-the failed forward touched restored first.
+on the input, in-place writes into the input) shows in the first training forward as a ContractError: the
+path's refusal, on which the chooser (:mod:`.chooser`) moves on to ``torch.func.vmap`` (:mod:`.vmapped`).
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 
 import torch
 from torch import nn
@@ -29,9 +27,6 @@ from .fuse import FlatSlots
 from .replay import Replays, replay_key
 from .replicated import Replicated, Replication
 from .replicated_ops import RULES
-from .vmapped import VmappedNetwork
-
-log = logging.getLogger(__name__)
 
 
 class ReplicatedNetwork(nn.Module):
@@ -44,8 +39,6 @@ class ReplicatedNetwork(nn.Module):
         # every operator, and are kept out of parameters() and state_dict().
         template = copy.deepcopy(root)
         object.__setattr__(self, "template", template)
-        object.__setattr__(self, "root", root)
-        self.slots = slots
         rows: dict[int, torch.Tensor] = {}
         for name, param in root.named_parameters():
             rows[id(template.get_parameter(name))] = slots.param(param)
@@ -56,40 +49,18 @@ class ReplicatedNetwork(nn.Module):
                 rows[id(template.get_buffer(name))] = view
         self.replication = Replication(self.m, rows, RULES)
         self.replication.guard([*template.parameters(), *template.buffers()])
-        self.fallback: VmappedNetwork | None = None
-        self._proven = False
         #: The forward's recorded operators, replayed without its Python once they repeat (:mod:`.replay`).
         self.replays = Replays()
 
     def train(self, mode: bool = True) -> ReplicatedNetwork:
-        """Set training mode here and on the template (dropout, batch norm), and on the vmap fallback."""
+        """Set training mode here and on the template (dropout, batch norm)."""
         self.template.train(mode)
-        if self.fallback is not None:
-            self.fallback.train(mode)
         return super().train(mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Every replica's output on its own batch, ``x`` being ``(m, N, *sample)``."""
-        if self.fallback is not None:
-            return self.fallback(x)
-        if self._proven:
-            return self._run(x)
-        saved = self.slots.buffers.clone()
-        try:
-            out = self._run(x)
-        except Exception as exc:  # what this path cannot follow, or an operator it mishandles: vmap's turn
-            self.slots.buffers.copy_(saved)
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            log.info("fused engine: %s; the replicas run under torch.func.vmap instead", reason)
-            self.fallback = VmappedNetwork(self.root, self.slots)
-            self.fallback.train(self.training)
-            return self.fallback(x)
-        self._proven = True
-        return out
-
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
-        """The template's forward on the replicated input: replayed where it was recorded, else run (and
-        recorded, while it may yet replay)."""
+        """Every replica's output on its own batch, ``x`` being ``(m, N, *sample)``: the template's forward
+        on the replicated input, replayed where it was recorded, else run (and recorded, while it may yet
+        replay)."""
         key = replay_key(x, self.training)
         out = self.replays.run(key, x)
         if out is not None:
@@ -119,4 +90,4 @@ class ReplicatedNetwork(nn.Module):
     @property
     def looped(self) -> set[str]:
         """Operators that ran once per replica (no fused form), as logged."""
-        return self.fallback.looped if self.fallback is not None else self.replication.looped
+        return self.replication.looped

@@ -35,9 +35,10 @@ class PoolSpec:
     learners: int = 1
     #: ``(start, end)`` fraction of the training set this rank reads instead of its equal shard.
     span: tuple[float, float] | None = None
-    #: The fused engine's form: ``always`` one fused network, ``never`` the replicas one after another on the
-    #: fused engine's shared buffers, ``auto`` whichever of the two the first training steps time faster.
-    fuse: Literal["auto", "always", "never"] = "auto"
+    #: The fused engine's path and step form (:mod:`.chooser`): ``auto`` the first path that runs, timed
+    #: against the replicas one after another; ``always`` that path untimed; ``layers``, ``replicated``,
+    #: ``vmapped`` that path pinned; ``never`` the replicas one after another on the shared rows.
+    fuse: Literal["auto", "always", "never", "layers", "replicated", "vmapped"] = "auto"
 
     def resized(self, learners: int) -> PoolSpec:
         """The same spec with another learner count (the auto-tuner)."""

@@ -78,7 +78,7 @@ class RunMode(ABC):
             target_epochs=outcome.target[1] if outcome.target else math.nan,
             curve=tuple(outcome.curve),
         )
-        reporter.close(result, len(parts.pool.learners))
+        reporter.close(result, len(parts.pool.learners), parts.pool.run_record())
         return result
 
 

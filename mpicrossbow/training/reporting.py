@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -257,8 +257,14 @@ class Reporter:
         if self.tensorboard is not None:
             self.tensorboard.row(table, row)
 
-    def close(self, result: RunResult | None = None, learners: int | None = None) -> None:
-        """Write the result's figures as attributes and close the metrics and event files (idempotent)."""
+    def close(
+        self,
+        result: RunResult | None = None,
+        learners: int | None = None,
+        pool: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write the result's figures and ``pool`` (what the pool settled on: the fused engine's path and
+        forms) as attributes and close the metrics and event files (idempotent)."""
         self.close_bar()
         if self.tensorboard is not None:
             self.tensorboard.close()
@@ -269,4 +275,4 @@ class Reporter:
         if result is not None:
             attrs = {k: v for k, v in dataclasses.asdict(result).items() if k not in ("run_dir", "curve")}
             attrs["learners"] = learners
-        self.metrics.close(**attrs)
+        self.metrics.close(**attrs, **(pool or {}))
