@@ -62,7 +62,7 @@ from ..data.joint import JointBatches
 from ..data.joint_arrays import JointArrays
 from ..errors import CheckpointError, ContractError
 from ..model.contract import TorchModel, sgd_settings
-from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
+from .base import TimedBatches, next_batch, params_loaded, summed
 from .chain_step import ChainStep
 from .chooser import FUSED, Chooser, synchronize
 from .flat import empty_flat, point_grads_into, point_into
@@ -71,7 +71,7 @@ from .fused_chain import FusedChain, chain_runs
 from .learner import evaluate
 from .precision import Precision
 from .replicated_network import ReplicatedNetwork
-from .serial import learner_data
+from .serial import ShardedPool
 from .spec import PoolSpec
 from .staging import PinnedStaging
 from .step_gradients import StepGradients
@@ -136,7 +136,7 @@ def _replica_tensors(
     return param_lists, buffer_lists
 
 
-class FusedPool(LearnerPool):
+class FusedPool(ShardedPool):
     """Learners of a torch-native model fused into one network; learner j of rank r reads shard r·m + j."""
 
     learners: list[FusedLearner]  # type: ignore[assignment]
@@ -157,15 +157,13 @@ class FusedPool(LearnerPool):
             raise ValueError(f"learners must be >= 1, got {learners}")
         self.spec, self.device, self.m = spec, device, learners
         replicas = [self.model.module().to(device) for _ in range(learners)]
-        self.datas, self._n_batch_train = learner_data(self.model, spec)
+        self._load_data()
         #: In-memory shards of one layout are held stacked and drawn in one index (None: apart).
         self._joint_arrays = (
             JointArrays(self.datas) if learners > 1 and JointArrays.serves(self.datas) else None
         )
-        self._iters: list[TimedBatches] = []
         #: Whether ``_iters`` is one joint iterator of ``(m, b, …)`` batches (else one per learner).
         self._joint = False
-        self._waited = [0.0]
         #: Pinned, asynchronous host → device copies of the stacked batches (CUDA only).
         self._staging = PinnedStaging(device) if device.type == "cuda" else None
         slots, root = self._make_rows(replicas), replicas[0]
@@ -253,11 +251,6 @@ class FusedPool(LearnerPool):
     def run_record(self) -> dict[str, Any]:
         """The chooser's path, forms and their measurements (:meth:`.Chooser.record`)."""
         return self.choice.record()
-
-    @property
-    def n_batch_train(self) -> int:
-        """Steps per epoch (the smallest learner shard decides)."""
-        return self._n_batch_train
 
     def start_epoch(self, epoch: int) -> None:
         """Start every learner's reshuffled pass over its shard (one joint pass where the data allows); a
@@ -447,20 +440,6 @@ class FusedPool(LearnerPool):
         """Learners whose last loss was not finite (one host synchronisation)."""
         return [j for j, good in enumerate(torch.isfinite(self._last_losses).tolist()) if not good]
 
-    def skip(self, count: int) -> None:
-        """Pass over each learner's first ``count`` batches of this epoch (resuming mid-epoch)."""
-        for batches in self._iters:
-            batches.skip(count)
-
-    def close(self) -> None:
-        """Stop the learners' data loaders."""
-        close_datas(self.datas)
-
-    def take_data_wait(self) -> float:
-        """Seconds the learners waited for batches since the last call."""
-        waited, self._waited[0] = self._waited[0], 0.0
-        return waited
-
     def state_dict(self) -> dict[str, Any]:
         """All replicas (rows), the fused optimizer's state and the running stats."""
         return {
@@ -501,7 +480,6 @@ class FusedPool(LearnerPool):
         old_m, old_params, old_buffers = self.m, self.params2d.clone(), self.buffers2d.clone()
         old_state = self.optimizer.state_dict()["state"]
         lr = self.optimizer.param_groups[0]["lr"]
-        close_datas(self.datas)
         self._build(self.spec.resized(learners))
         rows = [j if j < old_m else 0 for j in range(learners)]
         self.params2d.copy_(old_params[rows])

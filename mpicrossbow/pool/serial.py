@@ -47,7 +47,46 @@ def learner_data(model: Any, spec: PoolSpec) -> tuple[list[Any], int]:
     return datas, steps
 
 
-class SerialPool(LearnerPool):
+class ShardedPool(LearnerPool):
+    """A pool whose learners read the model's data shards (:func:`learner_data`): their loaders, the
+    epoch's batches and the time spent waiting for them, the same for every engine that reads them."""
+
+    model: Any
+    spec: PoolSpec
+    datas: list[Any]
+    _n_batch_train: int
+    _iters: list[TimedBatches]
+    _waited: list[float]
+
+    def _load_data(self) -> None:
+        """Every learner's shard for :attr:`spec` (:func:`learner_data`); earlier shards' loaders closed."""
+        close_datas(getattr(self, "datas", []))
+        self.datas, self._n_batch_train = learner_data(self.model, self.spec)
+        self._iters = []
+        if not hasattr(self, "_waited"):  # one clock through resizes: the epoch's iterators hold it
+            self._waited = [0.0]
+
+    @property
+    def n_batch_train(self) -> int:
+        """Steps per epoch (the smallest learner shard decides)."""
+        return self._n_batch_train
+
+    def skip(self, count: int) -> None:
+        """Pass over each learner's first ``count`` batches of this epoch (resuming mid-epoch)."""
+        for batches in self._iters:
+            batches.skip(count)
+
+    def take_data_wait(self) -> float:
+        """Seconds the learners waited for batches since the last call."""
+        waited, self._waited[0] = self._waited[0], 0.0
+        return waited
+
+    def close(self) -> None:
+        """Stop the learners' data loaders."""
+        close_datas(self.datas)
+
+
+class SerialPool(ShardedPool):
     """Learners of a torch-native model; learner j of rank r reads shard ``r * m + j`` of ``size * m``."""
 
     def __init__(self, model: Any, spec: PoolSpec) -> None:
@@ -58,17 +97,6 @@ class SerialPool(LearnerPool):
             for _ in range(spec.learners)
         ]
         self._load_data()
-        self._iters: list[TimedBatches] = []
-        self._waited = [0.0]
-
-    def _load_data(self) -> None:
-        """Every learner's shard (see :func:`learner_data`); the previous shards' loaders are closed."""
-        close_datas(getattr(self, "datas", []))
-        self.datas, self._n_batch_train = learner_data(self.model, self.spec)
-
-    def close(self) -> None:
-        """Stop the learners' data loaders."""
-        close_datas(self.datas)
 
     def resize(self, learners: int) -> None:
         """Keep the first ``learners`` replicas, or add copies of learner 0; reshard the data.
@@ -94,12 +122,6 @@ class SerialPool(LearnerPool):
             self.learners.append(learner)
         self.spec = self.spec.resized(learners)
         self._load_data()
-        self._iters = []
-
-    @property
-    def n_batch_train(self) -> int:
-        """Steps per epoch (the smallest learner shard decides)."""
-        return self._n_batch_train
 
     def start_epoch(self, epoch: int) -> None:
         """Start every learner's reshuffled pass over its shard."""
@@ -111,16 +133,6 @@ class SerialPool(LearnerPool):
             batch = next_batch(batches, count, self.n_batch_train)
             with span(f"learner {j}", "compute", learner=j):  # nested in the step's forward+backward
                 learner.forward_backward(*batch)
-
-    def skip(self, count: int) -> None:
-        """Pass over each learner's first ``count`` batches of this epoch (resuming mid-epoch)."""
-        for batches in self._iters:
-            batches.skip(count)
-
-    def take_data_wait(self) -> float:
-        """Seconds the learners waited for batches since the last call."""
-        waited, self._waited[0] = self._waited[0], 0.0
-        return waited
 
     def nonfinite(self) -> list[int]:
         """Learners whose last loss was not finite; one host synchronisation for all of them."""
