@@ -84,7 +84,11 @@ class Chooser:
         #: Whether the step form is timed (``auto``, more than one learner).
         self.trial = self.chosen is None
         if self.chosen == UNFUSED:
-            log.info("fused engine: the replicas run one after another ([pool] fuse = %s)", self.setting)
+            log.info(
+                "fused engine: the %d replica(s) run one after another ([pool] fuse = %s)",
+                learners,
+                self.setting,
+            )
         #: Timed seconds per step form (the trial's record).
         self.times: dict[str, list[float]] = {FUSED: [], UNFUSED: []}
         self._schedule: list[tuple[str, bool]] = []
@@ -103,7 +107,6 @@ class Chooser:
                 return self.builders[self.path]()
             except ContractError as exc:
                 self._refuse(str(exc), at_first_step=False)
-        return None
 
     def refuses(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised by the current path's first step, is that path's refusal (see above)."""

@@ -79,9 +79,11 @@ class StepGradients:
         """Autograd's backward of ``loss`` seeded with :attr:`scale`, nodes allowed to put gradients into the
         rows meanwhile (:meth:`open`)."""
         scale = self.scale
-        seeded = loss * scale if scale != 1.0 else loss
-        with self.open():
-            seeded.backward()
+        self.active = True  # open(), without a generator's cost on every step
+        try:
+            (loss * scale if scale != 1.0 else loss).backward()
+        finally:
+            self.active = False
 
     @contextmanager
     def open(self) -> Iterator[None]:
