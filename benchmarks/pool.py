@@ -480,14 +480,13 @@ def forward_paths(catalogue: dict[str, Any], m: int = 8, rounds: int = 5) -> str
     """The fused engine's two paths for a network the layer fuser cannot widen, side by side.
 
     Its own ``forward()`` on every replica's values (the default) against ``torch.func.vmap`` over the
-    replicas (what it falls back to), both fused (``fuse = always``), alternating rounds of 20 steps on one
-    thread; median samples/s.
+    replicas (what it falls back to), each pinned (``fuse = replicated`` / ``vmapped``), alternating rounds of
+    20 steps on one thread; median samples/s.
     """
     import torch
 
     from mpicrossbow.config import OptimSection
     from mpicrossbow.pool import FusedPool, PoolSpec
-    from mpicrossbow.pool.vmapped import VmappedNetwork
 
     lines = [
         f"The fused engine's paths for any network, m = {m}, 1 thread ({rounds} alternating rounds of 20 "
@@ -501,13 +500,12 @@ def forward_paths(catalogue: dict[str, Any], m: int = 8, rounds: int = 5) -> str
         label, model = catalogue[key]
         for batch in (4, 16):
             pools = {}
-            for name in ("replicated", "vmap"):
+            for name, path in (("replicated", "replicated"), ("vmap", "vmapped")):
                 torch.manual_seed(0)
                 spec = PoolSpec(0, 1, batch, OptimSection(lr=0.01, momentum=0.9), torch.device("cpu"),
-                                learners=m, fuse="always")  # fmt: skip
+                                learners=m, fuse=path)  # fmt: skip
                 pools[name] = FusedPool(model, spec)
                 pools[name].start_epoch(0)
-            pools["vmap"].fused.fallback = VmappedNetwork(pools["vmap"].fused.root, pools["vmap"].fused.slots)
             states = {name: {"epoch": 0, "count": 0} for name in pools}
             times: dict[str, list[float]] = {name: [] for name in pools}
             for r in range(rounds + 1):
