@@ -309,7 +309,7 @@ class FusedPool(ShardedPool):
 
     def compute(self, count: int) -> None:
         """Every learner's forward and backward on its next batch, in the step :meth:`_step_for` picks (the
-        form :attr:`choice` says, see :mod:`.form`); each step starts the gradients' contract itself."""
+        form :attr:`choice` says, see :mod:`.chooser`); each step starts the gradients' contract itself."""
         inputs, targets = self._next_batches(count)
         step = self._step_for()
         timing = self.choice.timing
