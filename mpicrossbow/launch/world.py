@@ -13,6 +13,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..comm.ulfm import skip_finalize_fence
+
 #: Variables that prove an MPI launcher (or srun with a PMI plug-in) started this process.
 LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
     "openmpi": ("OMPI_COMM_WORLD_SIZE",),
@@ -119,6 +121,7 @@ def detect_world(threads: bool = False) -> World:
 
     mpi4py.rc.thread_level = "multiple" if threads else "serialized"
     oversubscribed = tune_for_oversubscription()
+    skip_finalize_fence()  # under --with-ft ulfm: a dead rank must not hold up MPI_Finalize
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

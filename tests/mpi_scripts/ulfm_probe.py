@@ -8,7 +8,11 @@ import os
 import signal
 
 import numpy as np
-from mpi4py import MPI
+
+from mpicrossbow.comm.ulfm import skip_finalize_fence
+
+skip_finalize_fence()  # before MPI_Init, as crossbow-launch does: the dead rank must not hold up MPI_Finalize
+from mpi4py import MPI  # noqa: E402
 
 VICTIM = 1
 
