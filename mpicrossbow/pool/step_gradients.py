@@ -19,9 +19,9 @@ gradient, a read and a write of the row — for LeNet-28's 784×120 layer of 8 r
 after the 3 MB batched matmul that made it. A node that knows its parameters' rows (a chain of Linear
 layers, :mod:`.batched_chain`) adds its product into the row in the matmul itself instead (``baddbmm_``)
 and returns no gradient for those parameters. Measured on LeNet-28's classifier head alone (m = 8, batch 4,
-one thread): forward and backward 548 µs through ``AccumulateGrad``, 315 µs writing the rows. Only while the
-pool's own backward runs (:meth:`StepGradients.open`): a ``torch.autograd.grad`` call, or a backward of the
-fused network outside the pool, returns gradients as usual and leaves ``.grad`` alone.
+one thread): forward and backward 548 µs through ``AccumulateGrad``, 315 µs writing the rows. Only while
+the pool's own backward runs (:meth:`StepGradients.backward`): a ``torch.autograd.grad`` call, or a backward
+of the fused network outside the pool, returns gradients as usual and leaves ``.grad`` alone.
 
 **Watchers.** No autograd hook fires for a parameter written this way: the step tells the pool's gradient
 watchers itself (:meth:`StepGradients.written`), as soon as each parameter's gradient is complete — the
@@ -31,8 +31,7 @@ which would fire only once the whole node is done.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -77,20 +76,11 @@ class StepGradients:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Autograd's backward of ``loss`` seeded with :attr:`scale`, nodes allowed to put gradients into the
-        rows meanwhile (:meth:`open`)."""
+        rows meanwhile (:attr:`active`)."""
         scale = self.scale
-        self.active = True  # open(), without a generator's cost on every step
-        try:
-            (loss * scale if scale != 1.0 else loss).backward()
-        finally:
-            self.active = False
-
-    @contextmanager
-    def open(self) -> Iterator[None]:
-        """Let nodes put gradients into ``.grad`` for the duration of the block (the pool's backward)."""
         self.active = True
         try:
-            yield
+            (loss * scale if scale != 1.0 else loss).backward()
         finally:
             self.active = False
 
