@@ -363,7 +363,8 @@ def _hostname_of(pid: int) -> str:
 
 
 def leftovers() -> list[str]:
-    """Anything a namespace cluster made that still exists: namespaces, folders, holder processes."""
+    """Anything a namespace cluster made that still exists: namespaces, folders, holder processes, and the
+    Slurm and munge daemons that tests/netns_slurm.py runs for it."""
     found = [f"namespace {n}" for n in _netns_names() if n.startswith(PREFIX)]
     found += [f"folder {p}" for p in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*")]
     for proc in Path("/proc").iterdir():
@@ -372,7 +373,8 @@ def leftovers() -> list[str]:
                 cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if f"/{PREFIX}-" in cmd and "mount --bind" in cmd:
+            daemon = any(d in cmd for d in ("munged", "slurmctld", "slurmd"))  # tests/netns_slurm.py
+            if f"/{PREFIX}-" in cmd and ("mount --bind" in cmd or daemon):
                 found.append(f"process {proc.name}: {cmd.strip()[:120]}")
     return found
 

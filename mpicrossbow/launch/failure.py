@@ -33,6 +33,11 @@ ERROR_PREFIX = "crossbow-launch: error: "
 #: may drop what is still in flight when they kill the job.
 ABORT_GRACE_S = 0.2
 
+#: Seconds MPI_Abort may take before the rank ends itself: when a node or its link is gone, the abort request
+#: can wait on a launcher that cannot reach that node (srun with PMI-2 held a rank 30 s on the namespace
+#: cluster); the rank's own exit then lets the launcher end the others (srun --kill-on-bad-exit, mpiexec).
+ABORT_DEADLINE_S = 5.0
+
 
 def say(message: str, prefix: str = ERROR_PREFIX) -> None:
     """Write one failure line to stderr, in the form every tool around crossbow-launch recognises (the
@@ -147,11 +152,23 @@ def abort_job(
         record_status(code)
     if world.mpi is not None and world.size > 1:
         time.sleep(ABORT_GRACE_S)  # let the launcher forward the line before MPI_Abort tears the job down
+        _exit_after(ABORT_DEADLINE_S, code)
         world.mpi.Abort(code)
     if threading.current_thread() is not threading.main_thread():
         sys.stderr.flush()
         os._exit(code)  # sys.exit would end only this thread (the watchdog's) and leave the rank running
     sys.exit(code)
+
+
+def _exit_after(seconds: float, code: int) -> None:
+    """End this process with ``code`` in ``seconds`` unless it has ended by then (a daemon thread)."""
+
+    def _exit() -> None:
+        time.sleep(seconds)
+        sys.stderr.flush()
+        os._exit(code)
+
+    threading.Thread(target=_exit, name="abort-deadline", daemon=True).start()
 
 
 def record_status(code: int) -> None:

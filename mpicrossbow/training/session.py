@@ -253,8 +253,9 @@ class Session:
             wd.warn_after,
             wd.abort_after,
             wd.interval,
-            # A dead peer's own status (a kill) is what the launcher reports: nothing to record over it.
-            lambda line, peer_gone: abort_job(world, line, record=not peer_gone),
+            # Recorded also for a dead peer (status 1, a failed rank): the sbatch templates stop waiting for
+            # srun once a status is written, and srun waits half a minute for a node that is gone.
+            lambda line, peer_gone: abort_job(world, line),
             peer_timeout=0.0 if self.elastic else wd.peer_timeout,
             peers=not self.elastic,  # elastic: ULFM reports a dead peer and the survivors go on
             stalls=synchronous,

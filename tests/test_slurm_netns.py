@@ -1,0 +1,265 @@
+"""The Slurm templates across real nodes: Slurm on the namespace nodes of tests/netns_cluster.py
+(tests/netns_slurm.py: slurmctld at the head, a slurmd inside each node), jobs submitted at the head.
+
+- the README's multi-node line and the mpiexec template run verbatim across node1 and node2, each rank's
+  binding reported with its node, the data over the links;
+- a job signalled before its time limit requeues and resumes across the nodes;
+- under srun, 2 nodes × 2 ranks: node2 killed, its link cut, its link slowed to a crawl — the job ends within
+  60 s with one line naming what was lost, the checkpoints stay whole, and a resumed job finishes the run.
+
+One cluster (3 nodes) and one Slurm serve the module. Skips without root, the namespace tools or Slurm.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from netns_cluster import NetnsCluster, leftovers
+from netns_slurm import NetnsSlurm, netns_missing, slurm_missing
+
+from conftest import REPO
+from mpicrossbow.training.checkpoint import complete_checkpoints
+from mpicrossbow.training.metrics import read_metrics
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slurm, pytest.mark.slow]
+TEMPLATES = REPO / "launch" / "slurm"
+VENV = Path(sys.executable).parent.parent
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[NetnsSlurm]:
+    """Three namespace nodes with Slurm on them, for the module."""
+    reason = netns_missing() or slurm_missing()
+    if reason:
+        pytest.skip(reason)
+    cluster = NetnsCluster(3).start()
+    try:
+        made = NetnsSlurm(cluster).start()
+        try:
+            yield made
+        finally:
+            made.stop()
+    finally:
+        cluster.stop()
+
+
+def test_a_failed_slurm_start_leaves_no_daemon_and_the_cluster_stops_clean(
+    slurm: NetnsSlurm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slurm on a second cluster whose nodes never turn idle: start() raises having stopped munged and
+    slurmctld, and once the cluster stops nothing is left (slurmd and the mounts go with the nodes)."""
+    cluster = NetnsCluster(2).start()
+    try:
+        broken = NetnsSlurm(cluster)
+
+        def never_idle(started: object) -> None:
+            raise RuntimeError("nodes not idle (deliberately)")
+
+        monkeypatch.setattr(broken, "_wait_idle", never_idle)
+        with pytest.raises(RuntimeError, match="deliberately"):
+            broken.start()
+        assert not broken.root.exists()
+        daemons = [p for p in leftovers() if str(cluster.root) in p and ("munged" in p or "slurmctld" in p)]
+        assert daemons == []  # every slurmd goes with its node, below
+    finally:
+        cluster.stop()
+    assert [p for p in leftovers() if cluster.ident in p or str(cluster.root) in p] == []
+
+
+def submit(slurm: NetnsSlurm, out: Path, script: str, *args: str, options: tuple[str, ...] = ()) -> int:
+    """``VENV=... sbatch [options] launch/slurm/<script> args`` from a fresh shell at the head."""
+    return slurm.sbatch(
+        f"--output={out}/slurm-%j.out", *options, str(TEMPLATES / script), *args, cwd=REPO,
+        env={"VENV": str(VENV), "RUNS": str(out / "runs"), "PYTHONUNBUFFERED": "1"}, fresh=True,
+    )  # fmt: skip
+
+
+def output(out: Path, job: int) -> str:
+    path = out / f"slurm-{job}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def the_run(out: Path, job: int) -> Path:
+    """The one run folder of ``job`` (beside it: the templates' exit-status file)."""
+    (run,) = (p for p in (out / "runs" / str(job)).iterdir() if p.is_dir())
+    return run
+
+
+def wait_for(predicate: object, timeout: float, what: str) -> None:
+    """Poll ``predicate()`` every 0.2 s; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.2)
+    pytest.fail(f"not within {timeout:.0f} s: {what}")
+
+
+def ranks_of(marker: Path) -> list[int]:
+    """Pids of rank processes, on any node, whose command line names ``marker`` (a test's own folder)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(marker).encode() in cmdline and b"crossbow-launch" in cmdline and b"sbatch" not in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def binding_rows(out: str) -> list[list[str]]:
+    """The rows of the first bindings table in a job's output (rank, host, device, cores, ...)."""
+    table = out.split("bindings:\n", 1)[1].splitlines()
+    rows = []
+    for line in table[1:]:
+        cells = line.split()
+        if not cells or not cells[0].isdigit():
+            break
+        rows.append(cells)
+    return rows
+
+
+def test_the_readme_multi_node_line_runs_verbatim_across_two_nodes(slurm: NetnsSlurm) -> None:
+    """The README's ``sbatch --nodes=2 launch/slurm/multi-node.sbatch`` line, typed at the head: one rank
+    on each node through srun, its binding reported per node, the training data over both links."""
+    readme = (REPO / "README.md").read_text()
+    (line,) = re.findall(
+        r"^VENV=\$PWD/\.venv .*sbatch --nodes=2 launch/slurm/multi-node\.sbatch.*$", readme, re.M
+    )
+    if not (REPO / ".venv" / "bin" / "crossbow-launch").exists():
+        pytest.skip("the README's line uses $PWD/.venv, which this checkout does not have")
+    before = [sum(slurm.cluster.link_bytes(n)) for n in ("node1", "node2")]
+    proc = slurm.shell(line, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    job = int(proc.stdout.split()[-1])  # "Submitted batch job N"
+    try:
+        record = slurm.wait_job(job, timeout=300)
+        out = (REPO / f"slurm-{job}.out").read_text()
+        assert record["JobState"] == "COMPLETED" and record["NumNodes"] == "2", out[-3000:]
+        assert "done: 5 epoch(s)" in out, out[-3000:]
+        rows = binding_rows(out)
+        assert [(r[0], r[1]) for r in rows] == [("0", "node1"), ("1", "node2")], out[-3000:]
+        assert all(r[-1] == "numa" for r in rows), rows  # BIND=numa, as the line asks
+        moved = [
+            sum(slurm.cluster.link_bytes(n)) - b for n, b in zip(("node1", "node2"), before, strict=True)
+        ]
+        assert min(moved) > 1_000_000, moved
+    finally:  # the line writes into the repository, as a user's would: leave nothing behind
+        (REPO / f"slurm-{job}.out").unlink(missing_ok=True)
+        shutil.rmtree(REPO / "runs" / str(job), ignore_errors=True)
+
+
+def test_the_mpiexec_template_runs_two_ranks_on_each_of_two_nodes(slurm: NetnsSlurm, tmp_path: Path) -> None:
+    """multi-node-mpiexec.sbatch as its header shows it (at 2 nodes × 2 ranks): MPICH's hydra inside the
+    allocation starts its proxies through srun, ranks 0–1 on node1 and 2–3 on node2."""
+    job = submit(slurm, tmp_path, "multi-node-mpiexec.sbatch", "session.epochs=5",
+                 options=("--nodes=2", "--ntasks-per-node=2"))  # fmt: skip
+    record = slurm.wait_job(job, timeout=300)
+    out = output(tmp_path, job)
+    assert record["JobState"] == "COMPLETED" and record["NumTasks"] == "4", out[-3000:]
+    rows = binding_rows(out)
+    assert [r[1] for r in rows] == ["node1", "node1", "node2", "node2"], out[-3000:]
+    assert len({r[3] for r in rows[:2]}) == 2  # the two ranks of a node on different cores
+    metrics = read_metrics(the_run(tmp_path, job) / "metrics.h5")
+    assert metrics["attrs"]["world_size"] == 4 and metrics["val"]["accuracy"][-1] >= 0.93
+
+
+#: A run long enough to be signalled or cut in the middle, with a checkpoint every epoch.
+LONG = ("session.epochs=400", "checkpoint.every_epochs=1", "checkpoint.keep=2")
+
+
+def test_a_signalled_job_requeues_and_resumes_across_the_nodes(slurm: NetnsSlurm, tmp_path: Path) -> None:
+    """SIGUSR1 to the batch shell of multi-node-mpiexec.sbatch (what ``--signal=B:USR1@120`` sends before the
+    time limit): every rank saves at one step, the job requeues, and the requeued job resumes across both
+    nodes from that checkpoint."""
+    job = submit(slurm, tmp_path, "multi-node-mpiexec.sbatch", "session.epochs=6",
+                 "session.slow_ranks=0", "session.slow_seconds=0.02", "checkpoint.every_epochs=100",
+                 options=("--nodes=2", "--ntasks-per-node=1"))  # fmt: skip
+    wait_for(lambda: "epoch 2 step" in output(tmp_path, job), 120, "two epochs trained")
+    assert slurm.run("scancel", "--signal=USR1", "--batch", str(job)).returncode == 0
+    wait_for(lambda: slurm.job(job).get("JobState") == "PENDING", 60, "the job requeued")
+    wait_for(lambda: "comp" not in slurm.node_states().values(), 60, "the nodes done completing")
+    time.sleep(2)  # slurmd refuses a credential from the same second as the first run's revocation
+    slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+    record = slurm.wait_job(job, timeout=300)
+    out = output(tmp_path, job)
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", out[-3000:]
+    stop = re.search(r"stopped by a signal after step (\d+)", out)
+    assert stop is not None and f"requeued Slurm job {job}" in out, out[-3000:]
+    assert f"resuming from {the_run(tmp_path, job)}/checkpoints/step-{int(stop[1]):09d}" in out
+    assert "done: 6 epoch(s)" in out
+    resumed = out.split("resuming from", 1)[1]
+    assert [r[1] for r in binding_rows(resumed)] == ["node1", "node2"]
+
+
+@pytest.mark.parametrize("failure", ["node killed", "link down", "link crawls"])
+def test_under_srun_a_lost_node_or_link_ends_the_job_in_a_minute_and_a_resume_finishes(
+    slurm: NetnsSlurm, tmp_path: Path, failure: str
+) -> None:
+    """multi-node.sbatch, 2 nodes × 2 ranks, a checkpoint every epoch; after two, node2 loses every process
+    (slurmd included), its link, or all but 8 kbit/s of it. Every rank and the batch script end within 60 s
+    with one line naming a rank on node2, the checkpoints stay whole, and the same template with
+    ``checkpoint.resume`` finishes the run once node2 is back."""
+    cluster = slurm.cluster
+    nodes = ("--nodelist=node1,node2", "--ntasks-per-node=2")
+    job = submit(slurm, tmp_path, "multi-node.sbatch", *LONG, options=nodes)
+    runs = tmp_path / "runs" / str(job)
+
+    def two_checkpoints() -> bool:
+        state = slurm.job(job).get("JobState")
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), (state, output(tmp_path, job)[-3000:])
+        folders = [r / "checkpoints" for r in runs.iterdir()] if runs.exists() else []
+        return any(len(complete_checkpoints(c)) >= 2 for c in folders if c.exists())
+
+    try:
+        wait_for(two_checkpoints, 240, "two checkpoints")
+        cut = time.monotonic()
+        if failure == "link down":
+            cluster.set_link("node2", up=False)
+        elif failure == "link crawls":
+            cluster.set_rate("node2", "8kbit")
+        else:
+            cluster.kill_node("node2")
+        wait_for(lambda: not ranks_of(tmp_path), 90, f"every rank gone after the {failure}")
+        ranks_gone = time.monotonic() - cut
+        # The batch script's end; Slurm completes the job once it reaches node2's slurmd again (heal, below).
+        wait_for(lambda: slurm.job(job).get("JobState") != "RUNNING", 90, "the batch script's end")
+        job_ended = time.monotonic() - cut
+    finally:
+        cluster.set_link("node2", up=True)
+        cluster.clear_rate("node2")
+        slurm.heal(job)  # node2 booted again if it was killed: the next test needs it
+    out = output(tmp_path, job)
+    assert ranks_gone < 60 and job_ended < 60, (ranks_gone, job_ended, out[-3000:])
+    lost = [
+        line
+        for line in out.splitlines()
+        if re.search(r"rank [23] on node2 ", line) and re.search("gone|crawling", line)
+    ]
+    assert lost, out[-3000:]
+    run = the_run(tmp_path, job)
+    checkpoints = complete_checkpoints(run / "checkpoints")
+    assert len(checkpoints) >= 2
+    epochs = epoch_of(checkpoints[-1]) + 4
+    resumed = submit(slurm, tmp_path, "multi-node.sbatch", f"checkpoint.resume={run}",
+                     f"session.epochs={epochs}", "checkpoint.every_epochs=1", options=nodes)  # fmt: skip
+    record = slurm.wait_job(resumed, timeout=300)
+    out = output(tmp_path, resumed)
+    assert record["JobState"] == "COMPLETED", out[-3000:]
+    assert f"resuming from {checkpoints[-1]}" in out, out[-3000:]
+    assert read_metrics(run / "metrics.h5")["val"]["accuracy"][-1] >= 0.9
+
+
+def epoch_of(checkpoint: Path) -> int:
+    """The furthest epoch any rank's file of ``checkpoint`` holds."""
+    return max(
+        int(torch.load(f, weights_only=True)["position"]["epoch"]) for f in checkpoint.glob("rank-*.pt")
+    )
