@@ -12,6 +12,7 @@ import torch
 
 from conftest import REPO, launcher, only_run, run_local, run_mpi
 from mpicrossbow.launch.failure import ERROR_PREFIX
+from mpicrossbow.training.metrics import read_metrics
 from openmpi_env import OpenMPIEnv
 
 pytestmark = [pytest.mark.mpi]
@@ -116,3 +117,22 @@ def test_elastic_bsp_ends_close_to_an_uninterrupted_run(openmpi: OpenMPIEnv, tmp
     broken = elastic_job(openmpi, tmp_path / "broken", "fault.rank=1", "fault.step=40", "fault.action=kill")
     assert whole.returncode == 0 and broken.returncode == 0, (whole.stderr[-2000:], broken.stderr[-2000:])
     assert abs(accuracy(whole.stderr) - accuracy(broken.stderr)) <= 0.03
+
+
+def test_rank_0_killed_hands_its_duties_to_the_lowest_survivor(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
+    """SIGKILL of rank 0 at step 44, the first step after it wrote epoch 2's row and the checkpoint: the job
+    finishes with status 0, start rank 1 (now rank 0) says it took over, writes the rest of metrics.h5 —
+    every epoch exactly once — and the last checkpoint, prints the ``done:`` line and leaves no lock."""
+    proc = elastic_job(openmpi, tmp_path, "fault.rank=0", "fault.step=44", "fault.action=kill")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    took = [line for line in proc.stderr.splitlines() if "takes over its duties" in line]
+    assert len(took) == 1 and "start rank 1 takes over" in took[0] and "the checkpoint lock" in took[0], took
+    run = only_run(tmp_path)
+    metrics = read_metrics(run / "metrics.h5")
+    assert list(metrics["train"]["epoch"]) == [1, 2, 3, 4]
+    assert list(metrics["val"]["epoch"]) == [1, 2, 3, 4]
+    assert metrics["attrs"]["rank0_lost_at_step"] == 44
+    final = run / "checkpoints" / "step-000000088"
+    assert sorted(p.name for p in final.glob("rank-*.pt")) == [f"rank-0000{r}.pt" for r in range(3)]
+    assert not (run / "checkpoints" / "LOCK").exists()
+    assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]

@@ -199,6 +199,18 @@ class Checkpointing:
             self._take(directory)
         self.saver = Checkpointer(directory, self.world.rank, self.world.size, ckpt.keep, self.world.mpi)
 
+    def take_over(self) -> bool:
+        """Elastic training lost rank 0 and this rank is rank 0 now: the checkpoint folder's lock passes here
+        (its holder is dead — ULFM says so, also where its host cannot be checked from this one). True when
+        there was a folder to take."""
+        if self.world.rank != 0 or self.lock is not None or self.saver is None:
+            return False
+        lock = CheckpointLock(self.saver.directory)
+        lock.path.unlink(missing_ok=True)
+        lock.acquire()
+        self.lock = lock
+        return True
+
     def close(self) -> None:
         """Give up the checkpoint folder (rank 0's lock)."""
         if self.lock is not None:

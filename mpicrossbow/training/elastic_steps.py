@@ -69,6 +69,8 @@ class ElasticSteps:
         self.after_recovery: list[Callable[[], None]] = []
         #: Seconds from meeting a loss to training again, one entry per recovery (the benchmark's figure).
         self.recoveries: list[float] = []
+        #: Steps done (committed or dropped) before the step or collective running now.
+        self.steps_done = int(parts.checkpoints.position.get("step", 0))
 
     def step(self, run: Callable[[], float], step: int) -> float:
         """Run ``run`` (one train_step; returns its exchange seconds) as a committed step; 0.0 when it was
@@ -79,6 +81,7 @@ class ElasticSteps:
         follows covers the whole exchange — at the price of SMA's overlap of that allreduce with the next
         step's backward."""
         parts = self.parts
+        self.steps_done = step
         if self.saved is None:
             self.saved = self._capture()
         started, seconds, ok, after = time.perf_counter(), 0.0, True, None
@@ -88,13 +91,14 @@ class ElasticSteps:
         except PeerLost:
             ok = False
         if self.comm.commit(ok):
-            self.saved = after
+            self.saved, self.steps_done = after, step + 1
             return seconds
         self.recover(f"step {step}", started)
         parts.rule.on_rebind(self.lost)  # first: a rule drops what it had in flight on the lost world
         pool_state, rule_state = self.saved
         parts.pool.load_state_dict(pool_state)
         parts.rule.load_state_dict(rule_state)
+        self.steps_done = step + 1
         return 0.0
 
     def _capture(self) -> tuple[Any, Any]:
@@ -134,6 +138,8 @@ class ElasticSteps:
             hook()
         level = logging.INFO if after.rank == 0 else logging.WARNING
         setup_logging(after.rank, after.size, level)
+        if after.rank == 0 and before.rank != 0:
+            self._take_over(names)
         seconds = time.perf_counter() - started
         self.recoveries.append(seconds)
         if after.rank == 0:
@@ -145,6 +151,23 @@ class ElasticSteps:
                 after,
                 seconds,
             )
+
+    def _take_over(self, lost: str) -> None:
+        """This rank is rank 0 now, the lowest survivor of a lost rank 0: its duties pass here — metrics.h5
+        (every epoch once), TensorBoard, the checkpoint folder's lock; the run folder is the one every rank
+        was given at start."""
+        parts = self.parts
+        rows = parts.reporter.take_over(self.steps_done)
+        locked = parts.checkpoints.take_over()
+        log.warning(
+            "elastic: rank 0 (start rank %s) was lost; start rank %d takes over its duties: metrics.h5 "
+            "(%d epoch row(s) kept)%s, run folder %s",
+            lost,
+            self.comm.membership.original_rank,
+            rows,
+            ", the checkpoint lock" if locked else "",
+            parts.reporter.run_dir,
+        )
 
     def _move_world(self, rank: int, size: int) -> None:
         """Put the survivors' world where the run's parts read it (reporting, evaluation, checkpoints)."""

@@ -37,11 +37,12 @@ class MetricsWriter:
         config_text: str,
         attrs: dict[str, Any] | None = None,
         resume_step: int | None = None,
+        reopened_at: str = "resumed_at_step",
     ) -> None:
         import h5py
 
         self.path = path
-        if resume_step is not None and path.exists() and self._reopen(resume_step, attrs):
+        if resume_step is not None and path.exists() and self._reopen(resume_step, attrs, reopened_at):
             return
         self.file = h5py.File(path, "w")
         self.file.attrs["config"] = config_text
@@ -52,9 +53,10 @@ class MetricsWriter:
             for col in columns:
                 g.create_dataset(col, shape=(0,), maxshape=(None,), dtype="f8", chunks=(1024,))
 
-    def _reopen(self, resume_step: int, attrs: dict[str, Any] | None) -> bool:
-        """Resuming: append to the interrupted run's file. False when that file is damaged (its writer was
-        killed in the middle of a write): it is kept beside, renamed, and this run starts a new one."""
+    def _reopen(self, resume_step: int, attrs: dict[str, Any] | None, reopened_at: str) -> bool:
+        """Resuming (or taking over from a lost rank 0, elastic training): append to the file its last writer
+        left, recording ``resume_step`` as the attribute ``reopened_at``. False when that file is damaged
+        (its writer was killed in the middle of a write): it is kept beside, renamed, and a new one starts."""
         import h5py
 
         try:
@@ -74,16 +76,18 @@ class MetricsWriter:
                 self.path.name,
             )
             return False
-        self.file.attrs["resumed_at_step"] = resume_step
+        self.file.attrs[reopened_at] = resume_step
         for key, value in (attrs or {}).items():  # e.g. a requeued Slurm job's new restart count
             self.file.attrs[key] = value
         return True
 
     def _truncate_after(self, step: int) -> None:
-        """Resuming at ``step``: drop rows the interrupted run wrote after its checkpoint."""
+        """Resuming at ``step``: drop rows the interrupted run wrote after its checkpoint, and a row its
+        writer was killed in the middle of appending (its columns are then of different lengths)."""
         for group in ("train", "val"):
             g = self.file[group]
-            keep = int((g["step"][()] <= step).sum())
+            whole = min(ds.shape[0] for ds in g.values())
+            keep = int((g["step"][:whole] <= step).sum())
             for ds in g.values():
                 ds.resize((keep,))
 
@@ -99,8 +103,14 @@ class MetricsWriter:
             ds[-1] = value
 
     def train(self, **row: float) -> None:
-        """Append one training row (keys: TRAIN_COLUMNS)."""
+        """Append one training row (keys: TRAIN_COLUMNS) and flush to disk (a writer killed later, as
+        elastic training's lost rank 0 is, leaves every epoch it wrote readable)."""
         self._append("train", row)
+        self.file.flush()
+
+    def steps(self, group: str) -> set[float]:
+        """The steps of the rows ``group`` holds (``train`` or ``val``)."""
+        return {float(x) for x in self.file[group]["step"][()]}
 
     def val(self, **row: float) -> None:
         """Append one validation row (keys: VAL_COLUMNS) and flush to disk."""

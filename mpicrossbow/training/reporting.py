@@ -78,18 +78,44 @@ class Reporter:
         self._last_step = 0
         self.bar: Any = None
         self.samples_per_step = 1
+        #: The rows of the latest epoch, ``(table, row)``, kept on every rank: a rank that becomes rank 0
+        #: when elastic training loses it writes them where the lost rank 0 had not (:meth:`take_over`).
+        self.last_rows: list[tuple[str, dict[str, float]]] = []
         processes = world.allgather(os.getpid())
         if world.rank != 0:
             return
         # A launcher that reports a dead PID can be matched to its rank with this line.
         log.info("rank processes: %s", ", ".join(f"{r}: pid {pid}" for r, pid in enumerate(processes)))
-        job = SlurmJob.from_env()
-        slurm = job.record() if job is not None else {}
-        text = config.to_ini(header=[f"{k} = {v}" for k, v in slurm.items()])
+        text, attrs = self._header()
         (run_dir / "session.cfg").write_text(text, encoding="utf-8")
-        attrs = {"world_size": world.size, "rule": config.rule, **slurm}
         self.metrics = MetricsWriter(run_dir / "metrics.h5", text, attrs, resume_step=resume_step)
         self.tensorboard = TensorBoardLog(run_dir, text) if config.session.tensorboard else None
+
+    def _header(self) -> tuple[str, dict[str, Any]]:
+        """The resolved cfg text (Slurm's job record as its header) and metrics.h5's file attributes."""
+        job = SlurmJob.from_env()
+        slurm = job.record() if job is not None else {}
+        text = self.config.to_ini(header=[f"{k} = {v}" for k, v in slurm.items()])
+        return text, {"world_size": self.world.size, "rule": self.config.rule, **slurm}
+
+    def take_over(self, step: int) -> int:
+        """Elastic training lost rank 0 and this rank is rank 0 now: the writing passes here. metrics.h5 is
+        reopened for appending (what the lost rank 0 wrote up to ``step`` kept, a row it was killed in the
+        middle of dropped), the latest epoch's rows written where the lost rank 0 died before writing them
+        — so every epoch is there once — and TensorBoard's events go on in a new file of the same folder.
+        Returns the train rows the file holds now."""
+        if self.world.rank != 0 or self.metrics is not None:
+            return 0
+        text, attrs = self._header()
+        del attrs["world_size"]  # the file keeps the size the job started with
+        path = self.run_dir / "metrics.h5"
+        self.metrics = MetricsWriter(path, text, attrs, resume_step=step, reopened_at="rank0_lost_at_step")
+        if self.config.session.tensorboard:
+            self.tensorboard = TensorBoardLog(self.run_dir, text)
+        for table, row in self.last_rows:
+            if float(row["step"]) not in self.metrics.steps(table):
+                self._row(table, **row)
+        return len(self.metrics.steps("train"))
 
     @property
     def wall(self) -> float:
@@ -164,27 +190,25 @@ class Reporter:
 
         ``times``: seconds spent in the exchange so far, and the share of this epoch's training time the
         learners waited for data (rank 0's); ``noise_scale``: the smoothed gradient noise scale B_noise in
-        samples (:mod:`.noise_scale`; NaN where not measured)."""
-        if self.world.rank != 0:
-            return
+        samples (:mod:`.noise_scale`; NaN where not measured). Every rank keeps them: :attr:`last_rows`."""
         exchange_s, data_wait = times
         wall = self.wall
         share = exchange_s / wall if wall > 0 else 0.0
-        text = f"epoch {epoch + 1} step {step}: train loss {shown(train[0])} acc {shown(train[1])}"
-        self._last_step = step
         row = {"step": step, "epoch": epoch + 1, "loss": train[0], "accuracy": train[1], "lr": lr}
-        self._row("train", **row, time=wall, learners=learners, data_wait=data_wait, noise_scale=noise_scale)
+        extra = {"time": wall, "learners": learners, "data_wait": data_wait, "noise_scale": noise_scale}
+        rows: list[tuple[str, dict[str, float]]] = [("train", {**row, **extra})]
+        if val is not None:
+            val_row = {"epoch": epoch + 1, "step": step, "loss": val[0], "accuracy": val[1], "time": wall}
+            rows.append(("val", {**val_row, "exchange_share": share}))
+        self.last_rows = rows
+        if self.world.rank != 0:
+            return
+        self._last_step = step
+        for table, values in rows:
+            self._row(table, **values)
+        text = f"epoch {epoch + 1} step {step}: train loss {shown(train[0])} acc {shown(train[1])}"
         if val is not None:
             text += f" | val loss {shown(val[0])} acc {shown(val[1])}"
-            self._row(
-                "val",
-                epoch=epoch + 1,
-                step=step,
-                loss=val[0],
-                accuracy=val[1],
-                time=wall,
-                exchange_share=share,
-            )
         text += f" | lr {lr:.4g} | {wall:.1f}s, exchange {share:.0%}, data wait {data_wait:.0%}"
         if math.isfinite(noise_scale):
             text += f" | B_noise {noise_scale:.4g}"

@@ -94,7 +94,8 @@ def run_rank(config: Config, rule: Rule | None = None) -> int:
     result = train(world, session)
     if result.stopped:
         return after_signal_stop(world, session.config, Path(result.run_dir))
-    if world.rank == 0:
+    now = session.parts.world if session.parts is not None else world  # elastic: the survivors' world
+    if now.rank == 0:
         log.info(
             "done: %d epoch(s), %d step(s), val accuracy %s, %.1f s (exchange %.1f s), results in %s",
             result.epochs,
