@@ -87,15 +87,17 @@ def accuracy(stderr: str) -> float:
 @pytest.mark.parametrize(
     ("rule", "action"),
     # BSP killed at its step's start: test_elastic_bsp_ends_close_to_an_uninterrupted_run.
-    [("BSP", "kill_in_exchange"), ("SMA", "kill"), ("SMA", "kill_in_exchange")],
+    # LOCALSGD's step 40 is a local one (its averages come every 8 steps): the loss is met in the agreement.
+    [("BSP", "kill_in_exchange"), ("SMA", "kill"), ("SMA", "kill_in_exchange"), ("LOCALSGD", "kill")],
 )
 def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
     openmpi: OpenMPIEnv, tmp_path: Path, rule: str, action: str
 ) -> None:
     """SIGKILL of rank 2 of 4 at step 40 (at the step's start, or inside its exchange once the first
     allreduce started): the job finishes on 3 ranks with status 0, one line names the lost rank and the
-    step, and every survivor holds the same consensus bit for bit (BSP's replicas, SMA's z): the step that
-    met the loss was dropped on all of them, never applied on some."""
+    step, and every survivor holds the same consensus bit for bit (BSP's replicas, SMA's z, LOCALSGD's
+    replicas after its last average, at step 88): the step that met the loss was dropped on all of them,
+    never applied on some."""
     proc = elastic_job(
         openmpi, tmp_path, f"RULE={rule}", "fault.rank=2", "fault.step=40", f"fault.action={action}"
     )

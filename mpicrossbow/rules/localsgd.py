@@ -16,7 +16,8 @@ Who sends what to whom, and when:
 Validation and checkpoints use the mean model: ``sync_state`` computes the mean over all k learners into a
 separate buffer (the learners keep their own weights, so validating never changes training) and averages
 BatchNorm buffers; ``eval_params`` returns that mean until the next step, else None (learner 0's own).
-Learner count changes (``[pool] learners = auto``) need nothing: k is read at every average.
+Learner count changes (``[pool] learners = auto``) need nothing: k is read at every average. Elastic training
+(``[fault] elastic``): after a lost rank the node-local communicator is split again from the survivors.
 """
 
 from __future__ import annotations
@@ -80,6 +81,24 @@ class LocalSGD(Rule):
     def on_resize(self) -> None:
         """Nothing per learner: k is read from the pool at every average."""
         log.info("%s now over %d learner(s)", self.name, self.world_learners)
+
+    def on_rebind(self, lost: tuple[int, ...]) -> None:
+        """Elastic training lost ranks: every average divides by the survivors' k already (read from the
+        communicator at each use); the node-local communicator, split from the lost world, is split again
+        from the survivors' (collective over them; the old one is dropped, not freed — freeing would wait
+        on the dead). DILOCO inherits this: z and v are the same on every survivor, restored with the rest
+        of the last committed step."""
+        assert self.comm is not None
+        self._mean = None
+        if self.hyper.inner_period:
+            self.node = self.comm.split_node()
+        log.info(
+            "%s now over %d learner(s) after losing rank(s) %s%s",
+            self.name,
+            self.world_learners,
+            lost,
+            f"; node average over {self.node.size} rank(s)" if self.node is not None else "",
+        )
 
     def after_average(self) -> None:
         """Called right after every global average (every learner holds the mean): DILOCO's outer step."""
