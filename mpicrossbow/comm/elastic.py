@@ -17,9 +17,9 @@ reconfiguration by swapping the process group under its Manager. It does three t
 
 What to do with the work that was not committed, and what a rule must rebuild (its splits, its peers), is
 the training loop's business (:mod:`mpicrossbow.training.elastic_steps`) and the rule's (``on_rebind``). The
-fault-tolerant substrate is a :class:`FaultTolerantGroup`: :class:`MPIGroup` over mpi4py with ULFM; an
-in-process double with injectable deaths (torchft's FakeProcessGroupWrapper) would implement it too (not
-written yet).
+fault-tolerant substrate is a :class:`FaultTolerantGroup`: :class:`MPIGroup` over mpi4py with ULFM, and
+:class:`~mpicrossbow.comm.fault_double.FaultyGroup`, ranks as threads with deaths injected on demand
+(torchft's FakeProcessGroupWrapper), which tests recovery in-process.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class FaultTolerantGroup(ABC):
 
     @property
     def native(self) -> Any:
-        """The library's own handle of the group (an mpi4py communicator), for code that needs it."""
+        """The library's own handle of the group (an mpi4py communicator), for code that needs it; None
+        where there is none (the in-process fault double: one process, one node, no MPI)."""
         return None
 
     def is_failure(self, exc: BaseException) -> bool:

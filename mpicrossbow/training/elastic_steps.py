@@ -136,8 +136,9 @@ class ElasticSteps:
         self._move_world(after.rank, after.size)
         for hook in self.after_recovery:
             hook()
-        level = logging.INFO if after.rank == 0 else logging.WARNING
-        setup_logging(after.rank, after.size, level)
+        if self.comm.group.native is not None:  # a process per rank (not the in-process fault double)
+            level = logging.INFO if after.rank == 0 else logging.WARNING
+            setup_logging(after.rank, after.size, level)
         if after.rank == 0 and before.rank != 0:
             self._take_over(names)
         seconds = time.perf_counter() - started
@@ -171,14 +172,17 @@ class ElasticSteps:
 
     def _move_world(self, rank: int, size: int) -> None:
         """Put the survivors' world where the run's parts read it (reporting, evaluation, checkpoints)."""
-        from mpi4py import MPI
-
         parts, mpi = self.parts, self.comm.group.native
-        local = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        local_rank, local_size = rank, size  # the in-process fault double: one node, no MPI
+        if mpi is not None:
+            from mpi4py import MPI
+
+            local = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+            local_rank, local_size = local.rank, local.size
+            local.Free()
         world = dataclasses.replace(
-            parts.world, rank=rank, size=size, local_rank=local.rank, local_size=local.size, mpi=mpi
+            parts.world, rank=rank, size=size, local_rank=local_rank, local_size=local_size, mpi=mpi
         )
-        local.Free()
         parts.world = parts.reporter.world = parts.evaluator.world = parts.checkpoints.world = world
         saver = parts.checkpoints.saver
         if saver is not None:

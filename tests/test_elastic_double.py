@@ -1,0 +1,159 @@
+"""Elastic recovery in-process, on the fault double (mpicrossbow/comm/fault_double.py: ranks as threads,
+deaths injected on demand): the commit agreement, a step dropped on every survivor, the divisor following
+the new size, min_ranks. What needs a real ULFM job is in tests/test_elastic_mpi.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import OPTIM
+from models.mlp import MLP
+from mpicrossbow.comm.elastic import ElasticCommunicator
+from mpicrossbow.comm.fault_double import FaultyGroup, FaultyWorld
+from mpicrossbow.comm.ulfm import ElasticEnd, PeerLost
+from mpicrossbow.launch.world import World
+from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
+from mpicrossbow.rules.registry import RULES
+from mpicrossbow.training.elastic_steps import ElasticSteps
+from mpicrossbow.training.step import train_step
+
+
+def test_a_dead_rank_makes_the_commit_false_everywhere_and_the_survivors_shrink() -> None:
+    """Rank 1 of 3 dies before the commit: the agreement says no on both survivors (also the one whose
+    own work succeeded); they shrink to start ranks (0, 2), renumbered 0 and 1, and commit and sum there."""
+    world = FaultyWorld(3, timeout_s=10)
+
+    def body(group: FaultyGroup) -> tuple[bool, tuple[int, ...], int, bool, float]:
+        comm = ElasticCommunicator(group)
+        if group.me == 1:
+            world.die(1)
+        first = comm.commit(True)
+        membership = comm.recover()
+        ones = torch.ones(1)
+        comm.allreduce(ones).wait()
+        return first, membership.ranks, membership.rank, comm.commit(True), float(ones)
+
+    assert world.run(body) == [(False, (0, 2), 0, True, 2.0), None, (False, (0, 2), 1, True, 2.0)]
+
+
+def test_an_operation_meeting_the_loss_raises_peer_lost_and_revokes() -> None:
+    """Rank 2 dies before the allreduce: the others' allreduce raises PeerLost (not a hang) and the group
+    is revoked, so a further operation fails at once too."""
+    world = FaultyWorld(3, timeout_s=10)
+
+    def body(group: FaultyGroup) -> tuple[bool, bool]:
+        comm = ElasticCommunicator(group)
+        if group.me == 2:
+            world.die(2)
+        with pytest.raises(PeerLost):
+            comm.allreduce(torch.ones(1)).wait()
+        with pytest.raises(PeerLost):
+            comm.barrier()
+        return group.state.revoked, comm.commit(True)
+
+    assert world.run(body) == [(True, False), (True, False), None]
+
+
+def pools(size: int) -> list[SerialPool]:
+    """One small digits MLP pool per rank, built as the session builds them (rank r under seed r)."""
+    built = []
+    for rank in range(size):
+        torch.manual_seed(rank)
+        spec = PoolSpec(rank, size, 8, OPTIM, torch.device("cpu"), seed=1, learners=1)
+        built.append(SerialPool(MLP(hidden=16), spec))
+    return built
+
+
+def parts(pool: SerialPool, rule: Any, rank: int, size: int) -> Any:
+    """What ElasticSteps reads of a rank's parts: pool, rule, the world and who follows it."""
+    world = World(rank, size, rank, size, 0, 1, "h", None)
+    follower = SimpleNamespace(world=world)
+    checkpoints = SimpleNamespace(world=world, saver=None, position={})
+    return SimpleNamespace(
+        pool=pool, rule=rule, world=world, reporter=follower, evaluator=follower, checkpoints=checkpoints
+    )
+
+
+def elastic_run(
+    rule_name: str, size: int, victim: int, at: int, steps: int, min_ranks: int = 1, exchanging: bool = True
+) -> list[Any]:
+    """``steps`` elastic steps of ``rule_name`` on ``size`` fault-double ranks; ``victim`` dies in step
+    ``at``: right after its first exchange operation completed when ``exchanging`` (the others' too: a step
+    that completed its collective on every rank and is still dropped), else at the step's start. Per
+    survivor: its parameters after every step, its membership, its ElasticSteps and its rule."""
+    world, built = FaultyWorld(size, timeout_s=20), pools(size)
+
+    def body(group: FaultyGroup) -> tuple[list[torch.Tensor], Any, ElasticSteps, Any]:
+        comm, pool = ElasticCommunicator(group), built[group.me]
+        rule = RULES.get(rule_name)().bind(comm, pool)
+        steps_ = ElasticSteps(parts(pool, rule, group.me, size), comm, min_ranks)
+        pool.start_epoch(0)
+        after = []
+
+        def run(step: int) -> float:
+            if group.me == victim and step == at and not exchanging:
+                world.die(victim)  # at the step's start: the others meet the loss in its collectives
+            return train_step(pool, rule, step)
+
+        for step in range(steps):
+            if group.me == victim and step == at and exchanging:
+                comm.trap = lambda: world.die(victim)
+            steps_.step(lambda step=step: run(step), step)
+            after.append(pool.learners[0].params.clone())
+        return after, comm.membership, steps_, rule
+
+    return world.run(body)
+
+
+@pytest.mark.parametrize("rule", ["BSP", "SMA", "LOCALSGD"])
+def test_the_step_that_met_the_loss_is_dropped_on_every_survivor(rule: str) -> None:
+    """Rank 2 of 4 dies inside step 3's exchange after the collective completed everywhere (LOCALSGD's
+    step 3 is a local one: at its start, met in the agreement): every survivor drops step 3 (its weights
+    after it are those after step 2), recovers once, and the survivors end bitwise equal (BSP's replicas,
+    SMA's z, LOCALSGD's replicas after its average at step 7)."""
+    results = elastic_run(rule, 4, victim=2, at=3, steps=8, exchanging=rule != "LOCALSGD")
+    assert results[2] is None
+    survivors = [r for r in results if r is not None]
+    for after, membership, steps, _ in survivors:
+        assert torch.equal(after[3], after[2])  # dropped: restored to the last committed step
+        assert not torch.equal(after[4], after[3])  # and training goes on
+        assert membership.ranks == (0, 1, 3) and membership.version == 1
+        assert len(steps.recoveries) == 1 and steps.lost == (2,)
+    held = [r[3].z if rule == "SMA" else r[0][-1] for r in survivors]
+    assert all(torch.equal(held[0], other) for other in held[1:])
+
+
+def test_every_mean_divides_by_the_survivors_after_a_loss() -> None:
+    """After losing one rank of four, BSP's k is 3 and its average of gradients 1, 2, 3 (one per
+    survivor) is 2 everywhere: the divisor is the new size, not the start's 4."""
+    results = elastic_run("BSP", 4, victim=1, at=2, steps=3)
+    survivors = [r for r in results if r is not None]
+    assert [r[3].world_learners for r in survivors] == [3, 3, 3]
+    assert sorted(r[1].rank for r in survivors) == [0, 1, 2]
+
+    world, built = FaultyWorld(4, timeout_s=20), pools(4)
+
+    def body(group: FaultyGroup) -> float:
+        comm, pool = ElasticCommunicator(group), built[group.me]
+        rule = RULES.get("BSP")().bind(comm, pool)
+        if group.me == 1:
+            world.die(1)
+        with pytest.raises(PeerLost):
+            comm.barrier()
+        comm.recover()
+        rule.on_rebind((1,))
+        pool.learners[0].grads.fill_(comm.rank + 1.0)
+        rule.average("grads")
+        return float(pool.learners[0].grads[0])
+
+    assert world.run(body) == [2.0, None, 2.0, 2.0]
+
+
+def test_fewer_ranks_than_min_ranks_ends_the_job_on_every_survivor() -> None:
+    with pytest.raises(ElasticEnd, match="fewer than \\[fault\\] min_ranks = 4"):
+        elastic_run("BSP", 4, victim=3, at=1, steps=2, min_ranks=4)
