@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ from mpicrossbow.pool.precision import Precision
 from mpicrossbow.pool.replica_loss import cross_entropy_and_grad
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, SMA
-from mpicrossbow.training.step import train_step
+from mpicrossbow.training.step import overflow_anywhere, train_step
 
 CPU = torch.device("cpu")
 
@@ -90,8 +91,13 @@ def test_overflow_on_one_rank_is_agreed_by_every_rank() -> None:
     def body(comm: Communicator) -> tuple[bool, bool, float]:
         scale = LossScale()
         bad = torch.tensor([1.0, math.inf if comm.rank == 1 else 2.0])
-        first = scale.unscale([bad], comm)
-        second = scale.unscale([torch.tensor([4.0])], comm)
+        synchronous = SimpleNamespace(comm=comm, synchronous=True)  # what overflow_anywhere reads of a rule
+
+        def agree(found: bool) -> bool:
+            return overflow_anywhere(found, synchronous)  # type: ignore[arg-type]
+
+        first = scale.unscale([bad], agree)
+        second = scale.unscale([torch.tensor([4.0])], agree)
         return first, second, scale.scale
 
     assert InProcessWorld(3).run(body) == [(False, True, INITIAL_SCALE / 2)] * 3

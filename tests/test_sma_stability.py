@@ -25,6 +25,7 @@ from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import SMA
 from mpicrossbow.rules.sma_stability import ALPHA_CAP, alpha_bound, default_alpha
+from mpicrossbow.training.step import rule_exchange, rule_gradients
 
 
 def consensus_step(w: np.ndarray, z: np.ndarray, z_prev: np.ndarray, alpha: float, mu: float) -> tuple:
@@ -87,7 +88,8 @@ def pool_of(learners: int, engine: type[LearnerPool] = SerialPool) -> LearnerPoo
 
 
 def test_the_rules_gradient_free_step_is_the_simulated_loop() -> None:
-    """SMA's own on_gradients/exchange without an optimizer step moves w and z as consensus_step does."""
+    """SMA's own on_gradients/exchange (the step's rule side) without an optimizer step moves w and z as
+    consensus_step does."""
 
     def body(comm: Communicator) -> None:
         pool = pool_of(4)
@@ -98,8 +100,8 @@ def test_the_rules_gradient_free_step_is_the_simulated_loop() -> None:
         w = np.stack([learner.params.numpy().astype(np.float64) for learner in pool.learners])
         z, z_prev = rule.z.numpy().astype(np.float64), rule.z_prev.numpy().astype(np.float64)
         for step in range(5):
-            rule.on_gradients(step)
-            rule.exchange(step)
+            rule_gradients(rule, step, pool)
+            rule_exchange(rule, step)
             w, z, z_prev = consensus_step(w, z, z_prev, 0.3, 0.9)
         for learner, want in zip(pool.learners, w, strict=True):
             np.testing.assert_allclose(learner.params.numpy(), want, rtol=1e-4, atol=1e-5)

@@ -2,7 +2,9 @@
 
 ``crossbow-launch`` runs a step as forward and backward, the rule's ``on_gradients`` (BSP's gradient
 allreduce, SMA's corrections), the optimizer step, the rule's ``exchange`` (model averaging, elastic pulls,
-gossip, pushes to a server). In the user's loop the same order follows from torch's own optimizer hooks:
+gossip, pushes to a server). In the user's loop the same order follows from torch's own optimizer hooks,
+which call the rule's side of the step as :mod:`mpicrossbow.training.step` writes it (``rule_gradients``,
+``rule_exchange``, ``overflow_anywhere``), not a copy of it:
 
 * a **step pre-hook** gathers the gradients into the flat buffer and calls ``on_gradients(step)``;
 * a **step post-hook** calls ``exchange(step)`` and counts the step;
@@ -33,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.base import ReduceOp
 from ..errors import UsageError
 from ..rules.base import Rule
 from ..training.noise_scale import NoiseScale
+from ..training.step import overflow_anywhere, rule_exchange, rule_gradients
 from .own_model import OwnModel
 
 #: The hooks installed on each distributed optimizer (what :class:`~.grad_scaler.GradScaler` asks).
@@ -73,12 +75,8 @@ class StepHooks:
     def agree_overflow(self, found: bool) -> bool:
         """Whether any rank's gradients overflowed this step, given this rank's ``found``: one allreduce
         (MAX) among a synchronous rule's ranks; an asynchronous rank decides alone."""
-        comm = self.rule.comm
-        agreed = found
-        if comm is not None and self.rule.synchronous:
-            agreed = bool(comm.exact.allreduce_scalars([float(found)], op=ReduceOp.MAX)[0])
         self.agreed = self.step
-        return agreed
+        return overflow_anywhere(found, self.rule)
 
     def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.precision == "fp16" and self.agreed != self.step:
@@ -88,14 +86,10 @@ class StepHooks:
             )
         self.own.learner.gather_grads()
         self.check_lr()
-        if self.noise is not None:
-            self.noise.before(self.step, self.own, self.rule)
-        self.rule.on_gradients(self.step)
-        if self.noise is not None:
-            self.noise.after(self.step, self.own, self.rule)
+        rule_gradients(self.rule, self.step, self.own, self.noise)
 
     def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.rule.exchange(self.step)
+        rule_exchange(self.rule, self.step)
         self.step += 1
 
     def _forward(self, module: nn.Module, inputs: Any) -> None:

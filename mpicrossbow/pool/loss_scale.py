@@ -11,8 +11,10 @@ DeepSpeed's dynamic scaler do the same).
 its optimizer step, the others step. Under a synchronous rule that desynchronises the job — BSP's replicas
 differ from then on, and a rank that skips its collective while its peers enter it hangs the job. Here the
 overflow flag is one value allreduced with MAX through the rule's communicator, so every rank skips the
-same steps and every rank's scale moves alike. Asynchronous rules run no collective between ``bind`` and
-``finish``: their ranks decide alone, as their steps are independent anyway.
+same steps and every rank's scale moves alike (the caller passes that agreement in:
+:func:`~mpicrossbow.training.step.overflow_anywhere`, the one place it is written). Asynchronous rules run
+no collective between ``bind`` and ``finish``: their ranks decide alone, as their steps are independent
+anyway.
 
 A scale that would fall below ``floor`` (1: the loss itself no longer fits) stops the job: the gradients
 are inf or NaN before any scaling, which is divergence, not overflow.
@@ -22,12 +24,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-
-from ..comm.base import Communicator, ReduceOp
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,10 @@ class LossScale:
         #: Steps skipped because some rank's gradients overflowed.
         self.skipped = 0
 
-    def unscale(self, grads: Sequence[torch.Tensor], comm: Communicator | None = None) -> bool:
-        """Divide ``grads`` by the scale in place, agree with ``comm``'s ranks (None: alone) whether any
-        rank's gradients overflowed, and update the scale; True when the step goes on.
+    def unscale(self, grads: Sequence[torch.Tensor], agree: Callable[[bool], bool] | None = None) -> bool:
+        """Divide ``grads`` by the scale in place, ``agree`` with the other ranks (this rank's overflow →
+        whether any rank overflowed; None: alone, the step's :func:`~mpicrossbow.training.step.
+        overflow_anywhere` in training) and update the scale; True when the step goes on.
 
         On an overflow every gradient is zeroed, so nothing downstream reads an inf.
         """
@@ -68,9 +69,9 @@ class LossScale:
                 by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)
         for group in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inverse)
-        overflow = float(found.item())  # the one host synchronisation of the check
-        if comm is not None:
-            overflow = comm.exact.allreduce_scalars([overflow], op=ReduceOp.MAX)[0]
+        overflow = bool(found.item())  # the one host synchronisation of the check
+        if agree is not None:
+            overflow = agree(overflow)
         if overflow:
             for grad in grads:
                 grad.zero_()

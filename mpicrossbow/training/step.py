@@ -9,6 +9,12 @@ The gradient noise scale's probe (:mod:`.noise_scale`), when given, reads the le
 the unscale and the rule's mean after ``on_gradients``. A step whose gradients overflowed on some rank is
 skipped on every rank: neither rule hook nor the optimizer runs, so every collective the rule would have
 entered is skipped everywhere alike. The training loop, the tests and the benchmarks all call it.
+
+The embedded API (:class:`~mpicrossbow.embed.step_hooks.StepHooks`) runs the same sequence around the user's
+own ``optimizer.step()``: the user's loop computes and applies, and the hooks call this module's
+:func:`rule_gradients` (probe, ``on_gradients``, probe) before it, :func:`rule_exchange` after it and
+:func:`overflow_anywhere` from the fp16 scaler — so the rule's side of a step is written once, here
+(tests/test_structure.py fails a second copy).
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ..comm.base import ReduceOp
 from ..pool.base import LearnerPool
+from ..pool.replicas import Replicas
 from ..rules.base import Rule
 from ..trace import complete, span
 from .noise_scale import NoiseScale
@@ -43,21 +51,43 @@ def train_step(
         guard(step)
     if not unscaled(pool, rule):
         return 0.0
+    seconds = rule_gradients(rule, step, pool, probe)
+    with span("optimizer step", "compute"):
+        pool.apply()
+    return seconds + rule_exchange(rule, step)
+
+
+def rule_gradients(rule: Rule, step: int, replicas: Replicas, probe: NoiseScale | None = None) -> float:
+    """The rule's side of a step between backward and the optimizer: the noise probe reads the learners' own
+    gradients, ``on_gradients`` (BSP's allreduce), the probe reads the rule's mean; the hook's seconds."""
     if probe is not None:
-        probe.before(step, pool, rule)
+        probe.before(step, replicas, rule)
     before = time.perf_counter()
     rule.on_gradients(step)
     between = time.perf_counter()
     if probe is not None:
-        probe.after(step, pool, rule)
+        probe.after(step, replicas, rule)
     complete("on_gradients", "exchange", before, between)
-    with span("optimizer step", "compute"):
-        pool.apply()
+    return between - before
+
+
+def rule_exchange(rule: Rule, step: int) -> float:
+    """The rule's side of a step after the optimizer: ``exchange`` (model averaging, elastic pulls, gossip,
+    pushes to a server); its seconds."""
     after = time.perf_counter()
     rule.exchange(step)
     end = time.perf_counter()
     complete("exchange", "exchange", after, end)
-    return (between - before) + (end - after)
+    return end - after
+
+
+def overflow_anywhere(found: bool, rule: Rule) -> bool:
+    """Whether any rank's fp16 gradients overflowed this step, given this rank's ``found``: one allreduce
+    (MAX) of the flag among a synchronous rule's ranks, so every rank skips the step together; an
+    asynchronous rank decides alone."""
+    if rule.comm is None or not rule.synchronous:
+        return found
+    return bool(rule.comm.exact.allreduce_scalars([float(found)], op=ReduceOp.MAX)[0])
 
 
 def unscaled(pool: LearnerPool, rule: Rule) -> bool:
@@ -69,5 +99,5 @@ def unscaled(pool: LearnerPool, rule: Rule) -> bool:
         return True
     with span("unscale", "compute"):
         return scale.unscale(
-            [learner.grads for learner in pool.learners], rule.comm if rule.synchronous else None
+            [learner.grads for learner in pool.learners], lambda found: overflow_anywhere(found, rule)
         )
