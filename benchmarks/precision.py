@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from benchmarks.report import append_result, cfg_runs
+from benchmarks.report import REPO, append_result, cfg_runs
+
+sys.path.insert(0, str(REPO / "tests"))  # the digits tests' rule table
+from digits_rules import DIGITS_RULES
 
 #: The largest difference in final validation accuracy (a fraction: 0.01 = 1 point) bf16 may show.
 TOLERANCE = 0.01
@@ -36,24 +39,7 @@ DATASETS = {
     "mnist1d": ("launch/mnist1d.cfg", ("DEVICES=cpu",)),
 }
 #: ranks → {label: overrides}: every rule, with the settings of its existing digits tests.
-RULES = {
-    2: {
-        "BSP": "RULE=BSP",
-        "SMA": "RULE=SMA,pool.learners=2",
-        "EASGD-sync": "RULE=EASGD",
-    },
-    4: {
-        "EASGD-async": "RULE=EASGD,rule.mode=async",
-        "GOSGD": "RULE=GOSGD,rule.p=0.05",
-        "ASGD": "RULE=ASGD",
-        "SSP": "RULE=SSP,rule.staleness=2",
-        "PSGD": "RULE=PSGD",
-        "WEEDOUT": "RULE=WEEDOUT",
-        "LOCALSGD-hier-m2": "RULE=LOCALSGD,rule.inner_period=2,pool.learners=2",
-        "DILOCO": "RULE=DILOCO",
-        "GSP-auto": "RULE=GSP,rule.groups=auto,rule.probe_steps=10",
-    },
-}
+RULES = {2: {**DIGITS_RULES[2], "SMA": "RULE=SMA,pool.learners=2"}, 4: DIGITS_RULES[4]}
 #: data set → {rule label: overrides} where the cfg's recipe does not train that rule (in fp32 either).
 TUNED = {"mnist1d": {"ASGD": "rule.scale=0", "DILOCO": "rule.outer_lr=0.3"}}
 #: The rules whose ranks move in lock-step: their runs are deterministic, so fp32 against bf16 differ by

@@ -160,6 +160,13 @@ def launcher() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "mpicrossbow.cli"]
 
 
+def epoch_of(checkpoint: Path) -> int:
+    """The furthest epoch any rank's file of ``checkpoint`` holds (a parameter server's holds none)."""
+    return max(
+        int(torch.load(f, weights_only=True)["position"]["epoch"]) for f in checkpoint.glob("rank-*.pt")
+    )
+
+
 def only_run(out: Path) -> Path:
     """The one run folder a job created under ``out``."""
     runs = [p for p in out.iterdir() if p.is_dir()]

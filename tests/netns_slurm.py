@@ -31,7 +31,7 @@ from pathlib import Path
 
 from netns_cluster import NetnsCluster
 from netns_cluster import missing_reason as netns_missing
-from slurm_cluster import SlurmCluster, free_ports, read_pid, start_munge, stop_pid, tool
+from slurm_cluster import SlurmCluster, daemon_lines, free_ports, read_pid, start_munge, stop_pid, tool
 from slurm_cluster import missing_reason as slurm_missing
 
 START_TIMEOUT_S = 60.0
@@ -145,17 +145,7 @@ class NetnsSlurm(SlurmCluster):
             f"SlurmctldHost=head({head})",
             f"SlurmctldPort={port}",
             f"SlurmdPort={node_port}",  # one port for every slurmd: each node has its own address
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={munge_socket}",
-            f"StateSaveLocation={self.root}/state",
-            f"SlurmdSpoolDir={self.root}/spool-%n",
-            f"SlurmctldPidFile={self.root}/slurmctld.pid",
-            f"SlurmdPidFile={self.root}/slurmd-%n.pid",
-            f"SlurmctldLogFile={self.root}/slurmctld.log",
-            f"SlurmdLogFile={self.root}/slurmd-%n.log",
+            *daemon_lines(self.root, munge_socket),
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "SlurmdParameters=config_overrides",

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,13 +124,34 @@ class SlurmCluster:
         raise TimeoutError(f"Slurm job {job} still {state} after {timeout:.0f} s (cancelled)")
 
 
-def write_config(root: Path, host: str, ports: list[int], munge_socket: Path) -> Path:
-    """slurm.conf for a two-node cluster on this host (nodes n1, n2 on their own ports)."""
-    cpus = os.cpu_count() or 1
-    lines = [
-        "ClusterName=xbowtest",
-        f"SlurmctldHost={host}(127.0.0.1)",
-        f"SlurmctldPort={ports[0]}",
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``predicate()`` every 0.2 s until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    pytest.fail(f"not within {timeout:.0f} s: {what}")
+
+
+def ranks_of(marker: Path) -> list[int]:
+    """Pids of rank processes (on any node: their PID namespaces are children of this one) whose command line
+    names ``marker`` (a test's own output folder)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(marker).encode() in cmdline and b"crossbow" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def daemon_lines(root: Path, munge_socket: Path) -> list[str]:
+    """The slurm.conf lines every private cluster shares: root daemons, munge at ``munge_socket``, state,
+    spool, pid and log files under ``root`` (``%n``: the node's name)."""
+    return [
         "SlurmUser=root",
         "SlurmdUser=root",
         "AuthType=auth/munge",
@@ -142,6 +163,17 @@ def write_config(root: Path, host: str, ports: list[int], munge_socket: Path) ->
         f"SlurmdPidFile={root}/slurmd-%n.pid",
         f"SlurmctldLogFile={root}/slurmctld.log",
         f"SlurmdLogFile={root}/slurmd-%n.log",
+    ]
+
+
+def write_config(root: Path, host: str, ports: list[int], munge_socket: Path) -> Path:
+    """slurm.conf for a two-node cluster on this host (nodes n1, n2 on their own ports)."""
+    cpus = os.cpu_count() or 1
+    lines = [
+        "ClusterName=xbowtest",
+        f"SlurmctldHost={host}(127.0.0.1)",
+        f"SlurmctldPort={ports[0]}",
+        *daemon_lines(root, munge_socket),
         "ProctrackType=proctrack/pgid",
         "TaskPlugin=task/affinity",
         "SelectType=select/cons_tres",

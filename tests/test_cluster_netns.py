@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from digits_rules import DIGITS_RULES, DIGITS_TARGET
 from netns_cluster import NetnsCluster, leftovers, missing_reason
 
-from conftest import REPO, find_mpiexec, launcher, mpi_env, only_run
+from conftest import REPO, epoch_of, find_mpiexec, launcher, mpi_env, only_run
 from mpicrossbow.training.checkpoint import complete_checkpoints as checkpoint_folders
 from mpicrossbow.training.metrics import read_metrics
 
@@ -37,19 +38,12 @@ RULES = {
     "SMA": "RULE=SMA",
     "SMA-m2": "RULE=SMA,pool.learners=2",
     "EASGD": "RULE=EASGD",
-    "EASGD-async": "RULE=EASGD,rule.mode=async",
-    "GOSGD": "RULE=GOSGD,rule.p=0.05",
-    "ASGD": "RULE=ASGD",
-    "SSP": "RULE=SSP,rule.staleness=2",
-    "PSGD": "RULE=PSGD",
-    "WEEDOUT": "RULE=WEEDOUT",
-    "LOCALSGD-hier-m2": "RULE=LOCALSGD,rule.inner_period=2,pool.learners=2",
-    "DILOCO": "RULE=DILOCO",
+    **{label: rule for label, rule in DIGITS_RULES[4].items() if label != "GSP-auto"},
     "POSTLOCALSGD": "RULE=POSTLOCALSGD",
     "GSP-nodes": "RULE=GSP,rule.groups={groups}",
 }
-#: the 4-rank digits target of the one-node tests (tests/test_compression_mpi.py)
-TARGET = 0.93
+#: the 4-rank digits target of the one-node tests
+TARGET = DIGITS_TARGET[4]
 
 
 def run_at_head(cluster: NetnsCluster, argv: list[str], timeout: float, env: dict[str, str] | None = None):
@@ -231,15 +225,6 @@ def resume_finishes(cluster: NetnsCluster, run: Path, out: Path, rule: str) -> N
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{newest.name}" in proc.stderr
     assert read_metrics(run / "metrics.h5")["val"]["accuracy"][-1] >= 0.9
-
-
-def epoch_of(checkpoint: Path) -> int:
-    """The furthest epoch any rank's file of ``checkpoint`` holds (a parameter server's holds none)."""
-    import torch
-
-    return max(
-        int(torch.load(f, weights_only=True)["position"]["epoch"]) for f in checkpoint.glob("rank-*.pt")
-    )
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from digits_rules import DIGITS_RULES, DIGITS_TARGET
 
 from conftest import only_run, run_mpi
 from mpicrossbow.training.metrics import read_metrics
@@ -22,21 +23,8 @@ pytestmark = [pytest.mark.mpi]
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
 #: ranks: {label: overrides}, with the accuracy target of each world size's existing tests.
-DIGITS = {
-    2: {"BSP": "RULE=BSP", "SMA": "RULE=SMA", "EASGD-sync": "RULE=EASGD"},
-    4: {
-        "EASGD-async": "RULE=EASGD,rule.mode=async",
-        "GOSGD": "RULE=GOSGD,rule.p=0.05",
-        "ASGD": "RULE=ASGD",
-        "SSP": "RULE=SSP,rule.staleness=2",
-        "PSGD": "RULE=PSGD",
-        "WEEDOUT": "RULE=WEEDOUT",
-        "LOCALSGD-hier-m2": "RULE=LOCALSGD,rule.inner_period=2,pool.learners=2",
-        "DILOCO": "RULE=DILOCO",
-        "GSP-auto": "RULE=GSP,rule.groups=auto,rule.probe_steps=10",
-    },
-}
-TARGET = {2: 0.95, 4: 0.93}
+DIGITS = DIGITS_RULES
+TARGET = DIGITS_TARGET
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
+from slurm_cluster import SlurmCluster, ranks_of, slurm_cluster, wait_for  # noqa: F401  (the fixture)
 
 from conftest import REPO
 from mpicrossbow.training.checkpoint import complete_checkpoints
@@ -54,29 +54,6 @@ def submit(
 def output(tmp_path: Path, job: int) -> str:
     path = tmp_path / f"slurm-{job}.out"
     return path.read_text(errors="replace") if path.exists() else ""
-
-
-def wait_for(predicate: object, timeout: float, what: str) -> None:
-    """Poll ``predicate()`` every 0.2 s until true; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.2)
-    pytest.fail(f"not within {timeout:.0f} s: {what}")
-
-
-def ranks_of(marker: Path) -> list[int]:
-    """Pids of rank processes whose command line names ``marker`` (a test's own output folder)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if str(marker).encode() in cmdline and b"crossbow" in cmdline:
-            pids.append(int(entry.name))
-    return pids
 
 
 def the_run(tmp_path: Path, job: int) -> Path:

@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from netns_cluster import NetnsCluster, leftovers
 from netns_slurm import NetnsSlurm, netns_missing, slurm_missing
+from slurm_cluster import ranks_of, wait_for
 
-from conftest import REPO
+from conftest import REPO, epoch_of
 from mpicrossbow.training.checkpoint import complete_checkpoints
 from mpicrossbow.training.metrics import read_metrics
 
@@ -90,29 +90,6 @@ def the_run(out: Path, job: int) -> Path:
     """The one run folder of ``job`` (beside it: the templates' exit-status file)."""
     (run,) = (p for p in (out / "runs" / str(job)).iterdir() if p.is_dir())
     return run
-
-
-def wait_for(predicate: object, timeout: float, what: str) -> None:
-    """Poll ``predicate()`` every 0.2 s; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.2)
-    pytest.fail(f"not within {timeout:.0f} s: {what}")
-
-
-def ranks_of(marker: Path) -> list[int]:
-    """Pids of rank processes, on any node, whose command line names ``marker`` (a test's own folder)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if str(marker).encode() in cmdline and b"crossbow-launch" in cmdline and b"sbatch" not in cmdline:
-            pids.append(int(entry.name))
-    return pids
 
 
 def binding_rows(out: str) -> list[list[str]]:
@@ -256,10 +233,3 @@ def test_under_srun_a_lost_node_or_link_ends_the_job_in_a_minute_and_a_resume_fi
     assert record["JobState"] == "COMPLETED", out[-3000:]
     assert f"resuming from {checkpoints[-1]}" in out, out[-3000:]
     assert read_metrics(run / "metrics.h5")["val"]["accuracy"][-1] >= 0.9
-
-
-def epoch_of(checkpoint: Path) -> int:
-    """The furthest epoch any rank's file of ``checkpoint`` holds."""
-    return max(
-        int(torch.load(f, weights_only=True)["position"]["epoch"]) for f in checkpoint.glob("rank-*.pt")
-    )
