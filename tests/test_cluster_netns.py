@@ -301,3 +301,44 @@ def test_the_embedded_example_runs_across_three_nodes(
     import torch
 
     assert "fc2.weight" in torch.load(saved, weights_only=True)
+
+
+@pytest.mark.slow
+def test_crossbow_launch_run_alone_names_the_node_it_lost(cluster: NetnsCluster, tmp_path: Path) -> None:
+    """``crossbow-launch -hostfile`` at the head starts mpiexec itself (hydra reaching the nodes through the
+    cluster's launcher, as through ssh); every process of node2 is killed after two checkpoints. Hydra ends
+    the job at once naming no node (SIGKILL to every rank: none lives to say it); crossbow-launch, still
+    there, asks each host whether it answers and names node2 in one line."""
+    out = tmp_path / "runs"
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1:2\nnode2:2\n", encoding="utf-8")
+    argv = [
+        *launcher(),
+        "-cfg",
+        "launch/digits.cfg",
+        "-hostfile",
+        str(hostfile),
+        f"session.output={out}",
+        *LONG,
+    ]
+    env = {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(cluster.launcher)}
+    job = subprocess.Popen(
+        cluster.head_command(argv), cwd=REPO, env=mpi_env(env), text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for_checkpoints(out, 2, job)
+        cluster.kill_node("node2")
+        status, err, waited = finish(job, timeout=90)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        if cluster.node("node2").pid == 0:
+            cluster.restart_node("node2")
+    assert status not in (None, 0) and waited < 60, err[-3000:]
+    lines = [line for line in err.splitlines() if "no longer answer" in line]
+    assert lines == [
+        f"crossbow-launch: error: the job ended with status {status} and node2 no longer answers (its "
+        "processes, its node or its link are lost); resume from the last checkpoint with "
+        "checkpoint.resume=<run folder> once it is back, or leave it out of the host list"
+    ], err[-3000:]

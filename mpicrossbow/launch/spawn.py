@@ -18,8 +18,10 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import USAGE_EXIT_CODE, UsageError
 from .devices import DeviceSpec, any_size
+from .failure import say
+from .lost_hosts import lost_hosts, lost_line
 from .reaper import awaiting_orphans
 from .shm_hygiene import removing_new_segments
 from .slurm import in_slurm_allocation
@@ -258,7 +260,18 @@ def spawn(
         env = spawn_env(flavor, len(devices))
     env.update(terminal_env())
     with removing_new_segments(), awaiting_orphans():
-        return run_job(cmd, env)
+        status = run_job(cmd, env)
+    named = [host for host, _ in host_counts(devices, hosts)]
+    if not use_srun and len(named) > 1 and status not in QUIET_STATUSES:
+        lost = lost_hosts(named, env)
+        if lost:
+            say(lost_line(status, lost))
+    return status
+
+
+#: Exit statuses after which the hosts of a failed job are not asked whether they answer: done, bad input,
+#: stopped by a signal (checkpoint saved), interrupted from the terminal or by SIGTERM.
+QUIET_STATUSES = frozenset({0, USAGE_EXIT_CODE, 75, 128 + signal.SIGINT, 128 + signal.SIGTERM})
 
 
 #: Set by the launcher for its ranks when its own stderr is a terminal: the terminal's width in columns. A
