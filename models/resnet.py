@@ -3,7 +3,7 @@
 Three stages of 16, 32 and 64 channels with n basic blocks each (depth = 6n + 2), BatchNorm after every
 convolution, 1×1-convolution + BatchNorm shortcuts where the shape changes (option B), global average
 pooling and one linear layer. Each block is ``Sequential(Residual(body, shortcut), ReLU())`` built from
-standard layers, so the fused engine fuses it mechanically (mpicrossbow/pool/fuse.py).
+standard layers, so the fused engine fuses it mechanically (mpicrossbow/pool/fused_network.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from models.lenet import LeNet
 from models.mlp import MLP
 from mpicrossbow.errors import ContractError
 from mpicrossbow.pool.chooser import FUSED, UNFUSED, Chooser
-from mpicrossbow.pool.fuse import FusedNetwork
+from mpicrossbow.pool.fused_network import FusedNetwork
 from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.vmapped import VmappedNetwork
 from mpicrossbow.training.metrics import read_metrics

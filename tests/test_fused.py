@@ -33,9 +33,9 @@ from mpicrossbow.data.loader import LoaderOptions
 from mpicrossbow.model.contract import sgd_settings
 from mpicrossbow.pool import FusedPool, SerialPool, fused_conv1d
 from mpicrossbow.pool.chooser import pick, time_forms
-from mpicrossbow.pool.fuse import FusedConv2d
-from mpicrossbow.pool.fused import default_recipe
 from mpicrossbow.pool.fused_conv1d import FusedConv1d
+from mpicrossbow.pool.fused_network import FusedConv2d
+from mpicrossbow.pool.fused_pool import default_recipe
 from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, SMA
@@ -311,7 +311,7 @@ def test_both_conv1d_forms_match_serial(form: str, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(fused_conv1d, "pick", lambda timed, margin: form)
     serial, fused = pools(plain(Signals, (2, 20), 3), 3)
     train_alongside(serial, fused)
-    convs = [v for v in fused.fused.replication.state.values() if isinstance(v, FusedConv1d)]
+    convs = [v for v in fused.fused.dispatcher.state.values() if isinstance(v, FusedConv1d)]
     assert [conv.form for conv in convs] == [form, form, "two_d"]  # the grouped one: 2-D forms only
     assert serial.validate() == pytest.approx(fused.validate(), rel=1e-5)
 
@@ -322,7 +322,7 @@ def test_both_conv1d_forms_hand_their_output_on_in_the_same_layout() -> None:
     _, fused = pools(plain(Signals, (2, 20), 3), 2)
     fused.start_epoch(0)
     fused.compute(0)  # the call sites are built (and their forms chosen) on the first training forward
-    conv = next(v for v in fused.fused.replication.state.values() if isinstance(v, FusedConv1d))
+    conv = next(v for v in fused.fused.dispatcher.state.values() if isinstance(v, FusedConv1d))
     x = torch.randn(2, 5, 2, 20)
     lengthwise, two_d = conv.lengthwise(x), conv.two_d(x)
     assert lengthwise.shape == two_d.shape and lengthwise.stride() == two_d.stride()

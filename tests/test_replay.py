@@ -18,7 +18,7 @@ from test_fused import plain, pools
 from torch import nn
 
 from mpicrossbow.pool import FusedPool
-from mpicrossbow.pool.replay import Recorder
+from mpicrossbow.pool.replay import OperatorRecorder
 from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 
 M = 3
@@ -292,7 +292,7 @@ def test_a_recording_that_fails_leaves_the_forward_running(
     def broken(*_: Any) -> None:
         raise KeyError("injected")
 
-    monkeypatch.setattr(Recorder, "_note", broken)
+    monkeypatch.setattr(OperatorRecorder, "_note", broken)
     fused, net = network(MixedNet)
     net.eval()
     x = inputs()

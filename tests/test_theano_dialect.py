@@ -15,7 +15,7 @@ from conftest import REPO
 from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError, ContractError
 from mpicrossbow.launch.devices import DeviceSpec
-from mpicrossbow.pool.theano import Recorder, TheanoPool
+from mpicrossbow.pool.theano import TheanoPool, TheanoRecorder
 from mpicrossbow.training.evaluation import per_sample
 
 GOLDEN = Path(__file__).parent / "data" / "theano_mpi"
@@ -107,10 +107,10 @@ class SilentModel:
     def compile_iter_fns(self) -> None:
         """Nothing to compile."""
 
-    def train_iter(self, count: int, recorder: Recorder) -> float | None:
+    def train_iter(self, count: int, recorder: TheanoRecorder) -> float | None:
         return 0.5 if self.returns else None
 
-    def val_iter(self, count: int, recorder: Recorder) -> tuple[float, float] | None:
+    def val_iter(self, count: int, recorder: TheanoRecorder) -> tuple[float, float] | None:
         return (0.25, 0.1) if self.returns else None
 
     def adjust_hyperp(self, epoch: int) -> None:

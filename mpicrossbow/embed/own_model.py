@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import ContractError
 from ..pool.flat import attach_flat_grads, flatten_into_buffer
-from ..pool.replicas import Replicas
+from ..pool.replica_view import ReplicaView
 
 
 class OwnLearner:
@@ -98,7 +98,7 @@ def check_model(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-class OwnModel(Replicas):
+class OwnModel(ReplicaView):
     """One :class:`OwnLearner`; ``steps_per_epoch()`` is the user's loader length (None: counted in steps)."""
 
     def __init__(

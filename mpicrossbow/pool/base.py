@@ -14,15 +14,15 @@ from ..errors import DataError
 from ..trace import complete
 from .learner import Learner
 from .precision import FP32, Precision
-from .replicas import Replicas
+from .replica_view import ReplicaView
 
 
-class LearnerPool(Replicas):
+class LearnerPool(ReplicaView):
     """m learners inside one rank, each with its own replica, optimizer state and batches.
 
     The session drives a step as ``compute()`` (forward and backward of every learner), the rule's
     ``on_gradients``, ``apply()`` (every optimizer step) and the rule's ``exchange``. Rules see only the
-    :class:`~.replicas.Replicas` part: the learners' flat ``params``, ``grads`` and ``buffers``.
+    :class:`~.replica_view.ReplicaView` part: the learners' flat ``params``, ``grads`` and ``buffers``.
     """
 
     learners: list[Learner]

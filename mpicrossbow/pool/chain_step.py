@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from .batched_chain import chain_backward, chain_forward
-from .fuse import FusedFlatten, FusedNetwork
 from .fused_chain import FusedChain
+from .fused_network import FusedFlatten, FusedNetwork
 from .replica_loss import cross_entropy_and_grad
 from .step_gradients import StepGradients, grad_rows
 
@@ -45,8 +45,8 @@ class ChainStep:
 
     @staticmethod
     def of(network: nn.Module) -> ChainStep | None:
-        """The step for ``network`` when it is a :class:`~.fuse.FusedNetwork` whose body is only flattening
-        and then one chain, else None (the network trains through autograd)."""
+        """The step for ``network`` when it is a :class:`~.fused_network.FusedNetwork` whose body is only
+        flattening and then one chain, else None (the network trains through autograd)."""
         if not isinstance(network, FusedNetwork) or not isinstance(network.body, nn.Sequential):
             return None
         *prefix, last = network.body

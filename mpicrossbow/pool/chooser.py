@@ -2,7 +2,7 @@
 
 **Paths.** The fused engine runs its m replicas' forward on the first of these paths that can run the network:
 
-* ``layers`` — the layer-by-layer fuser (:mod:`.fuse`): every layer one the fuser widens; refused (a
+* ``layers`` — the layer-by-layer fuser (:mod:`.fused_network`): every layer one the fuser widens; refused (a
   ContractError) when building it meets another layer, or when its first forward meets an input layout its
   layers do not take;
 * ``replicated`` — replica 0's own ``forward()`` on every replica's values (:mod:`.replicated_network`);

@@ -1,11 +1,12 @@
 """Runs of fused ``Linear`` layers and activations in an ``nn.Sequential``, each as one autograd node.
 
-The layer-by-layer fuser turns each ``Linear`` into a :class:`~.fuse.FusedLinear` and keeps activations as
-they are. A run of them — Linear → activation → Linear …, an MLP's body, a CNN's classifier head — is put
-here in place of its layers as one :class:`FusedChain`, run by :func:`~.batched_chain.batched_chain`: one
-node instead of one per layer, the same arithmetic. Measured in the training loop at m = 8, batch 4, one
-thread, side by side with the bound (one replica at batch 32): a fused MLP 64-128-128-10 step went from 517
-to 466 µs (fused ÷ bound 0.65 → 0.72), a fused LeNet-28 step from 4.02 to 3.58 ms (0.81 → 0.88).
+The layer-by-layer fuser turns each ``Linear`` into a :class:`~.fused_network.FusedLinear` and keeps
+activations as they are. A run of them — Linear → activation → Linear …, an MLP's body, a CNN's classifier
+head — is put here in place of its layers as one :class:`FusedChain`, run by
+:func:`~.batched_chain.batched_chain`: one node instead of one per layer, the same arithmetic. Measured in the
+training loop at m = 8, batch 4, one thread, side by side with the bound (one replica at batch 32): a fused
+MLP 64-128-128-10 step went from 517 to 466 µs (fused ÷ bound 0.65 → 0.72), a fused LeNet-28 step from 4.02 to
+3.58 ms (0.81 → 0.88).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 
 from ..errors import ContractError
 from .batched_chain import Steps, activation_kernels, batched_chain
-from .fuse import FusedLinear
+from .fused_network import FusedLinear
 from .step_gradients import StepGradients
 
 

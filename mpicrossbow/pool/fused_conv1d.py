@@ -1,7 +1,7 @@
 """m ``Conv1d`` call sites as one: every replica's convolution along the length, channels last.
 
-The fused engine's 2-D forms (:class:`~mpicrossbow.pool.fuse.FusedConv2d`) run a 1-D convolution as a 2-D
-one over ``(…, 1, L)`` in the grouped layout ``(N, m·C, 1, L)``: every call converts the replicas' values
+The fused engine's 2-D forms (:class:`~mpicrossbow.pool.fused_network.FusedConv2d`) run a 1-D convolution as a
+2-D one over ``(…, 1, L)`` in the grouped layout ``(N, m·C, 1, L)``: every call converts the replicas' values
 into that layout and back (a copy each way), and the pointwise layers between two convolutions then work on
 a transposed view (ReLU's backward measured 5× slower there). The *lengthwise* form keeps the values
 channels last, ``(m, N, L, C)``, which is what a batched matmul wants: pad the length, unfold it into
@@ -27,7 +27,7 @@ from torch import nn
 from torch.overrides import handle_torch_function, has_torch_function
 
 from .chooser import pick, time_forms
-from .fuse import FusedConv2d, batched
+from .fused_network import FusedConv2d, batched
 
 
 class FusedConv1d(nn.Module):

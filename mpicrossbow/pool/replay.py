@@ -2,21 +2,22 @@
 (:mod:`.replicated_network`) ran on plain tensors, recorded once and compiled into one Python function.
 
 **Why.** Running the template's forward costs Python per operator — the module calls, ``F.*``'s dispatch to
-``Replicated.__torch_function__``, each rule's reading of its arguments — while a small network's kernels
+``Replicated.__torch_function__``, each handler's reading of its arguments — while a small network's kernels
 take a few µs each. Measured on the transformer block (m = 8, b = 4, one thread): its forward took 460 µs
 through the template and 296 µs as the same operators written out by hand. A replay runs exactly the
 operators the template's forward ran — the same functions on the same arguments in the same order, so the
 same values bit for bit and the same autograd graph — without the Python that chose them.
 
-**How.** :class:`Recorder` is a torch function mode held around one forward. A call on a ``Replicated`` goes
-to its :class:`~.replicated.Replication` with the mode still on, so each operator its rule runs on the
-stacked tensors is recorded with its arguments: an earlier operator's result by reference, anything else
-(the parameters' rows, a dtype, a size) as a constant. A recording compiles into a function of the input
-(:meth:`Recorder.compile`), each result released after its last use as the forward would release it.
+**How.** :class:`OperatorRecorder` is a torch function mode held around one forward. A call on a
+``Replicated`` goes to its :class:`~.replicated.OperatorDispatcher` with the mode still on, so each operator
+its handler runs on the stacked tensors is recorded with its arguments: an earlier operator's result by
+reference, anything else (the parameters' rows, a dtype, a size) as a constant. A recording compiles into a
+function of the input (:meth:`OperatorRecorder.compile`), each result released after its last use as the
+forward would release it.
 
-**When a recording replays** (:class:`Replays`): for a forward with the same key — input shape, strides,
+**When a recording replays** (:class:`ReplayCache`): for a forward with the same key — input shape, strides,
 dtype and device, training mode, grad mode, autocast — once two forwards in a row with that key recorded
-the same operators on the same constants (tensors by identity). A choice a rule makes on its first calls,
+the same operators on the same constants (tensors by identity). A choice a handler makes on its first calls,
 an index tensor it caches, a tensor made fresh by Python the recorder cannot see: each shows as a
 difference, and recording goes on. A forward never replays if it read a tensor's values into Python
 (``item()``, ``bool()``), shaped a tensor by its values (``nonzero``, a boolean mask), ran an operator under
@@ -25,8 +26,8 @@ replayed) or under autocast switched inside it, drew from Python's or NumPy's ra
 network has module hooks: it runs through the template every time, as before.
 
 Python side effects of a forward (a counter, a log line) happen only in the forwards that record. The pool
-stops replaying at every epoch start (:meth:`Replays.forget`), so a forward whose Python reads the epoch, or
-anything set between epochs, is recorded anew; one recording equal to the last epoch's resumes the replay.
+stops replaying at every epoch start (:meth:`ReplayCache.forget`), so a forward whose Python reads the epoch,
+or anything set between epochs, is recorded anew; one recording equal to the last epoch's resumes the replay.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def has_hooks(module: nn.Module) -> bool:
     return found or any(getattr(globals_, name, None) for name in names)
 
 
-class Recorder(TorchFunctionMode):
+class OperatorRecorder(TorchFunctionMode):
     """While active, records every torch operator a forward runs on plain tensors (see the module's text);
     ``why`` says why this forward cannot replay (None while it can)."""
 
@@ -147,7 +148,7 @@ class Recorder(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        """A call on a Replicated: its rule runs with recording on. Any other: run, then recorded."""
+        """A call on a Replicated: its handler runs with recording on. Any other: run, then recorded."""
         kwargs = kwargs or {}
         for value in (*args, *kwargs.values()):
             for leaf in value if isinstance(value, (list, tuple)) else (value,):
@@ -244,7 +245,7 @@ class Recorder(TorchFunctionMode):
         self._keep.clear()  # the forward's values, free to go (the recording holds names and constants)
         self._names.clear()
 
-    def same_as(self, other: Recorder) -> bool:
+    def same_as(self, other: OperatorRecorder) -> bool:
         """Whether two recordings ran the same operators on the same constants."""
         return (
             self.lines == other.lines
@@ -293,7 +294,7 @@ def _bool_index(index: Any) -> bool:
     return any(isinstance(v, torch.Tensor) and v.dtype in (torch.bool, torch.uint8) for v in leaves)
 
 
-class Replays:
+class ReplayCache:
     """One network's recordings by key: recording while two in a row differ, then the compiled replay.
 
     A key whose first :attr:`ATTEMPTS` recordings never agree twice in a row stops recording (a recorded
@@ -305,8 +306,8 @@ class Replays:
 
     def __init__(self) -> None:
         self._ready: dict[Key, Callable[[torch.Tensor], torch.Tensor]] = {}
-        self._compiled: dict[Key, Recorder] = {}  # the recording behind each replay
-        self._last: dict[Key, Recorder] = {}
+        self._compiled: dict[Key, OperatorRecorder] = {}  # the recording behind each replay
+        self._last: dict[Key, OperatorRecorder] = {}
         self._attempts: dict[Key, int] = {}
         self._never: dict[Key, str] = {}
         self._told: set[str] = set()
@@ -321,16 +322,16 @@ class Replays:
         self.replayed += 1
         return replay(x)
 
-    def recorder(self, key: Key, x: torch.Tensor, template: nn.Module) -> Recorder | None:
+    def recorder(self, key: Key, x: torch.Tensor, template: nn.Module) -> OperatorRecorder | None:
         """A recorder for the next forward with ``key``; None when forwards with it never replay."""
         if key in self._never:
             return None
         if has_hooks(template):
             self._refuse(key, "the network has module hooks")
             return None
-        return Recorder(x)
+        return OperatorRecorder(x)
 
-    def offer(self, key: Key, recorder: Recorder) -> None:
+    def offer(self, key: Key, recorder: OperatorRecorder) -> None:
         """A finished recording: compiled when it equals the one before it with the same key."""
         if recorder.why is not None:
             self._refuse(key, recorder.why)

@@ -4,11 +4,11 @@ The fused engine's path for any network (:class:`~mpicrossbow.pool.replicated_ne
 runs replica 0's own ``forward()`` — its Python, its control flow on shapes, its submodules — on a
 ``Replicated`` input. A ``Replicated`` holds ``data`` of shape ``(m, *shape)`` and answers ``shape``,
 ``dim()``, ``size()`` as one replica's tensor would; every torch function, tensor method and operator applied
-to it reaches :meth:`Replication.call` (PyTorch's ``__torch_function__`` protocol), which runs the operator
-once for all m replicas (:mod:`.replicated_ops`) or, for an operator it does not know, once per replica on
-its slice — correct always, and logged. Replica 0's parameters and buffers met there are swapped for the
-pool's ``(m, *shape)`` views of every replica's copy, so one convolution call convolves every replica with
-its own weights.
+to it reaches :meth:`OperatorDispatcher.call` (PyTorch's ``__torch_function__`` protocol), which runs the
+operator once for all m replicas (:mod:`.replicated_ops`) or, for an operator it does not know, once per
+replica on its slice — correct always, and logged. Replica 0's parameters and buffers met there are swapped
+for the pool's ``(m, *shape)`` views of every replica's copy, so one convolution call convolves every replica
+with its own weights.
 
 What it cannot see — arithmetic on a parameter outside any torch call on a ``Replicated``, control flow on a
 tensor's values, in-place writes into a ``Replicated`` — raises a ContractError; the network then falls back
@@ -28,7 +28,7 @@ from ..errors import ContractError
 
 log = logging.getLogger(__name__)
 
-Rule = Callable[["Replication", Any, tuple[Any, ...], dict[str, Any]], Any]
+OperatorHandler = Callable[["OperatorDispatcher", Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
 class Replicated:
@@ -36,7 +36,7 @@ class Replicated:
 
     __slots__ = ("ctx", "data")
 
-    def __init__(self, data: torch.Tensor, ctx: Replication) -> None:
+    def __init__(self, data: torch.Tensor, ctx: OperatorDispatcher) -> None:
         self.data, self.ctx = data, ctx
 
     # What one replica's tensor would answer.
@@ -114,7 +114,7 @@ class Replicated:
     def __torch_function__(
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        """Every torch function that meets a Replicated runs through its Replication."""
+        """Every torch function that meets a Replicated runs through its OperatorDispatcher."""
         for value in (*args, *(kwargs or {}).values()):
             for leaf in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(leaf, Replicated):
@@ -122,7 +122,7 @@ class Replicated:
         return NotImplemented
 
     def __getattr__(self, name: str) -> Any:
-        """A tensor method, bound to this value: runs through the Replication."""
+        """A tensor method, bound to this value: runs through the OperatorDispatcher."""
         method = getattr(torch.Tensor, name)
         if not callable(method):
             raise AttributeError(name)
@@ -138,7 +138,7 @@ class Replicated:
 
 
 def _binary(name: str) -> Callable[..., Any]:
-    """An operator method of Replicated that runs ``torch.Tensor.<name>`` through the Replication."""
+    """An operator method of Replicated that runs ``torch.Tensor.<name>`` through the OperatorDispatcher."""
     method = getattr(torch.Tensor, name)
 
     def op(self: Replicated, *args: Any) -> Any:
@@ -167,19 +167,19 @@ for _name, _plain in (
 Replicated.__hash__ = object.__hash__  # type: ignore[method-assign]  # __eq__ above is elementwise
 
 
-class Replication:
-    """How one fused network's operators run for all m replicas: the replica tensors it swaps, the rules.
+class OperatorDispatcher:
+    """How one fused network's operators run for all m replicas: the replica tensors it swaps, the handlers.
 
     ``params`` maps ``id()`` of each of the template's parameters and float buffers to the pool's
-    ``(m, *shape)`` view of every replica's copy; ``rules`` maps a torch function (or ``torch.Tensor``
+    ``(m, *shape)`` view of every replica's copy; ``handlers`` maps a torch function (or ``torch.Tensor``
     method) to how it runs for every replica at once.
     """
 
-    def __init__(self, m: int, params: dict[int, torch.Tensor], rules: dict[Any, Rule]) -> None:
-        self.m, self.params, self.rules = m, params, rules
-        #: Per call site state of rules (a convolution's chosen form), keyed by the rule's choice.
+    def __init__(self, m: int, params: dict[int, torch.Tensor], handlers: dict[Any, OperatorHandler]) -> None:
+        self.m, self.params, self.handlers = m, params, handlers
+        #: Per call site state of handlers (a convolution's chosen form), keyed by the handler's choice.
         self.state: dict[Any, Any] = {}
-        #: Operators that ran once per replica (no rule), as logged.
+        #: Operators that ran once per replica (no handler), as logged.
         self.looped: set[str] = set()
         self._guarded: set[int] = set()
 
@@ -203,10 +203,10 @@ class Replication:
         return value
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run ``func`` for every replica: by its rule when it has one, else once per replica."""
-        rule = self.rules.get(func)
-        if rule is not None:
-            result = rule(self, func, args, kwargs)
+        """Run ``func`` for every replica: by its handler when it has one, else once per replica."""
+        handler = self.handlers.get(func)
+        if handler is not None:
+            result = handler(self, func, args, kwargs)
             if result is not NotImplemented:
                 return result
         return self.per_replica(func, args, kwargs)

@@ -1,10 +1,10 @@
 """The fused engine's path for any network: replica 0's own ``forward()`` run once on every replica's values.
 
-The layer-by-layer fuser (:mod:`.fuse`) rebuilds an ``nn.Sequential`` of known layers. Everything else — a
-``Conv1d``, a ``LayerNorm``, an embedding, attention, a residual ``forward()`` written the usual way — runs
-here: a copy of replica 0's module is called with a :class:`~mpicrossbow.pool.replicated.Replicated` input
-holding the m learners' batches, so its Python (shape checks, branches on shapes, submodules, hooks) runs
-once, and every operator it reaches runs once for all m replicas with each replica's own weights
+The layer-by-layer fuser (:mod:`.fused_network`) rebuilds an ``nn.Sequential`` of known layers. Everything
+else — a ``Conv1d``, a ``LayerNorm``, an embedding, attention, a residual ``forward()`` written the usual way
+— runs here: a copy of replica 0's module is called with a :class:`~mpicrossbow.pool.replicated.Replicated`
+input holding the m learners' batches, so its Python (shape checks, branches on shapes, submodules, hooks)
+runs once, and every operator it reaches runs once for all m replicas with each replica's own weights
 (:mod:`.replicated_ops`); an operator without a fused form runs once per replica on its slice, and the
 log names it. Measured against ``torch.func.vmap`` on the same networks (benchmarks/results/pool.md): it
 avoids vmap's per-operator batching overhead and picks each convolution's fastest form. Once two forwards
@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from ..errors import ContractError
-from .fuse import FlatSlots
-from .replay import Replays, replay_key
-from .replicated import Replicated, Replication
-from .replicated_ops import RULES
+from .fused_network import FlatSlots
+from .replay import ReplayCache, replay_key
+from .replicated import OperatorDispatcher, Replicated
+from .replicated_ops import OPERATOR_HANDLERS
 
 
 class ReplicatedNetwork(nn.Module):
@@ -47,10 +47,10 @@ class ReplicatedNetwork(nn.Module):
                 view = slots.buffer(buffer)
                 assert view is not None
                 rows[id(template.get_buffer(name))] = view
-        self.replication = Replication(self.m, rows, RULES)
-        self.replication.guard([*template.parameters(), *template.buffers()])
+        self.dispatcher = OperatorDispatcher(self.m, rows, OPERATOR_HANDLERS)
+        self.dispatcher.guard([*template.parameters(), *template.buffers()])
         #: The forward's recorded operators, replayed without its Python once they repeat (:mod:`.replay`).
-        self.replays = Replays()
+        self.replays = ReplayCache()
 
     def train(self, mode: bool = True) -> ReplicatedNetwork:
         """Set training mode here and on the template (dropout, batch norm)."""
@@ -78,7 +78,7 @@ class ReplicatedNetwork(nn.Module):
 
     def _template_run(self, x: torch.Tensor) -> torch.Tensor:
         """The template's forward on ``x`` wrapped as a Replicated; its output's stacked values."""
-        out = self.template(self.replication.wrap(x))
+        out = self.template(self.dispatcher.wrap(x))
         if not isinstance(out, Replicated):
             raise ContractError("the network's output is not a tensor computed from its input")
         return out.data
@@ -90,4 +90,4 @@ class ReplicatedNetwork(nn.Module):
     @property
     def looped(self) -> set[str]:
         """Operators that ran once per replica (no fused form), as logged."""
-        return self.replication.looped
+        return self.dispatcher.looped

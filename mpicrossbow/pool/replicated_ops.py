@@ -1,6 +1,6 @@
 """How each operator runs once for all m replicas on :class:`~mpicrossbow.pool.replicated.Replicated` values.
 
-A replica's tensor of shape ``S`` is held as ``data`` of shape ``(m, *S)``. Rules by kind:
+A replica's tensor of shape ``S`` is held as ``data`` of shape ``(m, *S)``. Handlers by kind:
 
 * **elementwise** (arithmetic, activations, dropout, casts): the operator on ``data``; another replica
   value of lower rank, or a parameter's ``(m, *s)`` rows, gains singleton axes after ``m`` so broadcasting
@@ -16,8 +16,8 @@ A replica's tensor of shape ``S`` is held as ``data`` of shape ``(m, *S)``. Rule
   (``multi_head_attention_forward`` without masks) → batched projections and one
   ``scaled_dot_product_attention``; pooling → on the grouped, channels-last layout.
 
-A rule returns ``NotImplemented`` when its case is not covered (an unusual argument); the operator then
-runs once per replica (:meth:`~mpicrossbow.pool.replicated.Replication.per_replica`).
+A handler returns ``NotImplemented`` when its case is not covered (an unusual argument); the operator then
+runs once per replica (:meth:`~mpicrossbow.pool.replicated.OperatorDispatcher.per_replica`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from .batched_chain import batched_linear
-from .fuse import FusedConv2d, batch_norm_rows, batched, grouped
 from .fused_conv1d import FusedConv1d
-from .replicated import Replicated, Replication, Rule
+from .fused_network import FusedConv2d, batch_norm_rows, batched, grouped
+from .replicated import OperatorDispatcher, OperatorHandler, Replicated
 
 T = torch.Tensor
 
@@ -40,7 +40,7 @@ class _Loop(Exception):
     """This case has no fused form: run the operator once per replica."""
 
 
-def align(ctx: Replication, value: Any, rank: int) -> Any:
+def align(ctx: OperatorDispatcher, value: Any, rank: int) -> Any:
     """``value`` as an operand of an operator whose replica values have ``rank`` dimensions."""
     if isinstance(value, Replicated):
         data = value.data
@@ -57,7 +57,7 @@ def align(ctx: Replication, value: Any, rank: int) -> Any:
     return value
 
 
-def out(ctx: Replication, result: Any) -> Any:
+def out(ctx: OperatorDispatcher, result: Any) -> Any:
     """Wrap every tensor of an operator's result as a Replicated (a named tuple becomes a tuple)."""
     if isinstance(result, torch.Tensor):
         return ctx.wrap(result)
@@ -93,7 +93,7 @@ def replica_rank(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 
 
 def aligned(
-    ctx: Replication, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ctx: OperatorDispatcher, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[list[Any], dict[str, Any]] | None:
     """Every argument as an operand at the highest replica rank among them (:func:`align`); None where one
     cannot be (the operator then runs once per replica)."""
@@ -104,7 +104,7 @@ def aligned(
         return None
 
 
-def elementwise(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def elementwise(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An elementwise operator on the stacked values; an in-place one returns its (same) first operand."""
     first = args[0] if args else None
     plain = not any(isinstance(v, (torch.Tensor, Replicated)) for v in _values(args[1:], kwargs))
@@ -128,13 +128,13 @@ def _shift(value: Any) -> Any:
     return value + 1 if isinstance(value, int) and value >= 0 else value
 
 
-def dims(*specs: tuple[int, str, Any], required: bool = True) -> Rule:
-    """A rule for an operator whose ``specs`` arguments ``(position, name, default)`` are dimensions.
+def dims(*specs: tuple[int, str, Any], required: bool = True) -> OperatorHandler:
+    """A handler for an operator whose ``specs`` arguments ``(position, name, default)`` are dimensions.
 
     With ``required``, a dimension left at None (a reduction over everything) runs once per replica.
     """
 
-    def rule(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def handler(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         a, k = list(args), dict(kwargs)
         for position, name, default in specs:
             value = a[position] if position < len(a) else k.get(name, default)
@@ -148,10 +148,10 @@ def dims(*specs: tuple[int, str, Any], required: bool = True) -> Rule:
                 k[name] = _shift(value)
         return elementwise(ctx, func, tuple(a), k)
 
-    return rule
+    return handler
 
 
-def reshaped(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def reshaped(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``view`` / ``reshape`` / ``expand``: the replica's shape with ``m`` in front."""
     x, sizes = args[0], args[1:]
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
@@ -163,7 +163,7 @@ def reshaped(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[st
     return ctx.wrap(x.data.reshape(x.data.shape[0], *sizes))
 
 
-def permuted(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def permuted(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``permute``: the replica dimensions, shifted, after ``m``."""
     x, order = args[0], args[1:] or (kwargs.get("dims"),)
     if len(order) == 1 and isinstance(order[0], (tuple, list)):
@@ -173,7 +173,7 @@ def permuted(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[st
     return ctx.wrap(x.data.permute(0, *(d % x.ndim + 1 for d in order)))
 
 
-def transposed_2d(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def transposed_2d(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``t()``: the last two dimensions of a 2-D replica tensor swapped."""
     x = args[0]
     if not isinstance(x, Replicated) or x.ndim > 2:
@@ -181,7 +181,7 @@ def transposed_2d(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: di
     return x if x.ndim < 2 else ctx.wrap(x.data.transpose(1, 2))
 
 
-def indexed(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def indexed(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Basic indexing (ints, slices, None, Ellipsis) with ``m`` kept in front; tensor indices loop."""
     x, index = args
     parts = index if isinstance(index, tuple) else (index,)
@@ -190,7 +190,7 @@ def indexed(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str
     return ctx.wrap(x.data[(slice(None), *parts)])
 
 
-def matmul(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def matmul(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A matrix product of replica values or parameters (both at least 2-D): one broadcast matmul."""
     a, b = args[:2]
     if func is T.__rmatmul__:
@@ -213,7 +213,7 @@ def arguments(names: str, args: tuple[Any, ...], kwargs: dict[str, Any], default
     return SimpleNamespace(**{**defaults, **values, **kwargs})
 
 
-def linear(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def linear(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.linear`` with a replica's weight: one batched matmul ``(m, rows, in) @ (m, in, out)``."""
     call = arguments("input weight bias", args, kwargs, {"bias": None})
     x, weight, bias = call.input, ctx.rows(call.weight), ctx.rows(call.bias)
@@ -230,9 +230,10 @@ def conv_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return arguments("input weight bias stride padding dilation groups", args, kwargs, defaults)
 
 
-def conv(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def conv(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.conv1d`` / ``F.conv2d`` with a replica's kernel, in the fastest of its forms per call site
-    (:class:`~mpicrossbow.pool.fused_conv1d.FusedConv1d`, :class:`~mpicrossbow.pool.fuse.FusedConv2d`)."""
+    (:class:`~mpicrossbow.pool.fused_conv1d.FusedConv1d`,
+    :class:`~mpicrossbow.pool.fused_network.FusedConv2d`)."""
     call = conv_arguments(args, kwargs)
     x, weight = call.input, ctx.rows(call.weight)
     one_d = func is F.conv1d
@@ -266,7 +267,7 @@ def conv(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     return ctx.wrap(batched(layer(x.data), ctx.m))
 
 
-def conv3d(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def conv3d(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.conv3d`` with a replica's kernel: one grouped convolution over m × C channels."""
     call = conv_arguments(args, kwargs)
     x, weight, bias = call.input, ctx.rows(call.weight), ctx.rows(call.bias)
@@ -304,7 +305,7 @@ def _channels_apart(y: torch.Tensor, m: int) -> torch.Tensor:
     return y.view(n, m, y.shape[1] // m, *y.shape[2:]).transpose(0, 1)
 
 
-def batch_norm(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def batch_norm(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.batch_norm``: one call over m × C channels, each replica's own statistics and running stats."""
     call = arguments(
         "input running_mean running_var weight bias training momentum eps",
@@ -325,7 +326,7 @@ def batch_norm(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[
     return ctx.wrap(_channels_apart(y, ctx.m))
 
 
-def group_norm(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def group_norm(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.group_norm``: one call with m × groups groups over m × C channels."""
     call = arguments(
         "input num_groups weight bias eps", args, kwargs, {"weight": None, "bias": None, "eps": 1e-5}
@@ -341,7 +342,7 @@ def group_norm(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[
     return ctx.wrap(_channels_apart(y, ctx.m))
 
 
-def layer_norm(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def layer_norm(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.layer_norm``: one normalisation of every replica's values, then each replica's affine."""
     call = arguments(
         "input normalized_shape weight bias eps", args, kwargs, {"weight": None, "bias": None, "eps": 1e-5}
@@ -362,7 +363,7 @@ def layer_norm(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[
     return ctx.wrap(y + bias if bias is not None else y)
 
 
-def embedding(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def embedding(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.embedding``: replica j's indices looked up in its own table, ``table[j, index]``, for every replica
     in one indexing of the ``(m, rows, dim)`` rows (no copy of the tables: measured 30 against 46 µs forward
     and backward for 8 tables of 32 × 16 and 48 indices each, one thread, against offset indices into the
@@ -387,7 +388,7 @@ def embedding(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[s
     return ctx.wrap(table[replicas, index])
 
 
-def attention(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def attention(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.scaled_dot_product_attention`` over the stacked values (it takes any leading dimensions)."""
     operands = aligned(ctx, args, kwargs)
     if operands is None:
@@ -410,7 +411,9 @@ _MHA = (
 )
 
 
-def multi_head_attention(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def multi_head_attention(
+    ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Self-attention of ``nn.MultiheadAttention`` (no masks, no attention weights returned): batched input
     and output projections around one ``scaled_dot_product_attention`` for every replica and head."""
     c = arguments(
@@ -453,7 +456,7 @@ def multi_head_attention(ctx: Replication, func: Any, args: tuple[Any, ...], kwa
     return ctx.wrap(y), None
 
 
-def image_pool(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def image_pool(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """2-D pooling on the grouped, channels-last layout (one call for every replica's channels)."""
     x = args[0]
     at = {F.max_pool2d: 6, F.adaptive_max_pool2d: 2}.get(func)
@@ -466,7 +469,7 @@ def image_pool(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[
     return ctx.wrap(batched(func(data, *args[1:], **kwargs), ctx.m))
 
 
-def sample_op(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def sample_op(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An operator that treats samples independently (1-D pooling): the replicas folded into the batch."""
     x = args[0]
     if not isinstance(x, Replicated) or x.ndim < 2 or kwargs.get("return_indices"):
@@ -541,7 +544,7 @@ _ELEMENTWISE = [
 ]
 
 
-def padded(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def padded(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.pad`` with constant padding: it pads the last dimensions, the same in the stacked values."""
     call = arguments("input pad mode value", args, kwargs, {"mode": "constant", "value": None})
     x = call.input
@@ -550,8 +553,8 @@ def padded(ctx: Replication, func: Any, args: tuple[Any, ...], kwargs: dict[str,
     return ctx.wrap(F.pad(x.data, call.pad, "constant", call.value))
 
 
-#: Operator → its rule for every replica at once; anything else runs once per replica.
-RULES: dict[Any, Rule] = {
+#: Operator → its handler for every replica at once; anything else runs once per replica.
+OPERATOR_HANDLERS: dict[Any, OperatorHandler] = {
     **dict.fromkeys(_ELEMENTWISE, elementwise),
     **dict.fromkeys((torch.flatten, T.flatten), dims((1, "start_dim", 0), (2, "end_dim", -1))),
     **dict.fromkeys((torch.unflatten, T.unflatten), dims((1, "dim", None))),

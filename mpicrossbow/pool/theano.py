@@ -16,7 +16,7 @@ from .base import LearnerPool
 from .flat import flatten_into_buffer
 
 
-class Recorder:
+class TheanoRecorder:
     """Theano-MPI's recorder: the model reports per-batch cost and error through it.
 
     ``train`` and ``val`` hold (cost sum, accuracy sum, batches reported). A batch reported without an error
@@ -90,7 +90,7 @@ class TheanoPool(LearnerPool):
         # into one flat buffer, so train_iter must update them in place.
         flat = flatten_into_buffer(list(params))
         self.learners = [_ParamsOnly(flat)]  # type: ignore[list-item]
-        self.recorder = Recorder()
+        self.recorder = TheanoRecorder()
         self._epoch = -1
         compile_fns = model.compile_iter_fns
         if "sync_type" in inspect.signature(compile_fns).parameters:

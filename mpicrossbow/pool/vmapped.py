@@ -8,9 +8,9 @@ becomes one grouped convolution, a matmul one batched matmul), and operators wit
 looped over the replicas by PyTorch itself.
 
 **State.** The parameters handed to ``vmap`` are the pool's strided ``(m, *shape)`` views of its 2-D buffers
-(:class:`~mpicrossbow.pool.fuse.FlatSlots`), their gradients views of the gradient buffer, exactly as in the
-layer-by-layer path; float buffers (batch-norm running statistics) are ``(m, *shape)`` views too and are
-updated under ``vmap`` in contiguous copies, written back after each training forward. Integer buffers
+(:class:`~mpicrossbow.pool.fused_network.FlatSlots`), their gradients views of the gradient buffer, exactly as
+in the layer-by-layer path; float buffers (batch-norm running statistics) are ``(m, *shape)`` views too and
+are updated under ``vmap`` in contiguous copies, written back after each training forward. Integer buffers
 (``num_batches_tracked``) are kept per replica here and are not part of the exchanged or checkpointed state
 (they matter only to a batch norm with ``momentum=None``). Dropout draws a different mask per replica
 (``randomness="different"``).
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from .fuse import FlatSlots
+from .fused_network import FlatSlots
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from .patience import Patience
 
 if TYPE_CHECKING:
-    from ..pool.replicas import Replicas
+    from ..pool.replica_view import ReplicaView
 
 
 class Rule:
@@ -98,7 +98,7 @@ class Rule:
     def __init__(self, **hyper: Any) -> None:
         self.hyper = build(self.Config, hyper, "rule")
         self.comm: Communicator | None = None
-        self.pool: Replicas | None = None
+        self.pool: ReplicaView | None = None
         #: Called by a serving loop between sweeps of its requests (an asynchronous run's snapshots watch
         #: for signals there); None: nothing to call.
         self.tick: Callable[[], None] | None = None
@@ -106,7 +106,7 @@ class Rule:
         self.patience = Patience()
 
     # ----------------------------------------------------------------- binding
-    def bind(self, comm: Communicator, pool: Replicas) -> Rule:
+    def bind(self, comm: Communicator, pool: ReplicaView) -> Rule:
         """Attach to the communicator and pool; every learner starts from rank 0's learner 0, bit for bit
         (the broadcast bypasses ``[comm] compression``)."""
         self.comm, self.pool = comm, pool

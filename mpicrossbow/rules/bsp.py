@@ -4,7 +4,7 @@ Who sends what to whom, and when:
 
 * ``mode = grad`` (default for torch-native models): every step, after backward, every rank sums its
   learners' flat gradients and one allreduce sums them across ranks; each learner then applies its optimizer
-  (momentum, weight decay) to ``G = (1/k) Σ_j g_j``. Replicas stay identical.
+  (momentum, weight decay) to ``G = (1/k) Σ_j g_j``. ReplicaView stay identical.
   With ``bucket_mb > 0`` the allreduce is split into buckets of that many MiB that start during backward,
   as each bucket's gradients are complete on every learner of the rank, and overlap the rest of backward
   (DDP's scheme; :mod:`mpicrossbow.rules.grad_buckets` says how, and why the results are the same).

@@ -50,7 +50,7 @@ from .registry import RULES
 from .sma import SMA
 
 if TYPE_CHECKING:
-    from ..pool.replicas import Replicas
+    from ..pool.replica_view import ReplicaView
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class PostLocalSGD(Rule):
             except ConfigError as exc:
                 raise renamed(exc, prefix) from None
 
-    def bind(self, comm: Communicator, pool: Replicas) -> Rule:
+    def bind(self, comm: Communicator, pool: ReplicaView) -> Rule:
         """Bind BSP (every learner starts from rank 0's learner 0); the later rule waits for the switch."""
         self.comm, self.pool = comm, pool
         for rule in (self.bsp, self.later):

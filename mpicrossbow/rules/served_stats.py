@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..pool.replicas import Replicas
+from ..pool.replica_view import ReplicaView
 
 
-def learners_mean_buffers(pool: Replicas) -> torch.Tensor:
+def learners_mean_buffers(pool: ReplicaView) -> torch.Tensor:
     """The mean of this rank's learners' flat float buffers (empty for a model without buffers)."""
     flats = [learner.buffers for learner in pool.learners]
     if len(flats) == 1:
@@ -45,7 +45,7 @@ class ServedStats:
         else:
             self._latest[worker] = values.clone()
 
-    def adopt(self, pool: Replicas) -> None:
+    def adopt(self, pool: ReplicaView) -> None:
         """Every learner of the serving rank takes the mean of the workers' latest buffers (no-op before any
         worker was heard from)."""
         if not self._latest:
@@ -55,7 +55,7 @@ class ServedStats:
             learner.buffers.copy_(mean)
 
     def reporting(
-        self, pool: Replicas, report: Callable[[torch.Tensor, float], None]
+        self, pool: ReplicaView, report: Callable[[torch.Tensor, float], None]
     ) -> Callable[[torch.Tensor, float], None]:
         """``report`` preceded by :meth:`adopt`: the serving rank's callback for its once-per-epoch report."""
 

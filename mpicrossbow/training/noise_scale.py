@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator
-from ..pool.replicas import Replicas
+from ..pool.replica_view import ReplicaView
 from ..rules.base import Rule
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class NoiseScale:
         """Whether step ``step`` is measured."""
         return self.every > 0 and step % self.every == 0
 
-    def before(self, step: int, replicas: Replicas, rule: Rule) -> None:
+    def before(self, step: int, replicas: ReplicaView, rule: Rule) -> None:
         """After backward (and fp16's unscale), before ``on_gradients``: read every learner's own gradient.
         Queues device work only; :meth:`after` finishes the estimate."""
         self._pending = None
@@ -121,7 +121,7 @@ class NoiseScale:
             scratch.add_(g)
         return torch.linalg.vector_norm(scratch).square() / len(grads) ** 2
 
-    def after(self, step: int, replicas: Replicas, rule: Rule) -> None:
+    def after(self, step: int, replicas: ReplicaView, rule: Rule) -> None:
         """After ``on_gradients``: the big batch's norm where the rule averaged, one host sync, the ranks'
         sums where the rule is synchronous, and one update of the averages."""
         if self._pending is None:

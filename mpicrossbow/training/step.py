@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from ..comm.base import ReduceOp
 from ..pool.base import LearnerPool
-from ..pool.replicas import Replicas
+from ..pool.replica_view import ReplicaView
 from ..rules.base import Rule
 from ..trace import complete, span
 from .noise_scale import NoiseScale
@@ -57,7 +57,7 @@ def train_step(
     return seconds + rule_exchange(rule, step)
 
 
-def rule_gradients(rule: Rule, step: int, replicas: Replicas, probe: NoiseScale | None = None) -> float:
+def rule_gradients(rule: Rule, step: int, replicas: ReplicaView, probe: NoiseScale | None = None) -> float:
     """The rule's side of a step between backward and the optimizer: the noise probe reads the learners' own
     gradients, ``on_gradients`` (BSP's allreduce), the probe reads the rule's mean; the hook's seconds."""
     if probe is not None:

@@ -1,4 +1,4 @@
-"""The Replicas contract — what a rule may rely on — bound to every pool engine and to the embedded API's
+"""The ReplicaView contract — what a rule may rely on — bound to every pool engine and to the embedded API's
 OwnModel (a user's own model and optimizer under ``xb.distribute``).
 
 Every learner's flat ``params``, ``grads`` and ``buffers`` are its replica's live state; backward writes
@@ -19,12 +19,12 @@ from test_pool_contract import assert_flat_state_is_live, engine_params, make_po
 
 from conftest import NormedMLP
 from mpicrossbow.embed.own_model import OwnModel
-from mpicrossbow.pool.replicas import Replicas
+from mpicrossbow.pool.replica_view import ReplicaView
 
 SUBJECTS = [*engine_params(), pytest.param("OWN", id="own-model")]
 
 
-def subject(name: str) -> tuple[Replicas, Callable[[], None]]:
+def subject(name: str) -> tuple[ReplicaView, Callable[[], None]]:
     """``name``'s replicas and a function that runs one forward and backward of every learner."""
     if name != "OWN":
         pool = make_pool(name)

@@ -1,4 +1,4 @@
-"""Replicas: the view of a rank's model replicas that an exchange rule gets — flat buffers and little else.
+"""ReplicaView: the view of a rank's model replicas that an exchange rule gets — flat buffers and little else.
 
 A rule reads and writes each learner's flat ``params``, ``grads`` and ``buffers`` and asks a few questions
 (steps per epoch, the optimizers, whether gradients exist, where backward writes them). Two kinds of owner
@@ -24,7 +24,7 @@ class FlatReplica(Protocol):
     buffers: torch.Tensor
 
 
-class Replicas(ABC):
+class ReplicaView(ABC):
     """The m learners of one rank, seen through their flat buffers."""
 
     learners: Sequence[Any]

@@ -3,7 +3,7 @@
 Same contract and data as :class:`~mpicrossbow.pool.serial.SerialPool` — learner j of rank r reads shard
 ``r·m + j`` of ``size·m``, and the m replicas are built by m calls of ``model.module()``, so under one torch
 seed both engines start from the same weights and see the same batches — but one step is one forward and
-one backward of the fused network (:mod:`mpicrossbow.pool.fuse`) instead of m.
+one backward of the fused network (:mod:`mpicrossbow.pool.fused_network`) instead of m.
 
 **State the rules see.** The pool owns three 2-D buffers, ``params2d (m, P)``, ``grads2d (m, P)`` and
 ``buffers2d (m, B)``. Row j is learner j's flat replica in exactly the serial Learner's order (trainable
@@ -66,8 +66,8 @@ from .base import TimedBatches, next_batch, params_loaded, summed
 from .chain_step import ChainStep
 from .chooser import FUSED, Chooser, synchronize
 from .flat import empty_flat, point_grads_into, point_into
-from .fuse import FlatSlots, FusedNetwork
 from .fused_chain import FusedChain, chain_runs
+from .fused_network import FlatSlots, FusedNetwork
 from .learner import evaluate
 from .precision import Precision
 from .replicated_network import ReplicatedNetwork
