@@ -60,7 +60,7 @@ def checkpoint_io(millions: float) -> tuple[float, float]:
     """Median seconds to save and to load a checkpoint of ``millions`` float32 values (3 rounds)."""
     import torch
 
-    from mpicrossbow.training.checkpoint import FORMAT_VERSION, Checkpointer, load_rank_state
+    from mpicrossbow.training.checkpoint_files import FORMAT_VERSION, Checkpointer, load_rank_state
 
     state = {"rank": 0, "params": torch.randn(int(millions * 1e6))}
     meta = {"world_size": 1}

@@ -13,7 +13,7 @@ import torch
 
 from mpicrossbow.config import FaultSection
 from mpicrossbow.errors import CheckpointError
-from mpicrossbow.training.checkpoint import (
+from mpicrossbow.training.checkpoint_files import (
     FORMAT_VERSION,
     Checkpointer,
     atomic_save,

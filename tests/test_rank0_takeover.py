@@ -84,7 +84,7 @@ def test_a_row_rank_0_was_killed_in_the_middle_of_is_dropped_and_written_whole(t
 def test_the_survivor_takes_the_dead_rank_0s_checkpoint_lock(tmp_path: Path) -> None:
     """The lock names a process on another host (nothing here can tell it is gone): elastic training knows
     it is, so the new rank 0 takes the lock, and gives it up at the end."""
-    from mpicrossbow.training.checkpointing import Checkpointing
+    from mpicrossbow.training.checkpoint_manager import CheckpointManager
 
     config = load_config("launch/digits.cfg", ["checkpoint.every_epochs=1"])
     directory = tmp_path / "checkpoints"
@@ -93,9 +93,9 @@ def test_the_survivor_takes_the_dead_rank_0s_checkpoint_lock(tmp_path: Path) -> 
     (directory / LOCK).write_text(json.dumps(owner), encoding="utf-8")
 
     class NoPool:
-        """The pool Checkpointing is given; the lock needs none of it."""
+        """The pool CheckpointManager is given; the lock needs none of it."""
 
-    checkpoints = Checkpointing(config, dataclasses.replace(RANK1, mpi=None), NoPool(), "cpu")  # type: ignore[arg-type]
+    checkpoints = CheckpointManager(config, dataclasses.replace(RANK1, mpi=None), NoPool(), "cpu")  # type: ignore[arg-type]
     checkpoints.start(tmp_path)
     assert checkpoints.lock is None  # rank 1 holds no lock
     checkpoints.world = dataclasses.replace(RANK1, rank=0, size=3)

@@ -20,7 +20,7 @@ import torch
 from slurm_cluster import SlurmCluster, ranks_of, slurm_cluster, wait_for  # noqa: F401  (the fixture)
 
 from conftest import REPO
-from mpicrossbow.training.checkpoint import complete_checkpoints
+from mpicrossbow.training.checkpoint_files import complete_checkpoints
 from mpicrossbow.training.metrics import read_metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -136,7 +136,7 @@ def test_what_a_model_does_not_report_is_not_a_measurement() -> None:
 def test_a_theano_form_model_under_a_gradient_rule_is_one_line_naming_the_rules_that_run_it() -> None:
     from mpicrossbow.launch.world import World
     from mpicrossbow.rules.registry import build_rule
-    from mpicrossbow.training.replicas import build_pool
+    from mpicrossbow.training.pool_builder import build_pool
 
     config = load_config(GOLDEN / "session_single_node.cfg", ["RULE=GSP"])
     world = World(0, 2, 0, 2, 0, 1, "localhost", None)

@@ -26,7 +26,7 @@ from ..comm.base import Communicator
 from ..errors import CheckpointError, UsageError
 from ..launch.world import World
 from ..rules.base import Rule
-from ..training.checkpoint import FORMAT_VERSION, META, atomic_save, rank_file, safe_load
+from ..training.checkpoint_files import FORMAT_VERSION, META, atomic_save, rank_file, safe_load
 from ..training.noise_scale import NoiseScale
 from .own_model import OwnModel
 from .precision_forward import PrecisionForward

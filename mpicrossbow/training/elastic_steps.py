@@ -36,7 +36,7 @@ import torch
 from ..comm.elastic import ElasticCommunicator
 from ..comm.ulfm import ElasticEnd, PeerLost
 from ..log import setup_logging
-from .checkpoint import Checkpointer
+from .checkpoint_files import Checkpointer
 from .parts import RankParts
 
 log = logging.getLogger(__name__)

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..comm.elastic import ElasticCommunicator
 from ..trace import span
+from .async_checkpoints import AsyncCheckpoints
 from .elastic_steps import ElasticSteps
 from .evaluation import per_sample
 from .learner_tuning import LearnerTuning
@@ -25,7 +26,6 @@ from .noise_scale import NoiseScale
 from .parts import RankParts
 from .schedule import lr_at
 from .signals import SignalStop
-from .snapshots import Snapshots
 from .step import train_step
 from .validations import NAN2, Validations
 
@@ -61,7 +61,7 @@ class TrainLoop:
         validate: Callable[[], tuple[float, float]],
         reduce: Callable[[Sequence[float]], Sequence[float]],
         signals: SignalStop | None = None,
-        snapshots: Snapshots | None = None,
+        snapshots: AsyncCheckpoints | None = None,
     ) -> None:
         self.parts, self.validate, self.reduce = parts, validate, reduce
         self.signals: Callable[[int], bool] | None = signals

@@ -6,7 +6,7 @@
 * **Asynchronous** rules (async EASGD, GOSGD, ASGD, SSP, ...): ranks move at their own pace until
   ``finish``; no collective before it. Statistics stay local, each rank validates alone; after ``finish``
   the samples are summed and rank 0 validates the rule's final model. With checkpoints or the signal stop
-  on, ranks pause together for coordinated snapshots (:mod:`.snapshots`) and meet at the end.
+  on, ranks pause together for coordinated snapshots (:mod:`.async_checkpoints`) and meet at the end.
 * **Serving**: a rank the rule keeps out of training (a parameter server, an EASGD centre) runs the rule's
   ``serve`` loop and reports the served model; after ``finish`` it joins the asynchronous ending (and every
   snapshot's meeting, serving again after each).
@@ -20,11 +20,11 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from .async_checkpoints import AsyncCheckpoints
 from .loop import LoopOutcome, TrainLoop
 from .parts import RankParts
 from .result import RunResult
 from .signals import SignalStop
-from .snapshots import Snapshots
 
 
 class RunMode(ABC):
@@ -125,15 +125,15 @@ class Asynchronous(RunMode):
         finally:
             self.close(snapshots)
 
-    def snapshots(self) -> Snapshots | None:
+    def snapshots(self) -> AsyncCheckpoints | None:
         """Coordinated snapshots when this run saves checkpoints (periodic or on a signal), else None."""
         parts = self.parts
         if parts.checkpoints.saver is None:
             return None
         signals = SignalStop(parts.comm, parts.world.rank) if parts.config.checkpoint.on_signal else None
-        return Snapshots(parts, signals)
+        return AsyncCheckpoints(parts, signals)
 
-    def close(self, snapshots: Snapshots) -> None:
+    def close(self, snapshots: AsyncCheckpoints) -> None:
         """The signal handlers restored (also when a failure is on its way to abort the job; the control
         plane is freed only after the last meeting, a collective point)."""
         if snapshots.signals is not None:

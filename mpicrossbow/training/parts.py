@@ -10,7 +10,7 @@ from ..launch.world import World
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
 from .autotune import AutoTuner
-from .checkpointing import Checkpointing
+from .checkpoint_manager import CheckpointManager
 from .evaluation import Evaluator
 from .faults import FaultInjector, Straggler
 from .reporting import Reporter
@@ -29,7 +29,7 @@ class RankParts:
     comm: Communicator
     reporter: Reporter
     evaluator: Evaluator
-    checkpoints: Checkpointing
+    checkpoints: CheckpointManager
     faults: FaultInjector
     straggler: Straggler
     #: Heartbeats, dead peers and stalls (``[watchdog]`` on), else None.

@@ -34,13 +34,13 @@ from ..rules.base import Rule
 from ..rules.patience import AUTO_ABORT_S, Patience
 from ..rules.registry import resolve
 from .autotune import AutoTuner
-from .checkpointing import Checkpointing
+from .checkpoint_manager import CheckpointManager
 from .elastic_setting import resolve_elastic
 from .evaluation import Evaluator
 from .faults import FaultInjector, Straggler
 from .modes import choose_mode
 from .parts import RankParts
-from .replicas import build_pool
+from .pool_builder import build_pool
 from .reporting import Reporter, make_run_dir
 from .result import RunResult
 from .storage import check_writable
@@ -69,7 +69,7 @@ class Session:
         self.comm: Communicator | None = None
         self.run_dir: Path | None = None
         self.parts: RankParts | None = None
-        self.checkpoints: Checkpointing | None = None
+        self.checkpoints: CheckpointManager | None = None
         self.watchdog: Watchdog | None = None
         self.reporter: Reporter | None = None
         self.tuner: AutoTuner | None = None
@@ -105,7 +105,7 @@ class Session:
         self.pool, self.full_val = build_pool(cfg, world, rule, self.device, learners)
         torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
         check_writable(Path(cfg.session.output), "[session] output")
-        self.checkpoints = Checkpointing(cfg, world, self.pool, self.device)
+        self.checkpoints = CheckpointManager(cfg, world, self.pool, self.device)
         if auto:
             self.tuner = self._resumed_tuner(self.checkpoints)
         steps = cfg.session.steps
@@ -124,7 +124,7 @@ class Session:
             self.pool.n_batch_train,
         )
 
-    def _resumed_tuner(self, checkpoints: Checkpointing) -> AutoTuner:
+    def _resumed_tuner(self, checkpoints: CheckpointManager) -> AutoTuner:
         """The auto-tuner (``[pool] learners = auto``), continued from a resumed checkpoint's state; the pool
         is resized to its learner count before the checkpoint's state is loaded into it."""
         cfg, pool = self.config, self.pool

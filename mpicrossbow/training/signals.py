@@ -44,7 +44,8 @@ TERM_GRACE_MAX_S = 20.0
 
 class SignalStop:
     """Installs the handlers; ``stop(step)`` is true on every rank once any rank was signalled. An
-    asynchronous run reads :attr:`received` itself (:mod:`.snapshots`) and only calls :meth:`touch`."""
+    asynchronous run reads :attr:`received` itself (:mod:`.async_checkpoints`) and only calls
+    :meth:`touch`."""
 
     def __init__(self, comm: Communicator, rank: int = 0) -> None:
         self.comm, self.rank = comm, rank

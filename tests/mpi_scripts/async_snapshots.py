@@ -29,7 +29,7 @@ from verdicts import WORLD, run_checks, say
 
 from mpicrossbow.config import load_config
 from mpicrossbow.rules.gosgd import UNIT
-from mpicrossbow.training.checkpoint import complete_checkpoints, load_rank_state
+from mpicrossbow.training.checkpoint_files import complete_checkpoints, load_rank_state
 from mpicrossbow.training.result import RunResult
 from mpicrossbow.training.runner import prepare_session, train
 

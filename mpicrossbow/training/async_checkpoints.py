@@ -1,7 +1,7 @@
 """Checkpoints of asynchronous runs: a coordinated snapshot, taken while every rank keeps its own pace.
 
 Asynchronous rules (async EASGD, GOSGD, the parameter servers) have no step every rank reaches, so a
-checkpoint is a pause that every rank joins (the protocol is :mod:`.snapshot_orders`'s):
+checkpoint is a pause that every rank joins (the protocol is :mod:`.pause_orders`'s):
 
 1. **When.** A training rank orders a snapshot when its own step count reaches ``[checkpoint] every_steps``
    (or ``every_epochs`` of its own batches) past the last snapshot, or when it caught SIGTERM/SIGUSR1; a
@@ -28,18 +28,18 @@ from collections.abc import Callable
 from typing import Any
 
 from .parts import RankParts
+from .pause_orders import Meeting, PauseOrders
 from .signals import SignalStop
-from .snapshot_orders import Meeting, SnapshotOrders
 
 log = logging.getLogger(__name__)
 
 
-class Snapshots:
+class AsyncCheckpoints:
     """One asynchronous rank's snapshots: whether to pause after a step, and the pause itself."""
 
     def __init__(self, parts: RankParts, signals: SignalStop | None) -> None:
         self.parts, self.signals = parts, signals
-        self.orders = SnapshotOrders(parts.world)
+        self.orders = PauseOrders(parts.world)
         ckpt = parts.config.checkpoint
         #: This rank's own steps between snapshots (0: only signals take one).
         self.every = ckpt.every_steps or ckpt.every_epochs * parts.pool.n_batch_train
@@ -47,7 +47,7 @@ class Snapshots:
         self.periodic = ckpt.enabled
         #: The step of the last snapshot (the resumed one at first).
         self.last = parts.checkpoints.resume_step or 0
-        #: Snapshots taken by this run.
+        #: AsyncCheckpoints taken by this run.
         self.taken = 0
 
     @property

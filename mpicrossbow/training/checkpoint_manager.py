@@ -1,5 +1,5 @@
 """Checkpointing as a component of the session: what a checkpoint holds, where ``resume`` looks, save and
-restore. The file format (atomic per-rank files, ``meta.pt``, pruning) is :mod:`.checkpoint`'s."""
+restore. The file format (atomic per-rank files, ``meta.pt``, pruning) is :mod:`.checkpoint_files`'s."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ..launch.slurm import SlurmJob
 from ..launch.world import World
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
-from .checkpoint import Checkpointer, complete_checkpoints, find_resume, load_rank_state
+from .checkpoint_files import Checkpointer, complete_checkpoints, find_resume, load_rank_state
 from .checkpoint_lock import CheckpointLock
 from .faults import FaultInjector
 from .preemption import automatic_resume, written_by
@@ -26,7 +26,7 @@ from .storage import check_room, check_writable, tensor_bytes
 log = logging.getLogger(__name__)
 
 
-class Checkpointing:
+class CheckpointManager:
     """This rank's checkpoints: the resume point read at set-up, and saves during training."""
 
     def __init__(self, config: Config, world: World, pool: LearnerPool, device: torch.device) -> None:

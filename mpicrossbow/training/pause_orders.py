@@ -58,7 +58,7 @@ class Meeting:
         return self.orders > 0 or self.stop
 
 
-class SnapshotOrders:
+class PauseOrders:
     """One rank's end of the control plane (inert in a single process: every meeting is its own)."""
 
     def __init__(self, world: World) -> None:
