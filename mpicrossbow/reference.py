@@ -18,7 +18,7 @@ from typing import Any
 
 from .config import SECTIONS, TOP_KEYS
 from .config.fields import describe_fields
-from .config.loader import format_value
+from .config.session_cfg import format_value
 from .rules import RULES
 
 #: The bare Theano-MPI keys: what each one means (they are plain strings, not settings with help).

@@ -1,5 +1,5 @@
-"""One joint fetch for a rank's learners (mpicrossbow.data.joint, .joint_arrays) gives exactly the learners'
-own batches."""
+"""One joint fetch for a rank's learners (mpicrossbow.data.joint_batches, .joint_arrays) gives exactly the
+learners' own batches."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from models.transformer import Tokens
-from mpicrossbow.data.joint import JointBatches
 from mpicrossbow.data.joint_arrays import JointArrays
+from mpicrossbow.data.joint_batches import JointBatches
 from mpicrossbow.data.loader import LoaderData, LoaderOptions
 from mpicrossbow.model.shard import Shard, ShardedArrays
 

@@ -5,7 +5,6 @@ values, :mod:`.loader` reads files and ``section.key=value`` overrides into a :c
 imports a plug-in: ``[rule]`` stays as written until the rule registry builds the rule, which validates it.
 """
 
-from .loader import FREE_SECTIONS, SECTIONS, TOP, TOP_KEYS, Config, from_raw, load_config
 from .sections import (
     CheckpointSection,
     CommSection,
@@ -17,6 +16,7 @@ from .sections import (
     SessionSection,
     WatchdogSection,
 )
+from .session_cfg import FREE_SECTIONS, SECTIONS, TOP, TOP_KEYS, Config, from_raw, load_config
 
 __all__ = [
     "FREE_SECTIONS",

@@ -65,7 +65,7 @@ from ..pool.precision import DTYPES, Precision
 from ..rules.base import Rule
 from ..rules.registry import build_rule
 from ..training.noise_scale import NoiseScale
-from .job import EmbeddedJob
+from .embedded_job import EmbeddedJob
 from .own_model import OwnModel
 from .precision_forward import PrecisionForward
 from .sharded_loader import Part, ShardedLoader
@@ -356,7 +356,7 @@ def consensus(model: nn.Module) -> Iterator[nn.Module]:
 
     For a synchronous rule it is collective: every rank enters the block at the same point (where every
     rank validates). An asynchronous rule shows what this rank holds without communicating until
-    :func:`finish`, then the final consensus. See :mod:`.job`.
+    :func:`finish`, then the final consensus. See :mod:`.embedded_job`.
     """
     job = _job("xb.consensus")
     if model is not job.module:

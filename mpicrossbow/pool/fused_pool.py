@@ -58,8 +58,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import OptimSection
-from ..data.joint import JointBatches
 from ..data.joint_arrays import JointArrays
+from ..data.joint_batches import JointBatches
 from ..errors import CheckpointError, ContractError
 from ..model.contract import TorchModel, sgd_settings
 from .base import TimedBatches, next_batch, params_loaded, summed
