@@ -121,6 +121,17 @@ def test_fault_injector_fires_only_for_its_rank_and_step() -> None:
     assert FaultInjector(FaultSection(rank=0, step=5, action="kill_in_save"), 0).in_save(4) is None
 
 
+def test_a_serving_rank_fails_once_it_has_answered_step_requests() -> None:
+    """A parameter server takes no steps: ``[fault] step`` counts the requests it answered, and the fault
+    fires once (a signal drill asked between every sweep would otherwise repeat)."""
+    injector = FaultInjector(FaultSection(rank=0, step=30), rank=0)
+    injector.at_served(29)
+    with pytest.raises(InjectedFault, match="step 30"):
+        injector.at_served(31)  # a sweep may answer several requests: at or past the count
+    injector.at_served(40)
+    FaultInjector(FaultSection(rank=0, step=30, action="nan"), rank=0).at_served(30)  # a step's own actions
+
+
 def test_resuming_beside_damaged_metrics_keeps_them_and_starts_new_ones(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -242,7 +242,12 @@ class FaultSection:
     """``[fault]``: fault injection for tests and drills: make one rank fail at one step, on purpose."""
 
     rank: int = setting(-1, "the rank that fails (-1: none)", ge=-1)
-    step: int = setting(0, "the step (0-based, counted over the whole run) at which it fails", ge=0)
+    step: int = setting(
+        0,
+        "the step (0-based, counted over the whole run) at which it fails; a rank that serves instead of "
+        "training (a parameter server, an EASGD centre) fails once it has answered that many requests",
+        ge=0,
+    )
     action: Literal["raise", "exit", "kill", "hang", "nan", "kill_in_save", "signal", "kill_in_exchange"] = (
         setting(
             "raise",

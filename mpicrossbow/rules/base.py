@@ -208,6 +208,12 @@ class Rule:
         """Requests this rank still has outstanding (posted receives, unfinished sends); 0 after finish()."""
         return 0
 
+    @property
+    def served(self) -> int:
+        """Requests this rank has answered so far when it serves (a parameter server, an EASGD centre); 0 on
+        a rank that trains. A serving rank takes no steps: this is its clock (``[fault] step`` counts it)."""
+        return 0
+
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """All rule state needed to resume (tensors and plain values only)."""

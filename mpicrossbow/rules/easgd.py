@@ -227,6 +227,12 @@ class EASGD(Rule):
         if self._server is not None and self._server.in_flight:
             raise RuntimeError(f"EASGD server finished with {self._server.in_flight} message(s) in flight")
 
+    @property
+    def served(self) -> int:
+        """``async`` on rank 0: the workers' requests the centre answered so far (one elastic update per
+        learner each); 0 elsewhere."""
+        return self._server.updates // self._server.learners if self._server is not None else 0
+
     def rearm(self) -> None:
         """After a snapshot: a worker may send requests again (the server re-posts when it serves)."""
         if self._worker is not None:

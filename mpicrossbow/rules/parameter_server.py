@@ -474,6 +474,12 @@ class ServerRule(Rule):
         served = self.hosted_server
         return served.in_flight if served is not None else 0
 
+    @property
+    def served(self) -> int:
+        """Pushes a server rank (placement = rank) received so far, DONE messages not counted; 0 elsewhere
+        (a colocated rank trains: its steps are its clock)."""
+        return self.server.received if self.server is not None else 0
+
     def sync_state(self) -> None:
         """After finish: every rank gets the servers' final w, slice j from server j, and the workers' mean
         BatchNorm statistics (a collective; exact, never compressed)."""

@@ -6,7 +6,8 @@ with SIGKILL, ``hang`` forever, make its loss ``nan``, ``kill_in_save``: SIGKILL
 of writing the checkpoint taken once s steps are done (its file written, not yet renamed into place), or
 ``signal``: send itself SIGUSR1, as Slurm does before a time limit (a drill of the checkpoint-and-stop), or
 ``kill_in_exchange``: SIGKILL itself inside step s's exchange, once its first operation started (elastic runs,
-whose communicator knows that moment; otherwise at the step's start, as ``kill``).
+whose communicator knows that moment; otherwise at the step's start, as ``kill``). A rank that serves instead
+of training (a parameter server, an EASGD centre) takes no steps: it fails once it has answered s requests.
 Every other rank is unaffected; what the job does next is what the tests check.
 """
 
@@ -36,6 +37,8 @@ class FaultInjector:
     def __init__(self, section: FaultSection, rank: int) -> None:
         self.section = section
         self.active = section.rank == rank
+        #: A serving rank's fault has fired (:meth:`at_served` is asked between every sweep).
+        self.fired = False
 
     def _due(self, step: int, *actions: str) -> bool:
         return self.active and step == self.section.step and self.section.action in actions
@@ -57,6 +60,17 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # hang
             time.sleep(1)
+
+    def at_served(self, served: int) -> None:
+        """Called by a serving rank (a parameter server, an EASGD centre: it takes no steps) between sweeps of
+        its requests, ``served`` of them answered so far: the step's actions fire once ``served`` reaches
+        ``[fault] step``, once."""
+        if not self.active or self.fired or served < self.section.step:
+            return
+        if self.section.action in ("raise", "exit", "kill", "hang", "signal"):
+            self.fired = True
+            log.warning("[fault] a serving rank after %d request(s) served:", served)
+            self.at_step(self.section.step)
 
     def poison(self, step: int, losses: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """``action = nan``: after the step's backward, learner 0's loss and gradient become NaN."""

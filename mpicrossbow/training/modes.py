@@ -150,25 +150,34 @@ class Serving(Asynchronous):
 
     def train(self) -> LoopOutcome:
         """The rule's serve loop; the served model is validated and reported as it goes. With snapshots on,
-        the server meets the others whenever every worker drained, and serves again until the end."""
+        the server meets the others whenever every worker drained, and serves again until the end. Between
+        sweeps of its requests the loop asks ``[fault]`` whether this rank fails now (by requests served:
+        a serving rank takes no steps)."""
         parts = self.parts
         if parts.timeline is not None:
             parts.timeline.serving()
         snapshots = self.snapshots()
-        if snapshots is None:
-            parts.rule.serve(parts.evaluator.served)
-            return LoopOutcome()
+        rule, faults = parts.rule, parts.faults
+
+        def tick() -> None:
+            if snapshots is not None:
+                snapshots.tick()
+            faults.at_served(rule.served)
+
+        rule.tick = tick
         try:
-            parts.rule.tick = snapshots.tick
-            parts.rule.serve(parts.evaluator.served)
+            rule.serve(parts.evaluator.served)
+            if snapshots is None:
+                return LoopOutcome()
             position = {"step": 0, "epoch": 0, "count": 0, "lr": -1.0}
-            stopped = snapshots.until_end(position, lambda: parts.rule.serve(parts.evaluator.served))
+            stopped = snapshots.until_end(position, lambda: rule.serve(parts.evaluator.served))
             self.finished = True
             snapshots.close()
             return LoopOutcome(stopped=stopped)
         finally:
-            parts.rule.tick = None
-            self.close(snapshots)
+            rule.tick = None
+            if snapshots is not None:
+                self.close(snapshots)
 
 
 def choose_mode(parts: RankParts) -> RunMode:
