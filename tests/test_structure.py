@@ -178,3 +178,142 @@ class Wrapper:
 """
     sources = {"a/hooks.py": hooks, "b/loop.py": loop, "c/wrapper.py": delegation, STEP_SEQUENCE: loop}
     assert sequence_writers(sources) == ["a/hooks.py:_before", "b/loop.py:my_step"]
+
+
+# One name per concept (issue 41): no two public classes or modules share a name or differ only by an
+# inflection or a suffix unless they are one concept, and no subpackage's public name shadows another's.
+
+#: Module stems every package may have, each the same concept in each package: the package file, its
+#: interface (``base``: comm's Communicator, pool's LearnerPool, rules' Rule), its table of named
+#: implementations (``registry``: the generic Registry and the data sets' and rules' tables) and a console
+#: script's command line (``cli``: crossbow-launch's, crossbow-report's).
+SHARED_STEMS = frozenset({"__init__", "base", "registry", "cli"})
+
+#: Public module-level names any module may define, each the same thing wherever it is: the module's logger,
+#: a ``python -m`` module's entry point, the ``torch.Tensor`` shorthand.
+SHARED_NAMES = frozenset({"log", "logger", "main", "T"})
+
+#: Near-names that are distinct concepts, and why each is one.
+DISTINCT_NEAR_NAMES = {
+    # pool/: the Replicated value (every replica's tensor stacked, seen as one), the fused path that runs a
+    # network's own forward on it, and the handlers that run each torch operator on it: three parts, three
+    # files.
+    frozenset({"replicated", "replicated_network"}): "the value; the network path built on it",
+    frozenset({"replicated", "replicated_ops"}): "the value; its per-operator handlers",
+    # rules/: the SMA rule, and the stability analysis that picks its elastic rate α (pure arithmetic).
+    frozenset({"sma", "sma_stability"}): "the rule; the analysis of where it is stable",
+    # model.shard.Shard is a rank's share of a data set's rows (the model contract); data.shards.Shards is the
+    # packed-HDF5 image data set (``[data] dataset = shards``). Both are user API, named in model files and
+    # cfgs, so they keep their names.
+    frozenset({"shard", "shards"}): "a rank's share of rows; the packed image data set",
+}
+
+#: Endings that make an inflection of the same word (a plural, a gerund, an agent, an action).
+INFLECTIONS = ("ings", "ing", "ions", "ion", "ers", "er", "es", "ed", "s", "d")
+
+
+def stems_of(name: str) -> set[str]:
+    """``name`` lower-cased, and with each inflection it ends in taken off (``checkpointing`` →
+    ``checkpoint``)."""
+    low = name.lower()
+    return {low} | {low[: -len(end)] for end in INFLECTIONS if low.endswith(end) and len(low) - len(end) >= 3}
+
+
+def near(a: str, b: str) -> bool:
+    """Whether two names are equal or the same word inflected: Recorder/Recorder, Shard/Shards,
+    Replicated/Replication, checkpoint/checkpointing."""
+    return bool(stems_of(a) & stems_of(b))
+
+
+def distinct(a: str, b: str) -> bool:
+    return frozenset({a.lower(), b.lower()}) in DISTINCT_NEAR_NAMES
+
+
+def near_pairs(named: list[tuple[str, str]]) -> list[str]:
+    """``(where, name)`` pairs at two places whose names are equal or near, not allow-listed as distinct."""
+    found = []
+    for i, (where_a, a) in enumerate(named):
+        for where_b, b in named[i + 1 :]:
+            if (where_a, a) != (where_b, b) and near(a, b) and not distinct(a, b):
+                found.append(f"{where_a}.{a} ~ {where_b}.{b}")
+    return found
+
+
+def suffixed_pairs(stems: list[tuple[str, str]]) -> list[str]:
+    """Within one package, a module named after another plus ``_suffix`` (``snapshots`` and
+    ``snapshot_orders``), not allow-listed as distinct."""
+    found = []
+    for package, a in stems:
+        for other, b in stems:
+            if package == other and a != b and not distinct(a, b):
+                if any(b.startswith(f"{s}_") for s in stems_of(a)):
+                    found.append(f"{package}.{a} ~ {package}.{b}")
+    return found
+
+
+def shadowing(names: list[tuple[str, str]]) -> list[str]:
+    """Public module-level names defined in modules of two different subpackages (pool's ``RULES`` beside
+    the exchange rules' ``RULES``)."""
+    packages: dict[str, set[str]] = {}
+    where: dict[str, list[str]] = {}
+    for module, name in names:
+        if name not in SHARED_NAMES:
+            packages.setdefault(name, set()).add(module.rpartition(".")[0])
+            where.setdefault(name, []).append(module)
+    return [f"{name}: {', '.join(where[name])}" for name, found in sorted(packages.items()) if len(found) > 1]
+
+
+def top_level(path: Path) -> list[tuple[str, bool]]:
+    """``(name, is_class)`` for every public name ``path`` defines at module level."""
+    found = []
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            found.append((node.name, isinstance(node, ast.ClassDef)))
+        elif isinstance(node, ast.Assign):
+            found += [(t.id, False) for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            found.append((node.target.id, False))
+    return [(name, is_class) for name, is_class in found if not name.startswith("_")]
+
+
+def package_names() -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
+    """The package's public classes and module-level names as ``(module, name)``, and its modules as
+    ``(package, stem)``."""
+    classes, names, stems = [], [], []
+    for module, path in modules().items():
+        for name, is_class in top_level(path):
+            names.append((module, name))
+            if is_class:
+                classes.append((module, name))
+        stems.append((module_name(path.parent) if path.stem != "__init__" else module, path.stem))
+    return classes, names, stems
+
+
+def test_one_name_per_concept() -> None:
+    classes, names, stems = package_names()
+    assert near_pairs(classes) == [], "public classes that share a name or differ only by an inflection"
+    modules_ = [(package, stem) for package, stem in stems if stem not in SHARED_STEMS]
+    assert near_pairs(modules_) == [], "modules that share a name or differ only by an inflection"
+    assert suffixed_pairs(modules_) == [], "modules named after another module plus a suffix"
+    assert shadowing(names) == [], "public names one subpackage defines that another defines too"
+
+
+def test_a_second_name_for_a_concept_fails_the_structure_test() -> None:
+    """The checks above flag what issue 41 found, fed as synthetic names."""
+    assert near_pairs([("mpicrossbow.trace", "Recorder"), ("mpicrossbow.pool.replay", "Recorder")])
+    assert near_pairs(
+        [("mpicrossbow.pool.replicated", "Replicated"), ("mpicrossbow.pool.replicated", "Replication")]
+    )
+    assert near_pairs([("mpicrossbow.training", "checkpoint"), ("mpicrossbow.training", "checkpointing")])
+    assert near_pairs([("mpicrossbow.pool", "replicas"), ("mpicrossbow.training", "replicas")])
+    assert suffixed_pairs(
+        [("mpicrossbow.training", "snapshots"), ("mpicrossbow.training", "snapshot_orders")]
+    )
+    assert suffixed_pairs(
+        [("mpicrossbow.training", "checkpoint"), ("mpicrossbow.training", "checkpoint_lock")]
+    )
+    assert shadowing([("mpicrossbow.pool.replicated_ops", "RULES"), ("mpicrossbow.rules.registry", "RULES")])
+    # ... and pass what is one concept, or allow-listed as two.
+    assert not near_pairs([("mpicrossbow.pool", "fused_pool"), ("mpicrossbow.pool", "fused_network")])
+    assert not suffixed_pairs([("mpicrossbow.rules", "sma"), ("mpicrossbow.rules", "sma_stability")])
+    assert not shadowing([("mpicrossbow.pool.fused_pool", "log"), ("mpicrossbow.rules.bsp", "log")])
