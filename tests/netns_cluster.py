@@ -266,11 +266,12 @@ exec nsenter -t "$pid" -n -u -i -p -m --wd="$PWD" -- sh -c "$*"
         stats = json.loads(out)[0]["stats64"]
         return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
-    def set_rate(self, name: str, rate: str) -> None:
-        """Limit node ``name``'s link to ``rate`` both ways (tbf on its eth0 and on its switch port)."""
+    def set_rate(self, name: str, rate: str, latency: str = "20ms") -> None:
+        """Limit node ``name``'s link to ``rate`` both ways (tbf on its eth0 and on its switch port); a packet
+        that would wait longer than ``latency`` in the queue is dropped."""
         n = self.node(name)
         for netns, dev in ((n.netns, n.inside), (self.switch, n.port)):
-            tbf = ["tbf", "rate", rate, "burst", "512kb", "latency", "20ms"]
+            tbf = ["tbf", "rate", rate, "burst", "512kb", "latency", latency]
             _sh("ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf)
 
     def clear_rate(self, name: str) -> None:
