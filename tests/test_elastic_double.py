@@ -157,3 +157,47 @@ def test_every_mean_divides_by_the_survivors_after_a_loss() -> None:
 def test_fewer_ranks_than_min_ranks_ends_the_job_on_every_survivor() -> None:
     with pytest.raises(ElasticEnd, match="fewer than \\[fault\\] min_ranks = 4"):
         elastic_run("BSP", 4, victim=3, at=1, steps=2, min_ranks=4)
+
+
+@pytest.mark.parametrize(
+    ("rule_name", "hyper"),
+    [("ASGD", {}), ("SSP", {"staleness": 0}), ("EASGD", {"mode": "async", "tau": 1})],
+)
+def test_a_parameter_server_forgets_a_lost_worker_and_serves_the_others_to_the_end(
+    rule_name: str, hyper: dict[str, Any]
+) -> None:
+    """Rank 0 serves (EASGD: the centre), ranks 1-3 push every step; rank 2 dies at the start of its step 5
+    (after 5 pushes). The server's receive from it raises and the server forgets it (SSP with staleness 0
+    would otherwise hold the other two behind its clock forever); the others push all their steps; after
+    finish the ranks agree that one is missing and shrink, and the final model is the server's on every
+    survivor."""
+    steps, size = 12, 4
+    world, built = FaultyWorld(size, timeout_s=20), pools(size)
+
+    def body(group: FaultyGroup) -> tuple[Any, tuple[int, ...], torch.Tensor]:
+        comm, pool = ElasticCommunicator(group), built[group.me]
+        comm.isolate_peers = True
+        rule = RULES.get(rule_name)(**hyper).bind(comm, pool)
+        if group.me == 0:
+            rule.serve(lambda w, epoch: None)
+        else:
+            pool.start_epoch(0)
+            for step in range(steps):
+                if group.me == 2 and step == 5:
+                    world.die(2)
+                train_step(pool, rule, step)
+        rule.finish()
+        ElasticSteps(parts(pool, rule, group.me, size), comm, 1).settle("the end of training")
+        rule.sync_state()
+        final = rule.centre if rule_name == "EASGD" else rule.w
+        return rule.server, comm.membership.ranks, final.clone()
+
+    results = world.run(body)
+    assert results[2] is None
+    server = results[0][0]
+    assert server.lost == {2} and server.updates == 2 * steps + 5 and server.in_flight == 0
+    if rule_name != "EASGD":
+        assert server.clock == {1: steps, 2: 5, 3: steps} and server.received == server.updates
+    survivors = [r for r in results if r is not None]
+    assert all(r[1] == (0, 1, 3) for r in survivors)
+    assert all(torch.equal(r[2], survivors[0][2]) for r in survivors)

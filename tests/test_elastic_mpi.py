@@ -62,13 +62,13 @@ def test_elastic_true_under_open_mpi_without_ft_says_how_to_start_it(
 
 def test_crossbow_launch_alone_starts_open_mpi_fault_tolerant(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
     """Run alone, crossbow-launch adds ``--with-ft ulfm``: the ranks find ULFM working, and what stops this
-    job is only the rule (asynchronous ASGD is not elastic yet), in one line."""
-    cmd = [openmpi.launch, "-np", "2", *digits_args(tmp_path, "fault.elastic=true", "RULE=ASGD")]
+    job is only the rule (asynchronous PSGD is not elastic), in one line."""
+    cmd = [openmpi.launch, "-np", "2", *digits_args(tmp_path, "fault.elastic=true", "RULE=PSGD")]
     proc = run_local(cmd, timeout=120)
     assert "--with-ft ulfm" in proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
-    assert len(lines) == 1 and "RULE=ASGD is asynchronous" in lines[0], proc.stderr[-3000:]
+    assert len(lines) == 1 and "RULE=PSGD is asynchronous" in lines[0], proc.stderr[-3000:]
 
 
 def elastic_job(openmpi: OpenMPIEnv, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -137,4 +137,30 @@ def test_rank_0_killed_hands_its_duties_to_the_lowest_survivor(openmpi: OpenMPIE
     final = run / "checkpoints" / "step-000000088"
     assert sorted(p.name for p in final.glob("rank-*.pt")) == [f"rank-0000{r}.pt" for r in range(3)]
     assert not (run / "checkpoints" / "LOCK").exists()
+    assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("rule", "said"),
+    [
+        (("RULE=ASGD",), "parameter server rank 0: worker rank 2 was lost after 30 push(es); serving the 2"),
+        (("RULE=EASGD", "rule.mode=async"), "EASGD centre rank 0: worker rank 2 was lost after 1.0"),
+    ],
+    ids=["ASGD", "EASGD-async"],
+)
+def test_a_server_forgets_a_killed_worker_and_the_others_finish(
+    openmpi: OpenMPIEnv, tmp_path: Path, rule: tuple[str, ...], said: str
+) -> None:
+    """4 ranks (rank 0 serves the model or EASGD's centre, ranks 1-3 train), worker rank 2 SIGKILLed at its
+    step 30 (its first of epoch 2): the server's receive from it fails, the server says so in one line and
+    serves the other two to the end; the ranks shrink once training is over and the job finishes on 3
+    ranks with status 0."""
+    fault = ("fault.elastic=true", "fault.rank=2", "fault.step=30", "fault.action=kill")
+    args = digits_args(tmp_path, *rule, "session.epochs=4", "checkpoint.on_signal=false", *fault)
+    proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    forgot = [line for line in proc.stderr.splitlines() if "was lost after" in line]
+    assert len(forgot) == 1 and said in forgot[0], proc.stderr[-3000:]
+    lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
+    assert len(lost) == 1 and "lost rank(s) 2 (start numbering) at the end of training" in lost[0], lost
     assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]

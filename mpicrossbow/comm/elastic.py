@@ -8,6 +8,8 @@ reconfiguration by swapping the process group under its Manager. It does three t
 * **notice**: an operation (or the wait of its handle) that meets a process failure — ULFM's
   ERR_PROC_FAILED, ERR_PROC_FAILED_PENDING or ERR_REVOKED — revokes the communicator, so every other member
   blocked anywhere in it is released with ERR_REVOKED, and raises :class:`~mpicrossbow.comm.ulfm.PeerLost`;
+  in an asynchronous run (``isolate_peers``) a point-to-point operation raises it without revoking, so a
+  parameter server forgets the lost worker and serves the others on;
 * **commit**: :meth:`ElasticCommunicator.commit` is the fault-tolerant agreement (``MPI_Comm_agree``) that a
   piece of collective work completed on every member; all survivors get the same answer, also when a rank
   died during the agreement itself (torchft's ``should_commit``);
@@ -137,6 +139,10 @@ class GuardedCommunicator(Communicator):
 
     def __init__(self, target: Callable[[], Communicator], group: Callable[[], FaultTolerantGroup]) -> None:
         self._target, self._group = target, group
+        #: Asynchronous rules: a point-to-point operation that meets its peer's loss raises PeerLost without
+        #: revoking the group, so the rank can forget that peer and go on with the others (a parameter
+        #: server's receives from its live workers stay posted); collectives revoke as always.
+        self.isolate_peers = False
         #: Fault injection (``[fault] action = kill_in_exchange``): called once, right after the next
         #: operation has started (a blocking one: completed here), then disarmed.
         self.trap: Callable[[], None] | None = None
@@ -146,23 +152,26 @@ class GuardedCommunicator(Communicator):
         """``elastic+`` and the inner communicator's name."""
         return f"elastic+{self._target().name}"
 
-    def _call(self, fn: Callable[[], R], group: FaultTolerantGroup | None = None) -> R:
+    def _call(
+        self, fn: Callable[[], R], group: FaultTolerantGroup | None = None, isolated: bool = False
+    ) -> R:
         """``fn()``, its lost-rank failure turned into a revoke (of ``group``, default the current one: a
-        handle revokes the group it was started in) and :class:`PeerLost`."""
+        handle revokes the group it was started in; none when ``isolated``) and :class:`PeerLost`."""
         try:
             return fn()
         except Exception as exc:
             group = self._group() if group is None else group
             if not group.is_failure(exc):
                 raise
-            group.revoke()
+            if not isolated:
+                group.revoke()
             if isinstance(exc, PeerLost):
                 raise
             raise PeerLost(f"a rank was lost ({exc})") from exc
 
-    def _handle(self, fn: Callable[[], Handle]) -> Handle:
-        group = self._group()
-        handle = _GuardedHandle(self._call(fn, group), self, group)
+    def _handle(self, fn: Callable[[], Handle], peer: bool = False) -> Handle:
+        group, isolated = self._group(), peer and self.isolate_peers
+        handle = _GuardedHandle(self._call(fn, group, isolated), self, group, isolated)
         trap, self.trap = self.trap, None
         if trap is not None:
             trap()
@@ -198,11 +207,11 @@ class GuardedCommunicator(Communicator):
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         """The inner isend."""
-        return self._handle(lambda: self._target().isend(tensor, dst, tag))
+        return self._handle(lambda: self._target().isend(tensor, dst, tag), peer=True)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         """The inner irecv."""
-        return self._handle(lambda: self._target().irecv(tensor, src, tag))
+        return self._handle(lambda: self._target().irecv(tensor, src, tag), peer=True)
 
     def barrier(self) -> None:
         """The inner barrier."""
@@ -234,16 +243,18 @@ class GuardedCommunicator(Communicator):
 class _GuardedHandle(Handle):
     """A pending operation whose wait or test may meet a lost rank: :class:`PeerLost` then."""
 
-    def __init__(self, inner: Handle, comm: GuardedCommunicator, group: FaultTolerantGroup) -> None:
-        self._inner, self._comm, self._group = inner, comm, group
+    def __init__(
+        self, inner: Handle, comm: GuardedCommunicator, group: FaultTolerantGroup, isolated: bool = False
+    ) -> None:
+        self._inner, self._comm, self._group, self._isolated = inner, comm, group, isolated
 
     def wait(self) -> None:
         """The inner wait, guarded."""
-        self._comm._call(self._inner.wait, self._group)
+        self._comm._call(self._inner.wait, self._group, self._isolated)
 
     def test(self) -> bool:
         """The inner test, guarded."""
-        return self._comm._call(self._inner.test, self._group)
+        return self._comm._call(self._inner.test, self._group, self._isolated)
 
 
 class ElasticCommunicator(GuardedCommunicator):

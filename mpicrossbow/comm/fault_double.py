@@ -7,7 +7,8 @@ under ULFM — and returns the results in rank order (None for a rank that died)
 :meth:`FaultyWorld.die` (it never returns: the thread ends, as a SIGKILLed process does). What the others
 then see follows ULFM's contract:
 
-* a collective or receive that needs the dead rank, or runs on a revoked group, raises
+* a collective or receive (non-blocking: tested or waited for) that needs the dead rank, or runs on a
+  revoked group, raises
   :class:`~mpicrossbow.comm.ulfm.PeerLost` — on the ranks still waiting for it; one whose every
   contribution arrived before the death completes there (ULFM's collectives are not uniform either: the
   same operation may complete on some ranks and fail on others);
@@ -250,16 +251,9 @@ class FaultyCommunicator(Communicator):
         return DoneHandle()
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
-        """Waits for the next message of the (src, self, tag) channel; PeerLost when ``src`` is dead or
-        the group revoked before it arrives."""
-        state, world = self.group.state, self.group.world
-        box = state.mail[(src, self.rank, tag)]
-        with world.cond:
-            world.wait_for(
-                lambda: bool(box), lambda: state.revoked or state.members[src] in world.dead, "irecv"
-            )
-            tensor.detach().copy_(box.pop(0))
-        return DoneHandle()
+        """A pending receive of the next message of the (src, self, tag) channel (non-blocking, as MPI's:
+        a server keeps one posted per worker and tests them all)."""
+        return _PendingRecv(self.group, tensor, src, self.rank, tag)
 
     def barrier(self) -> None:
         """Every member is here."""
@@ -282,3 +276,38 @@ class FaultyCommunicator(Communicator):
     def split_node(self) -> FaultyCommunicator:
         """One node: every member."""
         return self.split(0)
+
+
+class _PendingRecv(Handle):
+    """A receive of the fault double: complete once its channel holds a message (taken at a test or the
+    wait); PeerLost when the sender is dead or the group revoked before one arrived."""
+
+    def __init__(self, group: FaultyGroup, tensor: torch.Tensor, src: int, dst: int, tag: int) -> None:
+        self._group, self._tensor, self._src = group, tensor, src
+        self._box = group.state.mail[(src, dst, tag)]
+        self._done = False
+
+    def _take(self) -> bool:
+        """Under the world's condition: complete when a message is there (it is taken)."""
+        if not self._done and self._box:
+            self._tensor.detach().copy_(self._box.pop(0))
+            self._done = True
+        return self._done
+
+    def _failed(self) -> bool:
+        state = self._group.state
+        return state.revoked or state.members[self._src] in self._group.world.dead
+
+    def test(self) -> bool:
+        """Whether the message arrived; PeerLost when it cannot any more."""
+        with self._group.world.cond:
+            if self._take():
+                return True
+            if self._failed():
+                raise PeerLost("irecv: a rank was lost (fault double)")
+            return False
+
+    def wait(self) -> None:
+        """Until the message arrived; PeerLost when it cannot (bounded by the world's timeout)."""
+        with self._group.world.cond:
+            self._group.world.wait_for(self._take, self._failed, "irecv")

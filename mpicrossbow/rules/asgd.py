@@ -30,3 +30,4 @@ class ASGD(ServerRule):
         scale: float = setting(1.0, "the server applies w ← w + scale·Δ (0: 1 / all workers' learners)", ge=0)
 
     name = "ASGD"
+    forgets_workers = True

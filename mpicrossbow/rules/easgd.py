@@ -228,6 +228,18 @@ class EASGD(Rule):
             raise RuntimeError(f"EASGD server finished with {self._server.in_flight} message(s) in flight")
 
     @property
+    def elastic(self) -> bool:
+        """``[fault] elastic``: ``async``, whose centre forgets a lost worker
+        (:meth:`~mpicrossbow.rules.elastic_server.ElasticServer.forget`); ``sync`` does not rebind yet."""
+        return not self.synchronous
+
+    def on_rebind(self, lost: tuple[int, ...]) -> None:
+        """``async``, after the serving ended (asynchronous ranks meet only then): nothing to rebuild — the
+        centre forgot the lost workers as it met them and keeps rank 0 (the lowest survives renumbering)."""
+        if self.synchronous:
+            raise ConfigError(f"RULE={self.name} mode = sync does not support [fault] elastic")
+
+    @property
     def served(self) -> int:
         """``async`` on rank 0: the workers' requests the centre answered so far (one elastic update per
         learner each); 0 elsewhere."""

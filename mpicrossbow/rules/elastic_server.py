@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..comm.base import Communicator, Handle
+from ..comm.ulfm import ElasticEnd, PeerLost
 from ..trace import instant, span
 from .patience import Patience, Silence, wait_for
 from .request_loop import Order, serve_requests
@@ -75,7 +76,17 @@ class ElasticWorker:
         self.patience = Patience()
 
     def exchange(self, progress: float) -> None:
-        """One round trip: snapshots of all learners' weights out, one elastic difference per learner back."""
+        """One round trip: snapshots of all learners' weights out, one elastic difference per learner back.
+        A lost centre ends the job (ElasticEnd): the centre lives there."""
+        try:
+            self._round_trip(progress)
+        except PeerLost as exc:
+            raise ElasticEnd(
+                f"worker rank {self.comm.rank}: the EASGD centre (rank {self.server}) was lost ({exc}); the "
+                "job ends (elastic training survives lost workers only)"
+            ) from exc
+
+    def _round_trip(self, progress: float) -> None:
         assert not self.done, "exchange after done"
         n = self.reply.numel()
         for x, slot in zip(self.params, self.request[:n].view(len(self.params), -1), strict=True):
@@ -135,6 +146,8 @@ class ElasticServer:
         self._sends: dict[int, Handle] = {}
         #: Elastic updates applied to the centre so far.
         self.updates = 0
+        #: Workers lost for good (elastic training): forgotten, never waited for again.
+        self.lost: set[int] = set()
         #: Each worker's latest reported progress in epochs.
         self.progress = {w: 0.0 for w in self.workers}
         self._reported = 0
@@ -146,8 +159,8 @@ class ElasticServer:
 
     @property
     def epoch(self) -> float:
-        """Epoch-equivalents done: the mean of the workers' progress."""
-        return sum(self.progress.values()) / len(self.workers)
+        """Epoch-equivalents done: the mean of the (live) workers' progress."""
+        return sum(self.progress.values()) / max(len(self.progress), 1)
 
     def serve(
         self, report: Report, tick: Callable[[], None] | None = None, patience: Patience | None = None
@@ -155,17 +168,33 @@ class ElasticServer:
         """Answer requests until every worker is done and every reply has been delivered (``tick``
         between sweeps); a worker not done that stays silent is a stall (``patience``)."""
         for w in self.workers:
-            self._post(w)
+            if w not in self.lost:
+                self._post(w)
         silence = Silence(
             patience or Patience(), f"EASGD centre rank {self.comm.rank}", "for a request", self.workers
         )
         serve_requests(
             self._recvs, lambda w: self._handle(w, report), self.order, self._sends, tick, silence,
-            lambda: [w for w in self.workers if w in self._recvs],
+            lambda: [w for w in self.workers if w in self._recvs], self.forget,
         )  # fmt: skip
         log.info(
             "EASGD server: %d elastic updates from %d worker(s), all done", self.updates, len(self.workers)
         )
+
+    def forget(self, w: int) -> None:
+        """Worker ``w`` was lost (elastic training: a receive from it or a reply to it met its death): its
+        receive and reply are dropped, never waited for, its progress no longer counts; the others are
+        served on."""
+        if w in self.lost:
+            return
+        self.lost.add(w)
+        self._recvs.pop(w, None)
+        self._sends.pop(w, None)
+        progress = self.progress.pop(w, 0.0)
+        log.warning(
+            "EASGD centre rank %d: worker rank %d was lost after %.2f epoch(s); serving the %d other(s)",
+            self.comm.rank, w, progress, len(self.workers) - len(self.lost),
+        )  # fmt: skip
 
     def _post(self, w: int) -> None:
         self._recvs[w] = self.comm.irecv(self._inbox[w], w, REQUEST_TAG)
@@ -181,17 +210,25 @@ class ElasticServer:
         if float(msg[head]) == DONE:
             log.debug("EASGD server: worker %d done after %.2f epoch(s)", w, self.progress[w])
         else:
-            if w in self._sends:  # the previous reply to w was received before w could ask again
-                self._sends.pop(w).wait()
+            try:
+                if w in self._sends:  # the previous reply to w was received before w could ask again
+                    self._sends.pop(w).wait()
+            except PeerLost:
+                self.forget(w)
+                return
             sent = msg[:n].view(self.learners, -1)
             for x, e in zip(sent, self._outbox[w].view(self.learners, -1), strict=True):
                 torch.sub(x, self.centre, out=e)  # learner by learner: each sees the centre the last moved
                 e.mul_(self.alpha)
                 self.centre.add_(e)
-            self._sends[w] = self.comm.isend(self._outbox[w], w, REPLY_TAG)
-            instant("elastic update and reply", "message", worker=w)
             self.updates += self.learners
-            self._post(w)
+            try:
+                self._sends[w] = self.comm.isend(self._outbox[w], w, REPLY_TAG)
+                self._post(w)
+            except PeerLost:
+                self.forget(w)
+                return
+            instant("elastic update and reply", "message", worker=w)
         epoch = self.epoch
         if math.floor(epoch) > self._reported:
             self._reported = math.floor(epoch)

@@ -28,6 +28,11 @@ the pushes and replies then travel there, and a worker pushes to every rank's sh
 Termination as in asynchronous EASGD: a worker's last message (flag DONE) says done; a done worker no longer
 counts for c_min, and a server leaves :meth:`ParameterServer.serve` once every worker is done, no reply waits
 and every reply send has completed: nothing is in flight.
+
+Elastic training (``[fault] elastic``, ASGD and SSP with server ranks): a receive from or reply to a worker
+that died raises :class:`~mpicrossbow.comm.ulfm.PeerLost`; the server forgets that worker
+(:meth:`ParameterServer.forget`: done for good, out of c_min) and serves the others on. A lost server ends
+the job: the model lives there.
 """
 
 from __future__ import annotations
@@ -37,11 +42,12 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from ..comm.base import Communicator, Handle
+from ..comm.ulfm import ElasticEnd, PeerLost
 from ..config.fields import setting
 from ..errors import ConfigError
 from ..trace import instant, span
@@ -117,9 +123,14 @@ class ParameterServer:
         order: Order | None,
         workers: list[int],
         stats_size: int = 0,
+        rescale: bool = False,
     ) -> None:
         self.comm, self.w, self.scale, self.policy, self.order = comm, w, scale, policy, order
         self.workers = workers
+        #: ``scale`` is 1 / the workers' learners (``[rule] scale = 0``): it follows the workers left.
+        self.rescale = rescale
+        #: Workers lost for good (elastic training): forgotten, never waited for again.
+        self.lost: set[int] = set()
         #: The workers' latest BatchNorm buffers, carried by their pushes (``stats_size`` values each).
         self.stats = ServedStats(stats_size)
         n = w.numel()
@@ -161,15 +172,16 @@ class ParameterServer:
         """Serve pushes until every worker is done and nothing is in flight; ``report`` once per epoch.
         Served again after a snapshot, it starts with every worker training again. A worker neither done
         nor waiting for a held reply that stays silent is a stall (``patience``)."""
-        self.done.clear()
+        self.done = set(self.lost)
         for r in self.workers:
-            self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
+            if r not in self.lost:
+                self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
         silence = Silence(
             patience or Patience(), f"parameter server rank {self.comm.rank}", "for a push", self.workers
         )
         serve_requests(
             self._recvs, lambda r: self._handle(r, report), self.order, self._sends, tick, silence,
-            lambda: [r for r in self.workers if r not in self.done and r not in self.held],
+            lambda: [r for r in self.workers if r not in self.done and r not in self.held], self.forget,
         )  # fmt: skip
         log.info(
             "parameter server: %d update(s) from %d worker(s), all done", self.updates, len(self.workers)
@@ -202,24 +214,55 @@ class ParameterServer:
         if r in self.held:
             self.holds += 1
         # Mean progress of the workers heard from (GSP: only group leaders push before the end).
-        epoch = sum(self.progress.values()) / len(self.progress)
+        epoch = sum(self.progress.values()) / max(len(self.progress), 1)
         if report is not None and math.floor(epoch) > self._reported:
             self._reported = math.floor(epoch)
             report(self.w, epoch)
 
     def _release(self) -> None:
-        """Reply to every held worker within the staleness bound, then re-post its receive."""
+        """Reply to every held worker within the staleness bound, then re-post its receive (a worker found
+        lost on the way is forgotten)."""
         n = self.w.numel()
         for r in [r for r in self.held if self.policy.releasable(self, r)]:
+            if r not in self.held:  # released (or forgotten) by a nested release, from forget()
+                continue
             self.held.remove(r)
             self.pulled_at[r] = self.received
-            if r in self._sends:
-                self._sends.pop(r).wait()
-            self._outbox[r][:n].copy_(self.w)
-            self._outbox[r][n] = self.updates
-            self._sends[r] = self.comm.isend(self._outbox[r], r, PULL_TAG)
-            self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
+            try:
+                if r in self._sends:
+                    self._sends.pop(r).wait()
+                self._outbox[r][:n].copy_(self.w)
+                self._outbox[r][n] = self.updates
+                self._sends[r] = self.comm.isend(self._outbox[r], r, PULL_TAG)
+                self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
+            except PeerLost:
+                self.forget(r)
+                continue
             instant("reply", "message", worker=r, updates=self.updates)
+
+    def forget(self, r: int) -> None:
+        """Worker ``r`` was lost (elastic training: a receive from it or a reply to it met its death). Its
+        receive and reply are dropped, never waited for; it counts as done, so the server neither waits for
+        it (stall detection, the end of serving) nor counts it in SSP's slowest clock — the replies it held
+        back go out now; with ``[rule] scale = 0`` the survivors' pushes weigh 1 / their learners. The
+        others are served on."""
+        if r in self.lost:
+            return
+        live = len(self.workers) - len(self.lost)
+        self.lost.add(r)
+        self.done.add(r)
+        self._recvs.pop(r, None)
+        self._sends.pop(r, None)
+        if r in self.held:
+            self.held.remove(r)
+        self.progress.pop(r, None)
+        if self.rescale and live > 1:
+            self.scale *= live / (live - 1)
+        log.warning(
+            "parameter server rank %d: worker rank %d was lost after %d push(es); serving the %d other(s)",
+            self.comm.rank, r, self.clock[r], live - 1,
+        )  # fmt: skip
+        self._release()
 
 
 @dataclass(frozen=True)
@@ -240,6 +283,9 @@ class ServerRule(Rule):
     """Base of the parameter-server rules: ranks 0..S-1 serve, the others push every τ steps and pull."""
 
     Config = ServerConfig
+    #: Whether the rule's servers can forget a lost worker and serve the others on (elastic training): its
+    #: policy follows the workers left. ASGD (no policy) and SSP (the slowest clock among the live) can.
+    forgets_workers: ClassVar[bool] = False
 
     def policy(self) -> Policy:
         """When the server merges and replies (asynchronous SGD: always, at once)."""
@@ -306,6 +352,17 @@ class ServerRule(Rule):
                 f"serve the model, at least one more rank trains); this job has {size}"
             )
 
+    @property
+    def elastic(self) -> bool:
+        """``[fault] elastic``: a rule whose servers forget lost workers, with server ranks (placement =
+        rank). Colocated shards are not: a lost rank takes its shard of the model with it."""
+        return self.forgets_workers and not self.colocated
+
+    def on_rebind(self, lost: tuple[int, ...]) -> None:
+        """After the serving ended (asynchronous ranks meet only then): nothing to rebuild — the servers
+        forgot the lost workers as they met them (:meth:`ParameterServer.forget`), the server ranks keep
+        ranks 0..S-1 (the lowest survive renumbering) and the workers follow ``self.comm.size``."""
+
     def trains(self, rank: int, size: int) -> bool:
         """Every rank but the server ranks trains (every rank, when colocated)."""
         self._check(size)
@@ -353,7 +410,7 @@ class ServerRule(Rule):
             lo, hi = self.bounds[rank]
             self.server = ParameterServer(
                 self.comm, self.w[lo:hi], self.scale(), self.shard_policy(rank), self.order, self.workers,
-                self._stats_size(rank),
+                self._stats_size(rank), rescale=not self.hyper.scale,
             )  # fmt: skip
             return
         self.pulled = self.w.clone()
@@ -385,7 +442,18 @@ class ServerRule(Rule):
             self.delta.add_(learner.params).sub_(self.pulled)
 
     def _push(self, flag: float) -> None:
-        """Send every server its slice of Δ (or DONE); on UPDATE wait for the replies and adopt w."""
+        """Send every server its slice of Δ (or DONE); on UPDATE wait for the replies and adopt w. A lost
+        server ends the job (ElasticEnd): the model lives there."""
+        try:
+            self._push_to_servers(flag)
+        except PeerLost as exc:
+            assert self.comm is not None
+            raise ElasticEnd(
+                f"worker rank {self.comm.rank}: a parameter server was lost ({exc}); the model lives on "
+                "the server ranks, so the job ends (elastic training survives lost workers only)"
+            ) from exc
+
+    def _push_to_servers(self, flag: float) -> None:
         assert self.pool is not None and self.comm is not None
         if flag == UPDATE:
             self._compute_delta()

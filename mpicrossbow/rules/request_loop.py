@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ..comm.base import Handle
+from ..comm.ulfm import PeerLost
 from .patience import Silence
 
 #: The idle back-off between sweeps that found nothing (seconds): short enough to answer quickly, long
@@ -31,11 +32,16 @@ def serve_requests(
     tick: Callable[[], None] | None = None,
     silence: Silence | None = None,
     waiting_on: Callable[[], Iterable[int]] = lambda: (),
+    lost: Callable[[int], None] | None = None,
 ) -> None:
     """Call ``handle(worker)`` for each arrived request until no receive is posted in ``recvs``; then wait
     for every reply still in ``sends`` (and empty it), so nothing the server sent is left in flight.
     ``tick()`` runs between sweeps (cheap: the run's signal watch); ``silence`` times the workers
-    ``waiting_on()`` names (those the server expects a request from), each from its last request."""
+    ``waiting_on()`` names (those the server expects a request from), each from its last request.
+
+    ``lost(worker)`` (elastic training): a receive or reply that meets its worker's loss
+    (:class:`~mpicrossbow.comm.ulfm.PeerLost`) calls it, which drops that worker's receive and reply; the
+    others are served on. Without it the loss is raised."""
     processed, idle = 0, IDLE_MIN_S
     while recvs:
         if tick is not None:
@@ -47,7 +53,7 @@ def serve_requests(
             recvs[worker].wait()
             arrived = [worker]
         else:
-            arrived = [w for w, h in recvs.items() if h.test()]
+            arrived = [w for w in list(recvs) if _arrived(recvs, w, lost)]
         for worker in arrived:
             if silence is not None:
                 silence.heard(worker)
@@ -58,7 +64,23 @@ def serve_requests(
         else:
             time.sleep(idle)
             idle = min(2 * idle, IDLE_MAX_S)
-    for reply in (sends or {}).values():
-        reply.wait()
+    for worker, reply in list((sends or {}).items()):
+        try:
+            reply.wait()
+        except PeerLost:
+            if lost is None:
+                raise
+            lost(worker)
     if sends is not None:
         sends.clear()
+
+
+def _arrived(recvs: Mapping[int, Handle], worker: int, lost: Callable[[int], None] | None) -> bool:
+    """Whether ``worker``'s request arrived; False (and ``lost(worker)``) when it never will."""
+    try:
+        return recvs[worker].test()
+    except PeerLost:
+        if lost is None:
+            raise
+        lost(worker)
+        return False

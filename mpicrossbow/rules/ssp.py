@@ -34,6 +34,7 @@ class SSP(ServerRule):
         staleness: int = setting(2, "s: pushes a worker may run ahead of the slowest (0: BSP)", ge=0)
 
     name = "SSP"
+    forgets_workers = True
 
     def policy(self) -> StalenessBound:
         """Hold replies beyond the bound s."""

@@ -35,10 +35,19 @@ def elastic_obstacle(config: Config, rule: Rule, world: World) -> str | None:
             "[comm] shared_memory = on polls node-shared memory, where a dead rank is waited for forever; "
             "elastic training needs shared_memory = off or auto (auto is off when elastic)"
         )
-    if not rule.synchronous:
-        return f"RULE={config.rule} is asynchronous; elastic training supports synchronous rules so far"
     if not rule.elastic:
+        if not rule.synchronous:
+            return (
+                f"RULE={config.rule} is asynchronous and cannot forget a lost rank; elastic training "
+                "supports the synchronous rules, ASGD and SSP with server ranks, and async EASGD"
+            )
         return f"RULE={config.rule} does not support elastic training (it cannot rebind to the survivors)"
+    if not rule.synchronous and (config.checkpoint.enabled or config.checkpoint.on_signal):
+        return (
+            f"RULE={config.rule}'s coordinated snapshots (periodic checkpoints, the signal stop) meet every "
+            "rank and cannot go on without a lost one yet: set checkpoint.on_signal=false and no "
+            "checkpoint.every_steps / every_epochs"
+        )
     return None
 
 

@@ -83,11 +83,11 @@ class ElasticSteps:
         parts = self.parts
         self.steps_done = step
         if self.saved is None:
-            self.saved = self._capture()
+            self.saved = self.capture()
         started, seconds, ok, after = time.perf_counter(), 0.0, True, None
         try:
             seconds = run()
-            after = self._capture()
+            after = self.capture()
         except PeerLost:
             ok = False
         if self.comm.commit(ok):
@@ -101,8 +101,9 @@ class ElasticSteps:
         self.steps_done = step + 1
         return 0.0
 
-    def _capture(self) -> tuple[Any, Any]:
-        """A copy of everything a step changes: the learners' state and the rule's."""
+    def capture(self) -> tuple[Any, Any]:
+        """A copy of everything a step changes: the learners' state and the rule's (what a dropped step
+        restores; benchmarks/elastic_cost.py times it)."""
         return cloned((self.parts.pool.state_dict(), self.parts.rule.state_dict()))
 
     def collective(self, fn: Callable[..., T], what: str) -> Callable[..., T]:
@@ -121,6 +122,16 @@ class ElasticSteps:
                 self.parts.rule.on_rebind(self.lost)
 
         return run
+
+    def settle(self, where: str) -> None:
+        """Asynchronous rules: their ranks meet only after ``finish`` (a server forgot a lost worker as it
+        met it, :meth:`~mpicrossbow.rules.parameter_server.ParameterServer.forget`). Agree whether every
+        rank is still there; if not, shrink to the survivors, move the world on and rebind the rule, so
+        the run's last collectives (statistics, the final model, metrics.h5) span the survivors."""
+        started = time.perf_counter()
+        if not self.comm.commit(True):
+            self.recover(where, started)
+            self.parts.rule.on_rebind(self.lost)
 
     def recover(self, where: str, started: float) -> None:
         """Shrink to the survivors and move the run's world on; ElasticEnd below ``min_ranks``."""

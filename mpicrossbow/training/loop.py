@@ -67,7 +67,7 @@ class TrainLoop:
         self.signals: Callable[[int], bool] | None = signals
         #: Elastic training's committed steps (``[fault] elastic``), else None.
         self.elastic: ElasticSteps | None = None
-        if isinstance(parts.comm, ElasticCommunicator):
+        if isinstance(parts.comm, ElasticCommunicator) and parts.rule.synchronous:
             self.elastic = ElasticSteps(parts, parts.comm, parts.config.fault.min_ranks)
             self.validate = self.elastic.collective(validate, "validation")
             self.reduce = self.elastic.collective(reduce, "the epoch's statistics")

@@ -20,7 +20,9 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from ..comm.elastic import ElasticCommunicator
 from .async_checkpoints import AsyncCheckpoints
+from .elastic_steps import ElasticSteps
 from .loop import LoopOutcome, TrainLoop
 from .parts import RankParts
 from .result import RunResult
@@ -52,6 +54,8 @@ class RunMode(ABC):
         busy = reporter.wall
         if not self.finished:
             parts.rule.finish()
+        if isinstance(parts.comm, ElasticCommunicator) and not parts.rule.synchronous:
+            ElasticSteps(parts, parts.comm, parts.config.fault.min_ranks).settle("the end of training")
         if parts.timeline is not None:
             parts.timeline.finish()
         if parts.trains and busy > 0:

@@ -20,7 +20,7 @@ import torch
 
 from ..comm import make_communicator
 from ..comm.base import Communicator
-from ..comm.elastic import elastic_over_mpi
+from ..comm.elastic import ElasticCommunicator, elastic_over_mpi
 from ..config import Config
 from ..config.sections import WatchdogSection
 from ..errors import CheckpointError, ConfigError
@@ -194,6 +194,8 @@ class Session:
         cfg, world, mpi = self.config, self.world, self.world.mpi
         maker = elastic_over_mpi if self.elastic else make_communicator
         self.comm = maker(cfg.comm, self.device, mpi)
+        if isinstance(self.comm, ElasticCommunicator):  # a parameter server forgets a lost worker, goes on
+            self.comm.isolate_peers = not self.rule.synchronous
         run_dir = (self.checkpoints.resumed_run_dir() or make_run_dir(cfg)) if world.rank == 0 else None
         self.run_dir = Path(world.bcast(str(run_dir.absolute()) if run_dir is not None else ""))
         self.rule.patience = patience(cfg.watchdog)
