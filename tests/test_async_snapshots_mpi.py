@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 from subprocess import CompletedProcess
 
@@ -44,11 +45,13 @@ def test_every_asynchronous_rule_snapshots_stops_and_resumes(
     assert found.get(f"snapshots.{rule}.{check}") == "OK", (found.get(f"snapshots.{rule}.{check}"), tail)
 
 
-def job(mpiexec: str, out: Path, *overrides: str, rule: tuple[str, ...] = ("RULE=ASGD",)) -> CompletedProcess:
+def job(
+    mpiexec: str, out: Path, *overrides: str, rule: tuple[str, ...] = ("RULE=ASGD",), timeout: float = 150
+) -> CompletedProcess:
     """An asynchronous rule on 3 ranks (ASGD: a server, two workers), digits for 4 epochs, ``overrides``."""
     args = [*launcher(), "-cfg", "launch/digits.cfg", *rule, f"session.output={out}", "session.epochs=4",
             *overrides]  # fmt: skip
-    return run_mpi(mpiexec, 3, args, timeout=150)
+    return run_mpi(mpiexec, 3, args, timeout=timeout)
 
 
 def test_sigusr1_stops_an_asynchronous_job_with_75_and_it_resumes(mpiexec: str, tmp_path: Path) -> None:
@@ -75,6 +78,42 @@ def test_a_killed_asynchronous_job_resumes_from_its_last_complete_snapshot(
     assert crashed.returncode != 0
     saved = complete_checkpoints(only_run(tmp_path) / "checkpoints")
     assert saved, "no snapshot before the kill"
+    resumed = job(mpiexec, tmp_path, "checkpoint.every_steps=20", "--resume", rule=rule)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{saved[-1].name} (step " in resumed.stderr
+
+
+@pytest.mark.parametrize(
+    ("rule", "after"),
+    [
+        (("RULE=ASGD",), 100),  # the server, rank 0: after 100 pushes (two workers, about step 50 each)
+        (("RULE=SSP", "rule.placement=colocated"), 50),  # rank 0 trains and serves shard 0: at its step 50
+        (("RULE=EASGD", "rule.mode=async", "rule.tau=2"), 50),  # the centre: after 50 requests
+    ],
+    ids=["parameter-server", "colocated-shard", "elastic-centre"],
+)
+def test_a_dead_server_ends_the_job_within_30_s_naming_it_and_it_resumes_from_its_snapshot(
+    mpiexec: str, tmp_path: Path, rule: tuple[str, ...], after: int
+) -> None:
+    """The server (or centre, or rank 0's colocated shard) SIGKILLed after two snapshots: the job ends
+    within 30 s of the kill with one line naming rank 0; the last snapshot is complete and the resume
+    finishes."""
+    crashed = job(mpiexec, tmp_path, "checkpoint.every_steps=20", "fault.rank=0", f"fault.step={after}",
+                  "fault.action=kill", rule=rule, timeout=120)  # fmt: skip
+    ended = time.time()
+    output = crashed.stdout + crashed.stderr
+    assert crashed.returncode != 0, output[-3000:]
+    killed = re.search(r"(\d\d):(\d\d):(\d\d) \[rank 0[^]]*\] WARNING \[fault\] kill", crashed.stderr)
+    assert killed is not None, output[-3000:]
+    h, m, sec = (int(v) for v in killed.groups())
+    clock = time.localtime(ended)
+    since = (clock.tm_hour * 3600 + clock.tm_min * 60 + clock.tm_sec - (h * 3600 + m * 60 + sec)) % 86400
+    assert since < 30, (since, output[-3000:])
+    pids = dict(re.findall(r"(\d+): pid (\d+)", re.search(r"rank processes: (.*)", crashed.stderr)[1]))
+    named = re.findall(r"rank 0 on \S+ \(pid \d+\) is gone|PID (\d+) RUNNING AT", output)
+    assert named and all(pid in ("", pids["0"]) for pid in named), output[-3000:]
+    saved = complete_checkpoints(only_run(tmp_path) / "checkpoints")
+    assert len(saved) >= 2, saved  # the kill came after two snapshots
     resumed = job(mpiexec, tmp_path, "checkpoint.every_steps=20", "--resume", rule=rule)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"{saved[-1].name} (step " in resumed.stderr
