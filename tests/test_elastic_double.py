@@ -19,7 +19,7 @@ from mpicrossbow.launch.world import World
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules.registry import RULES
-from mpicrossbow.training.elastic_steps import ElasticSteps
+from mpicrossbow.training.elastic_steps import ElasticSteps, cloned
 from mpicrossbow.training.step import train_step
 
 
@@ -201,3 +201,50 @@ def test_a_parameter_server_forgets_a_lost_worker_and_serves_the_others_to_the_e
     survivors = [r for r in results if r is not None]
     assert all(r[1] == (0, 1, 3) for r in survivors)
     assert all(torch.equal(r[2], survivors[0][2]) for r in survivors)
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor of a nested state, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors(v)]
+    return []
+
+
+def test_losses_in_two_steps_in_a_row_both_restore_the_last_committed_state() -> None:
+    """Rank 2 dies inside step 3's exchange, rank 1 inside step 4's: both steps are dropped, and after each
+    the survivors' whole state — weights and the optimizer's momentum, which torch's load_state_dict keeps
+    as the very tensors it was given — is what it was after step 2 (a restore must not hand the saved copy
+    to the optimizer and then copy the next step into it)."""
+    world, built = FaultyWorld(4, timeout_s=20), pools(4)
+
+    def body(group: FaultyGroup) -> list[list[torch.Tensor]]:
+        comm, pool = ElasticCommunicator(group), built[group.me]
+        rule = RULES.get("BSP")().bind(comm, pool)
+        steps_ = ElasticSteps(parts(pool, rule, group.me, 4), comm, 1)
+        pool.start_epoch(0)
+        after = []
+        for step in range(6):
+            if (group.me, step) in ((2, 3), (1, 4)):
+                comm.trap = lambda me=group.me: world.die(me)
+            steps_.step(lambda step=step: train_step(pool, rule, step), step)
+            after.append([t.clone() for t in tensors(pool.state_dict())])
+        return after
+
+    for after in [r for r in world.run(body) if r is not None]:
+        for dropped in (3, 4):
+            assert all(torch.equal(a, b) for a, b in zip(after[dropped], after[2], strict=True)), dropped
+        assert not all(torch.equal(a, b) for a, b in zip(after[5], after[2], strict=True))
+
+
+def test_a_capture_is_copied_into_the_spare_copy_without_allocating() -> None:
+    """The state copy of every step goes into the tensors of the copy before the last (same storage), and
+    a tensor whose shape changed gets a fresh one."""
+    spare = cloned({"a": [torch.zeros(3)], "b": torch.zeros(2), "n": 1})
+    kept = spare["a"][0].data_ptr()
+    copy = cloned({"a": [torch.ones(3)], "b": torch.ones(4), "n": 2}, spare)
+    assert copy["a"][0].data_ptr() == kept and torch.equal(copy["a"][0], torch.ones(3))
+    assert copy["b"].shape == (4,) and copy["n"] == 2
