@@ -17,7 +17,7 @@ from mpicrossbow.errors import ConfigError
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, GOSGD, SMA
-from mpicrossbow.training.autotune import AutoTuner, efficiency
+from mpicrossbow.training.autotune import AutoTuner, efficiency, start_count
 from mpicrossbow.training.learner_tuning import StepMeter
 
 NAN = math.nan
@@ -108,16 +108,35 @@ def test_an_unknown_noise_scale_decides_as_throughput_then_rescores_the_counts_t
     assert tuner.frozen
 
 
-def test_settled_goodput_follows_a_growing_noise_scale_among_measured_counts() -> None:
+def test_settled_goodput_follows_a_growing_noise_scale() -> None:
     tuner = AutoTuner(threshold=0.1, unit_batch=64)
     assert feed(tuner, [100, 180, 200], [64, 64, 64]) == [2, 3, 2]  # settled at 2 (3: +2.9%)
-    # B_noise grows tenfold: the measured 3's goodput 200 × 704/832 = 169 beats 2's 180 × 704/768 = 165 by
-    # less than 10%: stays; at B_noise 1e5 the throughputs decide (200 vs 180: +11%): grows to 3.
-    assert feed(tuner, [999, 999], [640, 1e5]) == [2, 3]
+    # B_noise 640: a step's time fitted to counts 1-3 (0.64, 0.71, 0.96 s) predicts 234.8 samples/s at the
+    # unmeasured 4, goodput 234.8 × 704/896 = 184.5, beating 2's 180 × 704/768 = 165.0 by 12%: grows to 4
+    assert tuner.predicted(4) == pytest.approx(234.8, abs=0.1)
+    assert feed(tuner, [180], [640]) == [4]
+    # 4 measures 180, not the 235 predicted: its measurement replaces the model, 180 × 704/896 = 141.4;
+    # the best is now the measured 3, 200 × 704/832 = 169.2; 5 (202 predicted from counts 1-4) scores less
+    assert feed(tuner, [180], [640]) == [3]
+    assert tuner.rates[4] == 180 and tuner.score(5) < tuner.score(3)
+    # at B_noise 1e5 the throughputs decide: 3's 200 is the best: stays
+    assert feed(tuner, [999], [1e5]) == [3]
     assert tuner.learners == 3 and tuner.best == 3
-    # B_noise falls back: shrinks to 2 again (never probes a count it has not measured: 4)
+    # B_noise falls back: shrinks to 2 (180 × 1 against 200 × 128/192 = 133)
     assert feed(tuner, [999], [64]) == [2]
-    assert set(tuner.rates) == {1, 2, 3}
+    assert tuner.rates == {1: 100, 2: 180, 3: 200, 4: 180}  # a settled count keeps its first measurement
+
+
+def test_the_throughput_model_predicts_no_gain_from_noise() -> None:
+    """Fewer than two measured counts, or step times that do not grow with the count: the largest
+    measured count's throughput, so a settled tuner never grows on a fit of noise."""
+    tuner = AutoTuner(threshold=0.1, unit_batch=64)
+    tuner.rates = {1: 100.0}
+    assert tuner.predicted(2) == 100.0
+    tuner.rates = {1: 100.0, 2: 250.0}  # the second step no slower than the first
+    assert tuner.predicted(3) == 250.0
+    tuner.rates = {2: 128.0, 4: 128 * 4 / 3}  # steps of 1.0 and 1.5 s: a = 0.5, b = 0.25 s a learner
+    assert tuner.predicted(6) == pytest.approx(6 * 64 / 2.0)
 
 
 def test_the_tuner_state_round_trips() -> None:
@@ -170,12 +189,26 @@ def test_rules_follow_a_resize() -> None:
 
 
 def test_the_step_meter_counts_steady_steps_only_and_starts_anew() -> None:
-    """The tuner's measurement: the mean of the steady steps' times (a form trial's steps left out)."""
+    """The tuner's measurement: the median of the steady steps' times (a form trial's steps left out; a
+    few steps stretched by another process's burst do not move it)."""
     meter = StepMeter()
     assert meter.take() is None  # no step yet: the loop falls back to the whole epoch's time
     for seconds, steady in [(5.0, False), (5.0, False), (1.0, True), (3.0, True)]:
         meter.add(seconds, steady)
     assert meter.take() == pytest.approx(2.0)
+    for seconds in [1.0, 1.1, 0.9, 1.0, 9.0]:  # one step of five stretched 9x
+        meter.add(seconds, True)
+    assert meter.take() == pytest.approx(1.0)
     assert meter.take() is None
     meter.add(4.0, False)
     assert meter.take() is None
+
+
+def test_goodput_starts_where_the_noise_scale_is_measured() -> None:
+    """Crossbow's throughput tuner starts at one learner per rank; the goodput tuner at the smallest count
+    whose steps measure B_noise: one where the rule averages gradients over 2+ ranks, else two."""
+    assert start_count("throughput", False, 2, 8) == 1
+    assert start_count("goodput", True, 2, 8) == 1  # BSP over two ranks: the ranks' mean is the big batch
+    assert start_count("goodput", True, 1, 8) == 2  # one rank: its own learners must be
+    assert start_count("goodput", False, 4, 8) == 2  # SMA, EASGD, LOCALSGD
+    assert start_count("goodput", False, 4, 1) == 1  # never past max_learners

@@ -46,3 +46,18 @@ def test_bad_scalings_and_learner_counts_are_refused() -> None:
         lr_scale("cubic", 4)
     with pytest.raises(ValueError, match="learners = 0"):
         lr_scale("linear", 0)
+
+
+def test_lr_cap_bounds_the_scaled_peak_and_its_decay() -> None:
+    """linear scaling with lr_cap 0.2: k x 0.025 up to k = 8, then 0.2 (one learner of batch 16 diverges
+    past it on MNIST-1D however many average); the decay and the warm-up's end follow the capped peak."""
+    optim = OptimSection(lr=0.025, lr_scaling="linear", lr_cap=0.2, schedule="multistep", milestones=(10,))
+    assert [lr_at(optim, 5.0, k) for k in (4, 8, 16, 32)] == pytest.approx([0.1, 0.2, 0.2, 0.2])
+    assert lr_at(optim, 10.0, 16) == pytest.approx(0.02)
+    warm = OptimSection(lr=0.025, lr_scaling="linear", lr_cap=0.2, warmup_epochs=2)
+    assert lr_at(warm, 1.0, 16) == pytest.approx((0.0025 + 0.2) / 2)
+
+
+def test_an_lr_cap_below_lr_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"lr_cap = 0\.01 is below lr = 0\.1"):
+        OptimSection(lr=0.1, lr_cap=0.01)

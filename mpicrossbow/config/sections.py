@@ -107,6 +107,13 @@ class OptimSection:
         "too; none, the default, keeps lr as written, as BSP wants (it averages gradients: set lr for the "
         "global batch)",
     )
+    lr_cap: float = setting(
+        0.0,
+        "the most the scaled peak rate may be (0: no cap). Each learner still steps on its own batch, and "
+        "past the rate one learner of that batch trains at it diverges however many average: MNIST-1D, "
+        "batch 16, diverged at 0.4 and trained at 0.2 (docs/rules.md, 'Learning rates for k learners')",
+        ge=0,
+    )
     precision: Literal["fp32", "bf16", "fp16"] = setting(
         "fp32",
         "arithmetic of the learners' forward: fp32, or bf16/fp16 autocast around it (weights, gradients, "
@@ -135,6 +142,10 @@ class OptimSection:
             raise ValueError("schedule = multistep needs milestones, e.g. milestones = 30,60")
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov = true needs momentum > 0")
+        if self.lr_cap and self.lr_cap < self.lr:
+            raise ValueError(
+                f"lr_cap = {self.lr_cap:g} is below lr = {self.lr:g}: the cap bounds the scaled rate"
+            )
 
 
 @dataclass(frozen=True)

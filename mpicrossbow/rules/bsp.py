@@ -67,8 +67,10 @@ class BSP(Rule):
 
     @property
     def averages_gradients(self) -> bool:
-        """Grad mode (once bound): every learner's gradient is the mean over all k after ``on_gradients``."""
-        return getattr(self, "mode", None) == "grad"
+        """Grad mode: every learner's gradient is the mean over all k after ``on_gradients``. Before bind
+        ``mode = auto`` counts as grad: bind resolves it so for every torch-native model, the only kind the
+        learner tuner (which asks before bind) runs."""
+        return getattr(self, "mode", self.hyper.mode) in ("grad", "auto")
 
     def on_bind(self) -> None:
         """Resolve ``auto`` and reject gradient mode for models that update themselves."""

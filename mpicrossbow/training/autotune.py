@@ -16,13 +16,22 @@ Two rules (``[pool] tune``, docs/pools.md "Auto-tuning the learner count"):
   al.'s model of large-batch training; B_noise is the gradient noise scale, :mod:`.noise_scale`). Every
   comparison re-scores the throughputs measured so far with the *latest* B_noise, so counts measured
   early are judged by what is known now. Once settled, the measured throughputs are kept and only a new
-  B_noise moves the choice: it may grow again to a larger measured count (B_noise usually rises as the
-  loss falls) or shrink to a smaller one, when that count's goodput beats the current one by more than
-  ``threshold``.
+  B_noise moves the choice: to another measured count, or one past the largest measured, when that
+  count's goodput beats the current one's by more than ``threshold``. The count past the largest is scored
+  by a throughput model, as Pollux scores batch sizes it has not run: a step's time fitted as a + b·m to
+  the measured counts by least squares (:meth:`AutoTuner.predicted`); once run, its measurement replaces
+  the model. B_noise usually rises several-fold as the loss falls (McCandlish et al.), so a count that did
+  not pay in the first epochs often does later; without the model a settled tuner could only return to
+  counts it had tried while B_noise was small.
 
-  **While B_noise is unknown** (NaN: one learner on one rank, or m = 1 under a rule that does not average
-  gradients, before the first estimate), the efficiency is taken as 1: the goodput rule then decides as
-  the throughput rule does, and the first B_noise measured re-scores the counts already tried.
+  **Where it starts** (:func:`start_count`): at the smallest count whose steps measure B_noise — one learner
+  per rank under a rule that averages gradients over 2+ ranks (BSP's grad mode), two otherwise (SMA, EASGD,
+  LOCALSGD: a rank's own learners are the big batch). Starting at one learner there would spend a whole
+  epoch at the slowest count learning nothing about efficiency: on MNIST-1D under SMA (2 ranks, fused,
+  batch 16) that epoch took as long as 3.6 epochs at four learners, about a tenth of the run to 94 %
+  (benchmarks/results/goodput.md). **While B_noise is unknown** (NaN, before the first estimate), the
+  efficiency is taken as 1: the goodput rule then decides as the throughput rule does, and the first
+  B_noise measured re-scores the counts already tried.
 
 The tuner is pure logic: :meth:`AutoTuner.observe` takes a measured throughput and B_noise and returns the
 learner count to run next, so it is unit-testable with scripted sequences. Its state (count, measurements,
@@ -42,6 +51,15 @@ log = logging.getLogger(__name__)
 
 #: The tuners' names (``[pool] tune``).
 TUNES = ("goodput", "throughput")
+
+
+def start_count(tune: str, averages_gradients: bool, trainers: int, max_learners: int) -> int:
+    """The learners per rank the tuner starts with: Crossbow's one for ``tune = throughput``; for ``goodput``
+    the smallest count whose steps measure B_noise (module docstring): 1 where the rule averages gradients
+    over ``trainers`` >= 2 ranks, else 2 (never past ``max_learners``)."""
+    if tune == "throughput" or (averages_gradients and trainers >= 2):
+        return 1
+    return min(2, max_learners)
 
 
 def efficiency(noise_scale: float, batch: float, base: float) -> float:
@@ -96,8 +114,28 @@ class AutoTuner:
         return efficiency(self.noise_scale, learners * self.unit_batch, self.start * self.unit_batch)
 
     def score(self, learners: int) -> float:
-        """The goodput (throughput rule: the throughput) of a measured count at the latest B_noise."""
-        return self.rates[learners] * self.efficiency(learners)
+        """The goodput (throughput rule: the throughput) of a count at the latest B_noise: measured, or
+        :meth:`predicted` for a count not run yet."""
+        rate = self.rates[learners] if learners in self.rates else self.predicted(learners)
+        return rate * self.efficiency(learners)
+
+    def predicted(self, learners: int) -> float:
+        """Throughput at ``learners`` from the measured counts: a step's time t(m) = m × unit_batch ÷
+        samples/s, fitted as a + b·m by least squares (Pollux's model of a step's compute). Fewer than two
+        measured counts, or a fit whose time does not grow with m (noise), predicts no gain: the largest
+        measured count's throughput."""
+        counts = sorted(self.rates)
+        fallback = self.rates[counts[-1]]
+        if len(counts) < 2:
+            return fallback
+        times = [m * self.unit_batch / self.rates[m] for m in counts]
+        mean_m, mean_t = sum(counts) / len(counts), sum(times) / len(times)
+        spread = sum((m - mean_m) ** 2 for m in counts)
+        slope = sum((m - mean_m) * (t - mean_t) for m, t in zip(counts, times, strict=True)) / spread
+        step = mean_t + slope * (learners - mean_m)
+        if slope <= 0 or step <= 0:
+            return fallback
+        return learners * self.unit_batch / step
 
     def observe(self, throughput: float, noise_scale: float = math.nan) -> int:
         """Record the throughput measured with the current count and the latest smoothed B_noise (NaN:
@@ -131,16 +169,25 @@ class AutoTuner:
         return self.learners
 
     def _settled(self, m: int, throughput: float) -> int:
-        """After probing: the throughput rule keeps its count; the goodput rule moves to the measured count
-        whose goodput at the latest B_noise beats the current one's by more than ``threshold``."""
-        if self.tune == "throughput" or m not in self.rates:
+        """After probing: the throughput rule keeps its count; the goodput rule moves to the count — a
+        measured one, or the one past the largest measured (scored by :meth:`predicted`) — whose goodput at
+        the latest B_noise beats the current one's by more than ``threshold``. A count grown into this way
+        keeps its first measurement, as probed counts do."""
+        if self.tune == "throughput":
             return m
+        self.rates.setdefault(m, throughput)
         self._record(m, throughput)
-        target = max(self.rates, key=self.score)
+        candidates = set(self.rates)
+        if max(candidates) < self.max_learners:
+            candidates.add(max(candidates) + 1)
+        target = max(sorted(candidates), key=self.score)
         if target != m and self.score(target) > self.score(m) * (1 + self.threshold):
             self.best = self.learners = target
             self._say(
-                "B_noise moved the best count: %s to %d", "growing" if target > m else "shrinking", target
+                "B_noise moved the best count: %s to %d%s",
+                "growing" if target > m else "shrinking",
+                target,
+                "" if target in self.rates else f" (predicted {self.predicted(target):.1f} samples/s)",
             )
         return self.learners
 

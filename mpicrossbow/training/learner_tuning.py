@@ -3,7 +3,7 @@
 :class:`~.autotune.AutoTuner` decides; :class:`LearnerTuning` feeds it once per epoch (a change reshards the
 data, which is only clean between epochs) and applies its answer. The throughput is measured as
 benchmarks/pool.py measures a pool (:class:`StepMeter`): samples over the time of the training steps alone,
-the steps of the fused engine's form trial, validations and checkpoints left out; the slowest rank's mean
+the steps of the fused engine's form trial, validations and checkpoints left out; the slowest rank's median
 step sets a synchronous job's pace, agreed by one allreduce so every rank makes the same decision. B_noise
 is the loop's smoothed gradient noise scale (:mod:`.noise_scale`), already the same on every rank of a
 synchronous rule.
@@ -12,7 +12,8 @@ synchronous rule.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 from ..comm.base import ReduceOp
 from .autotune import AutoTuner
@@ -21,28 +22,28 @@ from .parts import RankParts
 
 @dataclass
 class StepMeter:
-    """Seconds per training step over one epoch's steady steps: the auto-tuner's measurement.
+    """Seconds per training step over one epoch's steady steps (their median): the auto-tuner's measurement.
 
     A step taken while the pool is :attr:`~mpicrossbow.pool.base.LearnerPool.warming_up` (the fused engine
     timing its forms, which alternates a slower form in) is left out, as are validations and checkpoints
     between steps (not steps): a larger learner count, whose first epoch holds a new trial, is then not
-    judged by the trial's speed.
+    judged by the trial's speed. The median, not the mean: a burst of another process's work on a shared
+    node (or a page fault, a garbage collection) stretches a few steps, and a mean lets those few move
+    the decision; a count's typical step is what it will cost from now on.
     """
 
-    seconds: float = 0.0
-    steps: int = 0
+    seconds: list[float] = field(default_factory=list)
 
     def add(self, seconds: float, steady: bool) -> None:
         """One training step's ``seconds``, counted when it was ``steady``."""
         if steady:
-            self.seconds += seconds
-            self.steps += 1
+            self.seconds.append(seconds)
 
     def take(self) -> float | None:
-        """Mean seconds of the steady steps since the last call (None: there was none); starts anew."""
-        mean = self.seconds / self.steps if self.steps else None
-        self.seconds, self.steps = 0.0, 0
-        return mean
+        """Median seconds of the steady steps since the last call (None: there was none); starts anew."""
+        median = statistics.median(self.seconds) if self.seconds else None
+        self.seconds = []
+        return median
 
 
 class LearnerTuning:

@@ -28,11 +28,13 @@ def lr_at(optim: OptimSection, epoch: float, learners: int = 1) -> float:
     """The learning rate at fractional ``epoch`` (epoch 1.5 = half-way through the second epoch) with
     ``learners`` learners in all (ranks that train × learners per rank).
 
-    The peak is ``lr × lr_scale(lr_scaling, learners)``; the warm-up rises linearly from a tenth of the
-    unscaled ``lr`` to it, and the step or multistep decay multiplies it. Called every step, so the rate
-    follows the auto-tuner when it changes the learner count between epochs.
+    The peak is ``lr × lr_scale(lr_scaling, learners)``, at most ``lr_cap`` where one is set; the warm-up
+    rises linearly from a tenth of the unscaled ``lr`` to it, and the step or multistep decay multiplies it.
+    Called every step, so the rate follows the auto-tuner when it changes the learner count between epochs.
     """
     peak = optim.lr * lr_scale(optim.lr_scaling, learners)
+    if optim.lr_cap:
+        peak = min(peak, optim.lr_cap)
     lr = peak
     if optim.schedule == "step":
         lr *= optim.gamma ** int(epoch // optim.step_epochs)

@@ -33,7 +33,7 @@ from ..pool.base import LearnerPool
 from ..rules.base import Rule
 from ..rules.patience import AUTO_ABORT_S, Patience
 from ..rules.registry import resolve
-from .autotune import AutoTuner
+from .autotune import AutoTuner, start_count
 from .checkpoint_manager import CheckpointManager
 from .elastic_setting import resolve_elastic
 from .evaluation import Evaluator
@@ -100,7 +100,7 @@ class Session:
         self._check_combinations()
         self.elastic = resolve_elastic(cfg, rule, world)
         auto = cfg.pool.learners == "auto"
-        learners = 1 if auto else int(cfg.pool.learners)
+        learners = self._tuner_start() if auto else int(cfg.pool.learners)
         torch.manual_seed(cfg.session.seed)  # the same initial replicas everywhere (bind broadcasts anyway)
         self.pool, self.full_val = build_pool(cfg, world, rule, self.device, learners)
         torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
@@ -119,22 +119,33 @@ class Session:
             cfg.modelfile,
             self.device,
             threads,
-            "auto: 1" if auto else learners,
+            f"auto: {learners}" if auto else learners,
             cfg.pool.engine,
             self.pool.n_batch_train,
         )
+
+    def _trainers(self) -> int:
+        """How many ranks train (a parameter server's serving ranks do not)."""
+        assert self.rule is not None
+        return sum(self.rule.trains(rank, self.world.size) for rank in range(self.world.size))
+
+    def _tuner_start(self) -> int:
+        """The learners per rank ``learners = auto`` starts with (:func:`~.autotune.start_count`)."""
+        cfg, rule = self.config, self.rule
+        assert rule is not None
+        return start_count(cfg.pool.tune, rule.averages_gradients, self._trainers(), cfg.pool.max_learners)
 
     def _resumed_tuner(self, checkpoints: CheckpointManager) -> AutoTuner:
         """The auto-tuner (``[pool] learners = auto``), continued from a resumed checkpoint's state; the pool
         is resized to its learner count before the checkpoint's state is loaded into it."""
         cfg, pool = self.config, self.pool
         assert pool is not None and self.rule is not None
-        trainers = sum(self.rule.trains(rank, self.world.size) for rank in range(self.world.size))
         tuner = AutoTuner(
             cfg.pool.tune_threshold,
             cfg.pool.max_learners,
+            start=self._tuner_start(),
             tune=cfg.pool.tune,
-            unit_batch=max(1, trainers) * cfg.data.batch_size,
+            unit_batch=max(1, self._trainers()) * cfg.data.batch_size,
         )
         if checkpoints.resume is None:
             return tuner
