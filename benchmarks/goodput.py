@@ -9,13 +9,15 @@ It takes about a minute per seed on 2 CPU cores.
 The job is launch/mnist1d.cfg (the paper's CNN) on 2 ranks with RULE=SMA, ``pool.engine = fused``, m learners
 per rank of batch 16 (k = 2m), SMA's default α, the base rate η₀ = 0.025 (the cfg's 0.1 for a global batch of
 64, scaled to one learner's batch of 16) scaled by ``[optim] lr_scaling`` (default linear: the best scaling
-for k = 4 and 8 in results/sma_recipe.md), the cfg's schedule (lr decays at epochs 30 and 42), a validation
+for k = 4 and 8 in results/sma_recipe.md) up to ``[optim] lr_cap`` (default 0.2: one learner of batch 16
+diverged at 0.4), the cfg's schedule (lr decays at epochs 30 and 42), a validation
 every epoch and ``[session] target_accuracy``. Each configuration trains until the target is reached or the
 epoch cap is hit; the run's ``target_seconds`` (training seconds, validations left out, metrics.h5 attribute)
-is the figure, NaN where not reached. The configurations are ``learners = auto`` with tune = goodput and tune
-= throughput (``max_learners`` 8, threshold 0.1) and fixed m ∈ {1, 2, 4, 8}. Each seed is one ``mpiexec`` job
-whose runs go one after another (tests/mpi_scripts/cfg_runs.py: torch starts once per rank), through
-``crossbow-launch``'s own code path; ``session.on_nan = skip`` lets a diverging run end at its cap.
+is the figure, NaN where not reached. The configurations are ``learners = auto`` with tune = goodput and
+tune = throughput (``max_learners`` 8, threshold 0.1) and fixed m ∈ {1, 2, 3, 4, 8}. Each seed is one
+``mpiexec`` job whose runs go one after another (tests/mpi_scripts/cfg_runs.py: torch starts once per
+rank), through ``crossbow-launch``'s own code path; ``session.on_nan = skip`` lets a diverging run end
+at its cap.
 
 Why SMA: it is Crossbow's rule, the one the tuner was made for, and its rate follows k with lr_scaling. Its
 B_noise is the spread of the learners' gradients on one rank (noise_scale.py), which counts the replicas'
@@ -48,12 +50,13 @@ CONFIGS = {
     "throughput": "pool.learners=auto,pool.tune=throughput",
     "m1": "pool.learners=1",
     "m2": "pool.learners=2",
+    "m3": "pool.learners=3",
     "m4": "pool.learners=4",
     "m8": "pool.learners=8",
 }
 
 
-def common(epochs: int, target: float, scaling: str) -> list[str]:
+def common(epochs: int, target: float, scaling: str, cap: float) -> list[str]:
     """The overrides every run takes (module docstring)."""
     return [
         "DEVICES=cpu",
@@ -64,6 +67,7 @@ def common(epochs: int, target: float, scaling: str) -> list[str]:
         "data.batch_size=16",
         f"optim.lr={BASE_LR}",
         f"optim.lr_scaling={scaling}",
+        f"optim.lr_cap={cap}",
         f"session.epochs={epochs}",
         "session.validate_every=1",
         f"session.target_accuracy={target}",
@@ -76,7 +80,7 @@ def one_seed(out: Path, seed: int, args: argparse.Namespace) -> dict[str, dict[s
     final accuracy."""
     specs = [f"{label}={CFG},{overrides},session.seed={seed}" for label, overrides in CONFIGS.items()]
     folder = out / f"seed{seed}"
-    shared = common(args.epochs, args.target, args.lr_scaling)
+    shared = common(args.epochs, args.target, args.lr_scaling, args.lr_cap)
     cfg_runs(folder, RANKS, specs, shared, args.timeout, f"seed {seed}")
     found = {}
     for label in CONFIGS:
@@ -119,7 +123,7 @@ def table(results: dict[int, dict[str, dict[str, float]]]) -> tuple[str, str]:
             f"{', '.join(str(int(r['learners'])) for r in runs)} | "
             f"{statistics.median(r['accuracy'] for r in runs):.3f} |"
         )
-    best = min(("m1", "m2", "m4", "m8"), key=lambda label: medians[label])
+    best = min((label for label in CONFIGS if label.startswith("m")), key=lambda label: medians[label])
     ratio = medians["goodput"] / medians[best] if math.isfinite(medians[best]) else math.nan
     verdict = (
         f"goodput auto / best fixed ({best}): {ratio:.2f} (wanted ≤ 1.1: {'yes' if ratio <= 1.1 else 'no'}); "
@@ -141,6 +145,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--epochs", type=int, default=50, help="the epoch cap of every run")
     parser.add_argument("--target", type=float, default=0.94, help="[session] target_accuracy")
     parser.add_argument("--lr-scaling", default="linear", help="[optim] lr_scaling: none, sqrt, linear")
+    parser.add_argument(
+        "--lr-cap", type=float, default=0.2, help="[optim] lr_cap: the most the scaled rate may be (0: none)"
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one seed's job may take")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
     args = parser.parse_args(argv)
@@ -152,7 +159,8 @@ def main(argv: list[str]) -> int:
     if not args.no_write:
         notes = (
             f"MNIST-1D CNN under SMA, {RANKS} ranks × m fused learners of batch 16, η₀ = {BASE_LR} with "
-            f"lr_scaling = {args.lr_scaling}, target validation accuracy {args.target}, cap {args.epochs} "
+            f"lr_scaling = {args.lr_scaling} up to lr_cap {args.lr_cap:g}, target validation accuracy "
+            f"{args.target}, cap {args.epochs} "
             f"epochs, seeds {args.seeds}: training seconds (validations left out) to the first validation at "
             f"the target; '—' not reached (counted as slowest in the median). {verdict}."
         )
