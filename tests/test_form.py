@@ -119,12 +119,12 @@ def test_an_error_that_is_no_refusal_is_raised_not_taken_for_one() -> None:
     assert fused.choice.path == "replicated" and list(fused.choice.refused) == ["layers"]
 
 
-def test_the_convolutions_forms_and_times_are_recorded() -> None:
+def test_the_convolutions_forms_are_recorded() -> None:
     _, fused = pools(LeNet(), 2)
     fused.start_epoch(0)
     fused.compute(0)
     convs = json.loads(fused.run_record()["fused_choice"])["conv_forms"]
-    assert len(convs) == 2 and all(c["form"] in c["ms"] and len(c["ms"]) > 1 for c in convs.values())
+    assert [c["form"] for c in convs.values()] == ["channels_last", "channels_last"]
 
 
 def test_an_unknown_setting_is_refused_with_the_valid_ones() -> None:

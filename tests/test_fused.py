@@ -8,6 +8,7 @@ every engine promises (flat state, stats, validation, checkpoints, resize) is te
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,10 +32,8 @@ from mpicrossbow.data.arrays import ArrayDataset
 from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.data.loader import LoaderOptions
 from mpicrossbow.model.contract import sgd_settings
-from mpicrossbow.pool import FusedPool, SerialPool, fused_conv1d
-from mpicrossbow.pool.chooser import pick, time_forms
+from mpicrossbow.pool import FusedPool, SerialPool
 from mpicrossbow.pool.fused_conv1d import FusedConv1d
-from mpicrossbow.pool.fused_network import FusedConv2d
 from mpicrossbow.pool.fused_pool import default_recipe
 from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.spec import PoolSpec
@@ -129,10 +128,6 @@ MODELS = {
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fused_equals_serial_after_k_steps(name: str, m: int) -> None:
     serial, fused = pools(MODELS[name](), m)
-    if name == "resnet20":  # ResNet's BatchNorm on 2×2 maps amplifies the round-off of a GEMM convolution
-        for conv in fused.fused.modules():  # (unfold: exact in float64, see the test below); pin one form
-            if isinstance(conv, FusedConv2d):
-                conv.form = "grouped"
     assert_rows_equal(serial, fused, "params")
     assert_rows_equal(serial, fused, "buffers")
     train_alongside(serial, fused)
@@ -272,24 +267,6 @@ def test_rules_run_unchanged_on_the_fused_pool(make_rule: Any) -> None:
         assert np.abs(f - start).max() > 1e-3  # the replicas really trained
 
 
-@pytest.mark.parametrize("form", FusedConv2d.FORMS)
-def test_both_convolution_forms_match_serial(form: str) -> None:
-    serial, fused = pools(LeNet(), 3)
-    convs = [layer for layer in fused.fused.modules() if isinstance(layer, FusedConv2d)]
-    assert len(convs) == 2
-    for conv in convs:
-        conv.form = form
-    serial.start_epoch(0)
-    fused.start_epoch(0)
-    for step in range(STEPS):
-        serial.compute(step)
-        fused.compute(step)
-        serial.apply()
-        fused.apply()
-    assert_rows_equal(serial, fused, "params")
-    assert all(conv.form == form for conv in convs)
-
-
 class Signals(nn.Module):
     """1-D convolutions of every kind the lengthwise form takes (stride, dilation, padding, no bias) and one
     it leaves to the 2-D forms (grouped), between ReLUs, as a plain ``forward()``."""
@@ -306,81 +283,27 @@ class Signals(nn.Module):
         return self.linear(F.relu(self.conv3(h)).flatten(1))
 
 
-@pytest.mark.parametrize("form", ["lengthwise", "two_d"])
-def test_both_conv1d_forms_match_serial(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused_conv1d, "pick", lambda timed, margin: form)
+def test_both_conv1d_forms_match_serial() -> None:
     serial, fused = pools(plain(Signals, (2, 20), 3), 3)
     train_alongside(serial, fused)
     convs = [v for v in fused.fused.dispatcher.state.values() if isinstance(v, FusedConv1d)]
-    assert [conv.form for conv in convs] == [form, form, "two_d"]  # the grouped one: 2-D forms only
+    assert [conv.form for conv in convs] == ["lengthwise", "lengthwise", "two_d"]  # grouped: the 2-D form
+    recorded = json.loads(fused.run_record()["fused_choice"])["conv_forms"]  # the run's record has them
+    assert [c["form"] for c in recorded.values()] == ["lengthwise", "lengthwise", "two_d"]
     assert serial.validate() == pytest.approx(fused.validate(), rel=1e-5)
 
 
 def test_both_conv1d_forms_hand_their_output_on_in_the_same_layout() -> None:
-    """The next layers see one layout whichever form a call site chose, so a form's own timing is fair
-    (a 2-D form once timed faster alone and made the MNIST-1D CNN's whole step slower)."""
+    """The next layers see one layout whichever form a call site takes (a 2-D form's output in its own layout
+    once made the MNIST-1D CNN's whole step slower)."""
     _, fused = pools(plain(Signals, (2, 20), 3), 2)
     fused.start_epoch(0)
-    fused.compute(0)  # the call sites are built (and their forms chosen) on the first training forward
+    fused.compute(0)  # the call sites are built on the first training forward
     conv = next(v for v in fused.fused.dispatcher.state.values() if isinstance(v, FusedConv1d))
     x = torch.randn(2, 5, 2, 20)
     lengthwise, two_d = conv.lengthwise(x), conv.two_d(x)
     assert lengthwise.shape == two_d.shape and lengthwise.stride() == two_d.stride()
     torch.testing.assert_close(two_d, lengthwise, atol=1e-5, rtol=1e-5)
-
-
-def test_the_lengthwise_convolution_is_kept_unless_clearly_slower() -> None:
-    slow, fast = (lambda x: x * 2.0), (lambda x: x * 2.0)
-    x = torch.randn(2000, 200, requires_grad=True)
-    assert pick(time_forms({"a": fast, "b": slow}, x, []), margin=0.99) == "a"  # the first kept within it
-
-    def slower(x: torch.Tensor) -> torch.Tensor:
-        return (x * 2.0).exp().log()
-
-    assert pick(time_forms({"slower": slower, "plain": fast}, x, [])) == "plain"
-
-
-def test_forms_are_timed_without_the_input_gradient_of_a_first_layer() -> None:
-    """Data needs no gradient, so a form is timed without it (a form that cannot give one still runs)."""
-    weight = torch.randn(3, requires_grad=True)
-    data = torch.randn(5, 3)
-    assert list(time_forms({"params only": lambda x: x.detach() * weight}, data, [weight])) == ["params only"]
-    with pytest.raises(RuntimeError, match="not have been used"):
-        time_forms({"params only": lambda x: x.detach() * weight}, data.requires_grad_(True), [weight])
-
-
-def test_choosing_a_convolution_form_leaves_gradients_alone() -> None:
-    _, fused = pools(LeNet(), 2)
-    conv = next(layer for layer in fused.fused.modules() if isinstance(layer, FusedConv2d))
-    fused.grads2d.fill_(0.5)
-    assert conv.choose(torch.randn(4, 2, 8, 8)) in FusedConv2d.FORMS
-    assert set(conv.timed) == set(conv.forms), "every form's time is kept for the run's record"
-    assert torch.equal(fused.grads2d, torch.full_like(fused.grads2d, 0.5))
-
-
-def test_unfold_convolution_equals_grouped_in_float64() -> None:
-    """The im2col + batched-matmul form computes the same gradients as one grouped convolution (ResNet-20)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        grads = {}
-        for form in ("grouped", "unfold"):
-            torch.manual_seed(3)
-            pool = FusedPool(
-                ResNet20(dataset="digits"), PoolSpec(0, 1, 8, OPTIM, CPU, seed=3, learners=3, fuse="always")
-            )
-            for conv in pool.fused.modules():
-                if isinstance(conv, FusedConv2d):
-                    conv.form = form
-            pool.start_epoch(0)
-            x, y = pool._next_batches(0)
-            pool.grads2d.zero_()
-            pool._losses(pool.fused(x.double()), y).sum().backward()
-            grads[form] = pool.grads2d.clone()
-    finally:
-        torch.set_default_dtype(previous)
-    torch.testing.assert_close(grads["unfold"], grads["grouped"], rtol=0, atol=1e-10)
-    assert grads["grouped"].abs().max() > 0.1
 
 
 @pytest.mark.parametrize("name", ["resnet20", "custom-loss-adam"])

@@ -1,18 +1,16 @@
 """Batched affine maps and activations over the replica dimension, differentiated as one autograd node.
 
-The fused engine computes m replicas' ``Linear`` as one batched matmul, ``(m, N, in) @ (m, in, out)``.
-Autograd's own backward of ``baddbmm(b, x, Wᵀ)`` produces ``∂(Wᵀ)`` and hands the weight its transpose, so
-accumulating it into the pool's strided ``.grad`` views reads memory column-wise: measured 28 µs against
-6 µs for a 64×128 layer of 8 replicas, a third of an MLP's backward. The node here yields ``∂W = ∂yᵀ @ x``
-in the weight's own layout instead. It runs a whole *chain* — Linear, activation, Linear, … — in one
-forward and one backward: for a small network the matmuls are cheap and what surrounds them (a node per
-layer and per activation, their Python) decides the step. Per Linear the backward is one batched matmul
-for ``∂W``, one sum for ``∂b`` and one batched matmul for ``∂x``; per activation its own backward kernel.
-
-The gradients are returned to autograd, which accumulates them into the parameters' ``.grad`` views like any
-other node's: post-accumulate hooks (a rule overlapping its exchange with the backward),
-``torch.autograd.grad`` (the form chooser's timing) and gradient accumulation behave as for separate layers.
-A single Linear is the chain of one step (:func:`batched_linear`).
+The fused engine computes m replicas' ``Linear`` as one batched matmul, ``(m, N, in) @ (m, in, out)``. A
+whole *chain* — Linear, activation, Linear, … — runs here in one forward and one backward: for a small
+network the matmuls are cheap and what surrounds them (a node per layer and per activation, their Python)
+decides the step. Per Linear the backward is one batched matmul for ``∂W = ∂yᵀ @ x`` (in the weight's own
+layout, where autograd's ``baddbmm`` backward hands the strided ``.grad`` views a transpose), one sum for
+``∂b`` and one for ``∂x``; per activation its own backward kernel. While the pool's backward runs the
+weights' gradients go straight into their rows (:mod:`.step_gradients`); otherwise (``torch.autograd.grad``,
+a backward of one's own) they are returned to autograd like any node's. A single Linear takes autograd's own
+``baddbmm`` (:func:`~.fused_network.batched_linear`): as a chain of one it measured no faster in the
+acceptance pairs of benchmarks/pool.py (transformer block and MNIST-1D CNN, m = 8, b = 4 and 16). Why the
+chains are kept: :mod:`.fused_chain`.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.overrides import handle_torch_function, has_torch_function
 
 from .step_gradients import StepGradients, put_product, put_sum
 
@@ -220,24 +217,3 @@ def batched_chain(
     (``sink`` open), its backward puts the weights' gradients straight into their ``.grad``
     (:mod:`.step_gradients`)."""
     return _Chain.apply(steps, sink, x, *weights)
-
-
-#: Per-replica weights of at most this many values take autograd's own backward of ``baddbmm``: for them the
-#: transposed gradient costs less than a Python node's forward and backward (measured, m = 8, one thread:
-#: 16×48 at 48 rows 89 against 96 µs; 128×10 even; 128×128 at 4 rows 238 against 174 µs).
-NATIVE_LINEAR_MAX = 2048
-
-_ONE_LINEAR: Steps = (None,)
-
-
-def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ Wᵀ + b`` for every replica, ``x`` ``(m, N, in)``, ``weight`` ``(m, out, in)``: the cheaper of
-    autograd's own ``baddbmm`` (small weights) and a chain of one Linear (large ones). One operator to a
-    torch function mode (a forward's recording, :mod:`.replay`): it must not see inside the chain's node."""
-    if has_torch_function((x, weight, bias)):
-        return handle_torch_function(batched_linear, (x, weight, bias), x, weight, bias)
-    if weight[0].numel() > NATIVE_LINEAR_MAX:
-        return _Chain.apply(_ONE_LINEAR, None, x, weight, bias)
-    if bias is None:
-        return torch.bmm(x, weight.transpose(1, 2))
-    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))

@@ -7,11 +7,11 @@ reads), the loss's gradient by the kernels autograd itself would call (:mod:`.re
 chain's backward (:func:`~.batched_chain.chain_backward`) writing each weight's gradient straight into its
 ``.grad`` view of the pool's gradient rows.
 
-Why: for a small network the step is mostly what surrounds the kernels. Through autograd a fused MLP step
-pays for the graph's construction, the loss's nodes, the engine's start and an accumulation of every
-gradient into the zeroed rows (read, add, write 0.8 MB for 8 replicas of a 26 k-parameter MLP) — measured
-at m = 8, batch 4, one thread: 462 µs a step against 296 µs this way, where the bound (one replica at
-batch 32) takes 323 µs.
+**Needed for speed**: for a small network the step is mostly what surrounds the kernels (the graph's
+construction, the loss's nodes, the engine's start, zeroing the rows). Without it the MLP's fused ÷ bound
+(benchmarks/pool.py, m = 8, one thread, side by side) falls from 0.97 to 0.67 at b = 4 and from 0.86–0.94
+to 0.60–0.64 at b = 16. Not measured on a GPU, where the same host work per step bounds a small network's
+step (kernels are launched asynchronously, so the host's Python and autograd decide its pace).
 
 The arithmetic is the autograd path's, kernel for kernel, so the gradients are the same; two differences in
 behaviour, both under the pool's :class:`~.step_gradients.StepGradients` (the gradient contract): the

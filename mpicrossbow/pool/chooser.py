@@ -20,9 +20,10 @@ watchers. Running state a refused first forward moved (batch norm) is restored b
 steps (one untimed warm-up step each, then ``rounds`` timed steps each in the order ABBA…; load from other
 processes only adds time, so the fastest step is the steadiest estimate): fusing pays for small batches and
 can lose for large ones (0.77–0.86× at batch 128 on ResNet-20 and LeNet, benchmarks/results/pool.md). Both
-forms compute every replica's own step on the same storage, so the trial steps are real training steps. A
-convolution chooses among its own forms by the same rule (:func:`pick`), timed on its first training input
-(:func:`time_forms`).
+forms compute every replica's own step on the same storage, so the trial steps are real training steps.
+**Needed**: without it (``fuse = always``) ResNet-20 at m = 8, b = 128 trained at 0.58× the serial engine
+(benchmarks/pool.py's method, one thread), where the trial picks the unfused form; the same trade-off (one
+wide kernel against m narrow ones) exists on a GPU, not measured there.
 
 **The setting**, ``[pool] fuse``: ``auto`` (the first path that runs, then the timed trial), ``always`` (that
 path, untimed), ``layers`` / ``replicated`` / ``vmapped`` (pin that path: its refusal is an error naming it),
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -96,7 +96,7 @@ class Chooser:
             self._schedule = [(FUSED, False), (UNFUSED, False)]
             for r in range(rounds):
                 self._schedule += [(form, True) for form in ((FUSED, UNFUSED), (UNFUSED, FUSED))[r % 2]]
-        #: Each convolution's chosen form and timings, by site (filled once the path has run).
+        #: Each convolution's form, by site (filled once the path has run).
         self.conv_forms: dict[str, dict[str, Any]] = {}
 
     def network(self) -> nn.Module:
@@ -133,11 +133,11 @@ class Chooser:
             self.chosen, self._schedule = UNFUSED, []
 
     def ran(self, network: nn.Module) -> None:
-        """The current path ran its first step: note each convolution's chosen form, log the path."""
+        """The current path ran its first step: note each convolution's form, log the path."""
         for site, module in _form_sites(network):
-            timed = getattr(module, "timed", None)
-            if isinstance(timed, dict) and timed:
-                self.conv_forms[site] = {"form": module.form, "ms": {k: v * 1e3 for k, v in timed.items()}}
+            form = getattr(module, "form", None)  # a convolution's; a 1-D one's inner 2-D layer is not apart
+            if isinstance(form, str) and not any(site.startswith(f"{s}.") for s in self.conv_forms):
+                self.conv_forms[site] = {"form": form}
         forms = ", ".join(f"{site} {c['form']}" for site, c in self.conv_forms.items())
         log.info("fused engine: runs the %s path%s", self.path, f"; convolutions: {forms}" if forms else "")
 
@@ -164,7 +164,7 @@ class Chooser:
             self.times[form].append(seconds)
         if not self._schedule:
             fastest = {f: min(t) for f, t in self.times.items()}
-            self.chosen = pick(fastest)
+            self.chosen = min(fastest, key=fastest.__getitem__)  # a tie keeps the fused form
             log.info(
                 "fused engine: a step takes %.3f ms fused (%s path), %.3f ms unfused; runs %s from now on",
                 fastest[FUSED] * 1e3,
@@ -201,45 +201,11 @@ class Chooser:
 def _form_sites(network: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every module of ``network`` by name, and the call-site modules of a replicated forward."""
     sites = list(network.named_modules())
-    replication = getattr(network, "replication", None)
-    for i, layer in enumerate(getattr(replication, "state", {}).values()):
+    dispatcher = getattr(network, "dispatcher", None)
+    for i, layer in enumerate(getattr(dispatcher, "state", {}).values()):
         if isinstance(layer, nn.Module):
             sites += list(layer.named_modules(prefix=f"call{i}"))
     return sites
-
-
-def pick(best: Mapping[str, float], margin: float = 0.0) -> str:
-    """The fastest of ``best`` (seconds per candidate); the first keeps its place unless another is faster
-    by more than ``margin`` (a fraction of its time): the one decision rule of every timing here."""
-    first = next(iter(best))
-    scaled = {name: t * (1.0 - margin) if name == first else t for name, t in best.items()}
-    return min(scaled, key=scaled.__getitem__)
-
-
-def time_forms(
-    forms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
-    x: torch.Tensor,
-    params: list[torch.Tensor],
-    repeats: int = 3,
-) -> dict[str, float]:
-    """Each of ``forms``' best of ``repeats`` timed forward + backward passes on input ``x``, after one
-    warm-up. The backward asks for the input's gradient only where training will (not for a first layer,
-    whose input is data): the forms differ most there (an unfolded form's col2im). ``torch.autograd.grad``
-    leaves every ``.grad`` untouched."""
-    probe = x.detach().requires_grad_(x.requires_grad)
-    wrt = [probe, *params] if x.requires_grad else params
-    best: dict[str, float] = {}
-    for name, run in forms.items():
-        times = []
-        for _ in range(repeats + 1):  # the first call warms up
-            synchronize(x.device)
-            t0 = time.perf_counter()
-            out = run(probe)
-            torch.autograd.grad(out, wrt, torch.ones_like(out))
-            synchronize(x.device)
-            times.append(time.perf_counter() - t0)
-        best[name] = min(times[1:])
-    return best
 
 
 def synchronize(device: torch.device) -> None:

@@ -3,10 +3,13 @@
 The layer-by-layer fuser turns each ``Linear`` into a :class:`~.fused_network.FusedLinear` and keeps
 activations as they are. A run of them — Linear → activation → Linear …, an MLP's body, a CNN's classifier
 head — is put here in place of its layers as one :class:`FusedChain`, run by
-:func:`~.batched_chain.batched_chain`: one node instead of one per layer, the same arithmetic. Measured in the
-training loop at m = 8, batch 4, one thread, side by side with the bound (one replica at batch 32): a fused
-MLP 64-128-128-10 step went from 517 to 466 µs (fused ÷ bound 0.65 → 0.72), a fused LeNet-28 step from 4.02 to
-3.58 ms (0.81 → 0.88).
+:func:`~.batched_chain.batched_chain`: one node instead of one per layer, the same arithmetic.
+
+**Needed for speed** (benchmarks/pool.py, m = 8, one thread, side by side, by CPU time): without the chains
+LeNet-28's fused ÷ bound at b = 4 fell from 1.08 to 0.93 in one run and from 0.92 to 0.82 in another, and
+the MLP's, whose step by hand (:mod:`.chain_step`) is built on its chain, from 0.82 to 0.54 (b = 4) and
+1.03 to 0.71 (b = 16). Not CPU-only: on a GPU the nodes and Python saved are per-step host time, and
+writing the gradient rows in the matmul saves a pass over them.
 """
 
 from __future__ import annotations

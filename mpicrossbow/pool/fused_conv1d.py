@@ -1,19 +1,17 @@
 """m ``Conv1d`` call sites as one: every replica's convolution along the length, channels last.
 
-The fused engine's 2-D forms (:class:`~mpicrossbow.pool.fused_network.FusedConv2d`) run a 1-D convolution as a
-2-D one over ``(…, 1, L)`` in the grouped layout ``(N, m·C, 1, L)``: every call converts the replicas' values
-into that layout and back (a copy each way), and the pointwise layers between two convolutions then work on
-a transposed view (ReLU's backward measured 5× slower there). The *lengthwise* form keeps the values
+The fused engine's 2-D form (:class:`~mpicrossbow.pool.fused_network.FusedConv2d`) runs a 1-D convolution as
+a 2-D one over ``(…, 1, L)`` in the grouped layout ``(N, m·C, 1, L)``: every call converts the replicas'
+values into that layout and back (a copy each way), and the pointwise layers between two convolutions then
+work on a transposed view (ReLU's backward measured 5× slower there). The *lengthwise* form keeps the values
 channels last, ``(m, N, L, C)``, which is what a batched matmul wants: pad the length, unfold it into
 windows (a view), gather them once (im2col, ``(m, N·L_out, C·k)``) and multiply by every replica's kernel
 in one ``baddbmm``. Its output ``(m, N, L_out, out)`` is handed on as the ``(m, N, out, L_out)`` view the
 replica code expects; the next lengthwise convolution reads it back channels last without a copy.
 
-On its first training call a site times the lengthwise form against the 2-D forms (which choose their own
-best first) on the real input, forward and backward as training runs them, and keeps the faster (the
-lengthwise unless it is clearly slower, :attr:`FusedConv1d.MARGIN`); both
-compute every replica's convolution exactly, so the choice changes speed and float round-off only.
-Measured on the MNIST-1D CNN (m = 8, batch 16, one thread): benchmarks/results/pool.md.
+**Needed for speed** (benchmarks/pool.py, m = 8, one thread): with the 2-D form alone the MNIST-1D CNN's
+fused ÷ bound falls from 1.13 to 0.77 at b = 4 and from 1.06 to 0.63–0.78 at b = 16. Not CPU-only: on a GPU
+it saves the same two layout copies per call and keeps one kernel (a batched matmul) per convolution.
 """
 
 from __future__ import annotations
@@ -26,22 +24,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import handle_torch_function, has_torch_function
 
-from .chooser import pick, time_forms
 from .fused_network import FusedConv2d, batched
 
 
 class FusedConv1d(nn.Module):
-    """m ``Conv1d`` on ``(m, N, C, L)`` values → ``(m, N, out, L_out)``: lengthwise, or a 2-D form if faster.
+    """m ``Conv1d`` on ``(m, N, C, L)`` values → ``(m, N, out, L_out)``: lengthwise where it serves (an
+    ungrouped convolution with numeric padding), else the 2-D form (:attr:`form`).
 
     ``spec`` carries the call's ``weight``, ``bias``, ``stride``, ``padding``, ``dilation``, ``groups`` as
     1-D values (ints or 1-tuples, or a padding string); ``slots.param`` maps a template tensor to its
     ``(m, *shape)`` rows.
     """
-
-    #: The lengthwise form is kept unless a 2-D form is faster by more than this fraction: both hand their
-    #: output on channels last, but a 2-D form hands the gradient back to the layer before in its own
-    #: layout, which that layer's backward then converts, a cost this layer's own timing does not see.
-    MARGIN = 0.15
 
     def __init__(self, spec: Any, slots: Any) -> None:
         super().__init__()
@@ -51,19 +44,13 @@ class FusedConv1d(nn.Module):
         (self.stride,), (self.dilation,) = _one(spec.stride), _one(spec.dilation)
         self.kernel = self.weight.shape[-1]
         self.two_d_layer = FusedConv2d(_as_two_d(spec), slots)
-        #: Lengthwise serves replicas whose own convolution is ungrouped with numeric padding.
         self.padding = None if isinstance(spec.padding, str) or spec.groups != 1 else _one(spec.padding)[0]
-        self.form: str | None = None if self.padding is not None else "two_d"
-        #: Each form's best forward + backward seconds on the first training input (empty until then).
-        self.timed: dict[str, float] = {}
+        #: ``lengthwise`` or ``two_d``, for the run's record.
+        self.form = "two_d" if self.padding is None else "lengthwise"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every replica's convolution of its own ``(N, C, L)`` values with its own kernel."""
-        if self.form is None and self.training and torch.is_grad_enabled():
-            params = [p for p in (self.weight, self.bias) if p is not None]
-            self.timed = time_forms({"lengthwise": self.lengthwise, "two_d": self.two_d}, x, params)
-            self.form = pick(self.timed, self.MARGIN)
-        return self.two_d(x) if self.form == "two_d" else self.lengthwise(x)
+        return self.two_d(x) if self.padding is None else self.lengthwise(x)
 
     def lengthwise(self, x: torch.Tensor) -> torch.Tensor:
         """Channels last: the windows gathered once, one batched matmul with every replica's kernel."""
@@ -80,10 +67,8 @@ class FusedConv1d(nn.Module):
         return y.view(m, n, length, out).transpose(2, 3)
 
     def two_d(self, x: torch.Tensor) -> torch.Tensor:
-        """The 2-D forms over ``(…, 1, L)``, grouped layout (:class:`FusedConv2d` chooses among them); the
-        output is handed on channels last, as :meth:`lengthwise` hands it, so the next layers see one layout
-        whichever form ran and the form's timing includes the conversion (without it the 2-D form timed
-        15 % faster alone on the MNIST-1D CNN's second convolution, and made the whole step 15 % slower)."""
+        """The 2-D form over ``(…, 1, L)``, grouped layout; the output is handed on channels last, as
+        :meth:`lengthwise` hands it, so the next layers see one layout whichever form ran."""
         y = batched(self.two_d_layer(x.unsqueeze(-2)), self.m).squeeze(-2)
         return y.transpose(2, 3).contiguous().transpose(2, 3)
 
@@ -106,7 +91,6 @@ def _as_two_d(spec: Any) -> Any:
         padding=pair(spec.padding, 0),
         dilation=pair(spec.dilation, 1),
         groups=spec.groups,
-        kernel_size=(1, spec.weight.shape[-1]),
         padding_mode="zeros",
     )
 

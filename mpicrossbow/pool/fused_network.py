@@ -40,8 +40,6 @@ from torch import nn
 
 from ..errors import ContractError
 from ..model.residual import Residual
-from .batched_chain import batched_linear
-from .chooser import pick, time_forms
 
 
 def grouped(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -109,6 +107,13 @@ class FlatSlots:
         return [self.fused_params[k] for k in sorted(self.fused_params)]
 
 
+def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ Wᵀ + b`` for every replica at once: ``x`` ``(m, N, in)``, ``weight`` ``(m, out, in)``."""
+    if bias is None:
+        return torch.bmm(x, weight.transpose(1, 2))
+    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+
 class FusedLinear(nn.Module):
     """m ``Linear`` layers as one batched matmul: ``(m, N, in) → (m, N, out)``."""
 
@@ -125,19 +130,15 @@ class FusedLinear(nn.Module):
 
 
 class FusedConv2d(nn.Module):
-    """m ``Conv2d`` layers on the grouped layout: one grouped convolution, or m convolutions if faster.
+    """m ``Conv2d`` layers on the grouped layout as one grouped convolution with m × groups groups.
 
-    oneDNN's grouped convolutions are fast for small images and slow for some larger ones (LeNet's second
-    convolution on 14×14 maps ran about 2× slower grouped than as 8 separate convolutions). So on its first
-    training forward a layer times its forms on the real input (:func:`~.chooser.time_forms`: forward plus
-    backward through ``torch.autograd.grad``, which leaves ``.grad`` untouched) and keeps the fastest
-    (``form``, its measurements ``timed``); either form computes each replica's convolution exactly, so the
-    choice changes only speed and float round-off.
+    The input is made channels-last first (:attr:`form` ``channels_last``): oneDNN's grouped kernels run far
+    faster on that layout (forward and backward of LeNet-28's convolutions at m = 8, batch 4, one thread,
+    2.3× and 3.1× faster than on NCHW), and its output stays channels-last for the layers after it. A 1-D
+    convolution (run as a 2-D one over ``(…, 1, L)``) and a single replica keep NCHW (``grouped``). Which
+    form to take was once timed per layer among four (NCHW, channels-last, m convolutions, im2col): a fixed
+    channels-last kept fused ÷ bound as high on LeNet-28 and ResNet-20 (m = 8, b = 4 and 16).
     """
-
-    #: Candidate forms, in the order tried; ``form`` is one of them once chosen. ``unfold`` (im2col and one
-    #: batched matmul over the m replicas) serves replicas whose own convolution is not grouped.
-    FORMS = ("grouped", "channels_last", "split", "unfold")
 
     def __init__(self, layer: nn.Conv2d, slots: FlatSlots) -> None:
         super().__init__()
@@ -150,83 +151,21 @@ class FusedConv2d(nn.Module):
         self.bias = slots.param(layer.bias) if layer.bias is not None else None
         self.stride, self.padding, self.dilation = layer.stride, layer.padding, layer.dilation
         self.replica_groups = layer.groups
-        self.kernel_size = layer.kernel_size
         #: A 1-D convolution runs as a 2-D one over ``(…, 1, L)`` (its kernel gains an axis).
         self.one_d = self.weight.ndim == 4
-        self.form: str | None = "grouped" if self.m == 1 else None
-        #: Each form's best forward + backward seconds on the first training input (empty until then).
-        self.timed: dict[str, float] = {}
-        plain = layer.groups == 1 and not isinstance(layer.padding, str)
-        self.forms = self.FORMS if plain else ("grouped", "channels_last", "split")
-        if self.one_d:
-            # A 1-D convolution's channels-last 2-D output interleaves replicas and channels unlike the
-            # lengthwise form's (m, N, L, C), so the layers after it convert: on the MNIST-1D CNN at m = 8,
-            # batch 128, the form won its own timing by more than 15 % yet made the step 7-10 % slower.
-            self.forms = tuple(form for form in self.forms if form != "channels_last")
+        #: The input's layout, for the run's record (see the class docstring).
+        self.form = "grouped" if self.one_d or self.m == 1 else "channels_last"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Replica j's filters see only replica j's channels."""
+        """Replica j's filters see only replica j's channels (the weight view is reshaped, one copy)."""
         x = grouped(x, self.m)
-        if self.form is None and self.training and torch.is_grad_enabled():
-            self.form = self.choose(x)
-        return getattr(self, self.form or "grouped")(x)
-
-    def grouped(self, x: torch.Tensor) -> torch.Tensor:
-        """One convolution with m × groups groups (the weight view is reshaped, one copy)."""
+        if self.form == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
         weight = self.weight.reshape(-1, *self.weight.shape[2:])
         weight = weight.unsqueeze(-2) if self.one_d else weight
         bias = self.bias.reshape(-1) if self.bias is not None else None
         groups = self.replica_groups * self.m
         return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, groups)  # type: ignore[arg-type]
-
-    def channels_last(self, x: torch.Tensor) -> torch.Tensor:
-        """The grouped convolution on the input made channels-last (a no-op when it is already); its output
-        is channels-last too. oneDNN's grouped kernels run far faster on that layout: forward and backward
-        of LeNet-28's convolutions at m = 8, batch 4, one thread, 2.3× (1→6 channels, 28×28) and 3.1× (6→16,
-        14×14) faster than on NCHW, on par with one replica's convolution at batch 32."""
-        return self.grouped(x.contiguous(memory_format=torch.channels_last))
-
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """m convolutions on each replica's channels, concatenated (row views, no weight copy)."""
-        outs = [
-            F.conv2d(
-                part,
-                self.weight[j].unsqueeze(-2) if self.one_d else self.weight[j],
-                self.bias[j] if self.bias is not None else None,
-                self.stride,
-                self.padding,  # type: ignore[arg-type]
-                self.dilation,
-                self.replica_groups,
-            )
-            for j, part in enumerate(x.chunk(self.m, dim=1))
-        ]
-        return torch.cat(outs, dim=1)
-
-    def unfold(self, x: torch.Tensor) -> torch.Tensor:
-        """im2col, then one batched matmul ``(m, out, C·k²) @ (m, C·k², N·L)``: small convolutions, GEMMs."""
-        n, _, h, w = x.shape
-        m, out = self.m, self.weight.shape[1]
-        cols = F.unfold(x, self.kernel_size, self.dilation, self.padding, self.stride)  # (N, m·C·k², L)
-        length = cols.shape[-1]
-        cols = cols.view(n, m, -1, length).permute(1, 2, 0, 3).reshape(m, -1, n * length)
-        y = torch.bmm(self.weight.reshape(m, out, -1), cols)  # (m, out, N·L)
-        if self.bias is not None:
-            y = y + self.bias.reshape(m, out, 1)
-        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (
-            self.kernel_size,
-            self.stride,
-            self.padding,
-            self.dilation,
-        )
-        h_out = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-        w_out = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-        return y.view(m, out, n, h_out, w_out).permute(2, 0, 1, 3, 4).reshape(n, m * out, h_out, w_out)
-
-    def choose(self, x: torch.Tensor, repeats: int = 3) -> str:
-        """The fastest form on input ``x``, its measurements kept in :attr:`timed`."""
-        params = [p for p in (self.weight, self.bias) if p is not None]
-        self.timed = time_forms({form: getattr(self, form) for form in self.forms}, x, params, repeats)
-        return pick(self.timed)
 
 
 class FusedBatchNorm(nn.Module):
@@ -310,9 +249,9 @@ class FusedFlatten(nn.Module):
 class FusedImageOp(nn.Module):
     """A per-channel image operator (pooling) applied once to the grouped layout, channels-last.
 
-    A convolution in the ``split`` form hands over an NCHW tensor (the concatenation of m outputs); CPU max
-    pooling of NCHW is an order of magnitude slower than of channels-last (measured on a ``(4, 48, 28, 28)``
-    input, one thread: 787 µs against 49 µs forward), so such an input is converted first (one copy).
+    CPU max pooling of NCHW is an order of magnitude slower than of channels-last (measured on a
+    ``(4, 48, 28, 28)`` input, one thread: 787 µs against 49 µs forward), so an NCHW input (a batched image,
+    a single replica's convolution) is converted first (one copy).
     """
 
     def __init__(self, layer: nn.Module, slots: FlatSlots) -> None:

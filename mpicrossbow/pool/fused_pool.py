@@ -1,48 +1,25 @@
 """The fused engine: m replicas trained as one wider network (grouped convolutions, batched matmuls).
 
-Same contract and data as :class:`~mpicrossbow.pool.serial.SerialPool` — learner j of rank r reads shard
-``r·m + j`` of ``size·m``, and the m replicas are built by m calls of ``model.module()``, so under one torch
-seed both engines start from the same weights and see the same batches — but one step is one forward and
-one backward of the fused network (:mod:`mpicrossbow.pool.fused_network`) instead of m.
+Same contract and data as :class:`~mpicrossbow.pool.serial.SerialPool` (learner j of rank r reads shard
+``r·m + j`` of ``size·m``; the replicas are m calls of ``model.module()``, so one torch seed gives both
+engines the same weights and batches), but a step is one forward and one backward of the fused network.
 
-**State the rules see.** The pool owns three 2-D buffers, ``params2d (m, P)``, ``grads2d (m, P)`` and
-``buffers2d (m, B)``. Row j is learner j's flat replica in exactly the serial Learner's order (trainable
-parameters, then float buffers, in ``module.parameters()`` / ``module.buffers()`` order), so state moves
-between engines by copying rows. ``learners[j].params`` / ``.grads`` / ``.buffers`` are those rows:
-contiguous 1-D tensors that rules ``copy_``, ``add_`` and allreduce in place. The fused network's
-parameters are strided views into the same storage and their ``.grad`` views into ``grads2d``, so autograd
-accumulates straight into the rows and nothing is copied in or out around the rule hooks. Measured
-(benchmarks/pool.py, "layout costs"): strided views cost nothing measurable in batched matmuls and gradient
-accumulation, and the one copy they force (each grouped convolution's weight reshaped per forward) is about
-0.1 % of a step, the same order as the two ``(m, P)`` copies a copy-in/copy-out design would need; views
-win on simplicity (the rows are always the live state, no copy to forget when a rule writes).
-``learners[j].module`` is replica j's own ``nn.Module`` re-pointed at row j, used for validation and for
-inspecting one replica.
+**State the rules see.** Three 2-D buffers, ``params2d (m, P)``, ``grads2d (m, P)``, ``buffers2d (m, B)``:
+row j is learner j's flat replica in the serial Learner's order, so state moves between engines by copying
+rows, and ``learners[j].params`` / ``.grads`` / ``.buffers`` are those rows. The fused network's parameters
+are strided views of the same storage (their ``.grad`` views of ``grads2d``), so nothing is copied around the
+rule hooks; measured (benchmarks/pool.py, "layout costs"), the one copy views force is about 0.1 % of a
+step. ``learners[j].module`` is replica j's own module on row j (validation, inspection).
 
-**Loss.** The fused network returns ``(m, N, …)``; the loss is the sum over replicas of each replica's own
-``model.loss(out_j, y_j)``, so replica j's gradient equals its serial gradient. When the model keeps the
-default cross-entropy (and the default top-1 ``correct``), it is computed for all replicas in one call.
+**Loss and gradients.** The loss is the sum of each replica's own ``model.loss(out_j, y_j)`` (the default
+cross-entropy in one call), so replica j's gradient is its serial one; it reaches the rows under one contract
+(:mod:`.step_gradients`), by autograd and the chains or, for an MLP under the default loss, by the step by
+hand (:mod:`.chain_step`).
 
-**Gradients** reach the rows under one contract (:mod:`.step_gradients`): zeroed, then added by autograd
-and by the chains; or, for a network that is one chain of Linear layers and activations (an MLP) under the
-default loss, whose fused steps run without autograd (:mod:`.chain_step`), written without zeroing, the
-gradient watchers told by the step itself.
-
-**Optimizer.** Built once, ``model.optimizer(fused_params, optim)``, over the ``(m, …)`` fused parameters;
-when the model keeps TorchModel's default recipe (one SGD parameter group) it is given
-the m rows of ``params2d`` as its parameters instead (grads the rows of ``grads2d``), as PyTorch's fused SGD
-kernel where it applies (:func:`rows_sgd`), so a step is one pass over m contiguous tensors rather than a few
-ops per layer — the same arithmetic, element by element.
-
-**Limits.** An elementwise optimizer (SGD, momentum, Nesterov, weight decay, Adam, AdamW, RMSprop) updates
-each replica exactly as its own optimizer would. Optimizers that couple elements of one tensor (LARS/LAMB
-trust ratios, norm-based clipping inside the optimizer, Shampoo) would mix replicas and are not supported.
-A network with a layer the layer-by-layer fuser does not know runs its own ``forward()`` once on every
-replica's values (:mod:`.replicated_network`): one operator call for all replicas where a rule exists, one
-call per replica where not, and ``torch.func.vmap`` (:mod:`.vmapped`) where that forward cannot be followed;
-a network no fused form runs trains its replicas one after another. One chooser decides path and step form
-(:mod:`.chooser`, ``[pool] fuse`` pins them); the log and metrics.h5 say what it chose and why, and which
-operators ran once per replica. Frozen parameters (``requires_grad=False``) are rejected.
+**Optimizer.** ``model.optimizer(fused_params, optim)``; the default recipe (:func:`default_recipe`) steps
+the m rows of ``params2d`` instead, as PyTorch's fused SGD kernel (:func:`rows_sgd`). Only elementwise
+optimizers (SGD, Adam, RMSprop…) update each replica as its own would; frozen parameters are rejected.
+The path (layers, replicated, vmapped, unfused) and step form are the chooser's (:mod:`.chooser`).
 """
 
 from __future__ import annotations

@@ -3,10 +3,13 @@
 
 **Why.** Running the template's forward costs Python per operator — the module calls, ``F.*``'s dispatch to
 ``Replicated.__torch_function__``, each handler's reading of its arguments — while a small network's kernels
-take a few µs each. Measured on the transformer block (m = 8, b = 4, one thread): its forward took 460 µs
-through the template and 296 µs as the same operators written out by hand. A replay runs exactly the
-operators the template's forward ran — the same functions on the same arguments in the same order, so the
-same values bit for bit and the same autograd graph — without the Python that chose them.
+take a few µs each (the transformer block's forward, m = 8, b = 4, one thread: 460 µs through the template,
+296 µs replayed). A replay runs exactly the operators the template's forward ran — the same functions on the
+same arguments in the same order, so the same values bit for bit — without the Python that chose them.
+**Needed for speed**: without it the transformer block's fused ÷ bound (benchmarks/pool.py, m = 8, one
+thread) falls from 0.97 to 0.86–0.89 at b = 4 (0.76 and 0.99 in two runs at b = 16), and the MNIST-1D
+CNN's at b = 16 to 0.89–0.93. Not CPU-only: on a GPU that Python is host time per step which a small
+network's kernels cannot hide.
 
 **How.** :class:`OperatorRecorder` is a torch function mode held around one forward. A call on a
 ``Replicated`` goes to its :class:`~.replicated.OperatorDispatcher` with the mode still on, so each operator

@@ -11,22 +11,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-
-
-class FlatReplica(Protocol):
-    """One learner as a rule sees it: its weights, gradients and float buffers, each one flat tensor."""
-
-    params: torch.Tensor
-    grads: torch.Tensor
-    buffers: torch.Tensor
 
 
 class ReplicaView(ABC):
     """The m learners of one rank, seen through their flat buffers."""
 
+    #: Each learner's flat ``params``, ``grads`` and ``buffers`` (one tensor each): what a rule reads, writes.
     learners: Sequence[Any]
 
     #: False when the model updates itself inside its step (Theano-MPI form): no gradients to exchange.

@@ -28,9 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .batched_chain import batched_linear
 from .fused_conv1d import FusedConv1d
-from .fused_network import FusedConv2d, batch_norm_rows, batched, grouped
+from .fused_network import FusedConv2d, batch_norm_rows, batched, batched_linear, grouped
 from .replicated import OperatorDispatcher, OperatorHandler, Replicated
 
 T = torch.Tensor
@@ -258,7 +257,6 @@ def conv(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict
             padding=pair(call.padding),
             dilation=pair(call.dilation),
             groups=call.groups,
-            kernel_size=tuple(call.weight.shape[2:]),
             padding_mode="zeros",
         )
         layer = ctx.state[key] = FusedConv2d(spec, slots)  # type: ignore[arg-type]
