@@ -41,6 +41,8 @@ from pathlib import Path
 PREFIX = "xbc"
 TOOLS = ("ip", "unshare", "nsenter", "tc")
 COMMAND_TIMEOUT_S = 20.0
+#: The failures :meth:`NetnsCluster.fail` injects, as the tests name them.
+FAILURES = ("node killed", "link down", "link crawls")
 
 
 def missing_reason() -> str | None:
@@ -299,6 +301,26 @@ exec nsenter -t "$pid" -n -u -i -p -m --wd="$PWD" -- sh -c "$*"
             self.kill_node(name)
         n.pid = self._hold(n)
         self._write_launcher()
+
+    def fail(self, name: str, failure: str) -> None:
+        """Inject one of :data:`FAILURES` on node ``name``: ``link down`` (cut at the switch), ``link crawls``
+        (8 kbit/s both ways) or ``node killed`` (every process at once); :meth:`heal` undoes it."""
+        if failure == "link down":
+            self.set_link(name, up=False)
+        elif failure == "link crawls":
+            self.set_rate(name, "8kbit")
+        elif failure == "node killed":
+            self.kill_node(name)
+        else:
+            raise ValueError(f"no failure {failure!r}: use one of {', '.join(FAILURES)}")
+
+    def heal(self, name: str, boot: bool = True) -> None:
+        """Undo :meth:`fail` on node ``name``: its link up at line rate and, with ``boot``, the node booted
+        again if it was killed (a cluster with daemons of its own boots them with theirs: ``boot=False``)."""
+        self.set_link(name, up=True)
+        self.clear_rate(name)
+        if boot and self.node(name).pid == 0:
+            self.restart_node(name)
 
     def describe(self) -> str:
         """How to use this cluster by hand."""

@@ -149,13 +149,6 @@ class NetnsSlurm(SlurmCluster):
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "SlurmdParameters=config_overrides",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "MpiDefault=none",
-            "ReturnToService=2",
-            "SchedulerParameters=sched_interval=1",
-            "JobCompType=jobcomp/none",
-            "JobAcctGatherType=jobacct_gather/none",
             # a lost node is noticed by the job itself (mpicrossbow's watchdog), not by Slurm's timeouts
             "SlurmdTimeout=300",
             f"FirstJobId={1_000_000 + int(self.cluster.ident) % 9_000_000}",

@@ -150,7 +150,9 @@ def ranks_of(marker: Path) -> list[int]:
 
 def daemon_lines(root: Path, munge_socket: Path) -> list[str]:
     """The slurm.conf lines every private cluster shares: root daemons, munge at ``munge_socket``, state,
-    spool, pid and log files under ``root`` (``%n``: the node's name)."""
+    spool, pid and log files under ``root`` (``%n``: the node's name), cores as the consumable resource, no
+    MPI plugin unless a job asks, a lost node back in service once it registers, a scheduler pass every
+    second, no accounting."""
     return [
         "SlurmUser=root",
         "SlurmdUser=root",
@@ -163,6 +165,13 @@ def daemon_lines(root: Path, munge_socket: Path) -> list[str]:
         f"SlurmdPidFile={root}/slurmd-%n.pid",
         f"SlurmctldLogFile={root}/slurmctld.log",
         f"SlurmdLogFile={root}/slurmd-%n.log",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",
+        "MpiDefault=none",
+        "ReturnToService=2",
+        "SchedulerParameters=sched_interval=1",
+        "JobCompType=jobcomp/none",
+        "JobAcctGatherType=jobacct_gather/none",
     ]
 
 
@@ -176,13 +185,6 @@ def write_config(root: Path, host: str, ports: list[int], munge_socket: Path) ->
         *daemon_lines(root, munge_socket),
         "ProctrackType=proctrack/pgid",
         "TaskPlugin=task/affinity",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core",
-        "MpiDefault=none",
-        "ReturnToService=2",
-        "SchedulerParameters=sched_interval=1",
-        "JobCompType=jobcomp/none",
-        "JobAcctGatherType=jobacct_gather/none",
         # Job ids of their own: MPICH names its shared memory after the job and step, and a segment a killed
         # job left behind must not meet a later test session's job of the same id.
         f"FirstJobId={random.randrange(100_000, 10_000_000)}",

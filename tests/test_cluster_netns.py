@@ -245,20 +245,12 @@ def test_a_lost_link_or_node_ends_the_job_in_a_minute_and_the_resume_finishes(
     job = start_long_job(cluster, out, rule)
     try:
         run = wait_for_checkpoints(out, 2, job)
-        if failure == "link down":
-            cluster.set_link("node2", up=False)
-        elif failure == "link crawls":
-            cluster.set_rate("node2", "8kbit")
-        else:
-            cluster.kill_node("node2")
+        cluster.fail("node2", failure)
         status, err, waited = finish(job, timeout=90)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-        cluster.set_link("node2", up=True)
-        cluster.clear_rate("node2")
-        if cluster.node("node2").pid == 0:
-            cluster.restart_node("node2")
+        cluster.heal("node2")
     assert status not in (None, 0), f"still running {waited:.0f} s after the {failure}: {err[-3000:]}"
     assert waited < 60, err[-3000:]
     if failure != "node killed":

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from netns_cluster import NetnsCluster, leftovers
+from netns_cluster import FAILURES, NetnsCluster, leftovers
 from netns_slurm import NetnsSlurm, netns_missing, slurm_missing
 from slurm_cluster import ranks_of, wait_for
 
@@ -177,7 +177,7 @@ def test_a_signalled_job_requeues_and_resumes_across_the_nodes(slurm: NetnsSlurm
     assert [r[1] for r in binding_rows(resumed)] == ["node1", "node2"]
 
 
-@pytest.mark.parametrize("failure", ["node killed", "link down", "link crawls"])
+@pytest.mark.parametrize("failure", FAILURES)
 def test_under_srun_a_lost_node_or_link_ends_the_job_in_a_minute_and_a_resume_finishes(
     slurm: NetnsSlurm, tmp_path: Path, failure: str
 ) -> None:
@@ -199,20 +199,14 @@ def test_under_srun_a_lost_node_or_link_ends_the_job_in_a_minute_and_a_resume_fi
     try:
         wait_for(two_checkpoints, 240, "two checkpoints")
         cut = time.monotonic()
-        if failure == "link down":
-            cluster.set_link("node2", up=False)
-        elif failure == "link crawls":
-            cluster.set_rate("node2", "8kbit")
-        else:
-            cluster.kill_node("node2")
+        cluster.fail("node2", failure)
         wait_for(lambda: not ranks_of(tmp_path), 90, f"every rank gone after the {failure}")
         ranks_gone = time.monotonic() - cut
         # The batch script's end; Slurm completes the job once it reaches node2's slurmd again (heal, below).
         wait_for(lambda: slurm.job(job).get("JobState") != "RUNNING", 90, "the batch script's end")
         job_ended = time.monotonic() - cut
     finally:
-        cluster.set_link("node2", up=True)
-        cluster.clear_rate("node2")
+        cluster.heal("node2", boot=False)
         slurm.heal(job)  # node2 booted again if it was killed: the next test needs it
     out = output(tmp_path, job)
     assert ranks_gone < 60 and job_ended < 60, (ranks_gone, job_ended, out[-3000:])
