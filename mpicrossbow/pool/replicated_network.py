@@ -7,8 +7,8 @@ input holding the m learners' batches, so its Python (shape checks, branches on 
 runs once, and every operator it reaches runs once for all m replicas with each replica's own weights
 (:mod:`.replicated_ops`); an operator without a fused form runs once per replica on its slice, and the
 log names it. Measured against ``torch.func.vmap`` on the same networks (benchmarks/results/pool.md): it
-avoids vmap's per-operator batching overhead and picks each convolution's fastest form. Once two forwards
-in a row ran the same operators, later ones replay them without the forward's Python (:mod:`.replay`).
+avoids vmap's per-operator batching overhead. Once two forwards in a row ran the same operators, later
+ones replay them without the forward's Python (:mod:`.replay`).
 
 What this path cannot follow (control flow on tensor values, arithmetic on a parameter outside any operator
 on the input, in-place writes into the input) shows in the first training forward as a ContractError: the

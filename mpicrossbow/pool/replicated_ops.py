@@ -8,9 +8,8 @@ A replica's tensor of shape ``S`` is held as ``data`` of shape ``(m, *S)``. Hand
 * **dimension arguments** (``flatten``, ``softmax``, ``mean``, ``transpose``, ``cat`` …): a non-negative
   dimension moves up by one; a reduction over everything (no ``dim``) runs once per replica instead;
 * **shapes** (``view``, ``reshape``, ``expand``, ``permute``, indexing): ``m`` goes in front;
-* **layers with weights**: ``linear`` → one batched matmul; ``conv1d``/``conv2d`` → a grouped convolution,
-  m convolutions or im2col + one batched matmul, timed per call site (as the layer fuser does); ``conv3d``
-  → one grouped convolution; batch norm,
+* **layers with weights**: ``linear`` → one batched matmul; ``conv1d`` → lengthwise, channels last;
+  ``conv2d``, ``conv3d`` → one grouped convolution; batch norm,
   group norm → one call over m × C channels with each replica's statistics; layer norm → one call, then
   each replica's affine; embedding → one lookup in the m tables stacked; self-attention
   (``multi_head_attention_forward`` without masks) → batched projections and one
@@ -230,7 +229,7 @@ def conv_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def conv(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``F.conv1d`` / ``F.conv2d`` with a replica's kernel, in the fastest of its forms per call site
+    """``F.conv1d`` / ``F.conv2d`` with a replica's kernel, one module per call site
     (:class:`~mpicrossbow.pool.fused_conv1d.FusedConv1d`,
     :class:`~mpicrossbow.pool.fused_network.FusedConv2d`)."""
     call = conv_arguments(args, kwargs)
