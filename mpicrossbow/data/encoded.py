@@ -22,13 +22,12 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from mpicrossbow.data.registry import SPLITS
 from mpicrossbow.data.transforms import ImageTransform, UndecodableImage
 from mpicrossbow.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
-#: The split names a data set accepts.
-SPLITS = ("train", "val")
 #: The ``on_bad_sample`` policies.
 ON_BAD_SAMPLE = ("error", "skip")
 

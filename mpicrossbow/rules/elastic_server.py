@@ -37,7 +37,7 @@ from ..comm.base import Communicator, Handle
 from ..comm.ulfm import ElasticEnd, PeerLost
 from ..trace import instant, span
 from .patience import Patience, Silence, wait_for
-from .request_loop import Order, serve_requests
+from .request_loop import DONE, UPDATE, Order, Report, serve_requests
 from .served_stats import ServedStats
 
 log = logging.getLogger(__name__)
@@ -45,11 +45,6 @@ log = logging.getLogger(__name__)
 #: Message tags (below MPI's guaranteed tag upper bound 32767).
 REQUEST_TAG = 7101
 REPLY_TAG = 7102
-#: Values of a request's flag element.
-UPDATE, DONE = 0.0, 1.0
-
-#: ``report(centre, epoch)``: validate and log the centre after ``epoch`` epoch-equivalents.
-Report = Callable[[torch.Tensor, float], None]
 
 
 class ElasticWorker:

@@ -35,8 +35,9 @@ from ..comm.base import Communicator, ReduceOp
 from ..config.fields import setting
 from ..errors import ConfigError
 from .grouping import group_by_speed, group_of, read_groups, read_shares
-from .parameter_server import UPDATE, ParameterServer, Policy, ServerConfig, ServerRule
+from .parameter_server import ParameterServer, Policy, ServerConfig, ServerRule
 from .registry import RULES
+from .request_loop import UPDATE
 
 log = logging.getLogger(__name__)
 

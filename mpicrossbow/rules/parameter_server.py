@@ -53,7 +53,7 @@ from ..errors import ConfigError
 from ..trace import instant, span
 from .base import Rule
 from .patience import Patience, Silence, wait_for
-from .request_loop import Order, serve_requests
+from .request_loop import DONE, UPDATE, Order, Report, serve_requests
 from .served_stats import ServedStats, learners_mean_buffers
 from .server_thread import ServerThread
 
@@ -63,10 +63,8 @@ PUSH_TAG, PULL_TAG = 7201, 7202
 #: A server's counters that a checkpoint keeps: per worker, and in all.
 SERVER_COUNTS_PER_WORKER = ("clock", "seen", "pulled_at", "progress")
 SERVER_COUNTS = ("updates", "received", "discarded", "holds")
-UPDATE, DONE = 0.0, 1.0
 #: Values after the Δ slice in a push (flag, progress, seen) and after the w slice in a reply (updates).
 PUSH_HEADER, REPLY_HEADER = 3, 1
-Report = Callable[[torch.Tensor, float], None]
 
 
 def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ..comm.base import Handle
 from ..comm.ulfm import PeerLost
 from .patience import Silence
+
+if TYPE_CHECKING:
+    import torch
 
 #: The idle back-off between sweeps that found nothing (seconds): short enough to answer quickly, long
 #: enough not to starve the workers of CPU on an oversubscribed node.
@@ -22,6 +26,12 @@ IDLE_MIN_S, IDLE_MAX_S = 2e-5, 1e-3
 #: ``order(processed, waiting)``: the worker whose next message the server waits for, among those with a
 #: receive posted.
 Order = Callable[[int, Sequence[int]], int]
+
+#: Values of a request's flag element: an update, or the worker's goodbye.
+UPDATE, DONE = 0.0, 1.0
+
+#: ``report(served, epoch)``: validate and log the served weights after ``epoch`` epoch-equivalents.
+Report = Callable[["torch.Tensor", float], None]
 
 
 def serve_requests(
