@@ -110,9 +110,9 @@ def test_goodput_tuner_logs_both_factors_and_writes_its_history(mpiexec: str, tm
 
 
 def test_a_stopped_tuned_run_resumes_with_the_tuner_s_count_and_state(mpiexec: str, tmp_path: Path) -> None:
-    """``learners = auto`` with checkpoints: a stop drill (SIGUSR1 at step 110: the tuner starts at 2 learners,
-    62 steps, and tries 3, 41 steps, so step 110 is in the third epoch, past two checks, whatever the
-    tuner chose; the ranks agree on a step soon after) saves the tuner mid-epoch; the resume rebuilds the
+    """``learners = auto`` with checkpoints: a stop drill (SIGUSR1 at step 110: the tuner starts at 2
+    learners, 62 steps, and tries 3, 41 steps, so step 110 is in the third epoch, past two checks, whatever
+    the tuner chose; the ranks agree on a step soon after) saves the tuner mid-epoch; the resume rebuilds the
     pool with its count and continues its history (a fresh tuner would start at 2 learners, history empty)."""
     common = [*launcher(), *MNIST1D_AUTO, "session.epochs=5", f"session.output={tmp_path}"]
     drill = ["fault.rank=0", "fault.step=110", "fault.action=signal"]
