@@ -28,6 +28,7 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 from benchmarks.report import append_result, cfg_runs
+from benchmarks.sma_recipe import recipe
 from mpicrossbow.training.metrics import read_metrics
 
 CFG = "launch/mnist1d.cfg"
@@ -46,21 +47,9 @@ CONFIGS = {
 
 
 def common(epochs: int) -> list[str]:
-    """The overrides every run takes (the module docstring's recipe, capped at ``epochs``)."""
-    first, second = max(1, round(0.6 * epochs)), max(2, round(0.85 * epochs))
-    return [
-        "DEVICES=cpu",
-        "pool.engine=fused",
-        "data.batch_size=16",
-        "optim.lr=0.025",
-        "optim.momentum=0.9",
-        "optim.warmup_epochs=2",
-        f"optim.milestones={first},{second}",
-        f"session.epochs={epochs}",
-        "session.validate_every=0.25",
-        f"session.target_accuracy={TARGET}",
-        "session.on_nan=skip",
-    ]
+    """The overrides every run takes: the small-learner recipe capped at ``epochs`` (the module docstring),
+    a validation every quarter epoch and the target."""
+    return [*recipe(epochs), "session.validate_every=0.25", f"session.target_accuracy={TARGET}"]
 
 
 def epochs_to_target(out: Path, k: int, seeds: list[int], epochs: int) -> dict[str, list[float]]:

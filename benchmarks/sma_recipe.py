@@ -44,23 +44,28 @@ def alpha_value(name: str, k: int) -> float:
     return {"1/k": 1.0 / k, "2/k": 2.0 / k}.get(name) or float(name)
 
 
-def common(epochs: int) -> list[str]:
-    """The overrides every run takes: the recipe of the module docstring for ``epochs`` epochs."""
+def recipe(epochs: int) -> list[str]:
+    """The MNIST-1D small-learner recipe (module docstring) for ``epochs`` epochs, whatever the rule: fused
+    learners of batch 16 at η₀ = BASE_LR with momentum, a 2-epoch warm-up, decays at 60 % and 85 % of the
+    epochs; benchmarks/epochs_to_target.py runs every rule on it."""
     first, second = max(1, round(0.6 * epochs)), max(2, round(0.85 * epochs))
     return [
         "DEVICES=cpu",
-        "RULE=SMA",
         "pool.engine=fused",
         "data.batch_size=16",
         f"optim.lr={BASE_LR}",
         f"optim.momentum={MOMENTUM}",
-        f"rule.momentum={MOMENTUM}",
         "optim.warmup_epochs=2",
         f"optim.milestones={first},{second}",
         f"session.epochs={epochs}",
-        "session.validate_every=0",
         "session.on_nan=skip",
     ]
+
+
+def common(epochs: int) -> list[str]:
+    """The overrides every run takes: SMA on :func:`recipe`, z's momentum μ = MOMENTUM, no validation
+    before the end."""
+    return [*recipe(epochs), "RULE=SMA", f"rule.momentum={MOMENTUM}", "session.validate_every=0"]
 
 
 def train(out: Path, k: int, runs: dict[str, str], epochs: int, timeout_s: float) -> dict[str, float]:
