@@ -9,11 +9,14 @@ ends the output; the exit status is non-zero on every rank if a check failed any
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 import unittest
 from collections.abc import Callable, Iterable
 
 from mpi4py import MPI
+
+from mpicrossbow.launch.failure import ABORT_GRACE_S
 
 WORLD = MPI.COMM_WORLD
 
@@ -67,4 +70,5 @@ def run_main(main: Callable[[], int]) -> None:
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)  # the launcher forwards output through pipes and drops what is in flight
         WORLD.Abort(3)
