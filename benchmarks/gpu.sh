@@ -95,7 +95,7 @@ step ddp "BSP vs DDP-NCCL" 90 "$PYTHON" -m benchmarks.ddp --device cuda --ranks 
 step exchange "exchange over CUDA" 60 "$PYTHON" -m benchmarks.exchange --device cuda --ranks 2 \
     --sizes 16K,1M,16M,100M --repeats 20 --min-repeats 5 --out gpu
 step train "training runs per engine" 120 "$PYTHON" -m benchmarks.gpu_train --device cuda \
-    --engines serial,fused,streams --out gpu
+    --engines serial,fused,streams --run-timeout 30 --out gpu
 step resnet50 "pool, ResNet-50" 180 "$PYTHON" "${POOL[@]}" --models resnet50
 
 echo "== gpu.sh: done in $SECONDS s; appended to benchmarks/results/gpu.md"

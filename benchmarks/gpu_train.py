@@ -17,6 +17,7 @@ listed as not run, so the table is written whatever the time allows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -34,6 +35,10 @@ ENGINES = ("serial", "fused", "streams")
 NO_CUDA = "torch.cuda.is_available() is False"
 #: Seconds kept back from the deadline: a run is not started with less than this left.
 MIN_RUN_SECONDS = 15
+#: Seconds a stopped run has to print its stacks (SIGABRT) before it is killed.
+ABORT_WAIT_SECONDS = 5
+#: How much of a run's output is printed (the end).
+OUTPUT_TAIL_CHARS = 6000
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -126,7 +131,9 @@ def run(job: Job, args: argparse.Namespace, out: Path, timeout: float) -> Outcom
     from mpicrossbow.training.metrics import read_metrics
 
     env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        PYTHONFAULTHANDLER="1",  # a run stopped with SIGABRT prints every thread's stack
     )
     proc = subprocess.Popen(
         command(job, args, out),
@@ -140,15 +147,46 @@ def run(job: Job, args: argparse.Namespace, out: Path, timeout: float) -> Outcom
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        # SIGABRT to the rank first (the innermost processes), so faulthandler prints where it was stuck while
+        # mpiexec still forwards its output, then to the rest, then SIGKILL
+        for pid in leaves_first(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+            time.sleep(0.5)
+        try:
+            output, _ = proc.communicate(timeout=ABORT_WAIT_SECONDS)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        print(f"== gpu_train: {job.name}: stopped after {timeout:.0f} s; its output:", flush=True)
+        print((output or "").rstrip()[-OUTPUT_TAIL_CHARS:], flush=True)
+        for fault in sorted((out / job.name).rglob("*.fault")):  # the watchdog routes a rank's stack there
+            print(f"== gpu_train: {fault.name}:\n{fault.read_text(errors='replace')[-OUTPUT_TAIL_CHARS:]}")
         return Outcome(error=f"stopped after {timeout:.0f} s")
-    print(output.rstrip()[-2000:], flush=True)
+    print(output.rstrip()[-OUTPUT_TAIL_CHARS:], flush=True)
     if proc.returncode != 0:
         last = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]
         return Outcome(error=f"exit status {proc.returncode}: {last[0][-200:]}")
     attrs = read_metrics(out / job.name / "metrics.h5")["attrs"]
     return Outcome(float(attrs["val_accuracy"]), float(attrs.get("train_seconds", float("nan"))))
+
+
+def leaves_first(root: int) -> list[int]:
+    """``root`` and its descendants (read from /proc), children before their parents."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    order: list[int] = []
+
+    def visit(pid: int) -> None:
+        for child in parents.get(pid, []):
+            visit(child)
+        order.append(pid)
+
+    visit(root)
+    return order
 
 
 def cell(outcome: Outcome | None, what: str) -> str:

@@ -92,7 +92,7 @@ class Findings:
 
     def equal(self, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         """Record a mismatch unless ``got`` (any device) equals ``want`` in dtype, shape and every value."""
-        got = got.detach().cpu()
+        got, want = got.detach().cpu(), want.detach().cpu()
         if (got.dtype, got.shape) != (want.dtype, want.shape):
             self.errors.append(
                 f"{what}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
@@ -307,7 +307,9 @@ def check_allreduce_mean(s: Subject, f: Findings) -> None:
         for count in (1, 3 * c.size):
             t.copy_(data(c.rank, N, device=s.device))
             c.allreduce_mean(t, count)
-            want = reduced(c, ReduceOp.SUM, range(c.size), N)
+            # divided where t lives: CUDA divides by a scalar as a multiply by its reciprocal, which can
+            # differ from the CPU's division in the last bit
+            want = reduced(c, ReduceOp.SUM, range(c.size), N).to(s.device)
             f.equal(t, want / count if count != 1 else want, f"{label} mean over {count}")
     f.settle()
 
@@ -580,6 +582,13 @@ def mpi_subjects(cuda: bool) -> dict[str, Callable[[], Subject | str]]:
                 sums_16bit_in_float32=False,
                 sends_to_self=False,
             ),
+            # the path CPU tensors take under NCCL (a copy on the device, the result copied back), run here
+            # with the CPU as that device
+            "gloo-staged": lambda: Subject(
+                staged_through_cpu(TorchDistCommunicator.from_mpi(backend="gloo", timeout_s=60)),
+                sums_16bit_in_float32=False,
+                sends_to_self=False,
+            ),
             # as the session builds it: over shared memory when a node holds several ranks, and over plain MPI
             "mpi+bf16": lambda: Subject(
                 make_communicator(CommSection(backend="mpi", compression="bf16"), "cpu")
@@ -599,11 +608,11 @@ def mpi_subjects(cuda: bool) -> dict[str, Callable[[], Subject | str]]:
         finally:
             del os.environ["MPICROSSBOW_CUDA_AWARE"]
 
-    def nccl() -> Subject | str:
+    def nccl(device: torch.device) -> Subject | str:
         if local.allreduce(1) > gpus:
             return "fewer GPUs than ranks on a node"
         comm = TorchDistCommunicator.from_mpi(backend="nccl", timeout_s=60)
-        return Subject(comm, device=dev, sums_16bit_in_float32=False, sends_to_self=False, tags=False)
+        return Subject(comm, device=device, sums_16bit_in_float32=False, sends_to_self=False, tags=False)
 
     if gpus:
         torch.cuda.set_device(dev)
@@ -614,8 +623,16 @@ def mpi_subjects(cuda: bool) -> dict[str, Callable[[], Subject | str]]:
             if mpi_cuda_aware()
             else "this MPI does not report CUDA support"
         ),
-        "nccl": nccl,
+        "nccl": lambda: nccl(dev),
+        # CPU tensors under NCCL (the training loop's stop flag, a rule's timings): staged through the GPU
+        "nccl-cpu-tensors": lambda: nccl(torch.device("cpu")),
     }
+
+
+def staged_through_cpu(comm: Communicator) -> Communicator:
+    """``comm`` (a TorchDistCommunicator) with its CPU tensors staged through a copy, as under NCCL."""
+    comm.stage_cpu_through = torch.device("cpu")  # type: ignore[attr-defined]
+    return comm
 
 
 #: Contract checks left out on CUDA tensors (never run there so far).
@@ -660,7 +677,7 @@ def impl_problems(job: CommJob, impl: str, expected: Iterable[str]) -> list[str]
 
 
 #: The implementations the CPU job runs the contract on.
-MPI_IMPLS = ("mpi", "mpi+shm", "gloo", "mpi+bf16", "mpi+fp16")
+MPI_IMPLS = ("mpi", "mpi+shm", "gloo", "gloo-staged", "mpi+bf16", "mpi+fp16")
 
 
 @pytest.mark.mpi
@@ -686,16 +703,24 @@ def test_job_ends_cleanly(comm_job: Callable[[int], CommJob], n: int) -> None:
 @pytest.mark.mpi
 @pytest.mark.cuda
 def test_contract_on_cuda(mpiexec: str) -> None:
-    """CUDA tensors: MPI staged through pinned memory, CUDA-aware MPI when supported, NCCL when every rank has
-    its own GPU."""
+    """CUDA tensors: MPI staged through pinned memory, CUDA-aware MPI when supported, and NCCL (over 2 ranks
+    where there are 2 GPUs, else over one), with CUDA tensors and with CPU tensors staged through the GPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    on_cuda = [n for n in CONTRACT if n not in CUDA_LEFT_OUT]
     proc = run_mpi(mpiexec, 2, [sys.executable, str(HERE), "--cuda"], timeout=300)
     job = CommJob(2, proc.returncode, proc.stdout, proc.stderr)
     failed = [f"{name}: {v}" for name, v in verdicts(proc.stdout).items() if v.startswith("FAIL")]
     assert not failed, "\n".join(failed) + job.tail()
-    assert not impl_problems(job, "mpi-staged", [n for n in CONTRACT if n not in CUDA_LEFT_OUT]), job.tail()
+    assert not impl_problems(job, "mpi-staged", on_cuda), job.tail()
     assert proc.returncode == 0 and "DONE" in proc.stdout, job.tail()
+    if torch.cuda.device_count() < 2:  # NCCL needs a GPU per rank: one rank then, which it serves too
+        nccl_impls = ["nccl", "nccl-cpu-tensors"]
+        proc = run_mpi(mpiexec, 1, [sys.executable, str(HERE), "--cuda", *nccl_impls], timeout=300)
+        job = CommJob(1, proc.returncode, proc.stdout, proc.stderr)
+        assert proc.returncode == 0 and "DONE" in proc.stdout, job.tail()
+    for impl in ("nccl", "nccl-cpu-tensors"):
+        assert not impl_problems(job, impl, on_cuda), job.tail()
 
 
 if __name__ == "__main__":

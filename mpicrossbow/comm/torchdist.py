@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -51,6 +52,30 @@ class TorchDistHandle(Handle):
         return self._work.is_completed()
 
 
+class StagedHandle(Handle):
+    """An operation that ran on a device copy of a CPU tensor (NCCL reduces CUDA tensors only): completing it
+    copies the result back into the CPU tensor, once; the copy is kept alive until then."""
+
+    def __init__(self, inner: Handle, staged: torch.Tensor, target: torch.Tensor | None) -> None:
+        self._inner, self._staged, self._target = inner, staged, target
+        self._done = False
+
+    def wait(self) -> None:
+        """Block until the operation completes, then copy its result back (receives and collectives)."""
+        if self._done:  # a Gloo receive's wait() does not return a second time
+            return
+        self._inner.wait()
+        if self._target is not None:
+            self._target.copy_(self._staged)
+        self._done = True
+
+    def test(self) -> bool:
+        """True once the operation has completed (its result then copied back); never blocks on it."""
+        if not self._done and self._inner.test():
+            self.wait()
+        return self._done
+
+
 class TorchDistCommunicator(Communicator):
     """A :class:`Communicator` over a torch.distributed process group; build it with :meth:`from_mpi`."""
 
@@ -76,6 +101,12 @@ class TorchDistCommunicator(Communicator):
         self._owns_mpi_comm = owns_mpi_comm
         self._closed = False
         self._rendezvous: Rendezvous | None = None  # set on the communicator that made the default group
+        #: Where CPU tensors go for an operation (None: they are used in place). NCCL runs on CUDA tensors
+        #: only, while the training loop also agrees on small CPU values (the stop-signal flag, a rule's
+        #: timings): under NCCL they travel through this rank's current CUDA device.
+        self.stage_cpu_through: torch.device | None = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        )
 
     @classmethod
     def from_mpi(
@@ -157,31 +188,51 @@ class TorchDistCommunicator(Communicator):
     def _handle(work: dist.Work | None) -> Handle:
         return DoneHandle() if work is None else TorchDistHandle(work)
 
+    def _run(
+        self, start: Callable[[torch.Tensor], dist.Work | None], tensor: torch.Tensor, writes: bool
+    ) -> Handle:
+        """``start`` the operation on ``tensor``, or on a device copy of it (:attr:`stage_cpu_through`);
+        ``writes``: the result is copied back when the returned handle completes (at once if blocking)."""
+        flat = self._flat(tensor)
+        if self.stage_cpu_through is None or flat.device.type != "cpu":
+            return self._handle(start(flat))
+        staged = torch.empty_like(flat, device=self.stage_cpu_through).copy_(flat)
+        handle = StagedHandle(self._handle(start(staged)), staged, flat if writes else None)
+        if isinstance(handle._inner, DoneHandle):
+            handle.wait()
+        return handle
+
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
         """``dist.all_reduce`` in place."""
-        work = dist.all_reduce(self._flat(tensor), _OPS[op], group=self._group, async_op=async_op)
-        return self._handle(work)
+        return self._run(
+            lambda t: dist.all_reduce(t, _OPS[op], group=self._group, async_op=async_op), tensor, writes=True
+        )
 
     def allreduce_scalars(self, values: list[float], op: ReduceOp = ReduceOp.SUM) -> list[float]:
-        """Allreduce a short list of floats in float64; blocking. NCCL reduces CUDA tensors only, so under
-        it the values travel through this rank's current CUDA device (Gloo: the CPU, as everywhere)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if self.name == "nccl" else None
-        t = torch.tensor(values, dtype=torch.float64, device=device)
+        """Allreduce a short list of floats in float64; blocking (under NCCL through the CUDA device, as
+        every CPU tensor: :attr:`stage_cpu_through`)."""
+        t = torch.tensor(values, dtype=torch.float64)
         self.allreduce(t, op).wait()
         return t.tolist()
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, async_op: bool = False) -> Handle:
         """``dist.broadcast`` from communicator rank ``root``."""
-        work = dist.broadcast(self._flat(tensor), self._members[root], group=self._group, async_op=async_op)
-        return self._handle(work)
+        root_rank = self._members[root]
+        return self._run(
+            lambda t: dist.broadcast(t, root_rank, group=self._group, async_op=async_op),
+            tensor,
+            writes=self._rank != root,
+        )
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         """``dist.isend`` to communicator rank ``dst``."""
-        return self._handle(dist.isend(self._flat(tensor), self._members[dst], group=self._group, tag=tag))
+        peer = self._members[dst]
+        return self._run(lambda t: dist.isend(t, peer, group=self._group, tag=tag), tensor, writes=False)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         """``dist.irecv`` from communicator rank ``src``."""
-        return self._handle(dist.irecv(self._flat(tensor), self._members[src], group=self._group, tag=tag))
+        peer = self._members[src]
+        return self._run(lambda t: dist.irecv(t, peer, group=self._group, tag=tag), tensor, writes=True)
 
     def split_node(self) -> TorchDistCommunicator:
         """Colour every rank by the lowest rank of its MPI shared-memory group, then :meth:`split`."""
