@@ -79,6 +79,22 @@ class Node:
     port: str = ""
 
 
+#: The idents this process has given out: a second cluster alive beside the shared one (a test's own) must
+#: never take its names, or removing one removes the other's namespaces (seen in CI with 2-digit suffixes).
+_GIVEN: set[str] = set()
+
+
+def new_ident() -> str:
+    """A cluster ident (this process's pid and a random suffix) no other cluster of this process was given
+    and no namespace on the machine uses."""
+    taken = {n for n in _netns_names() if n.startswith(PREFIX)}
+    while True:
+        ident = f"{os.getpid() % 10000}{random.randrange(1000):03d}"
+        if ident not in _GIVEN and not any(n.startswith(f"{PREFIX}{ident}") for n in taken):
+            _GIVEN.add(ident)
+            return ident
+
+
 @dataclass
 class NetnsCluster:
     """``nodes`` nodes and a head on one bridge (the module docstring): :meth:`start`, then :meth:`stop`."""
@@ -86,7 +102,7 @@ class NetnsCluster:
     nodes: int = 2
     #: a tbf rate for every node's link (``1gbit``, ``300mbit``); empty: line rate
     rate: str = ""
-    ident: str = field(default_factory=lambda: f"{os.getpid() % 10000}{random.randrange(100):02d}")
+    ident: str = field(default_factory=lambda: new_ident())
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix=f"{PREFIX}-")))
     members: list[Node] = field(default_factory=list)
     head_netns: str = ""
