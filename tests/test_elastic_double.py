@@ -18,6 +18,7 @@ from mpicrossbow.comm.ulfm import ElasticEnd, PeerLost
 from mpicrossbow.launch.world import World
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
+from mpicrossbow.rules.gosgd import UNIT
 from mpicrossbow.rules.registry import RULES
 from mpicrossbow.training.elastic_steps import ElasticSteps, cloned
 from mpicrossbow.training.step import train_step
@@ -201,6 +202,43 @@ def test_a_parameter_server_forgets_a_lost_worker_and_serves_the_others_to_the_e
     survivors = [r for r in results if r is not None]
     assert all(r[1] == (0, 1, 3) for r in survivors)
     assert all(torch.equal(r[2], survivors[0][2]) for r in survivors)
+
+
+def test_gossip_forgets_a_lost_peer_and_the_survivors_average_renormalises() -> None:
+    """GOSGD over 4 ranks, every learner gossiping every step (p = 1); rank 2 dies at the start of its step
+    5. Every survivor meets the loss (a receive posted from rank 2, or a send to it) and forgets rank 2, the
+    others gossip all their steps with each other, finish without its goodbye, agree and shrink; the final
+    model is Σ a_i x_i / Σ a_i over the survivors' learners (the lost weight renormalised away), the same on
+    every survivor."""
+    steps, size = 12, 4
+    world, built = FaultyWorld(size, timeout_s=20), pools(size)
+
+    def body(group: FaultyGroup) -> tuple[set[int], list[int], torch.Tensor, tuple[int, ...], torch.Tensor]:
+        comm, pool = ElasticCommunicator(group), built[group.me]
+        comm.isolate_peers = True
+        rule = RULES.get("GOSGD")(p=1.0).bind(comm, pool)
+        pool.start_epoch(0)
+        for step in range(steps):
+            if group.me == 2 and step == 5:
+                world.die(2)
+            train_step(pool, rule, step)
+        rule.finish()
+        lost, masses, x = set(rule.lost), list(rule.masses), rule.xs[0].clone()
+        ElasticSteps(parts(pool, rule, group.me, size), comm, 1).settle("the end of training")
+        rule.sync_state()
+        return lost, masses, x, comm.membership.ranks, rule.average_params.clone()
+
+    results = world.run(body)
+    assert results[2] is None
+    survivors = [r for r in results if r is not None]
+    assert all(r[0] == {2} for r in survivors)
+    assert all(r[3] == (0, 1, 3) for r in survivors)
+    weight = sum(sum(r[1]) for r in survivors)
+    assert 0 < weight < UNIT  # rank 2's share, and what was on the way to it, went with it
+    want = sum(r[2].double() * (sum(r[1]) / weight) for r in survivors)
+    for r in survivors:
+        assert torch.allclose(r[4].double(), want, atol=1e-6)
+        assert torch.equal(r[4], survivors[0][4])
 
 
 def tensors(value: Any) -> list[torch.Tensor]:

@@ -145,21 +145,22 @@ def test_rank_0_killed_hands_its_duties_to_the_lowest_survivor(openmpi: OpenMPIE
     [
         (("RULE=ASGD",), "parameter server rank 0: worker rank 2 was lost after 30 push(es); serving the 2"),
         (("RULE=EASGD", "rule.mode=async"), "EASGD centre rank 0: worker rank 2 was lost after 1.0"),
+        (("RULE=GOSGD", "rule.p=0.1"), "GOSGD rank 0: rank 2 was lost (met at step"),
     ],
-    ids=["ASGD", "EASGD-async"],
+    ids=["ASGD", "EASGD-async", "GOSGD"],
 )
 def test_a_server_forgets_a_killed_worker_and_the_others_finish(
     openmpi: OpenMPIEnv, tmp_path: Path, rule: tuple[str, ...], said: str
 ) -> None:
-    """4 ranks (rank 0 serves the model or EASGD's centre, ranks 1-3 train), worker rank 2 SIGKILLed at its
-    step 30 (its first of epoch 2): the server's receive from it fails, the server says so in one line and
-    serves the other two to the end; the ranks shrink once training is over and the job finishes on 3
-    ranks with status 0."""
+    """4 ranks (rank 0 serves the model or EASGD's centre, ranks 1-3 train; GOSGD: all four gossip), worker
+    rank 2 SIGKILLed at its step 30 (its first of epoch 2): the server's receive from it fails (GOSGD: every
+    survivor's receive posted from it), rank 0 says so in one line and goes on with the others to the end;
+    the ranks shrink once training is over and the job finishes on 3 ranks with status 0."""
     fault = ("fault.elastic=true", "fault.rank=2", "fault.step=30", "fault.action=kill")
     args = digits_args(tmp_path, *rule, "session.epochs=4", "checkpoint.on_signal=false", *fault)
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    forgot = [line for line in proc.stderr.splitlines() if "was lost after" in line]
+    forgot = [line for line in proc.stderr.splitlines() if "was lost" in line]
     assert len(forgot) == 1 and said in forgot[0], proc.stderr[-3000:]
     lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
     assert len(lost) == 1 and "lost rank(s) 2 (start numbering) at the end of training" in lost[0], lost

@@ -29,6 +29,14 @@ blocks on nothing before sending its goodbyes, so every loop ends; ranks may eve
 steps. ``sync_state()`` (after finish, collectives allowed) computes Σ a_i x_i with one allreduce;
 ``eval_params()`` returns it (None before).
 
+Elastic training (``[fault] elastic``): a peer rank that dies is met by a receive posted from it or a send
+to it (:class:`~mpicrossbow.comm.ulfm.PeerLost`, without revoking: the run is asynchronous). The rank then
+forgets it — no receive is posted from it again, it is never drawn as a destination (the draw is among the
+live learners), and no goodbye is awaited from it. The gossip weight it held, and what was on the way to or
+from it, is lost; merging is a weighted mean, so the survivors' gossip goes on unchanged, and the final
+model divides Σ a_i x_i by the survivors' Σ a_i (the survivors' weights renormalised to sum to one). After
+``finish`` the survivors agree, shrink and :meth:`GOSGD.on_rebind` renumbers the peers.
+
 Test hook: ``GOSGD(schedule=f)`` with ``f(step, learner) -> destination learner | None`` (global indices)
 replaces the random draw, and at step t each learner first merges exactly the messages the schedule sent it
 at step t−1, in source order, waiting for remote ones, so runs are deterministic even under real MPI.
@@ -47,6 +55,7 @@ import numpy as np
 import torch
 
 from ..comm.base import Handle
+from ..comm.ulfm import PeerLost
 from ..config.fields import setting
 from ..trace import instant
 from .base import Rule
@@ -99,6 +108,8 @@ class GOSGD(Rule):
         self._awaited = -1
         self.average_params: torch.Tensor | None = None
         self.peers = [s for s in range(self.size) if s != self.rank]
+        #: Peer ranks lost for good (elastic training): forgotten, never waited for or drawn again.
+        self.lost: set[int] = set()
         x = self.xs[0]
         self.inbox = {s: (torch.empty_like(x), x.new_zeros(2, dtype=torch.float64)) for s in self.peers}
         self.posted: dict[int, tuple[Handle, Handle] | None] = {s: None for s in self.peers}
@@ -110,7 +121,9 @@ class GOSGD(Rule):
             self.hyper.p,
             "by the test schedule" if self.schedule is not None else f"with seed ({self.hyper.seed}, rank)",
         )
-        self.outbox: list[tuple[Handle, Handle, torch.Tensor, torch.Tensor]] = []
+        #: Sends in flight: (params handle, weight handle, destination rank, params, meta) — the tensors
+        #: kept alive until the sends complete.
+        self.outbox: list[tuple[Handle, Handle, int, torch.Tensor, torch.Tensor]] = []
         #: Messages between learners of this rank: (source learner, destination j, snapshot, mass).
         self.local: list[tuple[int, int, torch.Tensor, int]] = []
 
@@ -127,7 +140,34 @@ class GOSGD(Rule):
     def _post(self, src: int) -> None:
         assert self.comm is not None
         x, meta = self.inbox[src]
-        self.posted[src] = (self.comm.irecv(x, src, TAG_PARAMS), self.comm.irecv(meta, src, TAG_WEIGHT))
+        try:
+            self.posted[src] = (self.comm.irecv(x, src, TAG_PARAMS), self.comm.irecv(meta, src, TAG_WEIGHT))
+        except PeerLost:
+            self._forget(src)
+
+    def _forget(self, peer: int) -> None:
+        """Peer rank ``peer`` was lost (elastic training): stop receiving from it and drawing it."""
+        self.posted[peer] = None
+        if peer in self.lost:
+            return
+        self.lost.add(peer)
+        log.info(  # every survivor meets the loss; rank 0's line is the one printed
+            "GOSGD rank %d: rank %d was lost (met at step %d, after %d message(s) from it); "
+            "gossiping on with %d other rank(s)",
+            self.rank,
+            peer,
+            self.steps,
+            self.received[peer],
+            len(self.peers) - len(self.lost),
+        )
+
+    @staticmethod
+    def _done(handle: Handle, wait: bool) -> bool:
+        """Whether ``handle`` completed (``wait``: block until it has)."""
+        if wait:
+            handle.wait()
+            return True
+        return handle.test()
 
     def _merge(self, j: int, x_s: torch.Tensor, mass: int) -> None:
         """x_j ← (a_j x_j + a_s x_s) / (a_j + a_s); a_j ← a_j + a_s."""
@@ -139,10 +179,11 @@ class GOSGD(Rule):
         handles = self.posted[src]
         if handles is None:
             return None
-        if wait:
-            handles[0].wait()
-            handles[1].wait()
-        elif not (handles[1].test() and handles[0].test()):
+        try:
+            if not (self._done(handles[1], wait) and self._done(handles[0], wait)):
+                return None
+        except PeerLost:
+            self._forget(src)
             return None
         x_s, meta = self.inbox[src]
         weight, j = meta.tolist()
@@ -197,9 +238,20 @@ class GOSGD(Rule):
         meta = params.new_tensor([weight, float(j)], dtype=torch.float64)
         if weight >= 0:
             instant("gossip send", "gossip", to_rank=dst, learner=j, weight=weight)
-        self.outbox.append(
-            (self.comm.isend(params, dst, TAG_PARAMS), self.comm.isend(meta, dst, TAG_WEIGHT), params, meta)
-        )
+        try:
+            handles = (self.comm.isend(params, dst, TAG_PARAMS), self.comm.isend(meta, dst, TAG_WEIGHT))
+        except PeerLost:  # what was sent is lost with the peer
+            self._forget(dst)
+            return
+        self.outbox.append((*handles, dst, params, meta))
+
+    def _sent(self, msg: tuple[Handle, Handle, int, torch.Tensor, torch.Tensor], wait: bool) -> bool:
+        """Whether the outbox message ``msg`` is done with: delivered, or its destination lost."""
+        try:
+            return self._done(msg[0], wait) and self._done(msg[1], wait)
+        except PeerLost:
+            self._forget(msg[2])
+            return True
 
     def _destination(self, step: int, g: int) -> int | None:
         """Global learner that learner ``g`` gossips to at ``step``, or None."""
@@ -210,8 +262,11 @@ class GOSGD(Rule):
             return dst
         if self.k == 1 or self.rng.random() >= self.hyper.p:
             return None
-        other = int(self.rng.integers(self.k - 1))
-        return other + (other >= g)
+        if not self.lost:
+            other = int(self.rng.integers(self.k - 1))
+            return other + (other >= g)
+        live = [h for h in range(self.k) if h != g and h // self.m not in self.lost]
+        return live[int(self.rng.integers(len(live)))] if live else None
 
     def exchange(self, step: int) -> None:
         """Merge what arrived, then every learner gossips with probability p (or as the schedule says)."""
@@ -219,7 +274,7 @@ class GOSGD(Rule):
             self._await_scheduled(self.steps - 1)
         else:
             self._merge_arrived()
-        self.outbox = [msg for msg in self.outbox if not (msg[0].test() and msg[1].test())]
+        self.outbox = [msg for msg in self.outbox if not self._sent(msg, wait=False)]
         for j in range(self.m):
             g = self.rank * self.m + j
             dst = self._destination(self.steps, g)
@@ -243,16 +298,17 @@ class GOSGD(Rule):
             self._await_scheduled(self.steps - 1)
         goodbye = torch.zeros_like(self.xs[0])
         for dst in self.peers:
-            self._send(dst, goodbye, -1.0, 0)
-        silence = Silence(self.patience, f"GOSGD rank {self.rank}", "for the goodbye", self.peers)
+            if dst not in self.lost:
+                self._send(dst, goodbye, -1.0, 0)
+        live = [s for s in self.peers if s not in self.lost]
+        silence = Silence(self.patience, f"GOSGD rank {self.rank}", "for the goodbye", live)
         while any(h is not None for h in self.posted.values()):
             self._merge_arrived()
             silence.check(s for s, h in self.posted.items() if h is not None)
             time.sleep(1e-4)
         self._merge_local()
-        for sent_params, sent_weight, *_ in self.outbox:
-            sent_params.wait()
-            sent_weight.wait()
+        for msg in self.outbox:
+            self._sent(msg, wait=True)
         self.outbox, self.finished = [], True
         log.debug("GOSGD finished: weight %.6g, sent %s, received %s", self.weight, self.sent, self.received)
 
@@ -260,7 +316,8 @@ class GOSGD(Rule):
         """After a snapshot: post a receive per peer again (the goodbyes consumed them) and gossip on."""
         self.finished, self.average_params = False, None
         for s in self.peers:
-            self._post(s)
+            if s not in self.lost:
+                self._post(s)
 
     @property
     def in_flight(self) -> int:
@@ -269,7 +326,8 @@ class GOSGD(Rule):
         return posted + 2 * len(self.outbox) + len(self.local)
 
     def sync_state(self) -> None:
-        """After finish: the weighted average Σ a_i x_i, one allreduce (Σ a_i = 1)."""
+        """After finish: the weighted average Σ a_i x_i / Σ a_i, two allreduces (Σ a_i is exactly 1 unless
+        elastic training lost a rank's weight)."""
         assert self.comm is not None
         if not self.finished:
             raise RuntimeError("GOSGD.sync_state() needs finish() first: messages are still in flight")
@@ -277,7 +335,25 @@ class GOSGD(Rule):
         for x, mass in zip(self.xs, self.masses, strict=True):
             total.add_(x, alpha=mass / UNIT)
         self.comm.exact.allreduce(total).wait()  # the model to validate: never compressed
+        (weight,) = self.comm.exact.allreduce_scalars([self.weight])  # exact: multiples of 2⁻⁵², at most 1
+        if weight != 1.0:
+            total.div_(weight)
         self.average_params = total
+
+    def on_rebind(self, lost: tuple[int, ...]) -> None:
+        """After ``finish`` (asynchronous ranks meet only then): the peers, counters and learner numbering
+        follow the survivors, renumbered in rank order; every peer was forgotten or said goodbye already."""
+        assert self.comm is not None
+        keep = [r for r in range(self.size) if r not in lost]
+        self.sent = [self.sent[r] for r in keep]
+        self.received = [self.received[r] for r in keep]
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self.k = self.size * self.m
+        self.peers = [s for s in range(self.size) if s != self.rank]
+        self.lost = set()
+        x = self.xs[0]
+        self.inbox = {s: (torch.empty_like(x), x.new_zeros(2, dtype=torch.float64)) for s in self.peers}
+        self.posted = {s: None for s in self.peers}
 
     def eval_params(self) -> torch.Tensor | None:
         """The weighted average after sync_state(); before it, None (this rank's own weights)."""

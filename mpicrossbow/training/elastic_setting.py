@@ -39,7 +39,7 @@ def elastic_obstacle(config: Config, rule: Rule, world: World) -> str | None:
         if not rule.synchronous:
             return (
                 f"RULE={config.rule} is asynchronous and cannot forget a lost rank; elastic training "
-                "supports the synchronous rules, ASGD and SSP with server ranks, and async EASGD"
+                "supports the synchronous rules, ASGD and SSP with server ranks, async EASGD and GOSGD"
             )
         return f"RULE={config.rule} does not support elastic training (it cannot rebind to the survivors)"
     if not rule.synchronous and (config.checkpoint.enabled or config.checkpoint.on_signal):
