@@ -74,7 +74,7 @@ def test_true_without_ulfm_is_a_config_error_saying_what_to_install(monkeypatch:
     [
         (("comm.backend=gloo",), "backend = gloo cannot shrink"),
         (("comm.shared_memory=on",), "shared_memory = on"),
-        (("RULE=PSGD",), "RULE=PSGD is asynchronous and cannot forget a lost rank"),
+        (("RULE=GSP",), "RULE=GSP is asynchronous and cannot forget a lost rank"),
         (("RULE=GOSGD",), "coordinated snapshots .* set checkpoint.on_signal=false"),
         (("RULE=SSP", "rule.placement=colocated", "checkpoint.on_signal=false"), "cannot forget"),
         (("RULE=ASGD",), "coordinated snapshots .* set checkpoint.on_signal=false"),
@@ -94,9 +94,16 @@ def test_what_elastic_cannot_follow_is_refused_at_start(
 
 
 def test_servers_that_forget_lost_workers_are_elastic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ASGD and SSP with server ranks, async EASGD, GOSGD; not sync EASGD (no rebind yet)."""
+    """ASGD, SSP, PSGD and WEEDOUT with server ranks, async EASGD, GOSGD; not sync EASGD (no rebind yet)."""
     monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: None)
-    for rule_args in (("RULE=ASGD",), ("RULE=SSP",), ("RULE=EASGD", "rule.mode=async"), ("RULE=GOSGD",)):
+    for rule_args in (
+        ("RULE=ASGD",),
+        ("RULE=SSP",),
+        ("RULE=PSGD",),
+        ("RULE=WEEDOUT",),
+        ("RULE=EASGD", "rule.mode=async"),
+        ("RULE=GOSGD",),
+    ):
         rule, config = digits("fault.elastic=true", *rule_args, "checkpoint.on_signal=false")
         assert resolve_elastic(config, rule, WORLD) is True  # type: ignore[arg-type]
     rule, config = digits("fault.elastic=true", "RULE=EASGD", "checkpoint.on_signal=false")

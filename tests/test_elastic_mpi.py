@@ -144,10 +144,11 @@ def test_rank_0_killed_hands_its_duties_to_the_lowest_survivor(openmpi: OpenMPIE
     ("rule", "said"),
     [
         (("RULE=ASGD",), "parameter server rank 0: worker rank 2 was lost after 30 push(es); serving the 2"),
+        (("RULE=PSGD",), "parameter server rank 0: worker rank 2 was lost after 30 push(es); serving the 2"),
         (("RULE=EASGD", "rule.mode=async"), "EASGD centre rank 0: worker rank 2 was lost after 1.0"),
         (("RULE=GOSGD", "rule.p=0.1"), "GOSGD rank 0: rank 2 was lost (met at step"),
     ],
-    ids=["ASGD", "EASGD-async", "GOSGD"],
+    ids=["ASGD", "PSGD", "EASGD-async", "GOSGD"],
 )
 def test_a_server_forgets_a_killed_worker_and_the_others_finish(
     openmpi: OpenMPIEnv, tmp_path: Path, rule: tuple[str, ...], said: str

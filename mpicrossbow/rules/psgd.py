@@ -5,7 +5,8 @@ worker pushes ``Δ = x − x_pulled``, the server merges ``w ← w + scale·Δ``
 except that when a worker's push puts it ``max_advance`` or more pushes ahead of the slowest worker still
 training, its reply is held **until every other training worker has pushed once more** (SpeeDO's rule: the
 fast worker stops until everyone else has reported again), instead of SSP's "until the slowest is within s".
-Protocol: :mod:`mpicrossbow.rules.parameter_server`.
+Protocol: :mod:`mpicrossbow.rules.parameter_server`. Elastic training: a lost worker counts as done, so a
+worker held until it pushes again is released when the server forgets it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class PSGD(ServerRule):
         max_advance: int = setting(4, "pushes ahead of the slowest that make a worker wait for all", ge=1)
 
     name = "PSGD"
+    #: Elastic training: a lost worker counts as done (ParameterServer.forget), so a hold waiting for it to
+    #: push again is released at once.
+    forgets_workers = True
 
     def policy(self) -> WaitForEveryone:
         """SpeeDO's partial synchrony."""

@@ -19,14 +19,16 @@ from .registry import RULES
 
 
 class DiscardStale(Policy):
-    """Merge a push only if at most ``max(n, workers)`` pushes arrived since its sender last pulled."""
+    """Merge a push only if at most ``max(n, workers)`` pushes arrived since its sender last pulled (the
+    workers still there: after an elastic loss the bound follows the survivors)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
 
     def accept(self, server: ParameterServer, r: int) -> bool:
         """``received − pulled_at[r] ≤ max(n, workers)`` (``received`` counts this push)."""
-        return server.received - server.pulled_at[r] <= max(self.n, len(server.workers))
+        live = len(server.workers) - len(server.lost)
+        return server.received - server.pulled_at[r] <= max(self.n, live)
 
 
 @RULES.register("WEEDOUT")
@@ -40,6 +42,8 @@ class WeedOut(ServerRule):
         n: int = setting(0, "merge only pushes at most max(n, workers) reports old", ge=0)
 
     name = "WEEDOUT"
+    #: Elastic training: the freshness bound counts the workers still there.
+    forgets_workers = True
 
     def policy(self) -> DiscardStale:
         """SpeeDO's weed-out."""
