@@ -94,7 +94,7 @@ def test_what_elastic_cannot_follow_is_refused_at_start(
 
 
 def test_servers_that_forget_lost_workers_are_elastic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ASGD, SSP, PSGD and WEEDOUT with server ranks, async EASGD, GOSGD; not sync EASGD (no rebind yet)."""
+    """ASGD, SSP, PSGD and WEEDOUT with server ranks, EASGD (both modes), GOSGD; not GSP (no rebind yet)."""
     monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: None)
     for rule_args in (
         ("RULE=ASGD",),
@@ -102,12 +102,13 @@ def test_servers_that_forget_lost_workers_are_elastic(monkeypatch: pytest.Monkey
         ("RULE=PSGD",),
         ("RULE=WEEDOUT",),
         ("RULE=EASGD", "rule.mode=async"),
+        ("RULE=EASGD",),
         ("RULE=GOSGD",),
     ):
         rule, config = digits("fault.elastic=true", *rule_args, "checkpoint.on_signal=false")
         assert resolve_elastic(config, rule, WORLD) is True  # type: ignore[arg-type]
-    rule, config = digits("fault.elastic=true", "RULE=EASGD", "checkpoint.on_signal=false")
-    with pytest.raises(ConfigError, match="RULE=EASGD does not support elastic training"):
+    rule, config = digits("fault.elastic=true", "RULE=GSP", "checkpoint.on_signal=false")
+    with pytest.raises(ConfigError, match="RULE=GSP is asynchronous and cannot forget a lost rank"):
         resolve_elastic(config, rule, WORLD)  # type: ignore[arg-type]
 
 

@@ -81,7 +81,14 @@ def parts(pool: SerialPool, rule: Any, rank: int, size: int) -> Any:
 
 
 def elastic_run(
-    rule_name: str, size: int, victim: int, at: int, steps: int, min_ranks: int = 1, exchanging: bool = True
+    rule_name: str,
+    size: int,
+    victim: int,
+    at: int,
+    steps: int,
+    min_ranks: int = 1,
+    exchanging: bool = True,
+    hyper: dict[str, Any] | None = None,
 ) -> list[Any]:
     """``steps`` elastic steps of ``rule_name`` on ``size`` fault-double ranks; ``victim`` dies in step
     ``at``: right after its first exchange operation completed when ``exchanging`` (the others' too: a step
@@ -91,7 +98,7 @@ def elastic_run(
 
     def body(group: FaultyGroup) -> tuple[list[torch.Tensor], Any, ElasticSteps, Any]:
         comm, pool = ElasticCommunicator(group), built[group.me]
-        rule = RULES.get(rule_name)().bind(comm, pool)
+        rule = RULES.get(rule_name)(**(hyper or {})).bind(comm, pool)
         steps_ = ElasticSteps(parts(pool, rule, group.me, size), comm, min_ranks)
         pool.start_epoch(0)
         after = []
@@ -111,13 +118,14 @@ def elastic_run(
     return world.run(body)
 
 
-@pytest.mark.parametrize("rule", ["BSP", "SMA", "LOCALSGD"])
+@pytest.mark.parametrize("rule", ["BSP", "SMA", "LOCALSGD", "EASGD"])
 def test_the_step_that_met_the_loss_is_dropped_on_every_survivor(rule: str) -> None:
     """Rank 2 of 4 dies inside step 3's exchange after the collective completed everywhere (LOCALSGD's
     step 3 is a local one: at its start, met in the agreement): every survivor drops step 3 (its weights
     after it are those after step 2), recovers once, and the survivors end bitwise equal (BSP's replicas,
-    SMA's z, LOCALSGD's replicas after its average at step 7)."""
-    results = elastic_run(rule, 4, victim=2, at=3, steps=8, exchanging=rule != "LOCALSGD")
+    SMA's z, LOCALSGD's replicas after its average at step 7, sync EASGD's centre, τ = 1)."""
+    hyper = {"tau": 1} if rule == "EASGD" else {}
+    results = elastic_run(rule, 4, victim=2, at=3, steps=8, exchanging=rule != "LOCALSGD", hyper=hyper)
     assert results[2] is None
     survivors = [r for r in results if r is not None]
     for after, membership, steps, _ in survivors:
@@ -125,7 +133,7 @@ def test_the_step_that_met_the_loss_is_dropped_on_every_survivor(rule: str) -> N
         assert not torch.equal(after[4], after[3])  # and training goes on
         assert membership.ranks == (0, 1, 3) and membership.version == 1
         assert len(steps.recoveries) == 1 and steps.lost == (2,)
-    held = [r[3].z if rule == "SMA" else r[0][-1] for r in survivors]
+    held = [r[3].z if rule == "SMA" else r[3].centre if rule == "EASGD" else r[0][-1] for r in survivors]
     assert all(torch.equal(held[0], other) for other in held[1:])
 
 

@@ -227,17 +227,15 @@ class EASGD(Rule):
         if self._server is not None and self._server.in_flight:
             raise RuntimeError(f"EASGD server finished with {self._server.in_flight} message(s) in flight")
 
-    @property
-    def elastic(self) -> bool:
-        """``[fault] elastic``: ``async``, whose centre forgets a lost worker
-        (:meth:`~mpicrossbow.rules.elastic_server.ElasticServer.forget`); ``sync`` does not rebind yet."""
-        return not self.synchronous
-
     def on_rebind(self, lost: tuple[int, ...]) -> None:
-        """``async``, after the serving ended (asynchronous ranks meet only then): nothing to rebuild — the
-        centre forgot the lost workers as it met them and keeps rank 0 (the lowest survives renumbering)."""
+        """Elastic training lost ranks. ``sync``: k is the survivors' learners — α (when defaulted to 0.9/k)
+        follows it, and the difference buffers are shared over the new communicator; the loop then restores
+        the centre of the last committed step, identical on every survivor. ``async``, after the serving
+        ended (asynchronous ranks meet only then): nothing to rebuild — the centre forgot the lost workers
+        as it met them and keeps rank 0 (the lowest survives renumbering)."""
         if self.synchronous:
-            raise ConfigError(f"RULE={self.name} mode = sync does not support [fault] elastic")
+            self.on_resize()
+            log.info("EASGD now over %d learner(s) after losing rank(s) %s", self.world_learners, lost)
 
     @property
     def served(self) -> int:
@@ -290,9 +288,12 @@ class EASGD(Rule):
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the centre, α and the counters."""
+        """Restore the centre, an explicit α and the counters (a default α follows k, set at bind, resize
+        and rebind: on a resume the same k gives the same value; after an elastic loss it is the
+        survivors')."""
         self.centre.copy_(state["centre"])
-        self.alpha = float(state["alpha"])
+        if self.hyper.alpha is not None:
+            self.alpha = float(state["alpha"])
         self._steps = int(state.get("steps", 0))
         if self._server is not None:
             self._server.alpha = self.alpha
