@@ -73,7 +73,13 @@ RULES: dict[str, Rule] = {
     "WEEDOUT": Rule(("RULE=WEEDOUT",), True, "kill"),
     "EASGD sync": Rule(("RULE=EASGD",), False, "kill"),
     "GOSGD": Rule(
-        ("RULE=GOSGD",), False, "kill", said=rf"GOSGD rank 0: rank {KILLED} was lost \(met at step \d+"
+        ("RULE=GOSGD",), False, "kill", said=rf"GOSGD rank 0: rank {KILLED} was lost \(met at step"
+    ),
+    "GOSGD p=0.1": Rule(
+        ("RULE=GOSGD", "rule.p=0.1"),
+        False,
+        "kill",
+        said=rf"GOSGD rank 0: rank {KILLED} was lost \(met at step",
     ),
 }
 
