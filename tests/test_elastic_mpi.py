@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,29 @@ def test_a_server_forgets_a_killed_worker_and_the_others_finish(
     lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
     assert len(lost) == 1 and "lost rank(s) 2 (start numbering) at the end of training" in lost[0], lost
     assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("rule", "said"),
+    [
+        (("RULE=ASGD",), "a parameter server was lost"),
+        (("RULE=EASGD", "rule.mode=async"), "the EASGD centre (rank 0) was lost"),
+    ],
+    ids=["ASGD", "EASGD-async"],
+)
+def test_a_lost_server_ends_the_elastic_job_with_one_line(
+    openmpi: OpenMPIEnv, tmp_path: Path, rule: tuple[str, ...], said: str
+) -> None:
+    """The model lives on the server (EASGD's centre on rank 0): rank 0 SIGKILLed after answering 30
+    requests ends the elastic job, not hangs it — well within 30 s of the death, status non-zero, and the
+    one failure line says what was lost and why the job cannot go on."""
+    fault = ("fault.elastic=true", "fault.rank=0", "fault.step=30", "fault.action=kill")
+    args = digits_args(tmp_path, *rule, "session.epochs=20", "checkpoint.on_signal=false", *fault)
+    started = time.monotonic()
+    proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    lines = error_lines(proc.stderr)
+    assert (
+        len(lines) == 1 and said in lines[0] and "elastic training survives lost workers only" in lines[0]
+    ), proc.stderr[-3000:]
+    assert time.monotonic() - started < 60, "MPI start-up (~10 s here) plus the 30 s allowed"

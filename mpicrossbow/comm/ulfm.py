@@ -32,8 +32,20 @@ class PeerLost(RuntimeError):
 
 
 class ElasticEnd(RuntimeError):
-    """Elastic training cannot go on (fewer ranks left than ``[fault] min_ranks``, a rule or a step that
-    cannot follow): every survivor ends the job with this one line."""
+    """Elastic training cannot go on (fewer ranks left than ``[fault] min_ranks``, a lost parameter server or
+    EASGD centre): the job ends with this one line.
+
+    Every survivor meets the cause at about the same moment; ``reports`` says whether this rank is the one
+    that says so. The others wait :attr:`GRACE_S` first (training/runner.py), so the reporting rank's abort
+    ends them before they print — one line, not one per survivor — and print only if it did not (the
+    reporting rank was lost as well)."""
+
+    #: Seconds a rank that does not report waits before it reports and aborts after all.
+    GRACE_S = 2.0
+
+    def __init__(self, message: str, reports: bool = True) -> None:
+        super().__init__(message)
+        self.reports = reports
 
 
 def library_name() -> str:

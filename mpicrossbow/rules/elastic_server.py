@@ -78,7 +78,8 @@ class ElasticWorker:
         except PeerLost as exc:
             raise ElasticEnd(
                 f"worker rank {self.comm.rank}: the EASGD centre (rank {self.server}) was lost ({exc}); the "
-                "job ends (elastic training survives lost workers only)"
+                "job ends (elastic training survives lost workers only)",
+                reports=self.comm.rank == min(r for r in range(self.comm.size) if r != self.server),
             ) from exc
 
     def _round_trip(self, progress: float) -> None:

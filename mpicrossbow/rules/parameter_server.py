@@ -448,7 +448,8 @@ class ServerRule(Rule):
             assert self.comm is not None
             raise ElasticEnd(
                 f"worker rank {self.comm.rank}: a parameter server was lost ({exc}); the model lives on "
-                "the server ranks, so the job ends (elastic training survives lost workers only)"
+                "the server ranks, so the job ends (elastic training survives lost workers only)",
+                reports=self.comm.rank == self.servers,  # the first worker
             ) from exc
 
     def _push_to_servers(self, flag: float) -> None:

@@ -159,7 +159,8 @@ class ElasticSteps:
         if after.size < self.min_ranks:
             raise ElasticEnd(
                 f"lost rank(s) {names} at {where}: {after.size} rank(s) left, fewer than "
-                f"[fault] min_ranks = {self.min_ranks}"
+                f"[fault] min_ranks = {self.min_ranks}",
+                reports=after.rank == 0,
             )
         self._move_world(after.rank, after.size)
         for hook in self.after_recovery:

@@ -5,6 +5,7 @@ come here."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from ..comm.ulfm import ElasticEnd
@@ -81,6 +82,8 @@ def train(world: World, session: Session) -> RunResult:
     except BaseException as exc:
         if session.elastic and not isinstance(exc, (KeyboardInterrupt, UsageError, ElasticEnd)):
             leave_job(world, exc, session.run_dir)
+        if isinstance(exc, ElasticEnd) and not exc.reports:
+            time.sleep(ElasticEnd.GRACE_S)  # the reporting survivor's abort normally ends this rank first
         abort(world, exc, session.run_dir)
     return result
 
