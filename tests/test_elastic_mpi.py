@@ -63,13 +63,13 @@ def test_elastic_true_under_open_mpi_without_ft_says_how_to_start_it(
 
 def test_crossbow_launch_alone_starts_open_mpi_fault_tolerant(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
     """Run alone, crossbow-launch adds ``--with-ft ulfm``: the ranks find ULFM working, and what stops this
-    job is only the rule (asynchronous PSGD is not elastic), in one line."""
-    cmd = [openmpi.launch, "-np", "2", *digits_args(tmp_path, "fault.elastic=true", "RULE=PSGD")]
+    job is only the rule (asynchronous GSP is not elastic), in one line."""
+    cmd = [openmpi.launch, "-np", "2", *digits_args(tmp_path, "fault.elastic=true", "RULE=GSP")]
     proc = run_local(cmd, timeout=120)
     assert "--with-ft ulfm" in proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
-    assert len(lines) == 1 and "RULE=PSGD is asynchronous" in lines[0], proc.stderr[-3000:]
+    assert len(lines) == 1 and "RULE=GSP is asynchronous" in lines[0], proc.stderr[-3000:]
 
 
 def elastic_job(openmpi: OpenMPIEnv, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
