@@ -137,6 +137,27 @@ def test_the_step_that_met_the_loss_is_dropped_on_every_survivor(rule: str) -> N
     assert all(torch.equal(held[0], other) for other in held[1:])
 
 
+@pytest.mark.parametrize(("switch_epoch", "phase"), [(0.05, "SMA"), (0.5, "BSP"), (0.09, "the switch")])
+def test_post_local_sgd_recovers_in_either_phase(switch_epoch: float, phase: str) -> None:
+    """POSTLOCALSGD (BSP, then SMA; 44 steps an epoch here): rank 2 dies inside step 3's exchange — after
+    the switch (SMA from step 2), before it (BSP until step 22), or in step 3 itself, the last BSP step,
+    whose exchange would have ended with the switch: every survivor drops step 3, recovers once, goes on in
+    the phase the last committed step left (the switch then comes after step 4, on every survivor), and the
+    survivors end bitwise equal (SMA's z, or BSP's replicas)."""
+    results = elastic_run(
+        "POSTLOCALSGD", 4, victim=2, at=3, steps=8, hyper={"switch_epoch": switch_epoch, "then": "SMA"}
+    )
+    assert results[2] is None
+    survivors = [r for r in results if r is not None]
+    for after, membership, steps, rule in survivors:
+        assert torch.equal(after[3], after[2]) and not torch.equal(after[4], after[3])
+        assert membership.ranks == (0, 1, 3) and len(steps.recoveries) == 1
+        assert rule.active.name == ("BSP" if phase == "BSP" else "SMA")
+        assert rule.switched_at == {"SMA": 2, "BSP": None, "the switch": 5}[phase]
+    held = [r[3].active.z if phase != "BSP" else r[0][-1] for r in survivors]
+    assert all(torch.equal(held[0], other) for other in held[1:])
+
+
 def test_every_mean_divides_by_the_survivors_after_a_loss() -> None:
     """After losing one rank of four, BSP's k is 3 and its average of gradients 1, 2, 3 (one per
     survivor) is 2 everywhere: the divisor is the new size, not the start's 4."""

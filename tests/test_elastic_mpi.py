@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import time
@@ -85,6 +86,11 @@ def accuracy(stderr: str) -> float:
     return float(done)
 
 
+#: POSTLOCALSGD in the test below: BSP for the first epoch (22 steps), then SMA, which the loss at step 40
+#: meets.
+POST_LOCAL = ("rule.then=SMA", "rule.switch_epoch=1")
+
+
 @pytest.mark.parametrize(
     ("rule", "action"),
     # BSP killed at its step's start: test_elastic_bsp_ends_close_to_an_uninterrupted_run.
@@ -96,6 +102,7 @@ def accuracy(stderr: str) -> float:
         ("SMA", "kill_in_exchange"),
         ("LOCALSGD", "kill"),
         ("EASGD", "kill"),
+        ("POSTLOCALSGD", "kill_in_exchange"),
     ],
 )
 def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
@@ -104,10 +111,11 @@ def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
     """SIGKILL of rank 2 of 4 at step 40 (at the step's start, or inside its exchange once the first
     allreduce started): the job finishes on 3 ranks with status 0, one line names the lost rank and the
     step, and every survivor holds the same consensus bit for bit (BSP's replicas, SMA's z, LOCALSGD's
-    replicas after its last average, EASGD's centre, at step 88): the step that met the loss was dropped on
-    all of them, never applied on some."""
+    replicas after its last average, EASGD's centre, POSTLOCALSGD's SMA's z, at step 88): the step that met
+    the loss was dropped on all of them, never applied on some."""
+    extra = POST_LOCAL if rule == "POSTLOCALSGD" else ()
     proc = elastic_job(
-        openmpi, tmp_path, f"RULE={rule}", "fault.rank=2", "fault.step=40", f"fault.action={action}"
+        openmpi, tmp_path, f"RULE={rule}", *extra, "fault.rank=2", "fault.step=40", f"fault.action={action}"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
@@ -115,9 +123,11 @@ def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
     final = only_run(tmp_path) / "checkpoints" / "step-000000088"
     states = [torch.load(final / f"rank-{r:05d}.pt", weights_only=True) for r in range(3)]
     assert not (final / "rank-00003.pt").exists()
-    consensus = {"SMA": "z", "EASGD": "centre"}
+    consensus = {"SMA": ("z",), "EASGD": ("centre",), "POSTLOCALSGD": ("then", "z")}
     held = [
-        s["rule"][consensus[rule]] if rule in consensus else s["pool"]["learners"][0]["params"]
+        functools.reduce(dict.__getitem__, consensus[rule], s["rule"])
+        if rule in consensus
+        else s["pool"]["learners"][0]["params"]
         for s in states
     ]
     assert all(torch.equal(held[0], other) for other in held[1:])

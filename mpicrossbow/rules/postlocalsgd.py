@@ -253,6 +253,13 @@ class PostLocalSGD(Rule):
             self._per_epoch = self.pool.n_batch_train
         self.active.on_resize()
 
+    def on_rebind(self, lost: tuple[int, ...]) -> None:
+        """Elastic training lost ranks: the active rule's (BSP before the switch, the later rule after it;
+        each follows the survivors). The later rule is bound at the switch over whoever is there then; when
+        the dropped step was the switch, restoring the state before it goes back to BSP, every survivor
+        alike (:meth:`load_state_dict`)."""
+        self.active.on_rebind(lost)
+
     def sync_state(self) -> None:
         """The active rule's (BSP: BatchNorm statistics averaged; SMA: the step in flight completed)."""
         self.active.sync_state()
