@@ -189,6 +189,16 @@ def test_fewer_ranks_than_min_ranks_ends_the_job_on_every_survivor() -> None:
         elastic_run("BSP", 4, victim=3, at=1, steps=2, min_ranks=4)
 
 
+def train_losing_rank_2(world: FaultyWorld, me: int, pool: SerialPool, rule: Any, steps: int) -> None:
+    """``steps`` training steps of rank ``me`` of an asynchronous run; rank 2 dies at the start of its step 5
+    (after 5 exchanges)."""
+    pool.start_epoch(0)
+    for step in range(steps):
+        if me == 2 and step == 5:
+            world.die(2)
+        train_step(pool, rule, step)
+
+
 @pytest.mark.parametrize(
     ("rule_name", "hyper"),
     [
@@ -217,11 +227,7 @@ def test_a_parameter_server_forgets_a_lost_worker_and_serves_the_others_to_the_e
         if group.me == 0:
             rule.serve(lambda w, epoch: None)
         else:
-            pool.start_epoch(0)
-            for step in range(steps):
-                if group.me == 2 and step == 5:
-                    world.die(2)
-                train_step(pool, rule, step)
+            train_losing_rank_2(world, group.me, pool, rule, steps)
         rule.finish()
         ElasticSteps(parts(pool, rule, group.me, size), comm, 1).settle("the end of training")
         rule.sync_state()
@@ -253,11 +259,7 @@ def test_gossip_forgets_a_lost_peer_and_the_survivors_average_renormalises() -> 
         comm, pool = ElasticCommunicator(group), built[group.me]
         comm.isolate_peers = True
         rule = RULES.get("GOSGD")(p=1.0).bind(comm, pool)
-        pool.start_epoch(0)
-        for step in range(steps):
-            if group.me == 2 and step == 5:
-                world.die(2)
-            train_step(pool, rule, step)
+        train_losing_rank_2(world, group.me, pool, rule, steps)
         rule.finish()
         lost, masses, x = set(rule.lost), list(rule.masses), rule.xs[0].clone()
         ElasticSteps(parts(pool, rule, group.me, size), comm, 1).settle("the end of training")

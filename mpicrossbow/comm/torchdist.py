@@ -197,8 +197,9 @@ class TorchDistCommunicator(Communicator):
         if self.stage_cpu_through is None or flat.device.type != "cpu":
             return self._handle(start(flat))
         staged = torch.empty_like(flat, device=self.stage_cpu_through).copy_(flat)
-        handle = StagedHandle(self._handle(start(staged)), staged, flat if writes else None)
-        if isinstance(handle._inner, DoneHandle):
+        work = start(staged)
+        handle = StagedHandle(self._handle(work), staged, flat if writes else None)
+        if work is None:  # blocking: the result is copied back now
             handle.wait()
         return handle
 

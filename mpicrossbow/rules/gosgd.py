@@ -107,12 +107,7 @@ class GOSGD(Rule):
         self.finished = False
         self._awaited = -1
         self.average_params: torch.Tensor | None = None
-        self.peers = [s for s in range(self.size) if s != self.rank]
-        #: Peer ranks lost for good (elastic training): forgotten, never waited for or drawn again.
-        self.lost: set[int] = set()
-        x = self.xs[0]
-        self.inbox = {s: (torch.empty_like(x), x.new_zeros(2, dtype=torch.float64)) for s in self.peers}
-        self.posted: dict[int, tuple[Handle, Handle] | None] = {s: None for s in self.peers}
+        self._new_peers()
         for s in self.peers:
             self._post(s)
         log.info(
@@ -126,6 +121,15 @@ class GOSGD(Rule):
         self.outbox: list[tuple[Handle, Handle, int, torch.Tensor, torch.Tensor]] = []
         #: Messages between learners of this rank: (source learner, destination j, snapshot, mass).
         self.local: list[tuple[int, int, torch.Tensor, int]] = []
+
+    def _new_peers(self) -> None:
+        """Every other rank is a peer, none lost, with a receive buffer each and none posted yet."""
+        self.peers = [s for s in range(self.size) if s != self.rank]
+        #: Peer ranks lost for good (elastic training): forgotten, never waited for or drawn again.
+        self.lost: set[int] = set()
+        x = self.xs[0]
+        self.inbox = {s: (torch.empty_like(x), x.new_zeros(2, dtype=torch.float64)) for s in self.peers}
+        self.posted: dict[int, tuple[Handle, Handle] | None] = {s: None for s in self.peers}
 
     @property
     def mass(self) -> int:
@@ -349,11 +353,7 @@ class GOSGD(Rule):
         self.received = [self.received[r] for r in keep]
         self.rank, self.size = self.comm.rank, self.comm.size
         self.k = self.size * self.m
-        self.peers = [s for s in range(self.size) if s != self.rank]
-        self.lost = set()
-        x = self.xs[0]
-        self.inbox = {s: (torch.empty_like(x), x.new_zeros(2, dtype=torch.float64)) for s in self.peers}
-        self.posted = {s: None for s in self.peers}
+        self._new_peers()
 
     def eval_params(self) -> torch.Tensor | None:
         """The weighted average after sync_state(); before it, None (this rank's own weights)."""
