@@ -159,6 +159,15 @@ def final_accuracy(out: Path) -> float | None:
     return float(read_metrics(found[0])["attrs"]["val_accuracy"])
 
 
+def names_step(where: str, step: int) -> bool:
+    """Whether the loss line's ``at …`` part names ``step``: as the step the loss was met in, or within the
+    steps it dropped (a commit window, ``[fault] commit_every``)."""
+    window = re.search(r"steps (\d+)-(\d+) dropped", where)
+    if window:
+        return int(window[1]) <= step <= int(window[2])
+    return where == f"step {step}" or where.endswith(f"step {step} dropped")
+
+
 def measure(rule: Rule, seed: int, epochs: int, step: int | None) -> Run:
     """One run of ``rule`` with ``seed``; rank ``KILLED`` SIGKILLed at ``step`` unless it is None."""
     fault = (
@@ -178,7 +187,7 @@ def measure(rule: Rule, seed: int, epochs: int, step: int | None) -> Run:
         named = len(re.findall(rule.said, stderr)) == 1
         recovery = None
     else:
-        named = len(lost) == 1 and lost[0][:2] == (str(KILLED), f"step {step}")
+        named = len(lost) == 1 and lost[0][0] == str(KILLED) and names_step(lost[0][1], step)
         recovery = float(lost[0][2]) if lost else None
     return Run(
         status, int(done[-1]) if done else None, named if step is not None else not lost, recovery, accuracy

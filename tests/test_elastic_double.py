@@ -89,17 +89,19 @@ def elastic_run(
     min_ranks: int = 1,
     exchanging: bool = True,
     hyper: dict[str, Any] | None = None,
+    every: int = 1,
 ) -> list[Any]:
     """``steps`` elastic steps of ``rule_name`` on ``size`` fault-double ranks; ``victim`` dies in step
     ``at``: right after its first exchange operation completed when ``exchanging`` (the others' too: a step
-    that completed its collective on every rank and is still dropped), else at the step's start. Per
-    survivor: its parameters after every step, its membership, its ElasticSteps and its rule."""
+    that completed its collective on every rank and is still dropped), else at the step's start; a commit
+    every ``every`` steps. Per survivor: its parameters after every step, its membership, its ElasticSteps
+    and its rule."""
     world, built = FaultyWorld(size, timeout_s=20), pools(size)
 
     def body(group: FaultyGroup) -> tuple[list[torch.Tensor], Any, ElasticSteps, Any]:
         comm, pool = ElasticCommunicator(group), built[group.me]
         rule = RULES.get(rule_name)(**(hyper or {})).bind(comm, pool)
-        steps_ = ElasticSteps(parts(pool, rule, group.me, size), comm, min_ranks)
+        steps_ = ElasticSteps(parts(pool, rule, group.me, size), comm, min_ranks, every)
         pool.start_epoch(0)
         after = []
 
@@ -135,6 +137,52 @@ def test_the_step_that_met_the_loss_is_dropped_on_every_survivor(rule: str) -> N
         assert len(steps.recoveries) == 1 and steps.lost == (2,)
     held = [r[3].z if rule == "SMA" else r[3].centre if rule == "EASGD" else r[0][-1] for r in survivors]
     assert all(torch.equal(held[0], other) for other in held[1:])
+
+
+@pytest.mark.parametrize("rule", ["BSP", "SMA", "LOCALSGD"])
+def test_a_loss_inside_a_commit_window_drops_the_whole_window_on_every_survivor(rule: str) -> None:
+    """A commit every 4 steps (``[fault] commit_every``): rank 2 of 4 dies inside step 5's exchange (LOCALSGD,
+    averaging every 8 steps: at step 5's start, met in the agreement after step 7). Every survivor trains
+    no more in the window, restores the state of the last commit (after step 3) at its end — steps 4-7 are
+    dropped, step 4 although it completed everywhere — recovers once and trains on; the survivors end
+    bitwise equal (BSP's replicas, SMA's z, LOCALSGD's replicas after its average at step 15)."""
+    results = elastic_run(rule, 4, victim=2, at=5, steps=16, exchanging=rule != "LOCALSGD", every=4)
+    assert results[2] is None
+    survivors = [r for r in results if r is not None]
+    for after, membership, steps, _ in survivors:
+        assert not torch.equal(after[4], after[3])  # step 4 trained, then dropped with its window
+        assert torch.equal(after[7], after[3])
+        assert not torch.equal(after[8], after[7])  # and training goes on
+        assert membership.ranks == (0, 1, 3) and len(steps.recoveries) == 1 and steps.lost == (2,)
+        assert steps.committed == 16 and steps.pending == 0
+    held = [r[3].z if rule == "SMA" else r[0][-1] for r in survivors]
+    assert all(torch.equal(held[0], other) for other in held[1:])
+
+
+def test_a_commit_window_commits_once_per_window() -> None:
+    """No loss: with a commit every 4 steps, 10 steps take 2 agreements (after steps 3 and 7), and a flush
+    ends the open window (steps 8-9) with a third; a second flush has nothing to commit."""
+    world, built = FaultyWorld(2, timeout_s=20), pools(2)
+
+    def body(group: FaultyGroup) -> list[int]:
+        comm, pool = ElasticCommunicator(group), built[group.me]
+        rule = RULES.get("BSP")().bind(comm, pool)
+        steps_ = ElasticSteps(parts(pool, rule, group.me, 2), comm, 1, every=4)
+        agreements = []
+        commit = comm.commit
+
+        def counted(ok: bool) -> bool:
+            agreements.append(steps_.steps_done)
+            return commit(ok)
+
+        comm.commit = counted  # type: ignore[method-assign]
+        pool.start_epoch(0)
+        for step in range(10):
+            steps_.step(lambda step=step: train_step(pool, rule, step), step)
+        assert steps_.flush("the end") and steps_.flush("the end")
+        return agreements
+
+    assert world.run(body) == [[4, 8, 10]] * 2
 
 
 @pytest.mark.parametrize(("switch_epoch", "phase"), [(0.05, "SMA"), (0.5, "BSP"), (0.09, "the switch")])

@@ -1,22 +1,29 @@
-"""Elastic steps: a synchronous rule's step is committed on every survivor or on none, and a lost rank costs
-the step it was lost in, not the job (``[fault] elastic``).
+"""Elastic steps: a synchronous rule's steps are committed on every survivor or on none, and a lost rank costs
+the steps since the last commit, not the job (``[fault] elastic``).
 
-Every step runs as torchft runs one: the step, then a fault-tolerant agreement that it completed on every
-rank (:meth:`~mpicrossbow.comm.elastic.ElasticCommunicator.commit`, ``MPI_Comm_agree``). Before the step
-each rank keeps a copy of what the step changes (its learners' weights, buffers, optimizer state and the
-rule's state: ``state_dict``; two copies alternate, each step's copied into the tensors of the one before
-the last, so no step allocates: a clone per step took 68 ms where the copy takes 9 ms on a 17M-parameter
-MLP); when the agreement says some rank did not complete it (it met a lost rank,
-or was the one lost), every survivor
+Steps run in windows of ``[fault] commit_every`` (a window ends after step s when s + 1 is a multiple of
+it, and before every collective between steps: validation, the epoch's statistics, the signal check,
+a checkpoint). A window ends as torchft ends a step: a fault-tolerant agreement that every step of it
+completed on every rank (:meth:`~mpicrossbow.comm.elastic.ElasticCommunicator.commit`,
+``MPI_Comm_agree``). At each commit every rank keeps a copy of what the steps change (its learners'
+weights, buffers, optimizer state and the rule's state: ``state_dict``; two copies alternate, each one
+copied into the tensors of the one before the last, so no commit allocates: a clone took 68 ms where the
+copy takes 9 ms on a 17M-parameter MLP). A rank that meets a lost rank inside a window (an operation
+failed: the communicator is revoked, so every other rank's next operation fails too) trains no more in
+it: it goes through the window's remaining steps without computing, and at its end the agreement says
+the window did not complete. Then every survivor
 
 1. recovers the communicator (revoke, shrink, rebuild: :meth:`ElasticCommunicator.recover`);
 2. restores its copy, so no survivor keeps a partial step — a collective that completed on some ranks
    before the death and failed on others is undone everywhere, and the survivors' replicas are bit for bit
-   what they were after the last committed step; the step is **dropped** (its batch is not trained; the
-   step count, the learning-rate schedule and the epoch go on);
+   what they were at the last commit; the window's steps are **dropped** (their batches are not trained;
+   the step count, the learning-rate schedule and the epoch go on);
 3. moves the run's world on (rank, size and communicator in the parts that gather or report), tells the
    rule (``on_rebind``: it rebuilds splits and peers; every mean divides by the new size, read from the
    communicator at each use) and logs one line naming the lost ranks and the step.
+
+So ``commit_every`` trades the agreement and the copy per step (about 9 % of a 3 ms digits step here,
+benchmarks/elastic_cost.py) for up to that many steps of the survivors' work lost with a rank.
 
 The lowest survivor is rank 0 afterwards: the run folder, ``metrics.h5`` and validation lines are its. The
 collectives between steps (the epoch's statistics, validation) are retried over the survivors until they
@@ -69,9 +76,11 @@ def cloned(value: Any, into: Any = None) -> Any:
 class ElasticSteps:
     """One rank's part of elastic training: commits its steps, recovers with the other survivors."""
 
-    def __init__(self, parts: RankParts, comm: ElasticCommunicator, min_ranks: int) -> None:
-        self.parts, self.comm, self.min_ranks = parts, comm, min_ranks
-        #: The state after the last committed step (what a dropped step restores), once taken.
+    def __init__(self, parts: RankParts, comm: ElasticCommunicator, min_ranks: int, every: int = 1) -> None:
+        if every < 1:
+            raise ValueError(f"commit every {every} steps: at least 1")
+        self.parts, self.comm, self.min_ranks, self.every = parts, comm, min_ranks, every
+        #: The state at the last commit (what a dropped window restores), once taken.
         self.saved: tuple[Any, Any] | None = None
         #: The copy before ``saved``: the next capture is copied into its tensors (two alternate).
         self.spare: tuple[Any, Any] | None = None
@@ -82,40 +91,69 @@ class ElasticSteps:
         self.after_recovery: list[Callable[[], None]] = []
         #: Seconds from meeting a loss to training again, one entry per recovery (the benchmark's figure).
         self.recoveries: list[float] = []
-        #: Steps done (committed or dropped) before the step or collective running now.
+        #: Steps done (committed or dropped) before the step running now, or all of them between steps.
         self.steps_done = int(parts.checkpoints.position.get("step", 0))
+        #: ``steps_done`` at the last commit: what the survivors' state holds after a recovery.
+        self.committed = self.steps_done
+        #: Steps run since the last commit (the open window).
+        self.pending = 0
+        #: Where and when this rank met a lost rank in the open window, else None.
+        self.met: tuple[str, float] | None = None
 
     def step(self, run: Callable[[], float], step: int) -> float:
-        """Run ``run`` (one train_step; returns its exchange seconds) as a committed step; 0.0 when it was
-        dropped because a rank was lost.
+        """Run ``run`` (one train_step; returns its exchange seconds) inside the open window, and commit
+        the window after it when it ends here; 0.0 when this rank met a lost rank in the window (it then
+        skips ``run`` to the window's end) or the commit dropped the window.
 
-        The copy to restore is taken after each committed step (before the first one, at start): taking it
-        completes what the step left in flight (SMA's allreduce of its corrections), so the agreement that
-        follows covers the whole exchange — at the price of SMA's overlap of that allreduce with the next
-        step's backward."""
-        parts = self.parts
+        The copy to restore is taken at each commit (before the first step, at start): taking it completes
+        what the step left in flight (SMA's allreduce of its corrections), so the agreement that follows
+        covers the whole exchange — at the price of SMA's overlap of that allreduce with the next step's
+        backward, once a window."""
         self.steps_done = step
         if self.saved is None:
             self.saved = self.capture()
-        started, seconds, ok, after = time.perf_counter(), 0.0, True, None
-        try:
-            seconds = run()
-            after = self.capture(self.spare)
-        except PeerLost:
-            ok = False
+        seconds = 0.0
+        if self.met is None:
+            try:
+                seconds = run()
+            except PeerLost:
+                self.met = (f"step {step}", time.perf_counter())
+        self.pending += 1
+        self.steps_done = step + 1
+        if (step + 1) % self.every:
+            return seconds  # the window goes on (on a rank that met a loss: without training)
+        return seconds if self.flush(f"step {step}") else 0.0
+
+    def flush(self, where: str) -> bool:
+        """End the open window (if a step ran since the last commit): agree that every rank completed it,
+        and keep a copy of the state; or, when some rank did not, recover, restore the last commit's copy
+        on every survivor (the window's steps are dropped) and return False. ``where`` names the point in
+        the log when this rank met no loss itself."""
+        if not self.pending:
+            return True
+        self.pending, ok, after = 0, self.met is None, None
+        if ok:
+            try:
+                after = self.capture(self.spare)
+            except PeerLost:
+                ok, self.met = False, (where, time.perf_counter())
         if self.comm.commit(ok):
-            self.spare, self.saved, self.steps_done = self.saved, after, step + 1
-            return seconds
-        self.recover(f"step {step}", started)
-        parts.rule.on_rebind(self.lost)  # first: a rule drops what it had in flight on the lost world
-        pool_state, rule_state = self.saved
-        parts.pool.load_state_dict(pool_state)
-        parts.rule.load_state_dict(rule_state)
+            self.spare, self.saved, self.committed = self.saved, after, self.steps_done
+            return True
+        met, started = self.met or (where, time.perf_counter())
+        self.met = None
+        first, last = self.committed, self.steps_done - 1
+        dropped = f"step {first}" if last == first else f"steps {first}-{last}"
+        self.recover(met if met == dropped else f"{met}, {dropped} dropped", started)
+        self.parts.rule.on_rebind(self.lost)  # first: a rule drops what it had in flight on the lost world
+        pool_state, rule_state = self.saved  # type: ignore[misc]
+        self.parts.pool.load_state_dict(pool_state)
+        self.parts.rule.load_state_dict(rule_state)
         # torch's Optimizer.load_state_dict keeps the given tensors as its state (no copy when dtype and
         # device match): the copies are live state now, so the next step takes fresh ones.
         self.saved = self.spare = None
-        self.steps_done = step + 1
-        return 0.0
+        self.committed = self.steps_done  # the step count goes on from the restored state
+        return False
 
     def capture(self, into: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
         """A copy of everything a step changes: the learners' state and the rule's (what a dropped step
@@ -124,9 +162,11 @@ class ElasticSteps:
         return cloned((self.parts.pool.state_dict(), self.parts.rule.state_dict()), into)
 
     def collective(self, fn: Callable[..., T], what: str) -> Callable[..., T]:
-        """``fn`` as a committed collective: retried over the survivors until every one completed it."""
+        """``fn`` as a committed collective: the open window committed first, then ``fn`` retried over the
+        survivors until every one completed it."""
 
         def run(*args: Any) -> T:
+            self.flush(what)
             while True:
                 started, ok, value = time.perf_counter(), True, None
                 try:
@@ -187,7 +227,7 @@ class ElasticSteps:
         (every epoch once), TensorBoard, the checkpoint folder's lock; the run folder is the one every rank
         was given at start."""
         parts = self.parts
-        rows = parts.reporter.take_over(self.steps_done)
+        rows = parts.reporter.take_over(self.committed)
         locked = parts.checkpoints.take_over()
         log.warning(
             "elastic: rank 0 (start rank %s) was lost; start rank %d takes over its duties: metrics.h5 "

@@ -25,7 +25,7 @@ from .nan_guard import check_finite
 from .noise_scale import NoiseScale
 from .parts import RankParts
 from .schedule import lr_at
-from .signals import SignalStop
+from .signals import SIGNAL_CHECK_STEPS, SignalStop
 from .step import train_step
 from .validations import NAN2, Validations
 
@@ -68,12 +68,13 @@ class TrainLoop:
         #: Elastic training's committed steps (``[fault] elastic``), else None.
         self.elastic: ElasticSteps | None = None
         if isinstance(parts.comm, ElasticCommunicator) and parts.rule.synchronous:
-            self.elastic = ElasticSteps(parts, parts.comm, parts.config.fault.min_ranks)
+            fault = parts.config.fault
+            self.elastic = ElasticSteps(parts, parts.comm, fault.min_ranks, fault.commit_every)
             self.validate = self.elastic.collective(validate, "validation")
             self.reduce = self.elastic.collective(reduce, "the epoch's statistics")
             if signals is not None:
                 self.elastic.after_recovery.append(signals.forget_pending)
-                self.signals = self.elastic.collective(signals, "the signal check")
+                self.signals = self._committed_checks(signals)
         self.snapshots = snapshots
         cfg, pool = parts.config, parts.pool
         self.budget = cfg.session.steps
@@ -85,7 +86,7 @@ class TrainLoop:
         self.saved_at = self.step if parts.checkpoints.resume is not None else -1
         self.out = LoopOutcome()
         self.at_epochs = float(self.epoch)  # epochs done, with the current one's fraction
-        self.checks = Validations(validate, cfg.session.validate_every, cfg.session.target_accuracy)
+        self.checks = Validations(self.validate, cfg.session.validate_every, cfg.session.target_accuracy)
         #: The auto-tuner's checks (``[pool] learners = auto``), else None.
         self.tuning = LearnerTuning(parts, parts.tuner) if parts.tuner is not None else None
         #: The gradient noise scale, measured around the rule's ``on_gradients`` (continued on a resume).
@@ -94,6 +95,18 @@ class TrainLoop:
         size = parts.world.size
         #: Ranks that train (a parameter server's or an asynchronous centre's rank does not).
         self.trainers = sum(parts.rule.trains(rank, size) for rank in range(size))
+
+    def _committed_checks(self, signals: SignalStop) -> Callable[[int], bool]:
+        """Elastic training: the signal check as a committed collective at the steps it communicates
+        (every SIGNAL_CHECK_STEPS), a local call at the others (a commit there would end the open window
+        at every step)."""
+        assert self.elastic is not None
+        committed = self.elastic.collective(signals, "the signal check")
+
+        def check(step: int) -> bool:
+            return committed(step) if step % SIGNAL_CHECK_STEPS == 0 else signals(step)
+
+        return check
 
     def run(self) -> LoopOutcome:
         """Train to the step or epoch budget, or until a signal stops every rank (after a checkpoint)."""
@@ -274,6 +287,8 @@ class TrainLoop:
         """A checkpoint after the current step (``count`` batches of the current epoch done)."""
         parts = self.parts
         self._beat("save")
+        if self.elastic is not None:
+            self.elastic.flush("the checkpoint")  # a checkpoint holds committed steps only
         with span("checkpoint", "checkpoint"):
             parts.checkpoints.save(self.position(count), parts.rule, parts.faults)
         self.saved_at = self.step
