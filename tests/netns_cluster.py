@@ -337,6 +337,33 @@ exec nsenter -t "$pid" -n -u -i -p -m --wd="$PWD" -- sh -c "$*"
         self.clear_rate(name)
         if boot and self.node(name).pid == 0:
             self.restart_node(name)
+        self.wait_reachable(name)
+
+    def wait_reachable(self, name: str, timeout: float = 10.0) -> None:
+        """Wait until node ``name`` reaches the head again: a TCP connection to a port nobody listens on
+        is refused (the head answered) rather than unreachable. A job started sooner after a healed link
+        or a rebooted node can meet "No route to host" while the neighbour entries settle."""
+        probe = (
+            "import socket, sys, time\n"
+            f"deadline = time.monotonic() + {timeout}\n"
+            "while time.monotonic() < deadline:\n"
+            "    try:\n"
+            f"        socket.create_connection(('{self.subnet}.10', 9), timeout=0.5).close()\n"
+            "        sys.exit(0)\n"
+            "    except ConnectionRefusedError:\n"
+            "        sys.exit(0)\n"
+            "    except OSError:\n"
+            "        time.sleep(0.1)\n"
+            "sys.exit(1)\n"
+        )
+        netns = self.node(name).netns
+        done = subprocess.run(
+            ["ip", "netns", "exec", netns, sys.executable, "-c", probe], timeout=timeout + 5
+        )
+        if done.returncode:
+            raise RuntimeError(
+                f"{name} does not reach the head ({self.subnet}.10) {timeout:g} s after healing"
+            )
 
     def describe(self) -> str:
         """How to use this cluster by hand."""
