@@ -74,7 +74,7 @@ def test_true_without_ulfm_is_a_config_error_saying_what_to_install(monkeypatch:
     [
         (("comm.backend=gloo",), "backend = gloo cannot shrink"),
         (("comm.shared_memory=on",), "shared_memory = on"),
-        (("RULE=GSP",), "RULE=GSP is asynchronous and cannot forget a lost rank"),
+        (("RULE=GSP", "rule.groups=auto"), r"RULE=GSP with \[rule\] groups = auto is not elastic"),
         (("RULE=GOSGD",), "coordinated snapshots .* set checkpoint.on_signal=false"),
         (("RULE=SSP", "rule.placement=colocated", "checkpoint.on_signal=false"), "cannot forget"),
         (("RULE=ASGD",), "coordinated snapshots .* set checkpoint.on_signal=false"),
@@ -94,7 +94,8 @@ def test_what_elastic_cannot_follow_is_refused_at_start(
 
 
 def test_servers_that_forget_lost_workers_are_elastic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ASGD, SSP, PSGD and WEEDOUT with server ranks, EASGD (both modes), GOSGD; not GSP (no rebind yet)."""
+    """ASGD, SSP, PSGD, WEEDOUT and GSP (a groups file or one group) with server ranks, EASGD (both modes),
+    GOSGD; not GSP with groups by speed (auto)."""
     monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: None)
     for rule_args in (
         ("RULE=ASGD",),
@@ -104,11 +105,12 @@ def test_servers_that_forget_lost_workers_are_elastic(monkeypatch: pytest.Monkey
         ("RULE=EASGD", "rule.mode=async"),
         ("RULE=EASGD",),
         ("RULE=GOSGD",),
+        ("RULE=GSP",),
     ):
         rule, config = digits("fault.elastic=true", *rule_args, "checkpoint.on_signal=false")
         assert resolve_elastic(config, rule, WORLD) is True  # type: ignore[arg-type]
-    rule, config = digits("fault.elastic=true", "RULE=GSP", "checkpoint.on_signal=false")
-    with pytest.raises(ConfigError, match="RULE=GSP is asynchronous and cannot forget a lost rank"):
+    rule, config = digits("fault.elastic=true", "RULE=GSP", "rule.groups=auto", "checkpoint.on_signal=false")
+    with pytest.raises(ConfigError, match=r"RULE=GSP with \[rule\] groups = auto is not elastic"):
         resolve_elastic(config, rule, WORLD)  # type: ignore[arg-type]
 
 

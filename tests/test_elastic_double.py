@@ -4,6 +4,7 @@ the new size, min_ranks. What needs a real ULFM job is in tests/test_elastic_mpi
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -372,3 +373,90 @@ def test_a_capture_is_copied_into_the_spare_copy_without_allocating() -> None:
     copy = cloned({"a": [torch.ones(3)], "b": torch.ones(4), "n": 2}, spare)
     assert copy["a"][0].data_ptr() == kept and torch.equal(copy["a"][0], torch.ones(3))
     assert copy["b"].shape == (4,) and copy["n"] == 2
+
+
+def completed_then_lost(comm: ElasticCommunicator, world: FaultyWorld, dies: bool) -> Any:
+    """``comm``'s allreduce_mean, once: completed, then this rank dies (``dies``) or says it met a loss."""
+    inner = comm.allreduce_mean
+
+    def once(tensor: torch.Tensor, count: int) -> None:
+        inner(tensor, count)
+        del comm.allreduce_mean  # type: ignore[method-assign]
+        if dies:
+            world.die(comm.membership.original_rank)
+        raise PeerLost("this rank's collective reported the loss, another's completed (fault double)")
+
+    return once
+
+
+@pytest.mark.parametrize(
+    ("victim", "where"),
+    [(2, "start"), (2, "inside"), (2, "non-uniform"), (1, "start"), (1, "inside")],
+    ids=[
+        "member-at-start",
+        "member-inside-pull",
+        "member-non-uniform",
+        "leader-at-start",
+        "leader-inside-pull",
+    ],
+)
+def test_gsp_a_group_shrinks_around_a_lost_worker_and_the_server_forgets_it(
+    tmp_path: Path, victim: int, where: str
+) -> None:
+    """GSP on 6 ranks: rank 0 serves, groups [1, 2, 3] and [4, 5], the leaders push every 3 steps (steps 2,
+    5, 8, 11 of 13). Rank ``victim`` of the first group (2: a member, 1: its leader) dies in step 5 — at its
+    start (the others' gradient average meets it), or right after its broadcast of the pull (the leader's
+    push reached the server; the others' second broadcast meets it). The group's survivors shrink, redo the
+    step over themselves and train on with bitwise-equal replicas after every step; a lost leader is replaced
+    by the lowest survivor, rank 2, which pushes from then on; the other group never notices; the server
+    forgets the lost rank; after finish the ranks agree, shrink, and the final w is the same everywhere.
+    ``non-uniform``: rank 2 dies right after step 5's gradient average completed everywhere, and rank 3's
+    average reports the loss while rank 1's does not (ULFM's collectives are not uniform): the group's
+    agreement still drops the step on both, and both redo it over themselves."""
+    steps, size = 13, 6
+    groups = tmp_path / "groups"
+    groups.write_text("1 2 3\n4 5\n")
+    world, built = FaultyWorld(size, timeout_s=20), pools(size)
+
+    def body(group: FaultyGroup) -> tuple[Any, Any, list[torch.Tensor], list[int], torch.Tensor]:
+        comm, pool = ElasticCommunicator(group), built[group.me]
+        comm.isolate_peers = True
+        rule = RULES.get("GSP")(groups=str(groups), tau=3).bind(comm, pool)
+        after = []
+        if group.me == 0:
+            rule.serve(lambda w, epoch: None)
+        else:
+            pool.start_epoch(0)
+            for step in range(steps):
+                if group.me == victim and step == 5:
+                    if where == "start":
+                        world.die(victim)
+                    rule.group.trap = lambda: world.die(victim)  # after its first broadcast of the pull
+                if where == "non-uniform" and group.me in (victim, 3) and step == 5:
+                    rule.group.allreduce_mean = completed_then_lost(rule.group, world, group.me == victim)
+                train_step(pool, rule, step)
+                after.append(pool.learners[0].params.clone())
+        rule.finish()
+        members = None if rule.elastic_group is None else rule.elastic_group.membership.ranks
+        ElasticSteps(parts(pool, rule, group.me, size), comm, 1).settle("the end of training")
+        rule.sync_state()
+        return rule.server, members, after, list(rule.lost_members), rule.w.clone()
+
+    results = world.run(body)
+    assert results[victim] is None
+    server = results[0][0]
+    assert server.lost == {victim} and server.in_flight == 0
+    survivors = [r for r in (1, 2, 3) if r != victim]
+    others = (4, 5)
+    for ranks in (survivors, others):
+        assert all(results[r][1] == tuple(ranks) for r in ranks)
+        for step in range(steps):
+            assert all(torch.equal(results[r][2][step], results[ranks[0]][2][step]) for r in ranks), step
+    assert all(results[r][3] == [victim] for r in survivors) and all(results[r][3] == [] for r in others)
+    # pushes: group 2's leader 4 at steps 2, 5, 8, 11; group 1's leader 1 until it is lost, rank 2 after
+    pushed_by_1 = {2: 4, 1: 2 if where == "inside" else 1}[victim]
+    assert server.clock[4] == 4 and server.clock[1] == pushed_by_1
+    assert server.clock[2] == (3 if victim == 1 else 0) and server.clock[3] == 0
+    assert server.updates == 4 + pushed_by_1 + server.clock[2]
+    finals = [r[4] for r in results if r is not None]
+    assert all(torch.equal(final, finals[0]) for final in finals)

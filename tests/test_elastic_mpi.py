@@ -64,13 +64,14 @@ def test_elastic_true_under_open_mpi_without_ft_says_how_to_start_it(
 
 def test_crossbow_launch_alone_starts_open_mpi_fault_tolerant(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
     """Run alone, crossbow-launch adds ``--with-ft ulfm``: the ranks find ULFM working, and what stops this
-    job is only the rule (asynchronous GSP is not elastic), in one line."""
-    cmd = [openmpi.launch, "-np", "2", *digits_args(tmp_path, "fault.elastic=true", "RULE=GSP")]
-    proc = run_local(cmd, timeout=120)
+    job is only the rule (GSP's groups by speed are not elastic), in one line."""
+    args = digits_args(tmp_path, "fault.elastic=true", "RULE=GSP", "rule.groups=auto")
+    proc = run_local([openmpi.launch, "-np", "2", *args], timeout=120)
     assert "--with-ft ulfm" in proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
-    assert len(lines) == 1 and "RULE=GSP is asynchronous" in lines[0], proc.stderr[-3000:]
+    said = "RULE=GSP with [rule] groups = auto is not elastic"
+    assert len(lines) == 1 and said in lines[0], proc.stderr[-3000:]
 
 
 def elastic_job(openmpi: OpenMPIEnv, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -122,7 +123,9 @@ def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
     # A commit every 10 steps and at the epoch's end (step 44): the loss drops steps 40-43 on every survivor;
     # rank 0 meets it in step 40's exchange (SMA's, which overlaps step 41's backward: in step 41), or at the
     # epoch's end where step 40 is a local one.
-    said = r"lost rank\(s\) 2 \(start numbering\) at (step 4[01]|the epoch's statistics), steps 40-43 dropped; "
+    said = (
+        r"lost rank\(s\) 2 \(start numbering\) at (step 4[01]|the epoch's statistics), steps 40-43 dropped; "
+    )
     assert len(lost) == 1 and re.search(said, lost[0]), lost
     final = only_run(tmp_path) / "checkpoints" / "step-000000088"
     states = [torch.load(final / f"rank-{r:05d}.pt", weights_only=True) for r in range(3)]
@@ -220,3 +223,28 @@ def test_a_lost_server_ends_the_elastic_job_with_one_line(
         len(lines) == 1 and said in lines[0] and "elastic training survives lost workers only" in lines[0]
     ), proc.stderr[-3000:]
     assert time.monotonic() - started < 60, "MPI start-up (~10 s here) plus the 30 s allowed"
+
+
+def test_gsp_a_killed_group_member_is_dropped_and_the_others_finish(
+    openmpi: OpenMPIEnv, tmp_path: Path
+) -> None:
+    """GSP on 4 ranks: rank 0 serves, groups [1, 2] and [3]; rank 2 (not its group's leader) SIGKILLed at
+    its step 30. Its group's survivor meets the loss in the group's gradient average, shrinks the group and
+    says so in one line naming the lost rank and the step; the server forgets rank 2; the other group never
+    notices; after training the ranks shrink once and the job finishes on 3 ranks with status 0."""
+    groups = tmp_path / "groups"
+    groups.write_text("1 2\n3\n")
+    fault = ("fault.elastic=true", "fault.rank=2", "fault.step=30", "fault.action=kill")
+    rule = ("RULE=GSP", f"rule.groups={groups}")
+    args = digits_args(tmp_path / "out", *rule, "session.epochs=4", "checkpoint.on_signal=false", *fault)
+    proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    group = [line for line in lines if "of group" in line and "lost (start numbering)" in line]
+    said = "GSP rank 1: worker rank(s) 2 of group [1, 2] lost (start numbering) at step 30"
+    assert len(group) == 1 and said in group[0], proc.stderr[-3000:]
+    forgot = [line for line in lines if "was lost" in line]
+    assert len(forgot) == 1 and "parameter server rank 0: worker rank 2 was lost" in forgot[0], forgot
+    lost = [line for line in lines if "elastic: lost rank(s)" in line]
+    assert len(lost) == 1 and "lost rank(s) 2 (start numbering) at the end of training" in lost[0], lost
+    assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]

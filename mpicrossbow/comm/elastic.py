@@ -65,6 +65,12 @@ class FaultTolerantGroup(ABC):
         """AND of every live member's ``flag``; False on every member when a member failed (collective,
         fault-tolerant, the same answer everywhere)."""
 
+    @abstractmethod
+    def split(self, color: int, key: int | None = None) -> FaultTolerantGroup:
+        """The members of ``color`` as a group of their own, ordered by ``key`` then rank (collective over
+        every member, as ``MPI_Comm_split``): it is revoked, shrunk and agrees without the others — GSP's
+        worker groups recover inside themselves while the rest of the job goes on."""
+
     @property
     def native(self) -> Any:
         """The library's own handle of the group (an mpi4py communicator), for code that needs it; None
@@ -120,6 +126,10 @@ class MPIGroup(FaultTolerantGroup):
     def shrink(self) -> MPIGroup:
         """``MPI_Comm_shrink``: the survivors, in their old order."""
         return MPIGroup(self._comm.Shrink(), self._build)
+
+    def split(self, color: int, key: int | None = None) -> MPIGroup:
+        """``MPI_Comm_split`` (the same ``build`` over the new communicator)."""
+        return MPIGroup(self._comm.Split(color, self._comm.Get_rank() if key is None else key), self._build)
 
     def agree(self, flag: bool) -> bool:
         """``MPI_Comm_agree`` on ``flag``; a failure it reports (uniformly) is a False."""

@@ -184,6 +184,10 @@ class FaultyGroup(FaultTolerantGroup):
 
         return FaultyGroup(self.world, self._decide("shrink", None, decide), self.me)
 
+    def split(self, color: int, key: int | None = None) -> FaultyGroup:
+        """The members of ``color`` as a new group (:meth:`FaultyCommunicator.split`)."""
+        return self.communicator().split(color, key).group
+
 
 class FaultyCommunicator(Communicator):
     """A member's communicator over a :class:`FaultyGroup`; every operation completes before it returns."""

@@ -17,6 +17,24 @@ per step (waits for the group excluded); then they agree on everyone's median, f
 :func:`~mpicrossbow.rules.grouping.group_by_speed` and go on from the same pulled w. ``shares``: a
 data-sharding file (one ``start end`` fraction per rank) that replaces the equal shards; ranks of one group
 must hold the same number of batches per epoch (checked at the start).
+
+Elastic training (``[fault] elastic``): each group talks over a fault-tolerant group of its own (split off
+the run's, :meth:`~mpicrossbow.comm.elastic.FaultTolerantGroup.split`), so a loss inside one group revokes
+that group only — the servers and the other groups go on. Every group step (the gradient average, the pull's
+broadcasts) ends with a fault-tolerant agreement among the group's ranks that it completed on all of them.
+When it did not (a member died: the survivors' collective raised
+:class:`~mpicrossbow.comm.ulfm.PeerLost`, or it completed on some and the agreement sees the death), the
+survivors shrink the group, and nobody keeps the partial step: each restores its own gradients (copied
+before the average) and the average is done again over the survivors — the lost rank's batch is dropped,
+the survivors' replicas stay bitwise identical. The lowest survivor leads the group (rank 0 of the shrunk
+group): a leader lost in the pull is replaced by it, and it pushes the group's Δ itself (if the lost leader's
+push had reached the servers, that progress counts twice, the second time with weight 1/Y ≤ 1/2); a leader
+that survived re-broadcasts the w it already adopted. Non-leaders adopt w only after the agreement. The
+servers forget a lost worker as for ASGD (:meth:`ParameterServer.forget`: done for good); a lost server ends
+the job (ElasticEnd). The lost rank's data shard is dropped; the run's end meets as for the other
+asynchronous rules (``ElasticSteps.settle``). ``groups = auto`` is not elastic: the speed probe runs all
+workers as one group and re-splits them from an agreement over all of them mid-run, which a loss would have
+to re-run (refused at start).
 """
 
 from __future__ import annotations
@@ -25,13 +43,15 @@ import logging
 import socket
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..comm.base import Communicator, ReduceOp
+from ..comm.elastic import ElasticCommunicator
+from ..comm.ulfm import PeerLost
 from ..config.fields import setting
 from ..errors import ConfigError
 from .grouping import group_by_speed, group_of, read_groups, read_shares
@@ -62,6 +82,8 @@ class GSP(ServerRule):
 
     #: A group averages its gradients before the local step.
     needs_gradients = True
+    #: The servers forget a lost worker; a lost group member is recovered from inside its group.
+    forgets_workers: ClassVar[bool] = True
 
     @dataclass(frozen=True)
     class Config(ServerConfig):
@@ -97,6 +119,29 @@ class GSP(ServerRule):
         self._busy: list[float] = []
         self._inside = 0.0
         self._last_end: float | None = None
+        #: Elastic training: the group's communicator (``self.group``) as an elastic one, else None.
+        self.elastic_group: ElasticCommunicator | None = None
+        #: Elastic training: this rank's gradients before the group's average (what a redo starts from).
+        self._grads: list[torch.Tensor] = []
+        #: Elastic training: the group members lost so far (start ranks), in the order they were met.
+        self.lost_members: list[int] = []
+
+    @property
+    def elastic(self) -> bool:
+        """As the other server rules (server ranks), and with a groups file or one group: ``groups = auto``
+        is not elastic (:attr:`elastic_refusal`)."""
+        return super().elastic and self.hyper.groups != "auto"
+
+    @property
+    def elastic_refusal(self) -> str | None:
+        """Why this GSP cannot be elastic, in one line (None: it can, or the general reason applies)."""
+        if self.hyper.groups != "auto":
+            return None
+        return (
+            "RULE=GSP with [rule] groups = auto is not elastic: its speed probe trains every worker as one "
+            "group and re-splits them mid-run from an agreement over all of them, which a lost worker would "
+            "break; give a groups file or leave groups empty (one group)"
+        )
 
     # ------------------------------------------------------------------ set-up (no communication)
     def _file_group(self, rank: int, size: int) -> int:
@@ -122,7 +167,22 @@ class GSP(ServerRule):
         super().on_bind()
         assert self.comm is not None and self.pool is not None
         rank, size = self.comm.rank, self.comm.size
-        workers = self.comm.split(0 if self.server is not None else 1)
+        color = 0 if self.server is not None else 1
+        if isinstance(self.comm, ElasticCommunicator):
+            # fault-tolerant groups of their own: a loss in one group revokes that group only
+            if self.hyper.groups == "auto":
+                raise ConfigError(self.elastic_refusal or "RULE=GSP with groups = auto is not elastic")
+            workers_group = self.comm.group.split(color)
+            if self.server is not None:
+                return
+            index = self._file_group(rank, size) if self.hyper.groups else 0
+            self.workers_comm = ElasticCommunicator(workers_group)
+            self.elastic_group = ElasticCommunicator(workers_group.split(index))
+            self.group, self._probing = self.elastic_group, False
+            self._seen = torch.zeros(self.shards, dtype=torch.float64)
+            self._check_batches()
+            return
+        workers = self.comm.split(color)
         if self.server is not None:
             return
         self.workers_comm = workers
@@ -157,8 +217,66 @@ class GSP(ServerRule):
         if self.server is not None:
             return
         start = time.perf_counter()
-        self.average("grads", comm=self.group)
+        if self.elastic_group is None:
+            self.average("grads", comm=self.group)
+        else:
+            self._elastic_average(step)
         self._inside += time.perf_counter() - start
+
+    def _elastic_average(self, step: int) -> None:
+        """The group's gradient average as a committed group step: this rank's gradients are copied first,
+        so a redo over the survivors starts from them, not from what a partial allreduce left."""
+        assert self.pool is not None
+        grads = [learner.grads for learner in self.pool.learners]
+        if [g.shape for g in self._grads] != [g.shape for g in grads]:
+            self._grads = [g.detach().clone() for g in grads]
+        else:
+            for copy, grad in zip(self._grads, grads, strict=True):
+                copy.copy_(grad)
+
+        def average(again: bool) -> None:
+            if again:
+                for copy, grad in zip(self._grads, grads, strict=True):
+                    grad.copy_(copy)
+            self.average("grads", comm=self.group)
+
+        self._group_step(average, step, "its gradient average")
+
+    def _group_step(self, work: Callable[[bool], None], step: int, what: str) -> None:
+        """Run ``work`` (a group collective; its argument says whether it is a redo) until the group's
+        ranks agree it completed on every one of them; after each disagreement the survivors shrink the
+        group (:meth:`_regroup`) and do it again over themselves. Collective over the group."""
+        group = self.elastic_group
+        assert group is not None
+        again = False
+        while True:
+            ok = True
+            try:
+                work(again)
+            except PeerLost:
+                ok = False
+            if group.commit(ok):
+                return
+            self._regroup(step, what)
+            again = True
+
+    def _regroup(self, step: int, what: str) -> None:
+        """Shrink the group to its survivors (revoke, shrink, rebuild: collective over them); its new rank
+        0, the lowest survivor, leads it and logs one line naming the lost rank and the step."""
+        group = self.elastic_group
+        assert group is not None and self.comm is not None
+        before = group.membership
+        after = group.recover()
+        lost = [before.ranks[r] for r in after.lost_since(before)]
+        self.lost_members.extend(lost)
+        if after.rank == 0:
+            leader = before.ranks[0] in after.ranks
+            log.warning(
+                "GSP rank %d: worker rank(s) %s of group %s lost (start numbering) at step %d (%s); the "
+                "group goes on with rank(s) %s, %s",
+                self.comm.rank, ", ".join(map(str, lost)), list(before.ranks), step, what, list(after.ranks),
+                "its leader kept" if leader else f"rank {after.ranks[0]} leads it now",
+            )  # fmt: skip
 
     def exchange(self, step: int) -> None:
         """Every τ steps the leader pushes, the group adopts the reply; auto groups form after the probe."""
@@ -169,7 +287,10 @@ class GSP(ServerRule):
         start = time.perf_counter()
         probe_ends = self._probing and self._steps == self.hyper.probe_steps
         if self._steps % self.hyper.tau == 0 or probe_ends:
-            self._group_pull()
+            if self.elastic_group is None:
+                self._group_pull()
+            else:
+                self._elastic_pull(step)
         if probe_ends:
             self._form_groups()
         end = time.perf_counter()
@@ -192,6 +313,31 @@ class GSP(ServerRule):
                 self.seen = [int(v) for v in self._seen.tolist()]
                 self._adopt()
 
+    def _elastic_pull(self, step: int) -> None:
+        """The pull as a committed group step: the leader pushes Δ once and adopts the reply; w and the
+        counts go to the group by broadcast; the others adopt them only once the group agreed the broadcasts
+        completed everywhere. After a loss the survivors' rank 0 — the same leader, or the lowest survivor
+        when the leader was lost — pushes if it has not yet (its replica is the lost leader's: the same Δ)
+        and broadcasts again."""
+        pushed = False
+
+        def pull(again: bool) -> None:
+            nonlocal pushed
+            group = self.group
+            assert group is not None
+            if group.rank == 0 and not pushed:
+                self._push(UPDATE)
+                pushed = True
+                self._seen.copy_(torch.tensor(self.seen, dtype=self._seen.dtype))
+            if group.size > 1:
+                group.broadcast(self.w, root=0).wait()
+                group.exact.broadcast(self._seen, root=0).wait()
+
+        self._group_step(pull, step, "the pull")
+        if not pushed:
+            self.seen = [int(v) for v in self._seen.tolist()]
+            self._adopt()
+
     def _form_groups(self) -> None:
         """Agree on every worker's median seconds per step and split into groups by speed."""
         assert self.comm is not None
@@ -210,6 +356,11 @@ class GSP(ServerRule):
                 self.group_ranks,
                 ", ".join(f"{s:.4f}" for s in seconds.tolist()),
             )
+
+    def on_rebind(self, lost: tuple[int, ...]) -> None:
+        """After the serving ended (the run's end meets only then): nothing to rebuild — the servers forgot
+        the lost workers as they met them, and each group shrank inside itself when it met a loss (its
+        communicator is its own, untouched by the world's shrink; no group talks after ``finish``)."""
 
     def agree_pause(self, wanted: bool) -> bool:
         """A group averages every step: its ranks pause for a snapshot at the same step (a 1-value MAX

@@ -36,10 +36,14 @@ def elastic_obstacle(config: Config, rule: Rule, world: World) -> str | None:
             "elastic training needs shared_memory = off or auto (auto is off when elastic)"
         )
     if not rule.elastic:
+        refusal: str | None = getattr(rule, "elastic_refusal", None)  # a rule's own reason (GSP: auto)
+        if refusal:
+            return refusal
         if not rule.synchronous:
             return (
                 f"RULE={config.rule} is asynchronous and cannot forget a lost rank; elastic training "
-                "supports the synchronous rules, ASGD and SSP with server ranks, async EASGD and GOSGD"
+                "supports the synchronous rules, the parameter-server rules with server ranks (ASGD, SSP, "
+                "PSGD, WEEDOUT, GSP), async EASGD and GOSGD"
             )
         return f"RULE={config.rule} does not support elastic training (it cannot rebind to the survivors)"
     if not rule.synchronous and (config.checkpoint.enabled or config.checkpoint.on_signal):
