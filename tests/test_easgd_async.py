@@ -178,3 +178,17 @@ def test_async_easgd_job_reaches_93_percent(mpiexec: str, tmp_path: Path, ranks:
     assert len(accuracy) >= 20  # the server reported the centre about once per epoch, then the final model
     assert metrics["attrs"]["world_size"] == ranks
     assert "EASGD server:" in proc.stderr and "all done" in proc.stderr
+
+
+@pytest.mark.parametrize(("alpha", "after"), [(None, 0.9 / 4), (0.1, 0.1)])
+def test_a_lost_worker_moves_a_default_alpha_to_the_live_workers(alpha: float | None, after: float) -> None:
+    """Elastic training: the centre forgets a lost worker; α left to its default (β / k, β = 0.9, k the
+    workers' learners: 3 workers × 2 learners) becomes β over the live workers' learners (2 × 2), so the
+    centre's pull per unit of time stays; an explicit α stays as set. The worker applies the e = α(x − x~)
+    the centre sends, so α changes on both sides at once."""
+    out, _ = run_async(4, {1: 4, 2: 4, 3: 4}, round_robin, {"tau": 1, "alpha": alpha}, learners=2)
+    server = out.rules[0].server
+    assert server.alpha == pytest.approx(0.9 / 6 if alpha is None else alpha)
+    server.forget(2)
+    server.forget(2)  # a second meeting of the same loss changes nothing
+    assert server.alpha == pytest.approx(after) and server.lost == {2}

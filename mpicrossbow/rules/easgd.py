@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 #: The rank that holds the centre in ``mode = async``.
 SERVER = 0
+#: β = kα, the paper's elastic coupling: a defaulted α is β / k for k learners (async: the live workers').
+DEFAULT_BETA = 0.9
 
 
 @RULES.register("EASGD")
@@ -153,6 +155,7 @@ class EASGD(Rule):
                 self.order,
                 learners=len(self.pool.learners),
                 stats_size=self.pool.learners[0].buffers.numel(),
+                beta=DEFAULT_BETA if self.hyper.alpha is None else None,
             )
         else:
             pool = self.pool
@@ -177,7 +180,7 @@ class EASGD(Rule):
         assert self.pool is not None and self.comm is not None
         learners = len(self.pool.learners)
         k = self.world_learners if self.synchronous else (self.comm.size - 1) * learners
-        self.alpha = self.hyper.alpha if self.hyper.alpha is not None else 0.9 / k
+        self.alpha = self.hyper.alpha if self.hyper.alpha is not None else DEFAULT_BETA / k
         if k * self.alpha > 1:
             log.warning(
                 "EASGD: k·α = %d × %g > 1: the centre overshoots (the paper needs β = kα < 1)", k, self.alpha
@@ -232,7 +235,8 @@ class EASGD(Rule):
         follows it, and the difference buffers are shared over the new communicator; the loop then restores
         the centre of the last committed step, identical on every survivor. ``async``, after the serving
         ended (asynchronous ranks meet only then): nothing to rebuild — the centre forgot the lost workers
-        as it met them and keeps rank 0 (the lowest survives renumbering)."""
+        as it met them (a defaulted α following the live workers from then on: ``ElasticServer.forget``)
+        and keeps rank 0 (the lowest survives renumbering)."""
         if self.synchronous:
             self.on_resize()
             log.info("EASGD now over %d learner(s) after losing rank(s) %s", self.world_learners, lost)

@@ -129,9 +129,14 @@ class ElasticServer:
         order: Order | None = None,
         learners: int = 1,
         stats_size: int = 0,
+        beta: float | None = None,
     ) -> None:
         self.comm, self.centre, self.alpha, self.order = comm, centre, alpha, order
         self.learners = learners
+        #: β = kα when α was left to its default (β / k, k the live workers' learners): α then follows
+        #: the live workers when one is lost, so the centre's pull per unit of time stays what it was (a
+        #: worker applies the e = α(x − x~) the server sends it: α lives here only). None: α is explicit.
+        self.beta = beta
         self.workers = [r for r in range(comm.size) if r != comm.rank]
         #: The workers' latest BatchNorm buffers (``stats_size`` values each), carried by their requests.
         self.stats = ServedStats(stats_size)
@@ -187,9 +192,14 @@ class ElasticServer:
         self._recvs.pop(w, None)
         self._sends.pop(w, None)
         progress = self.progress.pop(w, 0.0)
+        live = len(self.workers) - len(self.lost)
+        follows = ""
+        if self.beta is not None and live:
+            self.alpha = self.beta / (live * self.learners)
+            follows = f" with α = {self.alpha:g} (β / k for their {live * self.learners} learner(s))"
         log.warning(
-            "EASGD centre rank %d: worker rank %d was lost after %.2f epoch(s); serving the %d other(s)",
-            self.comm.rank, w, progress, len(self.workers) - len(self.lost),
+            "EASGD centre rank %d: worker rank %d was lost after %.2f epoch(s); serving the %d other(s)%s",
+            self.comm.rank, w, progress, live, follows,
         )  # fmt: skip
 
     def _post(self, w: int) -> None:
