@@ -21,6 +21,8 @@ from mpicrossbow.pool.chooser import FUSED, UNFUSED, Chooser
 from mpicrossbow.pool.fused_network import FusedNetwork
 from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.vmapped import VmappedNetwork
+from mpicrossbow.report.run_data import load_run
+from mpicrossbow.report.summary import fused_line, summary
 from mpicrossbow.training.metrics import read_metrics
 
 #: Each network and the path ``fuse = auto`` settles on for it.
@@ -127,6 +129,22 @@ def test_the_convolutions_forms_are_recorded() -> None:
     assert [c["form"] for c in convs.values()] == ["channels_last", "channels_last"]
 
 
+def test_the_report_summary_says_the_path_what_was_refused_and_why() -> None:
+    """crossbow-report's line for a network only vmap fuses: its path, both paths refused with their
+    reasons, and the step form with the fastest step of each."""
+    make, _ = CHOSEN["vmapped"]
+    serial, fused = pools(make(), 3, fuse="auto")
+    train_alongside(serial, fused, 3)
+    choice = json.loads(fused.run_record()["fused_choice"])
+    line = fused_line(choice)
+    assert line.startswith("  fused engine ([pool] fuse = auto): vmapped path; refused: layers (")
+    assert f"replicated ({choice['refused']['replicated']})" in line
+    timed = trial(rounds=2)
+    run_trial(timed, {FUSED: [0.1, 0.3], UNFUSED: [0.2, 0.2]})
+    line = fused_line(json.loads(timed.record()["fused_choice"]))
+    assert line.endswith("; step form fused (fastest step: fused 100.000 ms, unfused 200.000 ms)"), line
+
+
 def test_an_unknown_setting_is_refused_with_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="choose one of auto, always, never, layers, replicated, vmapped"):
         trial("sometimes")
@@ -178,3 +196,5 @@ def test_a_job_logs_its_path_and_records_it_in_metrics(mpiexec: str, tmp_path: P
     assert attrs["fused_path"] == "replicated"
     choice = json.loads(attrs["fused_choice"])
     assert choice["setting"] == "replicated" and choice["form"] == FUSED and choice["refused"] == {}
+    said = summary(load_run(only_run(tmp_path)))  # crossbow-report's text
+    assert "\n  fused engine ([pool] fuse = replicated): replicated path\n" in said + "\n", said
