@@ -176,6 +176,12 @@ class Rule:
         first loss."""
         return type(self).on_rebind is not Rule.on_rebind
 
+    @property
+    def elastic_refusal(self) -> str | None:
+        """Why this rule, configured as it is, cannot be elastic, in one line naming the setting (None: it
+        can, or the general reason — it does not override :meth:`on_rebind` — applies)."""
+        return None
+
     def on_rebind(self, lost: tuple[int, ...]) -> None:
         """Ranks were lost (``lost``: their ranks before the loss) and ``self.comm`` now spans the survivors,
         renumbered (elastic training, :mod:`mpicrossbow.comm.elastic`); collective over the survivors.

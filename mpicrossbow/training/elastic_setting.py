@@ -36,9 +36,8 @@ def elastic_obstacle(config: Config, rule: Rule, world: World) -> str | None:
             "elastic training needs shared_memory = off or auto (auto is off when elastic)"
         )
     if not rule.elastic:
-        refusal: str | None = getattr(rule, "elastic_refusal", None)  # a rule's own reason (GSP: auto)
-        if refusal:
-            return refusal
+        if rule.elastic_refusal:  # a rule's own reason (GSP with groups = auto)
+            return rule.elastic_refusal
         if not rule.synchronous:
             return (
                 f"RULE={config.rule} is asynchronous and cannot forget a lost rank; elastic training "
