@@ -72,6 +72,8 @@ RULES: dict[str, Rule] = {
     "PSGD": Rule(("RULE=PSGD",), True, "kill"),
     "WEEDOUT": Rule(("RULE=WEEDOUT",), True, "kill"),
     "EASGD sync": Rule(("RULE=EASGD",), False, "kill"),
+    # One server, the three workers one group (GSP's default): rank 2 dies inside its group.
+    "GSP": Rule(("RULE=GSP",), True, "kill"),
     "GOSGD": Rule(
         ("RULE=GOSGD",), False, "kill", said=rf"GOSGD rank 0: rank {KILLED} was lost \(met at step"
     ),
