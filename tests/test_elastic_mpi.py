@@ -225,26 +225,30 @@ def test_a_lost_server_ends_the_elastic_job_with_one_line(
     assert time.monotonic() - started < 60, "MPI start-up (~10 s here) plus the 30 s allowed"
 
 
+@pytest.mark.parametrize(("victim", "leads"), [(2, "its leader kept"), (1, "rank 2 leads it now")])
 def test_gsp_a_killed_group_member_is_dropped_and_the_others_finish(
-    openmpi: OpenMPIEnv, tmp_path: Path
+    openmpi: OpenMPIEnv, tmp_path: Path, victim: int, leads: str
 ) -> None:
-    """GSP on 4 ranks: rank 0 serves, groups [1, 2] and [3]; rank 2 (not its group's leader) SIGKILLed at
-    its step 30. Its group's survivor meets the loss in the group's gradient average, shrinks the group and
-    says so in one line naming the lost rank and the step; the server forgets rank 2; the other group never
-    notices; after training the ranks shrink once and the job finishes on 3 ranks with status 0."""
+    """GSP on 4 ranks: rank 0 serves, groups [1, 2] and [3]; rank 2 (a member) or rank 1 (the group's
+    leader, who pushes) SIGKILLed at its step 30. The group's survivor meets the loss in the group's
+    gradient average, shrinks the group (leading it when the leader was lost) and says so in one line naming
+    the lost rank and the step; the server forgets the lost rank; the other group never notices; after
+    training the ranks shrink once and the job finishes on 3 ranks with status 0."""
     groups = tmp_path / "groups"
     groups.write_text("1 2\n3\n")
-    fault = ("fault.elastic=true", "fault.rank=2", "fault.step=30", "fault.action=kill")
+    fault = ("fault.elastic=true", f"fault.rank={victim}", "fault.step=30", "fault.action=kill")
     rule = ("RULE=GSP", f"rule.groups={groups}")
     args = digits_args(tmp_path / "out", *rule, "session.epochs=4", "checkpoint.on_signal=false", *fault)
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     group = [line for line in lines if "of group" in line and "lost (start numbering)" in line]
-    said = "GSP rank 1: worker rank(s) 2 of group [1, 2] lost (start numbering) at step 30"
-    assert len(group) == 1 and said in group[0], proc.stderr[-3000:]
+    survivor = 3 - victim
+    said = f"GSP rank {survivor}: worker rank(s) {victim} of group [1, 2] lost (start numbering) at step 30"
+    assert len(group) == 1 and said in group[0] and leads in group[0], proc.stderr[-3000:]
     forgot = [line for line in lines if "was lost" in line]
-    assert len(forgot) == 1 and "parameter server rank 0: worker rank 2 was lost" in forgot[0], forgot
+    assert len(forgot) == 1 and f"parameter server rank 0: worker rank {victim} was lost" in forgot[0], forgot
     lost = [line for line in lines if "elastic: lost rank(s)" in line]
-    assert len(lost) == 1 and "lost rank(s) 2 (start numbering) at the end of training" in lost[0], lost
+    end = f"lost rank(s) {victim} (start numbering) at the end of training"
+    assert len(lost) == 1 and end in lost[0], lost
     assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
