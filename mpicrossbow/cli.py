@@ -88,8 +88,9 @@ def build_parser(rules: bool = False) -> argparse.ArgumentParser:
     parser.add_argument(
         "--clean-shm",
         action="store_true",
-        help="remove this user's MPICH shared-memory segments in /dev/shm that no live process uses (what "
-        "failed jobs started by mpiexec/srun leave), print what was removed and exit; takes no -cfg",
+        help="remove this user's MPI (MPICH and Open MPI) shared-memory segments in /dev/shm that no live "
+        "process uses (what failed jobs started by mpiexec/srun leave), print what was removed and exit; "
+        "takes no -cfg",
     )
     return parser
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def clean_shm() -> int:
-    """``--clean-shm``: remove the unused MPICH segments of this user, say what went in one line, exit 0."""
+    """``--clean-shm``: remove the unused MPI segments of this user, say what went in one line, exit 0."""
     from .launch.shm_hygiene import remove_unused_segments, shm_dir
 
     folder = shm_dir()

@@ -59,9 +59,10 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_mpich_segments_left() -> Iterator[None]:
-    """MPICH leaves its /dev/shm segment behind when a job ends by MPI_Abort or a killed rank, which many
-    tests do on purpose (and jobs started by a plain mpiexec get no launcher to clean up after them): at the
-    end of the session remove every segment created during it that no live process uses."""
+    """MPICH leaves its /dev/shm segment behind when a job ends by MPI_Abort or a killed rank, and Open MPI
+    one of a rank killed in an elastic run, which many tests do on purpose (and jobs started by a plain
+    mpiexec get no launcher to clean up after them): at the end of the session remove every segment created
+    during it that no live process uses."""
     from mpicrossbow.launch.shm_hygiene import removing_new_segments
 
     with removing_new_segments():

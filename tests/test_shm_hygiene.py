@@ -128,7 +128,7 @@ def test_a_segment_a_process_maps_is_kept_the_others_removed(tmp_path: Path) -> 
     assert done == Cleanup(("mpich_shm_a_0", "mpich_shm_b_0"), 3_000_000, ("mpich_shm_c_0",))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mpich_shm_c_0"]
     assert done.summary(tmp_path) == (
-        f"removed 2 MPICH shared-memory segment(s), 3.0 MB, from {tmp_path}; 1 in use, kept"
+        f"removed 2 MPI shared-memory segment(s), 3.0 MB, from {tmp_path}; 1 in use, kept"
     )
 
 
@@ -163,10 +163,15 @@ def test_after_a_job_only_its_new_unused_segments_go(tmp_path: Path) -> None:
 
 
 def test_clean_all_and_the_folder_override(tmp_path: Path) -> None:
+    """MPICH's segment and Open MPI's (a rank killed in an elastic run leaves one) go; other files stay."""
     segment(tmp_path, "mpich_shm_x_0")
+    segment(tmp_path, "sm_segment.vm.0.57be0000.0")
+    segment(tmp_path, "someone_elses_file")
     assert shm_dir({}) == Path("/dev/shm") and shm_dir({SHM_DIR_VARIABLE: str(tmp_path)}) == tmp_path
-    assert remove_unused_segments(tmp_path, nobody, free).removed == ("mpich_shm_x_0",)
+    removed = remove_unused_segments(tmp_path, nobody, free).removed
+    assert removed == ("mpich_shm_x_0", "sm_segment.vm.0.57be0000.0")
     assert remove_unused_segments(tmp_path, nobody, free) == Cleanup((), 0, ())
+    assert [p.name for p in tmp_path.iterdir()] == ["someone_elses_file"]
 
 
 def test_real_processes_mapping_or_holding_a_segment_are_seen(
@@ -203,7 +208,7 @@ def test_clean_shm_keeps_what_a_live_process_maps_or_holds(
     proc = clean_shm("--clean-shm", folder=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == (
-        "crossbow-launch --clean-shm: removed 1 MPICH shared-memory segment(s), 2.0 MB, "
+        "crossbow-launch --clean-shm: removed 1 MPI shared-memory segment(s), 2.0 MB, "
         f"from {tmp_path}; 2 in use, kept\n"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -214,7 +219,7 @@ def test_clean_shm_keeps_what_a_live_process_maps_or_holds(
     holder.kill()
     holder.wait(10)
     proc = clean_shm("--clean-shm", folder=tmp_path)
-    assert proc.returncode == 0 and "removed 2 MPICH shared-memory segment(s)" in proc.stdout
+    assert proc.returncode == 0 and "removed 2 MPI shared-memory segment(s)" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["not_mpich_0"]
 
 

@@ -1,11 +1,13 @@
-"""Remove the shared-memory segments that MPICH leaves in ``/dev/shm`` when a job fails.
+"""Remove the shared-memory segments that MPICH (and Open MPI) leave in ``/dev/shm`` when a job fails.
 
 MPICH keeps its own intra-node segment (``/dev/shm/mpich_shm_<hash>_<n>``, about 2 MB, its name derived from
 the PMI job name) until ``MPI_Finalize`` unlinks it. A rank that is killed, or a job that ends by
 ``MPI_Abort`` (every failure does), never gets there: each failed job leaves one segment behind. A node
 that runs hundreds of short jobs fills up, and a later job with the same PMI name (a Slurm requeue) finds
 the stale file and fails in ``MPI_Init``. mpicrossbow's own window (:mod:`mpicrossbow.comm.shm`) is not
-concerned: it is unlinked as soon as every rank has mapped it.
+concerned: it is unlinked as soon as every rank has mapped it. Open MPI's shared-memory transport does the
+same with ``/dev/shm/sm_segment.<host>.<uid>.<job>.<n>`` (16 MB each): its owner unlinks it at finalize, so
+a rank killed in an elastic run (``[fault] elastic``, where the job goes on and ends well) leaves its segment.
 
 A segment is removed only when it is this user's and no live process maps it or holds it open: unlinking a
 name that a running job still needs (one of its ranks yet to attach in ``MPI_Init``) would break that job.
@@ -44,15 +46,15 @@ log = logging.getLogger(__name__)
 DEFAULT_SHM_DIR = Path("/dev/shm")
 #: Where the live processes are listed.
 PROC_DIR = Path("/proc")
-#: The start of the names of MPICH's segments.
-SEGMENT_PREFIX = "mpich_shm_"
+#: The starts of the names of MPICH's and Open MPI's segments.
+SEGMENT_PREFIXES = ("mpich_shm_", "sm_segment.")
 #: For tests: a folder that stands in for ``/dev/shm`` (unset in real use).
 SHM_DIR_VARIABLE = "MPICROSSBOW_SHM_DIR"
 
 
 @dataclass(frozen=True)
 class Segment:
-    """One MPICH segment file: its name in the shm folder, size in bytes and owner's uid."""
+    """One MPI segment file: its name in the shm folder, size in bytes and owner's uid."""
 
     name: str
     size: int
@@ -91,7 +93,7 @@ class Cleanup:
         """One line for the user: how many segments (and MB) were removed from ``folder``, how many kept."""
         kept = f"; {len(self.in_use)} in use, kept" if self.in_use else ""
         return (
-            f"removed {len(self.removed)} MPICH shared-memory segment(s), "
+            f"removed {len(self.removed)} MPI shared-memory segment(s), "
             f"{self.removed_bytes / 1e6:.1f} MB, from {folder}{kept}"
         )
 
@@ -103,9 +105,10 @@ def shm_dir(environ: dict[str, str] | None = None) -> Path:
 
 
 def list_segments(folder: Path, uid: int | None = None) -> dict[str, Segment]:
-    """The MPICH segments in ``folder`` that belong to ``uid`` (default: this process's effective uid).
+    """The MPI segments in ``folder`` that belong to ``uid`` (default: this process's effective uid).
 
-    Only regular files named ``mpich_shm_*`` count; a folder that does not exist has none.
+    Only regular files named ``mpich_shm_*`` (MPICH) or ``sm_segment.*`` (Open MPI) count; a folder that
+    does not exist has none.
     """
     uid = os.geteuid() if uid is None else uid
     found: dict[str, Segment] = {}
@@ -114,7 +117,7 @@ def list_segments(folder: Path, uid: int | None = None) -> dict[str, Segment]:
     except OSError:
         return found
     for entry in entries:
-        if not entry.name.startswith(SEGMENT_PREFIX):
+        if not entry.name.startswith(SEGMENT_PREFIXES):
             continue
         try:
             info = entry.stat(follow_symlinks=False)
@@ -276,7 +279,7 @@ def remove_unused(
 def remove_unused_segments(
     folder: Path | None = None, processes: ProcessReader = live_processes, probe: OpenProbe = open_elsewhere
 ) -> Cleanup:
-    """``crossbow-launch --clean-shm``: unlink every MPICH segment of this user that no live process uses."""
+    """``crossbow-launch --clean-shm``: unlink every MPI segment of this user that no live process uses."""
     folder = shm_dir() if folder is None else folder
     done = remove_unused(list_segments(folder), folder, processes, probe)
     log.debug("removed from %s: %s", folder, ", ".join(done.removed) or "nothing")
@@ -288,7 +291,7 @@ def removing_new_segments(
     folder: Path | None = None, processes: ProcessReader = live_processes, probe: OpenProbe = open_elsewhere
 ) -> Iterator[None]:
     """Around a job that ``crossbow-launch`` starts itself: once the block ends (the job has ended, however),
-    unlink the MPICH segments of this user created meanwhile that no live process uses.
+    unlink the MPI segments of this user created meanwhile that no live process uses.
 
     Segments that existed before are left alone (another job's, or one for ``--clean-shm``); new ones
     still used belong to a job started beside this one and are kept too. The count and size removed are
