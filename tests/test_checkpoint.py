@@ -109,6 +109,26 @@ def test_other_version_and_other_job_shape_are_named(tmp_path: Path) -> None:
         find_resume(str(tmp_path / "nowhere"), [])
 
 
+def test_a_snapshot_after_an_elastic_loss_names_the_survivors_and_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """An elastic run's snapshot taken after losing start rank 2 (training/elastic_pause.py): the survivor's
+    file keeps its start rank's name, ``meta.pt`` lists the lost rank, and resuming it — every rank, the
+    survivors too — is one line naming the lost rank and what to do; a snapshot without ``lost`` loads."""
+    ck = Checkpointer(tmp_path / "ck", 0, 1, keep=2, file_rank=3, lost=(2,))
+    path = ck.save(7, {"rank": 3, "x": torch.zeros(10)}, {**META, "world_size": 4})
+    assert [f.name for f in sorted(path.glob("rank-*.pt"))] == ["rank-00003.pt"]
+    assert safe_load(path / "meta.pt", "meta")["lost"] == [2]
+    for rank in (2, 3):
+        with pytest.raises(
+            CheckpointError, match=r"after elastic training lost rank\(s\) 2: .* earlier checkpoint"
+        ):
+            load_rank_state(path, rank, {**META, "world_size": 4})
+    whole = save(Checkpointer(tmp_path / "ck", 0, 1, keep=2), 5)
+    assert "lost" not in safe_load(whole / "meta.pt", "meta")
+    assert load_rank_state(whole, 0, META)[1]["rank"] == 0
+
+
 def test_fault_injector_fires_only_for_its_rank_and_step() -> None:
     FaultInjector(FaultSection(rank=1, step=3), rank=0).at_step(3)
     injector = FaultInjector(FaultSection(rank=1, step=3), rank=1)

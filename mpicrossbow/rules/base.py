@@ -182,6 +182,14 @@ class Rule:
         can, or the general reason — it does not override :meth:`on_rebind` — applies)."""
         return None
 
+    @property
+    def snapshots_elastic(self) -> bool:
+        """Whether this rule's coordinated snapshots (asynchronous rules) go on after a lost rank in elastic
+        training: each rank decides alone to pause (the default :meth:`agree_pause`), so the fault-tolerant
+        meeting is the only collective of a pause. A rule that agrees to pause inside groups (GSP) is not:
+        its group's agreement would meet the loss outside any recovery."""
+        return type(self).agree_pause is Rule.agree_pause
+
     def on_rebind(self, lost: tuple[int, ...]) -> None:
         """Ranks were lost (``lost``: their ranks before the loss) and ``self.comm`` now spans the survivors,
         renumbered (elastic training, :mod:`mpicrossbow.comm.elastic`); collective over the survivors.

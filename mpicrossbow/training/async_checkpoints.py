@@ -19,6 +19,10 @@ checkpoint is a pause that every rank joins (the protocol is :mod:`.pause_orders
 
 A rank whose training has ended keeps meeting until no rank has training left; the last meeting is the
 run's end (and its final checkpoint, with ``final = true`` and periodic checkpoints on).
+
+In elastic training (``[fault] elastic``) the control plane and the save run over a fault-tolerant group of
+their own (:mod:`.elastic_pause`): a lost worker is left out of the meeting and of the snapshots after it; a
+lost server or EASGD centre ends the job in one line with the last complete snapshot intact.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..comm.elastic import ElasticCommunicator
+from .elastic_pause import ElasticPauseOrders
 from .parts import RankParts
 from .pause_orders import Meeting, PauseOrders
 from .signals import SignalStop
@@ -39,7 +45,12 @@ class AsyncCheckpoints:
 
     def __init__(self, parts: RankParts, signals: SignalStop | None) -> None:
         self.parts, self.signals = parts, signals
-        self.orders = PauseOrders(parts.world)
+        #: The control plane: fault tolerant over the survivors in elastic training, else a plain one.
+        self.orders: PauseOrders = (
+            ElasticPauseOrders(parts, parts.comm)
+            if isinstance(parts.comm, ElasticCommunicator)
+            else PauseOrders(parts.world)
+        )
         ckpt = parts.config.checkpoint
         #: This rank's own steps between snapshots (0: only signals take one).
         self.every = ckpt.every_steps or ckpt.every_epochs * parts.pool.n_batch_train
@@ -100,10 +111,9 @@ class AsyncCheckpoints:
     def meet(self, position: dict[str, Any], training_left: bool) -> Meeting:
         """Collective: meet every rank, save when the meeting takes a snapshot (or ends a run that saves
         periodically, with ``final``)."""
-        meeting = self.orders.meet(self.signalled, training_left, int(position["step"]))
-        final = not meeting.training and self.periodic and self.parts.config.checkpoint.final
-        if meeting.snapshot or (final and meeting.step != self.last):
-            self._save(meeting, position)
+        meeting = self.orders.meet(
+            self.signalled, training_left, int(position["step"]), lambda met: self._save_if(met, position)
+        )
         if meeting.stop:
             if self.signals is not None:
                 self.signals.agree()
@@ -111,11 +121,17 @@ class AsyncCheckpoints:
             self.parts.reporter.stopped_by_signal(meeting.step, saver.directory if saver else None)
         return meeting
 
+    def _save_if(self, meeting: Meeting, position: dict[str, Any]) -> None:
+        """Save when the meeting takes a snapshot (or ends a run that saves periodically, with ``final``)."""
+        final = not meeting.training and self.periodic and self.parts.config.checkpoint.final
+        if meeting.snapshot or (final and meeting.step != self.last):
+            self._save(meeting, position)
+
     def _save(self, meeting: Meeting, position: dict[str, Any]) -> None:
         parts = self.parts
         path = parts.checkpoints.save(position, parts.rule, parts.faults, step=meeting.step)
         self.last, self.taken = meeting.step, self.taken + 1
-        if parts.world.rank == 0:
+        if self.orders.leader:
             why = "signal" if meeting.stop else f"{meeting.orders} rank(s) asked" if meeting.orders else "end"
             log.info("asynchronous snapshot at step %d (%s): %s", meeting.step, why, path)
 

@@ -155,8 +155,23 @@ def find_resume(spec: str, candidates: list[Path], looked: str = "") -> Path:
 class Checkpointer:
     """Writes this rank's part of each checkpoint; rank 0 also publishes and prunes. Collective."""
 
-    def __init__(self, directory: Path, rank: int, size: int, keep: int, mpi: Any = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        rank: int,
+        size: int,
+        keep: int,
+        mpi: Any = None,
+        file_rank: int | None = None,
+        lost: tuple[int, ...] = (),
+    ) -> None:
         self.directory, self.rank, self.size, self.keep, self.mpi = directory, rank, size, keep, mpi
+        #: The rank this rank's file is named after: its rank in ``mpi`` (default), or its start rank when
+        #: ``mpi`` spans the survivors of an elastic run (their files keep their start ranks' names).
+        self.file_rank = rank if file_rank is None else file_rank
+        #: Start ranks an elastic run lost before this checkpoint: recorded in ``meta.pt`` (``lost``), so
+        #: a resume refuses it in one line instead of failing on a missing file.
+        self.lost = lost
         if rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
         self._barrier()
@@ -181,13 +196,16 @@ class Checkpointer:
             partial.mkdir(parents=True)
         self._barrier()
         try:
-            atomic_save({"version": FORMAT_VERSION, **state}, rank_file(partial, self.rank), before_rename)
+            atomic_save(
+                {"version": FORMAT_VERSION, **state}, rank_file(partial, self.file_rank), before_rename
+            )
             refused = None
         except StorageError as exc:
             refused = str(exc)
         self._agree_written(refused, partial)  # every rank's file is durable, or the job ends in one line
         if self.rank == 0:
-            atomic_save({"version": FORMAT_VERSION, "step": step, **meta}, partial / META)
+            lost = {"lost": list(self.lost)} if self.lost else {}
+            atomic_save({"version": FORMAT_VERSION, "step": step, **meta, **lost}, partial / META)
             _fsync_dir(partial)
             if final.exists():  # the same step saved again (a resumed run): replace it
                 shutil.rmtree(final)
@@ -230,6 +248,13 @@ def load_rank_state(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(meta, this rank's state) of checkpoint folder ``path``, checked against the job's ``expect``."""
     meta = safe_load(path / META, "its metadata file")
+    if meta.get("lost"):
+        lost = ", ".join(str(r) for r in meta["lost"])
+        raise CheckpointError(
+            f"checkpoint {path} was taken after elastic training lost rank(s) {lost}: it holds the "
+            "survivors' state only, and a job cannot resume without every rank's; resume from an earlier "
+            "checkpoint of the run (--resume <its step folder>) or start afresh"
+        )
     for key, value in expect.items():
         if meta.get(key) != value:
             raise CheckpointError(

@@ -45,11 +45,12 @@ def elastic_obstacle(config: Config, rule: Rule, world: World) -> str | None:
                 "PSGD, WEEDOUT, GSP), async EASGD and GOSGD"
             )
         return f"RULE={config.rule} does not support elastic training (it cannot rebind to the survivors)"
-    if not rule.synchronous and (config.checkpoint.enabled or config.checkpoint.on_signal):
+    snapshots = config.checkpoint.enabled or config.checkpoint.on_signal
+    if not rule.synchronous and not rule.snapshots_elastic and snapshots:
         return (
-            f"RULE={config.rule}'s coordinated snapshots (periodic checkpoints, the signal stop) meet every "
-            "rank and cannot go on without a lost one yet: set checkpoint.on_signal=false and no "
-            "checkpoint.every_steps / every_epochs"
+            f"RULE={config.rule}'s coordinated snapshots (periodic checkpoints, the signal stop) agree to "
+            "pause inside groups that cannot go on without a lost member yet: set checkpoint.on_signal=false "
+            "and no checkpoint.every_steps / every_epochs"
         )
     return None
 

@@ -21,6 +21,7 @@ sends what to whom, and when:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,9 +62,13 @@ class Meeting:
 class PauseOrders:
     """One rank's end of the control plane (inert in a single process: every meeting is its own)."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, control: Any = None) -> None:
         self.world = world
-        self.control: Any = world.mpi.Dup() if world.mpi is not None and world.size > 1 else None
+        #: The private communicator of orders and meetings: ``control`` when given (elastic training's
+        #: fault-tolerant one), else a duplicate of the world's (None in a single process).
+        self.control: Any = control
+        if control is None and world.mpi is not None and world.size > 1:
+            self.control = world.mpi.Dup()
         #: The snapshot being agreed (counts up from 0 at every meeting that took one).
         self.number = 0
         #: Orders for the current number received so far, and whether this rank sent its own.
@@ -81,10 +86,14 @@ class PauseOrders:
         if self.control is None:
             return
         message = np.array([self.number, int(stop)], dtype=np.int64)
-        for peer in range(self.world.size):
-            if peer != self.world.rank:
-                self._sends.append(self.control.Isend(message, dest=peer, tag=order_tag(self.number)))
+        for peer in range(self.control.Get_size()):
+            if peer != self.control.Get_rank():
+                self._send(message, peer)
         self._keep = message  # alive until the sends complete
+
+    def _send(self, message: np.ndarray, peer: int) -> None:
+        """Start sending ``message`` (an order) to ``peer``; completed at the meeting."""
+        self._sends.append(self.control.Isend(message, dest=peer, tag=order_tag(self.number)))
 
     def pending(self) -> bool:
         """Whether an order for the current snapshot came in (receives every one that did)."""
@@ -104,12 +113,27 @@ class PauseOrders:
         self.received += 1
         self.stop_asked = self.stop_asked or bool(stop)
 
-    def meet(self, signalled: bool, training_left: bool, step: int) -> Meeting:
-        """Collective: every rank's view summed; then every order of this snapshot received and every own
-        send completed, so the next snapshot starts with none in flight."""
-        mine = np.array(
+    @property
+    def leader(self) -> bool:
+        """Whether this rank speaks for the meeting (logs its snapshots): rank 0 of the world."""
+        return self.world.rank == 0
+
+    def mine(self, signalled: bool, training_left: bool) -> np.ndarray:
+        """This rank's contribution to the meeting: ordered, stop wanted, training left."""
+        return np.array(
             [int(self.ordered), int(signalled or self.stop_asked), int(training_left)], dtype=np.int64
         )
+
+    def meet(
+        self,
+        signalled: bool,
+        training_left: bool,
+        step: int,
+        then: Callable[[Meeting], None] | None = None,
+    ) -> Meeting:
+        """Collective: every rank's view summed; then every order of this snapshot received and every own
+        send completed, so the next snapshot starts with none in flight; ``then`` (the save) last."""
+        mine = self.mine(signalled, training_left)
         if self.control is None:
             meeting = Meeting(int(mine[0]), bool(mine[1] and mine[2]), int(mine[2]), step)
         else:
@@ -122,11 +146,17 @@ class PauseOrders:
             while self.received < meeting.orders - int(self.ordered):
                 self._receive(self.control.Mprobe(tag=order_tag(self.number)))
             MPI.Request.Waitall(self._sends)
+        self.settled(meeting)
+        if then is not None:
+            then(meeting)
+        return meeting
+
+    def settled(self, meeting: Meeting) -> None:
+        """After a meeting: the next snapshot's number, with no order received or sent yet."""
         self._sends.clear()
         if meeting.snapshot:
             self.number += 1
         self.received, self.ordered, self.stop_asked = 0, False, False
-        return meeting
 
     def close(self) -> None:
         """Free the duplicate communicator (after the last meeting: nothing is in flight)."""
