@@ -51,6 +51,28 @@ def test_elastic_true_under_mpich_is_one_line_and_exit_2(mpiexec: str, tmp_path:
     assert not any(tmp_path.iterdir())  # no run folder: stopped before training
 
 
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (("fault.replace=true",), "[fault] replace = true needs elastic training"),
+        (
+            ("fault.replace=true", "fault.elastic=auto", "RULE=ASGD"),
+            "[fault] replace = true needs elastic training",  # auto under MPICH: not elastic
+        ),
+    ],
+    ids=["not-elastic", "auto-without-ulfm"],
+)
+def test_replace_without_elastic_training_is_one_line_and_exit_2(
+    mpiexec: str, tmp_path: Path, overrides: tuple[str, ...], said: str
+) -> None:
+    """A replacement joins an elastic job only: without one, ``[fault] replace = true`` stops every rank
+    before training with one line naming what it needs."""
+    proc = run_mpi(mpiexec, 2, [*launcher(), *digits_args(tmp_path, *overrides)], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and said in lines[0], proc.stderr[-3000:]
+
+
 def test_elastic_true_under_open_mpi_without_ft_says_how_to_start_it(
     openmpi: OpenMPIEnv, tmp_path: Path
 ) -> None:
@@ -251,4 +273,70 @@ def test_gsp_a_killed_group_member_is_dropped_and_the_others_finish(
     lost = [line for line in lines if "elastic: lost rank(s)" in line]
     end = f"lost rank(s) {victim} (start numbering) at the end of training"
     assert len(lost) == 1 and end in lost[0], lost
+    assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
+
+
+def replaced_line(stderr: str) -> str:
+    """The one line that says the world grew back (``[fault] replace``)."""
+    lines = [line for line in stderr.splitlines() if "elastic: start rank(s)" in line]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("rule", "action", "held"),
+    [("BSP", "kill", ("pool", "learners", 0, "params")), ("SMA", "kill_in_exchange", ("rule", "z"))],
+)
+def test_a_killed_rank_is_replaced_and_the_world_grows_back(
+    openmpi: OpenMPIEnv, tmp_path: Path, rule: str, action: str, held: tuple[str | int, ...]
+) -> None:
+    """``[fault] replace``: rank 2 of 4 SIGKILLed at step 40 (at its start, or inside SMA's exchange). The
+    survivors drop steps 40-43, spawn a replacement at step 44 (the next window's start) and are 4 ranks
+    again within 10 s of meeting the loss (2.7 s on a quiet machine: the new process's start-up); the job
+    finishes with status 0 and its last checkpoint holds 4 ranks' files. BSP's replicas are bitwise equal on
+    all 4 at the end — which they can only be if the replacement started from the survivors' consensus, since
+    every rank applies the same averaged gradient to its own copy — and SMA's z is the same on all 4."""
+    args = digits_args(
+        tmp_path,
+        "session.epochs=4",
+        "fault.elastic=true",
+        "checkpoint.every_epochs=2",
+        "fault.replace=true",
+        f"RULE={rule}",
+        "fault.rank=2",
+        "fault.step=40",
+        f"fault.action={action}",
+    )
+    proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
+    assert len(lost) == 1 and "steps 40-43 dropped" in lost[0], lost
+    line = replaced_line(proc.stderr)
+    said = r"start rank\(s\) 2 replaced at step 44; 4 rank\(s\) again .*\[0, 1, 3, 2\]\); ([0-9.]+)s after"
+    found = re.search(said, line)
+    assert found and float(found.group(1)) < 10, line
+    final = only_run(tmp_path) / "checkpoints" / "step-000000088"
+    states = [torch.load(final / f"rank-{r:05d}.pt", weights_only=True) for r in range(4)]
+    values = [functools.reduce(lambda d, k: d[k], held, s) for s in states]
+    assert all(torch.equal(values[0], other) for other in values[1:])
+    assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
+
+
+def test_rank_0_replaced_after_its_duties_passed_on(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
+    """Rank 0 SIGKILLed at step 44 with ``[fault] replace``: start rank 1 takes over rank 0's duties, the
+    replacement joins as the last rank (standing for start rank 0: its data shard and seed), metrics.h5 holds
+    every epoch once, the last checkpoint 4 ranks' files, and no lock is left."""
+    proc = elastic_job(
+        openmpi, tmp_path, "fault.replace=true", "fault.rank=0", "fault.step=44", "fault.action=kill"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "start rank 1 takes over its duties" in proc.stderr, proc.stderr[-3000:]
+    assert "start ranks [1, 2, 3, 0]" in replaced_line(proc.stderr)
+    run = only_run(tmp_path)
+    metrics = read_metrics(run / "metrics.h5")
+    assert list(metrics["train"]["epoch"]) == [1, 2, 3, 4]
+    assert list(metrics["val"]["epoch"]) == [1, 2, 3, 4]
+    final = run / "checkpoints" / "step-000000088"
+    assert sorted(p.name for p in final.glob("rank-*.pt")) == [f"rank-0000{r}.pt" for r in range(4)]
+    assert not (run / "checkpoints" / "LOCK").exists()
     assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]

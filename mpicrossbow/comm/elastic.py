@@ -53,6 +53,12 @@ class FaultTolerantGroup(ABC):
         """The members' ranks at start, in rank order (local: no communication)."""
 
     @abstractmethod
+    def indices_in(self, before: FaultTolerantGroup) -> tuple[int, ...]:
+        """Each member's rank in ``before`` (a group this one was shrunk from), in this group's rank order
+        (local: no communication). A shrunk group's members are found this way, not by their start ranks:
+        a replacement (``[fault] replace``) was never part of the start world."""
+
+    @abstractmethod
     def revoke(self) -> None:
         """Make every pending and future operation of the group fail on every member (idempotent)."""
 
@@ -113,6 +119,22 @@ class MPIGroup(FaultTolerantGroup):
         finally:
             group.Free()
             world.Free()
+
+    def indices_in(self, before: FaultTolerantGroup) -> tuple[int, ...]:
+        """A group translation from this communicator's group into ``before``'s (local)."""
+        from mpi4py import MPI
+
+        mine, theirs = self._comm.Get_group(), before.native.Get_group()
+        try:
+            return tuple(int(r) for r in MPI.Group.Translate_ranks(mine, list(range(mine.size)), theirs))
+        finally:
+            mine.Free()
+            theirs.Free()
+
+    def merged(self, comm: Any) -> MPIGroup:
+        """The group over ``comm`` (this group's members and processes merged with it, e.g. replacements),
+        whose run's communicator is built as this group's."""
+        return MPIGroup(comm, self._build)
 
     def revoke(self) -> None:
         """``MPI_Comm_revoke`` (a second revoke, or one of a broken communicator, is harmless)."""
@@ -270,11 +292,12 @@ class _GuardedHandle(Handle):
 class ElasticCommunicator(GuardedCommunicator):
     """The run's communicator in elastic training: the current members' communicator, swapped on recovery."""
 
-    def __init__(self, group: FaultTolerantGroup) -> None:
+    def __init__(self, group: FaultTolerantGroup, membership: Membership | None = None) -> None:
         super().__init__(lambda: self._inner, lambda: self._group_now)
         self._group_now = group
         self._inner = group.communicator()
-        self.membership = Membership(0, group.start_ranks(), self._inner.rank)
+        #: Who the members are: the start world (version 0), or ``membership`` (a replacement joining).
+        self.membership = membership or Membership(0, group.start_ranks(), self._inner.rank)
 
     @property
     def group(self) -> FaultTolerantGroup:
@@ -292,10 +315,20 @@ class ElasticCommunicator(GuardedCommunicator):
         """Revoke, shrink to the survivors, rebuild the run's communicator over them; the new membership.
         Collective over the survivors. The old communicator is dropped, not freed: freeing is collective
         and would wait on the dead."""
-        self._group_now.revoke()
-        self._group_now = self._group_now.shrink()
+        before = self._group_now
+        before.revoke()
+        self._group_now = before.shrink()
         self._inner = self._group_now.communicator()
-        ranks = self._group_now.start_ranks()
+        ranks = tuple(self.membership.ranks[i] for i in self._group_now.indices_in(before))
+        self.membership = Membership(self.membership.version + 1, ranks, self._inner.rank)
+        return self.membership
+
+    def grow(self, group: FaultTolerantGroup, ranks: tuple[int, ...]) -> Membership:
+        """Replacements joined: ``group`` spans the members and them (members first, in their order), and
+        ``ranks`` are the start ranks each member stands for; the run's communicator is rebuilt over it
+        and the membership moves one version on. Collective over ``group``."""
+        self._group_now = group
+        self._inner = group.communicator()
         self.membership = Membership(self.membership.version + 1, ranks, self._inner.rank)
         return self.membership
 
@@ -307,11 +340,17 @@ class ElasticCommunicator(GuardedCommunicator):
         return f"ElasticCommunicator({self._inner!r}, {self.membership})"
 
 
-def elastic_over_mpi(section: CommSection, device: torch.device | str, mpi_comm: Any) -> ElasticCommunicator:
+def elastic_over_mpi(
+    section: CommSection, device: torch.device | str, mpi_comm: Any, membership: Membership | None = None
+) -> ElasticCommunicator:
     """The run's communicator for elastic training over ``mpi_comm`` (a duplicate is taken): what
     :func:`~mpicrossbow.comm.make_communicator` builds from ``section``, without node-shared memory (its
-    polling would wait on a dead rank forever), rebuilt the same way over the survivors after a loss."""
+    polling would wait on a dead rank forever), rebuilt the same way over the survivors after a loss. A
+    replacement joining (``membership`` given) takes the merged ``mpi_comm`` as it is, as the survivors
+    take it (:meth:`MPIGroup.merged`)."""
     from . import make_communicator
 
     plain = dataclasses.replace(section, shared_memory="off")
-    return ElasticCommunicator(MPIGroup(mpi_comm.Dup(), lambda comm: make_communicator(plain, device, comm)))
+    comm = mpi_comm if membership else mpi_comm.Dup()
+    group = MPIGroup(comm, lambda c: make_communicator(plain, device, c))
+    return ElasticCommunicator(group, membership)

@@ -141,6 +141,11 @@ class FaultyGroup(FaultTolerantGroup):
         """The members' world ranks, in group-rank order."""
         return self.state.members
 
+    def indices_in(self, before: FaultTolerantGroup) -> tuple[int, ...]:
+        """Each member's place in ``before``'s members."""
+        assert isinstance(before, FaultyGroup)
+        return tuple(before.state.members.index(m) for m in self.state.members)
+
     def revoke(self) -> None:
         """Every member's pending and future operation on the group raises PeerLost."""
         with self.world.cond:

@@ -289,6 +289,12 @@ class FaultSection:
         "last commit, at most this many, on every survivor",
         ge=1,
     )
+    replace: bool = setting(
+        False,
+        "elastic, synchronous rules: start a new rank for each one lost (MPI_Comm_spawn) at the next "
+        "commit window's start; it takes the lost rank's data shard and device, gets the consensus state "
+        "from a survivor (no disk) and the world grows back (docs/reliability.md)",
+    )
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..comm.base import Handle
+from ..config.sections import WatchdogSection
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,13 @@ class Patience:
 
     warn_after: float = 60.0
     abort_after: float = AUTO_ABORT_S
+
+    @classmethod
+    def of(cls, section: WatchdogSection) -> Patience:
+        """``[watchdog] warn_after``/``abort_after`` for an asynchronous rule's waits on its peers (``auto``:
+        :data:`AUTO_ABORT_S`)."""
+        abort = AUTO_ABORT_S if section.abort_after == "auto" else float(section.abort_after)
+        return cls(section.warn_after, abort)
 
     def doubled(self) -> Patience:
         """The patience of a rank that waits on a server: its abort comes after the server's, which knows

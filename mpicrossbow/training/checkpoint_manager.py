@@ -37,6 +37,8 @@ class CheckpointManager:
         #: Rank 0's ownership of the checkpoint folder, once taken.
         self.lock: CheckpointLock | None = None
         self.job = SlurmJob.from_env()
+        #: Where a replacement goes on from (:meth:`adopt`), else None.
+        self.adopted: dict[str, Any] | None = None
         if config.checkpoint.resume:
             self._load(find_resume(config.checkpoint.resume, self.candidates(), self.looked()))
         elif automatic_resume(config, self.job):
@@ -117,7 +119,14 @@ class CheckpointManager:
     @property
     def position(self) -> dict[str, Any]:
         """Where training resumes: ``step``, ``epoch``, ``count`` (batches done in that epoch), ``lr``."""
+        if self.adopted is not None:
+            return self.adopted
         return self.resume[2]["position"] if self.resume is not None else {}
+
+    def adopt(self, position: dict[str, Any]) -> None:
+        """A replacement (``[fault] replace``) goes on from the survivors' ``position``, not from a file:
+        a checkpoint read at set-up is dropped."""
+        self.resume, self.adopted = None, dict(position)
 
     @property
     def resume_step(self) -> int | None:

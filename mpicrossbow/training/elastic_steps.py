@@ -42,11 +42,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..comm.elastic import ElasticCommunicator
+from ..comm.elastic import ElasticCommunicator, MPIGroup
 from ..comm.ulfm import ElasticEnd, PeerLost
 from ..log import setup_logging
+from . import replacement
 from .checkpoint_files import Checkpointer
 from .parts import RankParts
+from .replacement import Handover, Offer
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +78,19 @@ def cloned(value: Any, into: Any = None) -> Any:
 class ElasticSteps:
     """One rank's part of elastic training: commits its steps, recovers with the other survivors."""
 
-    def __init__(self, parts: RankParts, comm: ElasticCommunicator, min_ranks: int, every: int = 1) -> None:
+    def __init__(
+        self,
+        parts: RankParts,
+        comm: ElasticCommunicator,
+        min_ranks: int,
+        every: int = 1,
+        replace: bool = False,
+    ) -> None:
         if every < 1:
             raise ValueError(f"commit every {every} steps: at least 1")
         self.parts, self.comm, self.min_ranks, self.every = parts, comm, min_ranks, every
+        #: ``[fault] replace``: a lost rank gets a replacement (:meth:`admit`).
+        self.replace = replace
         #: The state at the last commit (what a dropped window restores), once taken.
         self.saved: tuple[Any, Any] | None = None
         #: The copy before ``saved``: the next capture is copied into its tensors (two alternate).
@@ -99,6 +110,10 @@ class ElasticSteps:
         self.pending = 0
         #: Where and when this rank met a lost rank in the open window, else None.
         self.met: tuple[str, float] | None = None
+        #: ``[fault] replace``: the start ranks lost and not yet replaced (:meth:`admit` at the next step).
+        self.vacancies: tuple[int, ...] = ()
+        #: When the latest recovery's loss was met (``time.perf_counter``): what a replacement is timed from.
+        self.lost_at = 0.0
 
     def step(self, run: Callable[[], float], step: int) -> float:
         """Run ``run`` (one train_step; returns its exchange seconds) inside the open window, and commit
@@ -202,6 +217,9 @@ class ElasticSteps:
                 f"[fault] min_ranks = {self.min_ranks}",
                 reports=after.rank == 0,
             )
+        if self.replace:
+            self.vacancies += tuple(before.ranks[r] for r in self.lost)
+            self.lost_at = started
         self._move_world(after.rank, after.size)
         for hook in self.after_recovery:
             hook()
@@ -220,6 +238,53 @@ class ElasticSteps:
                 after.size,
                 after,
                 seconds,
+            )
+
+    def admit(self, position: dict[str, Any]) -> None:
+        """``[fault] replace``, at the start of the first step after a recovery (every survivor holds the
+        committed state, no window is open): spawn a replacement for every vacancy and go on with them from
+        ``position`` (the protocol: :mod:`.replacement`). Collective over the survivors, then the grown
+        world."""
+        assert not self.pending, "replacements join at a window's start"
+        parts, comm = self.parts, self.comm
+        vacancies, self.vacancies = self.vacancies, ()
+        started = time.perf_counter()
+        parts.rule.sync_state()
+        held = parts.rule.eval_params()
+        consensus = (held if held is not None else parts.pool.learners[0].params).clone()
+        mine = self.capture()  # the binding below overwrites the learners: put back after it
+        before = comm.membership
+        merged = replacement.spawn_replacements(comm.group.native, vacancies)
+        spawned = time.perf_counter()
+        ranks = before.ranks + vacancies
+        offer = Offer(
+            ranks, before.version + 1, str(parts.reporter.run_dir), position, torch.get_num_threads()
+        )
+        merged.bcast(offer if before.rank == 0 else None, root=0)
+        group = comm.group
+        assert isinstance(group, MPIGroup), "replacements are spawned over MPI"
+        after = comm.grow(group.merged(merged), ranks)
+        self._move_world(after.rank, after.size)
+        setup_logging(after.rank, after.size, logging.INFO if after.rank == 0 else logging.WARNING)
+        parts.rule.bind(comm, parts.pool)
+        if after.rank == 0:
+            handover = Handover(mine[0], mine[1], consensus)
+            replacement.send_handover(merged, range(before.size, after.size), handover)
+        parts.pool.load_state_dict(mine[0])
+        parts.rule.load_state_dict(mine[1])
+        self.saved = self.spare = None  # the loaded copies are live state now (as after a restore)
+        if after.rank == 0:
+            now = time.perf_counter()
+            log.warning(
+                "elastic: start rank(s) %s replaced at step %d; %d rank(s) again (%s); %.2fs after the "
+                "loss was met (spawn %.2fs, the replacements' set-up and handover %.2fs)",
+                ", ".join(map(str, vacancies)),
+                position["step"],
+                after.size,
+                after,
+                now - self.lost_at,
+                spawned - started,
+                now - spawned,
             )
 
     def _take_over(self, lost: str) -> None:

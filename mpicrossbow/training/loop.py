@@ -69,7 +69,7 @@ class TrainLoop:
         self.elastic: ElasticSteps | None = None
         if isinstance(parts.comm, ElasticCommunicator) and parts.rule.synchronous:
             fault = parts.config.fault
-            self.elastic = ElasticSteps(parts, parts.comm, fault.min_ranks, fault.commit_every)
+            self.elastic = ElasticSteps(parts, parts.comm, fault.min_ranks, fault.commit_every, fault.replace)
             self.validate = self.elastic.collective(validate, "validation")
             self.reduce = self.elastic.collective(reduce, "the epoch's statistics")
             if signals is not None:
@@ -172,6 +172,8 @@ class TrainLoop:
 
     def _step(self, count: int, per_epoch: int) -> None:
         parts = self.parts
+        if self.elastic is not None and self.elastic.vacancies:  # [fault] replace: the world grows back
+            self.elastic.admit(self.position(count))
         started, steady = time.perf_counter(), not parts.pool.warming_up
         self._beat("compute")
         timeline = parts.timeline

@@ -4,10 +4,14 @@ come here."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 
+from ..comm.elastic import elastic_over_mpi
+from ..comm.membership import Membership
 from ..comm.ulfm import ElasticEnd
 from ..config import Config
 from ..errors import UsageError
@@ -19,6 +23,7 @@ from ..launch.world import World, detect_world
 from ..log import setup_logging
 from ..rules.base import Rule
 from .preemption import after_signal_stop
+from .replacement import Offer, merge_with_survivors, receive_handover, replaced_rank
 from .reporting import shown
 from .result import RunResult
 from .session import Session
@@ -88,9 +93,53 @@ def train(world: World, session: Session) -> RunResult:
     return result
 
 
+def join_rank(config: Config, replaces: int) -> int:
+    """A replacement's life (``[fault] replace``, the protocol: :mod:`.replacement`): merge with the
+    survivors that spawned it, prepare as start rank ``replaces`` would (its device, data shard and seed),
+    join their communicator and binding, take the handover and train on from their position. Any failure
+    ends only this process, by a signal the survivors see (they recover without it)."""
+    from mpi4py import MPI
+
+    alone = detect_world()  # MPI starts: its own COMM_WORLD of one
+    merged = merge_with_survivors()
+    setup_logging(merged.rank, merged.size, logging.WARNING)
+    offer: Offer = merged.bcast(None, root=0)
+    config = dataclasses.replace(
+        config,
+        session=dataclasses.replace(config.session, threads=offer.threads),
+        checkpoint=dataclasses.replace(config.checkpoint, resume=""),
+    )
+    start = dataclasses.replace(alone, rank=replaces, size=len(offer.ranks), mpi=merged)
+    session = Session(config, start)
+    try:
+        session.prepare_local(joining=True)
+        comm = elastic_over_mpi(
+            config.comm, session.device, merged, Membership(offer.version, offer.ranks, merged.rank)
+        )
+        local = merged.Split_type(MPI.COMM_TYPE_SHARED, key=merged.rank)
+        world = dataclasses.replace(
+            start, rank=merged.rank, size=merged.size, local_rank=local.rank, local_size=local.size
+        )
+        local.Free()
+        session.prepare_joined(comm, world, offer, lambda: receive_handover(merged))
+    except BaseException as exc:
+        leave_job(start, exc, Path(offer.run_dir))
+    log.warning(
+        "elastic: replaces start rank %d from step %d (pid %d)", replaces, offer.position["step"], os.getpid()
+    )
+    result = train(world, session)
+    if result.stopped:
+        return after_signal_stop(world, session.config, Path(result.run_dir))
+    return 0
+
+
 def run_rank(config: Config, rule: Rule | None = None) -> int:
     """Prepare, agree, train; returns this rank's exit status: 0, 1/2 when set-up failed anywhere, 75 when a
-    signal stopped training after a checkpoint (the Slurm job requeued when it can be)."""
+    signal stopped training after a checkpoint (the Slurm job requeued when it can be). A replacement spawned
+    by elastic training's survivors takes :func:`join_rank` instead."""
+    replaces = replaced_rank()
+    if replaces is not None:
+        return join_rank(config, replaces)
     world, session, code = prepare_session(config, rule)
     if code:
         return code

@@ -10,9 +10,11 @@ itself lives in :mod:`.loop` and :mod:`.modes`; the Session only assembles and c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,40 +24,33 @@ from ..comm import make_communicator
 from ..comm.base import Communicator
 from ..comm.elastic import ElasticCommunicator, elastic_over_mpi
 from ..config import Config
-from ..config.sections import WatchdogSection
 from ..errors import CheckpointError, ConfigError
 from ..launch.binding import Binding
 from ..launch.devices import device_for_rank
 from ..launch.failure import abort_job
-from ..launch.world import World, mpi_threads_ok
+from ..launch.world import World
 from ..model.consistency import check_same_shapes
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
-from ..rules.patience import AUTO_ABORT_S, Patience
+from ..rules.patience import Patience
 from ..rules.registry import resolve
 from .autotune import AutoTuner, start_count
 from .checkpoint_manager import CheckpointManager
+from .combinations import check_combinations
 from .elastic_setting import resolve_elastic
 from .evaluation import Evaluator
 from .faults import FaultInjector, Straggler
 from .modes import choose_mode
 from .parts import RankParts
 from .pool_builder import build_pool
+from .replacement import Handover, Offer
 from .reporting import Reporter, make_run_dir
 from .result import RunResult
 from .storage import check_writable
-from .tensorboard_log import check_available as check_tensorboard
 from .timeline import Timeline
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-
-def patience(section: WatchdogSection) -> Patience:
-    """``[watchdog] warn_after``/``abort_after`` for an asynchronous rule's waits on its peers (``auto``:
-    :data:`~mpicrossbow.rules.patience.AUTO_ABORT_S`)."""
-    abort = AUTO_ABORT_S if section.abort_after == "auto" else float(section.abort_after)
-    return Patience(section.warn_after, abort)
 
 
 class Session:
@@ -79,8 +74,10 @@ class Session:
         self.elastic = False
 
     # --------------------------------------------------------------- local
-    def prepare_local(self) -> None:
-        """Everything that involves no other rank: device, threads, seeds, rule, model, data and replicas."""
+    def prepare_local(self, joining: bool = False) -> None:
+        """Everything that involves no other rank: device, threads, seeds, rule, model, data and replicas.
+        ``joining``: a replacement (:mod:`.replacement`), whose world is the start rank it stands for; the
+        checkpoint folder stays the survivors' rank 0's."""
         cfg, world = self.config, self.world
         if cfg.size is not None and cfg.size != world.size:
             raise ConfigError(
@@ -97,8 +94,8 @@ class Session:
         torch.set_num_threads(threads)
         rule, cfg = resolve(cfg, self.rule)  # session.cfg records the resolved hyper-parameters
         self.rule, self.config = rule, cfg
-        self._check_combinations()
         self.elastic = resolve_elastic(cfg, rule, world)
+        check_combinations(cfg, rule, world, self.elastic)
         auto = cfg.pool.learners == "auto"
         learners = self._tuner_start() if auto else int(cfg.pool.learners)
         torch.manual_seed(cfg.session.seed)  # the same initial replicas everywhere (bind broadcasts anyway)
@@ -111,7 +108,8 @@ class Session:
         steps = cfg.session.steps
         rule.check_run(steps / self.pool.n_batch_train if steps else cfg.session.epochs)
         rule.check_learners(world.size * len(self.pool.learners))
-        self.checkpoints.claim(rule.synchronous and (cfg.checkpoint.enabled or cfg.checkpoint.on_signal))
+        if not joining:
+            self.checkpoints.claim(rule.synchronous and (cfg.checkpoint.enabled or cfg.checkpoint.on_signal))
         log.info(
             "%s model %s from %s on %s, %d thread(s), %s learner(s) per rank (%s engine), %d step(s)/epoch",
             "torch" if self.pool.has_gradients else "theano",
@@ -166,30 +164,6 @@ class Session:
                 log.info("auto-tune: resumed with the tuner's %d learner(s) per rank", tuner.learners)
         return tuner
 
-    def _check_combinations(self) -> None:
-        """Settings that do not go together with this rule: one ConfigError naming both."""
-        cfg, rule = self.config, self.rule
-        assert rule is not None
-        auto = cfg.pool.learners == "auto"
-        if auto and not rule.synchronous:
-            raise ConfigError(
-                f"[pool] learners = auto needs a synchronous rule (every rank must change its learner count "
-                f"at the same step); RULE={cfg.rule} is asynchronous: set [pool] learners to a number"
-            )
-        if cfg.session.target_accuracy and not rule.synchronous:
-            raise ConfigError(
-                f"[session] target_accuracy needs a synchronous rule (every rank must stop at the same "
-                f"step); RULE={cfg.rule} is asynchronous: set a number of epochs instead"
-            )
-        if rule.needs_mpi_threads and not mpi_threads_ok(self.world):
-            raise ConfigError(
-                f"RULE={cfg.rule} with [rule] placement = colocated serves from a second thread and needs "
-                "MPI_THREAD_MULTIPLE, which this process's MPI was not started with (it starts once per "
-                "process): run the job in a process of its own, or use placement = rank"
-            )
-        if cfg.session.tensorboard:
-            check_tensorboard()
-
     def check_consistency(self) -> None:
         """Collective: every rank built the same model (parameter shapes), or a ContractError on all ranks."""
         assert self.pool is not None
@@ -209,7 +183,7 @@ class Session:
             self.comm.isolate_peers = not self.rule.synchronous
         run_dir = (self.checkpoints.resumed_run_dir() or make_run_dir(cfg)) if world.rank == 0 else None
         self.run_dir = Path(world.bcast(str(run_dir.absolute()) if run_dir is not None else ""))
-        self.rule.patience = patience(cfg.watchdog)
+        self.rule.patience = Patience.of(cfg.watchdog)
         self.rule.bind(self.comm, self.pool)
         self.checkpoints.restore(self.rule)
         # Asynchronous rules checkpoint by coordinated snapshots (.snapshots); no step watchdog for them.
@@ -220,6 +194,34 @@ class Session:
         if wd.peer_timeout or (synchronous and (wd.warn_after or wd.abort_after)):
             self.watchdog = self._start_watchdog(self.run_dir, synchronous)
         self.reporter = Reporter(cfg, world, self.run_dir, self.checkpoints.resume_step)
+        self._assemble()
+
+    def prepare_joined(
+        self, comm: ElasticCommunicator, world: World, offer: Offer, receive: Callable[[], Handover]
+    ) -> None:
+        """A replacement's collective part (:mod:`.replacement`, steps 3-4), after ``prepare_local``: the
+        communicator ``comm`` over the grown ``world`` (built already, as the survivors built theirs), the
+        rule bound over it with the survivors, then the ``receive``d handover installed and the loop set to
+        go on from the offer's position. No step watchdog (its heartbeats are the start world's ranks'), no
+        timeline, no pid gather (rank 0 logged those at start)."""
+        assert self.pool is not None and self.rule is not None and self.checkpoints is not None
+        cfg = self.config
+        self.comm, self.world, self.run_dir, self.checkpoints.world = comm, world, Path(offer.run_dir), world
+        self.checkpoints.adopt(offer.position)
+        if cfg.checkpoint.enabled or cfg.checkpoint.on_signal:  # collective, as the survivors' new saver
+            self.checkpoints.start(self.run_dir)
+        self.rule.patience = Patience.of(cfg.watchdog)
+        self.rule.bind(comm, self.pool)
+        receive().install(self.pool, self.rule)
+        self.reporter = Reporter(cfg, dataclasses.replace(world, mpi=None), self.run_dir, None)
+        self.reporter.world = world
+        self._assemble(joined=True)
+
+    def _assemble(self, joined: bool = False) -> None:
+        """The reporting line, the evaluator and the run's parts (``joined``: a replacement's)."""
+        assert self.pool is not None and self.rule is not None and self.checkpoints is not None
+        assert self.comm is not None and self.run_dir is not None and self.reporter is not None
+        cfg, world = self.config, self.world
         if world.rank == 0:
             log.info(
                 "run folder %s; %d rank(s), rule %s, comm %s",
@@ -229,6 +231,7 @@ class Session:
                 self.comm.name,
             )
         trains = self.rule.trains(world.rank, world.size)
+        faults = dataclasses.replace(cfg.fault, rank=-1) if joined else cfg.fault  # drills: start ranks only
         evaluator = Evaluator(self.pool, self.rule, self.comm, world, self.reporter, self.full_val)
         self.parts = RankParts(
             config=cfg,
@@ -239,7 +242,7 @@ class Session:
             reporter=self.reporter,
             evaluator=evaluator,
             checkpoints=self.checkpoints,
-            faults=FaultInjector(cfg.fault, world.rank),
+            faults=FaultInjector(faults, world.rank),
             straggler=Straggler(
                 cfg.session.slow_ranks, cfg.session.slow_seconds, cfg.session.slow_factor, world.rank
             ),
@@ -248,7 +251,7 @@ class Session:
             trains=trains,
             timeline=(
                 Timeline(world, cfg.session.timeline, self.run_dir / "timeline.json")
-                if cfg.session.timeline
+                if cfg.session.timeline and not joined
                 else None
             ),
         )

@@ -1,0 +1,99 @@
+"""``[fault] replace`` (issue 40 point 4): what is refused before training, and the protocol's local parts.
+The replacements themselves are spawned in real Open MPI jobs (tests/test_elastic_mpi.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import REPO
+from mpicrossbow.config import load_config
+from mpicrossbow.errors import ConfigError
+from mpicrossbow.rules.registry import resolve
+from mpicrossbow.training.replacement import (
+    REPLACES,
+    Handover,
+    check_replace,
+    replace_obstacle,
+    replaced_rank,
+)
+
+DIGITS = str(REPO / "launch" / "digits.cfg")
+
+
+def obstacle(elastic: bool, *overrides: str) -> str | None:
+    """What ``replace = true`` meets for the digits job with ``overrides``."""
+    rule, config = resolve(load_config(DIGITS, ["fault.replace=true", *overrides]))
+    return replace_obstacle(config, rule, elastic)
+
+
+def test_synchronous_elastic_rules_take_replacements() -> None:
+    """BSP, SMA, LOCALSGD, EASGD (sync) and POSTLOCALSGD: nothing stands in the way."""
+    for rule in ("BSP", "SMA", "LOCALSGD", "EASGD", "POSTLOCALSGD"):
+        assert obstacle(True, f"RULE={rule}") is None, rule
+
+
+@pytest.mark.parametrize(
+    ("elastic", "overrides", "said"),
+    [
+        (False, (), "needs elastic training"),
+        (True, ("RULE=ASGD",), "RULE=ASGD is asynchronous"),
+        (True, ("RULE=GOSGD",), "RULE=GOSGD is asynchronous"),
+        (True, ("RULE=EASGD", "rule.mode=async"), "RULE=EASGD is asynchronous"),
+        (True, ("pool.learners=auto",), "needs a fixed learner count"),
+    ],
+)
+def test_what_a_replacement_cannot_join_is_one_line(
+    elastic: bool, overrides: tuple[str, ...], said: str
+) -> None:
+    """Each refusal names the setting; the combinations check raises it as a ConfigError (exit 2)."""
+    line = obstacle(elastic, *overrides)
+    assert line is not None and said in line and "[fault] replace = true" in line
+    rule, config = resolve(load_config(DIGITS, ["fault.replace=true", *overrides]))
+    with pytest.raises(ConfigError, match="replace"):
+        check_replace(config, rule, elastic)
+
+
+def test_replace_is_off_by_default() -> None:
+    """No replacement unless asked: the default job has nothing to refuse."""
+    rule, config = resolve(load_config(DIGITS, []))
+    assert config.fault.replace is False and replace_obstacle(config, rule, False) is None
+
+
+def test_a_replacement_is_known_by_its_environment() -> None:
+    """Survivors name the start rank a replacement stands for in its environment; a start rank has none."""
+    assert replaced_rank({REPLACES: "2"}) == 2
+    assert replaced_rank({}) is None
+    assert replaced_rank({REPLACES: ""}) is None
+
+
+class _Learner:
+    def __init__(self, value: float) -> None:
+        self.params = torch.full((3,), value)
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.learners = [_Learner(1.0), _Learner(2.0)]
+        self.loaded: object = None
+
+    def load_state_dict(self, state: object) -> None:
+        self.loaded = state
+
+
+class _Rule:
+    def __init__(self) -> None:
+        self.loaded: object = None
+
+    def load_state_dict(self, state: object) -> None:
+        self.loaded = state
+
+
+def test_the_handover_loads_the_state_then_sets_every_learner_to_the_consensus() -> None:
+    """A replacement's learners all start at the survivors' consensus, after the survivor's state (its
+    optimizer's momenta, the rule's z) is loaded."""
+    pool, rule = _Pool(), _Rule()
+    consensus = torch.tensor([0.5, -1.0, 3.0])
+    Handover({"pool": 1}, {"rule": 2}, consensus).install(pool, rule)  # type: ignore[arg-type]
+    assert pool.loaded == {"pool": 1} and rule.loaded == {"rule": 2}
+    assert all(torch.equal(learner.params, consensus) for learner in pool.learners)
