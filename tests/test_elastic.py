@@ -44,8 +44,8 @@ def test_elastic_is_off_by_default_and_reads_true_false_auto() -> None:
 
 def test_crossbow_launch_starts_open_mpi_with_ulfm_only_when_elastic() -> None:
     devices = parse_devices("cpu0,cpu1")
-    assert spawn_command("m", "openmpi", devices, [], fault_tolerant=True)[:5] == [
-        "m", "-n", "2", "--with-ft", "ulfm",
+    assert spawn_command("m", "openmpi", devices, [], fault_tolerant=True)[:8] == [
+        "m", "-n", "2", "--with-ft", "ulfm", "--prtemca", "state_base_recoverable", "1",
     ]  # fmt: skip
     assert "--with-ft" not in spawn_command("m", "openmpi", devices, [])
     assert "--with-ft" not in spawn_command("m", "mpich", devices, [], fault_tolerant=True)

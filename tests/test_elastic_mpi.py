@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, launcher, only_run, run_local, run_mpi
+from conftest import REPO, launcher, mpi_env, only_run, run_local, run_mpi
 from mpicrossbow.launch.failure import ERROR_PREFIX
 from mpicrossbow.training.metrics import read_metrics
 from openmpi_env import OpenMPIEnv
@@ -340,3 +342,50 @@ def test_rank_0_replaced_after_its_duties_passed_on(openmpi: OpenMPIEnv, tmp_pat
     assert sorted(p.name for p in final.glob("rank-*.pt")) == [f"rank-0000{r}.pt" for r in range(4)]
     assert not (run / "checkpoints" / "LOCK").exists()
     assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
+
+
+def test_a_replacement_that_dies_is_replaced_in_turn(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
+    """The membership follows start ranks through a grown world: rank 2 SIGKILLed at step 40 is replaced at
+    step 44; this test then SIGKILLs the replacement (its pid from its own line) while rank 0's steps are
+    slowed to 50 ms, so the job is still running. The survivors name the loss as start rank 2 again, spawn a
+    second replacement and finish on 4 ranks with status 0, every member's file in the last checkpoint."""
+    args = digits_args(
+        tmp_path,
+        "session.epochs=4",
+        "fault.elastic=true",
+        "checkpoint.every_epochs=2",
+        "fault.replace=true",
+        "fault.rank=2",
+        "fault.step=40",
+        "fault.action=kill",
+        "session.slow_ranks=0",
+        "session.slow_seconds=0.05",
+    )
+    # As docs/reliability.md says to start a job with replacements: their spawned jobs recoverable too.
+    cmd = openmpi.ft_command(4, "--prtemca", "state_base_recoverable", "1", openmpi.launch, *args)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    killed = False
+    deadline = time.monotonic() + 180
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            joined = re.search(r"elastic: replaces start rank 2 from step \d+ \(pid (\d+)\)", line)
+            if joined and not killed:
+                os.kill(int(joined.group(1)), signal.SIGKILL)
+                killed = True
+            assert time.monotonic() < deadline, "".join(lines[-30:])
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = "".join(lines)
+    assert killed and proc.returncode == 0, stderr[-3000:]
+    lost = [line for line in lines if "elastic: lost rank(s)" in line]
+    assert len(lost) == 2 and all("lost rank(s) 2 (start numbering)" in line for line in lost), lost
+    grown = [line for line in lines if "elastic: start rank(s) 2 replaced" in line]
+    assert len(grown) == 2 and all("start ranks [0, 1, 3, 2]" in line for line in grown), grown
+    final = only_run(tmp_path) / "checkpoints" / "step-000000088"
+    assert sorted(p.name for p in final.glob("rank-*.pt")) == [f"rank-0000{r}.pt" for r in range(4)]

@@ -119,6 +119,11 @@ def host_counts(
     return list(hostfile)
 
 
+#: Open MPI (PRRTE) options that make a job's spawned jobs recoverable as ``--with-ft ulfm`` makes the job
+#: itself: a replacement's death is then a loss the survivors handle, not a failed job at mpiexec's end.
+RECOVERABLE_SPAWNS = ("--prtemca", "state_base_recoverable", "1")
+
+
 def spawn_command(
     mpiexec: str,
     flavor: str,
@@ -133,11 +138,14 @@ def spawn_command(
     Open MPI binds ranks itself by default; when mpicrossbow binds (``bind`` other than none) it is told
     ``--bind-to none`` so the two do not fight. Hydra (MPICH) binds nothing unless asked. ``fault_tolerant``
     (``[fault] elastic`` true or auto) starts Open MPI with ``--with-ft ulfm``, without which a lost rank
-    ends its job; Hydra has no such mode (its ranks then say so, and ``elastic = true`` stops there).
+    ends its job, and makes the jobs its ranks spawn recoverable too (``state_base_recoverable``: a
+    ``[fault] replace`` replacement that dies in turn would otherwise make mpiexec exit 137 at the end,
+    although every rank finished); Hydra has no such mode (its ranks then say so, and ``elastic = true``
+    stops there).
     """
     cmd = [mpiexec, "-n", str(len(devices))]
     if fault_tolerant and flavor == "openmpi":
-        cmd += ["--with-ft", "ulfm"]
+        cmd += ["--with-ft", "ulfm", *RECOVERABLE_SPAWNS]
     hosts = host_counts(devices, hostfile)
     if hosts:
         spec = ",".join(f"{h}:{n}" for h, n in hosts)
