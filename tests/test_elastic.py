@@ -136,6 +136,19 @@ def test_a_fault_tolerant_job_finalizes_without_the_fence_a_dead_rank_can_hold_u
     assert not skip_finalize_fence({FT_VARIABLE: "false"})
 
 
+def test_an_elastic_rank_whose_finalize_hangs_ends_itself() -> None:
+    """An elastic rank arms a deadline before it exits: a process that is still there ``seconds`` later
+    (Open MPI's MPI_Finalize stuck disconnecting from a replacement's job) ends by SIGALRM, and one that
+    exits in time is not touched."""
+    script = (
+        "import time, sys; from mpicrossbow.launch.finalize_fence import bound_finalize; bound_finalize(1); "
+    )
+    hung = run_local([sys.executable, "-c", script + "time.sleep(30)"], timeout=20)
+    assert hung.returncode == -signal.SIGALRM
+    quick = run_local([sys.executable, "-c", script + "sys.exit(3)"], timeout=20)
+    assert quick.returncode == 3
+
+
 def test_a_rule_refuses_to_rebind_unless_it_says_how() -> None:
     class Plain(Rule):
         name = "PLAIN"

@@ -27,6 +27,7 @@ fault-tolerant substrate is a :class:`FaultTolerantGroup`: :class:`MPIGroup` ove
 from __future__ import annotations
 
 import dataclasses
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -319,17 +320,20 @@ class ElasticCommunicator(GuardedCommunicator):
         before.revoke()
         self._group_now = before.shrink()
         self._inner = self._group_now.communicator()
-        ranks = tuple(self.membership.ranks[i] for i in self._group_now.indices_in(before))
-        self.membership = Membership(self.membership.version + 1, ranks, self._inner.rank)
+        kept = self._group_now.indices_in(before)
+        ranks = tuple(self.membership.ranks[i] for i in kept)
+        hosts = tuple(self.membership.hosts[i] for i in kept) if self.membership.hosts else ()
+        self.membership = Membership(self.membership.version + 1, ranks, self._inner.rank, hosts)
         return self.membership
 
-    def grow(self, group: FaultTolerantGroup, ranks: tuple[int, ...]) -> Membership:
+    def grow(self, group: FaultTolerantGroup, ranks: tuple[int, ...], hosts: tuple[str, ...]) -> Membership:
         """Replacements joined: ``group`` spans the members and them (members first, in their order), and
-        ``ranks`` are the start ranks each member stands for; the run's communicator is rebuilt over it
-        and the membership moves one version on. Collective over ``group``."""
+        ``ranks`` are the start ranks each member stands for (``hosts``: where each runs); the run's
+        communicator is rebuilt over it and the membership moves one version on. Collective over
+        ``group``."""
         self._group_now = group
         self._inner = group.communicator()
-        self.membership = Membership(self.membership.version + 1, ranks, self._inner.rank)
+        self.membership = Membership(self.membership.version + 1, ranks, self._inner.rank, hosts)
         return self.membership
 
     def close(self) -> None:
@@ -353,4 +357,8 @@ def elastic_over_mpi(
     plain = dataclasses.replace(section, shared_memory="off")
     comm = mpi_comm if membership else mpi_comm.Dup()
     group = MPIGroup(comm, lambda c: make_communicator(plain, device, c))
-    return ElasticCommunicator(group, membership)
+    elastic = ElasticCommunicator(group, membership)
+    if membership is None:  # at start, collective: where each rank runs, for its replacement
+        hosts = tuple(comm.allgather(socket.gethostname()))
+        elastic.membership = dataclasses.replace(elastic.membership, hosts=hosts)
+    return elastic

@@ -22,6 +22,9 @@ class Membership:
     ranks: tuple[int, ...]
     #: This process's rank now (its index in ``ranks``).
     rank: int
+    #: Each member's host, in rank order, where known (elastic training over MPI): where a replacement for a
+    #: lost member is started (``[fault] replace``); empty where nobody asked.
+    hosts: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:

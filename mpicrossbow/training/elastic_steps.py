@@ -114,6 +114,8 @@ class ElasticSteps:
         self.vacancies: tuple[int, ...] = ()
         #: When the latest recovery's loss was met (``time.perf_counter``): what a replacement is timed from.
         self.lost_at = 0.0
+        #: Start rank -> host, as the membership knew them before a loss: where a replacement starts.
+        self.hosts: dict[int, str] = {}
 
     def step(self, run: Callable[[], float], step: int) -> float:
         """Run ``run`` (one train_step; returns its exchange seconds) inside the open window, and commit
@@ -219,6 +221,7 @@ class ElasticSteps:
             )
         if self.replace:
             self.vacancies += tuple(before.ranks[r] for r in self.lost)
+            self.hosts.update(zip(before.ranks, before.hosts, strict=False))
             self.lost_at = started
         self._move_world(after.rank, after.size)
         for hook in self.after_recovery:
@@ -254,16 +257,24 @@ class ElasticSteps:
         consensus = (held if held is not None else parts.pool.learners[0].params).clone()
         mine = self.capture()  # the binding below overwrites the learners: put back after it
         before = comm.membership
-        merged = replacement.spawn_replacements(comm.group.native, vacancies)
+        lost_hosts = tuple(self.hosts.get(r, "") for r in vacancies)
+        merged = replacement.spawn_replacements(
+            comm.group.native, vacancies, lost_hosts if all(lost_hosts) else ()
+        )
+        if merged is None:
+            if before.rank == 0:
+                log.warning("elastic: training goes on with %d rank(s), without replacements", before.size)
+            return
         spawned = time.perf_counter()
+        hosts = before.hosts + tuple(replacement.connect(merged, before.size))
         ranks = before.ranks + vacancies
         offer = Offer(
-            ranks, before.version + 1, str(parts.reporter.run_dir), position, torch.get_num_threads()
+            ranks, before.version + 1, str(parts.reporter.run_dir), position, torch.get_num_threads(), hosts
         )
         merged.bcast(offer if before.rank == 0 else None, root=0)
         group = comm.group
         assert isinstance(group, MPIGroup), "replacements are spawned over MPI"
-        after = comm.grow(group.merged(merged), ranks)
+        after = comm.grow(group.merged(merged), ranks, hosts)
         self._move_world(after.rank, after.size)
         setup_logging(after.rank, after.size, logging.INFO if after.rank == 0 else logging.WARNING)
         parts.rule.bind(comm, parts.pool)

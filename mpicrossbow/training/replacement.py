@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ REPLACES = "CROSSBOW_REPLACES"
 
 #: The tag of the handover (rank 0 to each replacement, over the merged communicator).
 HANDOVER_TAG = 7405
+
+#: The tag of :func:`connect`'s messages.
+HELLO_TAG = 7406
 
 
 def replaced_rank(environ: Mapping[str, str] | None = None) -> int | None:
@@ -96,6 +100,8 @@ class Offer:
     position: dict[str, Any]
     #: Torch threads per rank (the survivors' rank 0's).
     threads: int
+    #: Each member's host, in rank order (the membership's).
+    hosts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -114,31 +120,74 @@ class Handover:
             learner.params.copy_(self.consensus)
 
 
-def spawn_replacements(native: Any, start_ranks: tuple[int, ...]) -> Any:
+def spawn_replacements(native: Any, start_ranks: tuple[int, ...], hosts: tuple[str, ...] = ()) -> Any:
     """Collective over the survivors' mpi4py communicator ``native``: start one process per entry of
-    ``start_ranks`` (the job's command line, :data:`REPLACES` set to that entry) and merge with them; the
-    merged communicator (survivors first), its errors returned as exceptions."""
+    ``start_ranks`` (the job's command line, :data:`REPLACES` set to that entry) on the host of the same
+    entry of ``hosts`` where given — the lost rank's, whose slot its death freed; Open MPI's runtime still
+    counts that slot as taken, so the spawn asks for ``slot:OVERSUBSCRIBE`` — or, when that fails (a lost
+    node), wherever the runtime maps it; then merge with them. The merged communicator (survivors first),
+    its errors returned as exceptions; None when no process could be started (every survivor alike: the
+    spawn is collective)."""
+    from mpi4py import MPI
+
+    for where in (hosts, ()) if hosts else ((),):
+        try:
+            inter = _spawn(native, start_ranks, where)
+        except MPI.Exception as exc:
+            if native.Get_rank() == 0:
+                log.warning(
+                    "elastic: could not start replacement(s)%s: %s", f" on {list(where)}" * bool(where), exc
+                )
+            continue
+        merged = inter.Merge(high=False)
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        return merged
+    return None
+
+
+def _spawn(native: Any, start_ranks: tuple[int, ...], hosts: tuple[str, ...]) -> Any:
+    """``MPI_Comm_spawn_multiple`` of the replacements (on ``hosts`` where given); the intercommunicator."""
     from mpi4py import MPI
 
     passed = {key: os.environ[key] for key in OVERSUBSCRIBED_SETTINGS if key in os.environ}
     infos = []
-    for rank in start_ranks:
+    for i, rank in enumerate(start_ranks):
         info = MPI.Info.Create()
         info.Set("PMIX_ENVAR", "\n".join(f"{k}={v}" for k, v in {REPLACES: str(rank), **passed}.items()))
+        info.Set("map_by", "slot:OVERSUBSCRIBE")
+        if hosts:
+            info.Set("host", hosts[i])
         infos.append(info)
     n = len(start_ranks)
-    args = list(sys.orig_argv[1:])
-    inter = native.Spawn_multiple([sys.executable] * n, [args] * n, [1] * n, infos, root=0)
-    for info in infos:
-        info.Free()
-    merged = inter.Merge(high=False)
-    merged.Set_errhandler(MPI.ERRORS_RETURN)
-    return merged
+    try:
+        return native.Spawn_multiple(
+            [sys.executable] * n, [list(sys.orig_argv[1:])] * n, [1] * n, infos, root=0
+        )
+    finally:
+        for info in infos:
+            info.Free()
+
+
+def connect(merged: Any, first_joiner: int) -> list[str]:
+    """Right after the merge, on every member: one message each way between every survivor and every
+    replacement (merged ranks from ``first_joiner`` on) — each replacement's host to the survivors, theirs
+    back. Open MPI 5.0.11's MPI_Finalize disconnects every pair of processes of two connected jobs and
+    segfaults, then hangs, on a pair that never exchanged a message (measured: a replacement that met one
+    survivor only in a barrier; every job passed once each pair had exchanged one). Returns the hosts of the
+    replacements on a survivor, of the survivors on a replacement, in rank order."""
+    mine, me = socket.gethostname(), merged.Get_rank()
+    joining = me >= first_joiner
+    peers = range(first_joiner) if joining else range(first_joiner, merged.Get_size())
+    sends = [merged.isend(mine, dest=p, tag=HELLO_TAG) for p in peers]
+    hosts = [merged.recv(source=p, tag=HELLO_TAG) for p in peers]
+    for request in sends:
+        request.wait()
+    return hosts
 
 
 def merge_with_survivors() -> Any:
     """In a replacement, after MPI started: the communicator merged with the survivors that spawned it (they
-    come first), its errors returned as exceptions."""
+    come first), its errors returned as exceptions (then :func:`connect`)."""
     from mpi4py import MPI
 
     parent = MPI.Comm.Get_parent()

@@ -19,11 +19,12 @@ from ..launch.binding import bind, device_label, gather_facts, report
 from ..launch.collector import collector_off_then_frozen
 from ..launch.devices import device_for_rank
 from ..launch.failure import abort, agree, leave_job
+from ..launch.finalize_fence import bound_finalize
 from ..launch.world import World, detect_world
 from ..log import setup_logging
 from ..rules.base import Rule
 from .preemption import after_signal_stop
-from .replacement import Offer, merge_with_survivors, receive_handover, replaced_rank
+from .replacement import Offer, connect, merge_with_survivors, receive_handover, replaced_rank
 from .reporting import shown
 from .result import RunResult
 from .session import Session
@@ -102,6 +103,7 @@ def join_rank(config: Config, replaces: int) -> int:
 
     alone = detect_world()  # MPI starts: its own COMM_WORLD of one
     merged = merge_with_survivors()
+    connect(merged, merged.size - MPI.COMM_WORLD.Get_size())  # the replacements started together come last
     setup_logging(merged.rank, merged.size, logging.WARNING)
     offer: Offer = merged.bcast(None, root=0)
     config = dataclasses.replace(
@@ -114,7 +116,10 @@ def join_rank(config: Config, replaces: int) -> int:
     try:
         session.prepare_local(joining=True)
         comm = elastic_over_mpi(
-            config.comm, session.device, merged, Membership(offer.version, offer.ranks, merged.rank)
+            config.comm,
+            session.device,
+            merged,
+            Membership(offer.version, offer.ranks, merged.rank, offer.hosts),
         )
         local = merged.Split_type(MPI.COMM_TYPE_SHARED, key=merged.rank)
         world = dataclasses.replace(
@@ -128,9 +133,9 @@ def join_rank(config: Config, replaces: int) -> int:
         "elastic: replaces start rank %d from step %d (pid %d)", replaces, offer.position["step"], os.getpid()
     )
     result = train(world, session)
-    if result.stopped:
-        return after_signal_stop(world, session.config, Path(result.run_dir))
-    return 0
+    code = after_signal_stop(world, session.config, Path(result.run_dir)) if result.stopped else 0
+    bound_finalize()
+    return code
 
 
 def run_rank(config: Config, rule: Rule | None = None) -> int:
@@ -145,7 +150,12 @@ def run_rank(config: Config, rule: Rule | None = None) -> int:
         return code
     result = train(world, session)
     if result.stopped:
-        return after_signal_stop(world, session.config, Path(result.run_dir))
+        code = after_signal_stop(world, session.config, Path(result.run_dir))
+        if session.elastic:
+            bound_finalize()
+        return code
+    if session.elastic:
+        bound_finalize()
     now = session.parts.world if session.parts is not None else world  # elastic: the survivors' world
     if now.rank == 0:
         log.info(
