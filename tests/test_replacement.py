@@ -3,6 +3,8 @@ The replacements themselves are spawned in real Open MPI jobs (tests/test_elasti
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from mpicrossbow.training.replacement import (
     check_replace,
     replace_obstacle,
     replaced_rank,
+    spawn_replacements,
 )
 
 DIGITS = str(REPO / "launch" / "digits.cfg")
@@ -97,3 +100,49 @@ def test_the_handover_loads_the_state_then_sets_every_learner_to_the_consensus()
     Handover({"pool": 1}, {"rule": 2}, consensus).install(pool, rule)  # type: ignore[arg-type]
     assert pool.loaded == {"pool": 1} and rule.loaded == {"rule": 2}
     assert all(torch.equal(learner.params, consensus) for learner in pool.learners)
+
+
+class _Merged:
+    def Set_errhandler(self, handler: object) -> None:
+        self.handler = handler
+
+
+class _Inter:
+    def Merge(self, high: bool) -> _Merged:
+        assert high is False  # the survivors come first
+        return _Merged()
+
+
+class _Survivors:
+    """An mpi4py communicator's stand-in: records each spawn's hosts; fails the spawns ``refuse`` says."""
+
+    def __init__(self, refuse: int) -> None:
+        self.refuse = refuse
+        self.tried: list[list[str | None]] = []
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Spawn_multiple(
+        self, commands: list[str], args: list[list[str]], n: list[int], infos: list[Any], root: int
+    ) -> _Inter:
+        from mpi4py import MPI
+
+        self.tried.append([info.Get("host") for info in infos])
+        assert all(info.Get("map_by") == "slot:OVERSUBSCRIBE" for info in infos)
+        if len(self.tried) <= self.refuse:
+            raise MPI.Exception(MPI.ERR_SPAWN)
+        return _Inter()
+
+
+@pytest.mark.parametrize(("refuse", "tries", "started"), [(0, 1, True), (1, 2, True), (2, 2, False)])
+def test_a_replacement_goes_to_the_lost_hosts_else_anywhere_else_nowhere(
+    refuse: int, tries: int, started: bool
+) -> None:
+    """The spawn asks for each lost rank's host; when that fails (a lost node) it asks again without hosts;
+    when that fails too there is no replacement (None: training goes on with the survivors)."""
+    survivors = _Survivors(refuse)
+    merged = spawn_replacements(survivors, (2, 5), ("node2", "node3"))
+    assert (merged is not None) is started
+    assert survivors.tried[:tries] == [["node2", "node3"], [None, None]][:tries]
+    assert len(survivors.tried) == tries
