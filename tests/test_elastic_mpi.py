@@ -379,7 +379,7 @@ def test_a_replacement_that_dies_is_replaced_in_turn(openmpi: OpenMPIEnv, tmp_pa
         assert proc.stderr is not None
         for line in proc.stderr:
             lines.append(line)
-            joined = re.search(r"elastic: replaces start rank 2 from step \d+ \(pid (\d+)\)", line)
+            joined = re.search(r"elastic: replaces start rank 2 on \S+ from step \d+ \(pid (\d+)\)", line)
             if joined and not killed:
                 os.kill(int(joined.group(1)), signal.SIGKILL)
                 killed = True

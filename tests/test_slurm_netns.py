@@ -171,14 +171,17 @@ def openmpi_job_env(out: Path) -> dict[str, str]:
     return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "TMPDIR": str(tmp)}
 
 
+@pytest.mark.parametrize("replace", [False, True], ids=["shrinks", "replaced"])
 def test_the_elastic_template_drops_a_killed_rank_and_finishes_on_the_other_three(
-    slurm: NetnsSlurm, openmpi: OpenMPIEnv, tmp_path: Path
+    slurm: NetnsSlurm, openmpi: OpenMPIEnv, tmp_path: Path, replace: bool
 ) -> None:
     """elastic.sbatch at 2 nodes × 2 ranks from the Open MPI environment: Open MPI's ``mpiexec --with-ft
     ulfm`` inside the allocation starts its daemon on node2 through srun; rank 2 (node2) is SIGKILLed at
-    step 40. The job completes with status 0 on the 3 others, one line naming the lost rank."""
+    step 40. The job completes with status 0 on the 3 others, one line naming the lost rank. With
+    ``[fault] replace`` the survivors start its replacement on node2, the lost rank's node (its slot there
+    freed by the death), and finish on 4 ranks again."""
     job = submit(slurm, tmp_path, "elastic.sbatch", "session.epochs=4", "checkpoint.every_epochs=2",
-                 "fault.rank=2", "fault.step=40", "fault.action=kill",
+                 "fault.rank=2", "fault.step=40", "fault.action=kill", f"fault.replace={replace}",
                  options=("--nodes=2", "--ntasks-per-node=2"),
                  env={"VENV": str(openmpi.venv), **openmpi_job_env(tmp_path)})  # fmt: skip
     record = slurm.wait_job(job, timeout=300)
@@ -188,6 +191,12 @@ def test_the_elastic_template_drops_a_killed_rank_and_finishes_on_the_other_thre
     lost = [line for line in out.splitlines() if "elastic: lost rank(s)" in line]
     assert len(lost) == 1 and "elastic: lost rank(s) 2 " in lost[0], out[-3000:]
     assert "done: 4 epoch(s)" in out, out[-3000:]
+    joined = [line for line in out.splitlines() if "elastic: replaces start rank 2 on" in line]
+    if replace:  # on the lost rank's node, at the next window's start
+        assert len(joined) == 1 and " on node2 from step 44" in joined[0], out[-3000:]
+        assert "start ranks [0, 1, 3, 2]" in out, out[-3000:]
+    else:
+        assert joined == [], out[-3000:]
     metrics = read_metrics(the_run(tmp_path, job) / "metrics.h5")
     assert metrics["val"]["accuracy"][-1] > 0.85
     # Nothing of the job outlives it: no rank (its arguments name tmp_path), no Open MPI daemon.

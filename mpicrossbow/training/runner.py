@@ -130,7 +130,11 @@ def join_rank(config: Config, replaces: int) -> int:
     except BaseException as exc:
         leave_job(start, exc, Path(offer.run_dir))
     log.warning(
-        "elastic: replaces start rank %d from step %d (pid %d)", replaces, offer.position["step"], os.getpid()
+        "elastic: replaces start rank %d on %s from step %d (pid %d)",
+        replaces,
+        world.hostname,
+        offer.position["step"],
+        os.getpid(),
     )
     result = train(world, session)
     code = after_signal_stop(world, session.config, Path(result.run_dir)) if result.stopped else 0
