@@ -14,6 +14,7 @@ import torch
 from test_fused import plain, pools, train_alongside
 from torch import nn
 
+from models.lenet import LeNet
 from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.pool.batched_chain import ACTIVATIONS
 from mpicrossbow.pool.fused_chain import FusedChain, chain_runs
@@ -106,3 +107,31 @@ def test_autograd_grad_through_a_chain_leaves_the_gradients_alone() -> None:
     grads = torch.autograd.grad(out.sum(), [x, *fused.fused_params])
     assert not fused.grads2d.any()
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_a_step_through_autograd_zeroes_only_what_no_chain_writes() -> None:
+    """LeNet's classifier head is a chain under autograd: its columns are written, not zeroed and added, and
+    stale values left anywhere in the rows do not reach a step's gradients."""
+    serial, fused = pools(LeNet(), 2)
+    head = fused.grads2d.shape[1] - sum(block.shape[1] for block in fused._added)
+    assert head == sum(
+        w.numel() // 2 for chain in chains(fused.fused) for w in chain.weights if w is not None
+    )
+    fused.grads2d.fill_(float("nan"))
+    train_alongside(serial, fused)
+
+
+def tied() -> nn.Module:
+    """An MLP whose chain uses one Linear twice (a weight shared by two layers); the Dropout before it keeps
+    it off the step by hand (:mod:`mpicrossbow.pool.chain_step`): its step runs through autograd."""
+    shared = nn.Linear(12, 12)
+    return nn.Sequential(
+        nn.Flatten(), nn.Dropout(0.0), shared, nn.ReLU(), shared, nn.Tanh(), nn.Linear(12, 3)
+    )
+
+
+def test_a_chain_weight_used_twice_keeps_the_rows_zeroed_whole() -> None:
+    """A weight a chain shares with another layer gets a sum of gradients: the rows are zeroed whole."""
+    serial, fused = pools(plain(tied, (12,), 3), 2)
+    assert chains(fused.fused) and fused._added is None
+    train_alongside(serial, fused)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -71,11 +72,7 @@ class FusedLearner:
     """
 
     def __init__(
-        self,
-        module: nn.Module,
-        params: torch.Tensor,
-        grads: torch.Tensor,
-        buffers: torch.Tensor,
+        self, module: nn.Module, params: torch.Tensor, grads: torch.Tensor, buffers: torch.Tensor
     ) -> None:
         self.module = module
         self.params = params
@@ -217,8 +214,18 @@ class FusedPool(ShardedPool):
         chains = [chain for chain in self.fused.modules() if isinstance(chain, FusedChain)]
         for chain in chains:
             chain.sink = self._gradients
+        weights = [w for chain in chains for w in chain.weights if w is not None]
         #: The parameters whose watchers the step tells (no autograd hook: their gradients are put by hand).
-        self._sunk = {id(w) for chain in chains for w in chain.weights if w is not None}
+        self._sunk = {id(w) for w in weights}
+        #: The column blocks of the rows a fused step through autograd zeroes, outside the chains' weights
+        #: (:meth:`.StepGradients.start`); None: all, without chains or where a chain's weight is shared.
+        uses = Counter(id(p) for _, p in self.fused.named_parameters(remove_duplicate=False))
+        self._added: list[torch.Tensor] | None = None
+        if weights and all(uses[id(w)] == 1 for w in weights):
+            spans = sorted((self.fused_offsets[index[id(w)]], w.numel() // self.m) for w in weights)
+            edges = [0, *(e for offset, n in spans for e in (offset, offset + n)), self.grads2d.shape[1]]
+            pairs = zip(edges[::2], edges[1::2], strict=True)
+            self._added = [self.grads2d[:, a:z] for a, z in pairs if z > a]
 
     @property
     def warming_up(self) -> bool:
@@ -275,14 +282,8 @@ class FusedPool(ShardedPool):
         """Each replica's number of correct predictions, shape ``(m,)``."""
         if self._default_correct and output.ndim == 3:
             return (output.argmax(dim=-1) == targets).sum(dim=1)
-        return torch.stack(
-            [
-                torch.as_tensor(
-                    self.model.correct(output[j], targets[j]), dtype=torch.float64, device=self.device
-                )
-                for j in range(self.m)
-            ]
-        )
+        hits = [self.model.correct(output[j], targets[j]) for j in range(self.m)]
+        return torch.stack([torch.as_tensor(h, dtype=torch.float64, device=self.device) for h in hits])
 
     def compute(self, count: int) -> None:
         """Every learner's forward and backward on its next batch, in the step :meth:`_step_for` picks (the
@@ -328,7 +329,7 @@ class FusedPool(ShardedPool):
                 network = self.choice.next_network(exc)
                 if network is None:
                     return self._unfused_step(inputs, targets)
-                self.fused = network
+                self.fused, self._added = network, None
                 continue
             self._fused_ran = True
             self.choice.ran(self.fused)
@@ -344,7 +345,7 @@ class FusedPool(ShardedPool):
             losses, output = self._chain_step(inputs, targets, self._gradients)
             with torch.no_grad():
                 return losses, self._hits(output, targets)
-        self._gradients.start()
+        self._gradients.start(blocks=self._added)
         with self.precision.autocast():
             output = self.fused(inputs)
             losses = self._losses(output, targets)
@@ -440,8 +441,7 @@ class FusedPool(ShardedPool):
                 )
             mine.copy_(theirs)
         self.optimizer.load_state_dict(state["optimizer"])
-        self._loss_sums.copy_(state["stats"][0])
-        self._hit_counts.copy_(state["stats"][1])
+        self._stats.copy_(state["stats"])
         self._samples = int(state["samples"])
         if "form" in state:
             self.choice.load_state_dict(state["form"])
@@ -483,18 +483,14 @@ class FusedPool(ShardedPool):
         """Training stats summed over learners since the last call."""
         loss, hits = float(self._loss_sums.sum()), float(self._hit_counts.sum())
         n = float(self._samples * self.m)
-        self._loss_sums.zero_()
-        self._hit_counts.zero_()
+        self._stats.zero_()
         self._samples = 0
         return loss, hits, n
 
     def learner_stats(self) -> list[tuple[float, float, float]]:
         """Per-learner (loss sum, hits, samples) since the last :meth:`take_stats`, without resetting."""
         n = float(self._samples)
-        return [
-            (loss, hits, n)
-            for loss, hits in zip(self._loss_sums.tolist(), self._hit_counts.tolist(), strict=True)
-        ]
+        return [(loss, hits, n) for loss, hits in zip(*self._stats.tolist(), strict=True)]
 
     def validate(self, params: torch.Tensor | None = None, data: Any = None) -> tuple[float, float, float]:
         """Evaluate learner 0 (or ``params`` loaded into it) on every learner's val shard, or on ``data``."""

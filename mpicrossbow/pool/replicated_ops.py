@@ -333,8 +333,7 @@ def group_norm(ctx: OperatorDispatcher, func: Any, args: tuple[Any, ...], kwargs
         return NotImplemented
     if call.bias is not None and bias is None:
         return NotImplemented
-    flat_w = weight.reshape(-1) if weight is not None else None
-    flat_b = bias.reshape(-1) if bias is not None else None
+    flat_w, flat_b = (t.reshape(-1) if t is not None else None for t in (weight, bias))
     y = F.group_norm(_channels_together(x.data), ctx.m * call.num_groups, flat_w, flat_b, call.eps)
     return ctx.wrap(_channels_apart(y, ctx.m))
 
