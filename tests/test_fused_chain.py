@@ -135,3 +135,20 @@ def test_a_chain_weight_used_twice_keeps_the_rows_zeroed_whole() -> None:
     serial, fused = pools(plain(tied, (12,), 3), 2)
     assert chains(fused.fused) and fused._added is None
     train_alongside(serial, fused)
+
+
+def tied_bare() -> nn.Module:
+    """The tied MLP without the Dropout: only flattening before its chain, the shape the step by hand
+    takes — which writes each weight's gradient once, so it must leave a weight used twice to autograd."""
+    shared = nn.Linear(12, 12)
+    return nn.Sequential(nn.Flatten(), shared, nn.ReLU(), shared, nn.Tanh(), nn.Linear(12, 3))
+
+
+def test_a_weight_used_twice_is_not_stepped_by_hand() -> None:
+    """The step by hand writes a weight's gradient from one use: for a weight two layers share it would
+    lose the other's part (0.10 off serial here before it refused them); the step goes through autograd."""
+    from mpicrossbow.pool.chain_step import ChainStep
+
+    serial, fused = pools(plain(tied_bare, (12,), 3), 2)
+    assert chains(fused.fused) and ChainStep.of(fused.fused) is None
+    train_alongside(serial, fused)

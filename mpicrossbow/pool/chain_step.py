@@ -46,13 +46,15 @@ class ChainStep:
     @staticmethod
     def of(network: nn.Module) -> ChainStep | None:
         """The step for ``network`` when it is a :class:`~.fused_network.FusedNetwork` whose body is only
-        flattening and then one chain, else None (the network trains through autograd)."""
+        flattening and then one chain of weights used once each, else None (the network trains through
+        autograd, which sums a shared weight's gradients where this step would write one use's)."""
         if not isinstance(network, FusedNetwork) or not isinstance(network.body, nn.Sequential):
             return None
         *prefix, last = network.body
         if not isinstance(last, FusedChain) or not all(isinstance(p, FusedFlatten) for p in prefix):
             return None
-        return ChainStep(prefix, last)
+        used = [id(w) for w in last.weights if w is not None]
+        return ChainStep(prefix, last) if len(used) == len(set(used)) else None
 
     def serves(self, targets: torch.Tensor) -> bool:
         """Whether this step can take ``targets`` (class indices; class probabilities go through autograd)."""
