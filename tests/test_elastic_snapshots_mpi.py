@@ -93,8 +93,10 @@ def test_a_lost_server_or_centre_ends_in_one_line_and_the_run_resumes(
         (("RULE=ASGD",), "fault.action=kill"),
         (("RULE=ASGD",), "fault.action=kill_in_save"),
         (("RULE=GOSGD", "rule.p=0.1"), "fault.action=kill"),
+        # One server, the three workers one group: the group's pause agreement is a committed group step.
+        (("RULE=GSP",), "fault.action=kill"),
     ],
-    ids=["ASGD", "ASGD-in-a-save", "GOSGD"],
+    ids=["ASGD", "ASGD-in-a-save", "GOSGD", "GSP"],
 )
 def test_a_lost_worker_is_survived_and_the_later_snapshots_hold_the_survivors(
     openmpi: OpenMPIEnv, tmp_path: Path, rule: tuple[str, ...], fault: str

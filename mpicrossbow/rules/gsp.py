@@ -364,10 +364,25 @@ class GSP(ServerRule):
 
     def agree_pause(self, wanted: bool) -> bool:
         """A group averages every step: its ranks pause for a snapshot at the same step (a 1-value MAX
-        allreduce over the group)."""
-        if self.server is not None or self.group is None or self.group.size == 1:
+        allreduce over the group; in elastic training a committed group step, redone over the survivors
+        after a loss, as the gradient average is)."""
+        group = self.group
+        if self.server is not None or group is None or group.size == 1:
             return wanted
-        return self.group.allreduce_scalars([float(wanted)], op=ReduceOp.MAX)[0] > 0
+        if self.elastic_group is None:
+            return group.allreduce_scalars([float(wanted)], op=ReduceOp.MAX)[0] > 0
+        agreed = [wanted]
+
+        def agree(_: bool) -> None:
+            agreed[0] = group.allreduce_scalars([float(wanted)], op=ReduceOp.MAX)[0] > 0  # swapped in place
+
+        self._group_step(agree, self._steps, "its pause agreement")
+        return agreed[0]
+
+    @property
+    def snapshots_elastic(self) -> bool:
+        """Elastic snapshots go on after a loss: the group's pause agreement is a committed group step."""
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """The parameter-server state, and a worker's group once formed by speed (None while probing)."""
