@@ -76,11 +76,16 @@ class ElasticWorker:
         try:
             self._round_trip(progress)
         except PeerLost as exc:
-            raise ElasticEnd(
-                f"worker rank {self.comm.rank}: the EASGD centre (rank {self.server}) was lost ({exc}); the "
-                "job ends (elastic training survives lost workers only)",
-                reports=self.comm.rank == min(r for r in range(self.comm.size) if r != self.server),
-            ) from exc
+            raise self._centre_lost(exc) from exc
+
+    def _centre_lost(self, exc: PeerLost) -> ElasticEnd:
+        """The job's end when the centre is lost, met in an exchange or in the done message (a snapshot's
+        drain): one line, the lowest worker's."""
+        return ElasticEnd(
+            f"worker rank {self.comm.rank}: the EASGD centre (rank {self.server}) was lost ({exc}); the "
+            "job ends (elastic training survives lost workers only)",
+            reports=self.comm.rank == min(r for r in range(self.comm.size) if r != self.server),
+        )
 
     def _round_trip(self, progress: float) -> None:
         assert not self.done, "exchange after done"
@@ -114,7 +119,10 @@ class ElasticWorker:
             return
         self.request[: self.reply.numel()].zero_()
         self._tail(DONE, progress)
-        self.comm.isend(self.request, self.server, REQUEST_TAG).wait()
+        try:
+            self.comm.isend(self.request, self.server, REQUEST_TAG).wait()
+        except PeerLost as exc:
+            raise self._centre_lost(exc) from exc
         self.done = True
 
 
