@@ -99,10 +99,17 @@ def test_crossbow_launch_alone_starts_open_mpi_fault_tolerant(openmpi: OpenMPIEn
     assert len(lines) == 1 and said in lines[0], proc.stderr[-3000:]
 
 
+#: The elastic digits job: 4 epochs, checkpoints every 2 (the final one holds every survivor's state).
+ELASTIC = ("session.epochs=4", "fault.elastic=true", "checkpoint.every_epochs=2")
+
+#: Rank 2 SIGKILLed at step 40 (``fault.action`` given beside it) and replaced.
+RANK_2_REPLACED = ("fault.replace=true", "fault.rank=2", "fault.step=40")
+
+
 def elastic_job(openmpi: OpenMPIEnv, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     """The digits job for 4 epochs on 4 ranks under ``mpiexec --with-ft ulfm``, elastic, checkpointing every
     2 epochs (the final checkpoint holds every survivor's state), with ``overrides``."""
-    args = digits_args(out, "session.epochs=4", "fault.elastic=true", "checkpoint.every_epochs=2", *overrides)
+    args = digits_args(out, *ELASTIC, *overrides)
     return run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
 
 
@@ -301,17 +308,7 @@ def test_a_killed_rank_is_replaced_and_the_world_grows_back(
     finishes with status 0 and its last checkpoint holds 4 ranks' files. BSP's replicas are bitwise equal on
     all 4 at the end — which they can only be if the replacement started from the survivors' consensus, since
     every rank applies the same averaged gradient to its own copy — and SMA's z is the same on all 4."""
-    args = digits_args(
-        tmp_path,
-        "session.epochs=4",
-        "fault.elastic=true",
-        "checkpoint.every_epochs=2",
-        "fault.replace=true",
-        f"RULE={rule}",
-        "fault.rank=2",
-        "fault.step=40",
-        f"fault.action={action}",
-    )
+    args = digits_args(tmp_path, *ELASTIC, *RANK_2_REPLACED, f"RULE={rule}", f"fault.action={action}")
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
@@ -354,12 +351,8 @@ def test_a_replacement_that_dies_is_replaced_in_turn(openmpi: OpenMPIEnv, tmp_pa
     second replacement and finish on 4 ranks with status 0, every member's file in the last checkpoint."""
     args = digits_args(
         tmp_path,
-        "session.epochs=4",
-        "fault.elastic=true",
-        "checkpoint.every_epochs=2",
-        "fault.replace=true",
-        "fault.rank=2",
-        "fault.step=40",
+        *ELASTIC,
+        *RANK_2_REPLACED,
         "fault.action=kill",
         "session.slow_ranks=0",
         "session.slow_seconds=0.05",

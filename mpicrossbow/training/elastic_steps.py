@@ -226,9 +226,6 @@ class ElasticSteps:
         self._move_world(after.rank, after.size)
         for hook in self.after_recovery:
             hook()
-        if self.comm.group.native is not None:  # a process per rank (not the in-process fault double)
-            level = logging.INFO if after.rank == 0 else logging.WARNING
-            setup_logging(after.rank, after.size, level)
         if after.rank == 0 and before.rank != 0:
             self._take_over(names)
         seconds = time.perf_counter() - started
@@ -276,7 +273,6 @@ class ElasticSteps:
         assert isinstance(group, MPIGroup), "replacements are spawned over MPI"
         after = comm.grow(group.merged(merged), ranks, hosts)
         self._move_world(after.rank, after.size)
-        setup_logging(after.rank, after.size, logging.INFO if after.rank == 0 else logging.WARNING)
         parts.rule.bind(comm, parts.pool)
         if after.rank == 0:
             handover = Handover(mine[0], mine[1], consensus)
@@ -316,7 +312,8 @@ class ElasticSteps:
         )
 
     def _move_world(self, rank: int, size: int) -> None:
-        """Put the survivors' world where the run's parts read it (reporting, evaluation, checkpoints)."""
+        """Put the new world where the run's parts read it (reporting, evaluation, checkpoints) and in the
+        log lines' ``[rank r/size]``."""
         parts, mpi = self.parts, self.comm.group.native
         local_rank, local_size = rank, size  # the in-process fault double: one node, no MPI
         if mpi is not None:
@@ -329,6 +326,9 @@ class ElasticSteps:
             parts.world, rank=rank, size=size, local_rank=local_rank, local_size=local_size, mpi=mpi
         )
         parts.world = parts.reporter.world = parts.evaluator.world = parts.checkpoints.world = world
+        level = logging.INFO if rank == 0 else logging.WARNING
+        if mpi is not None:  # a process per rank (not the in-process fault double)
+            setup_logging(rank, size, level)
         saver = parts.checkpoints.saver
         if saver is not None:
             parts.checkpoints.saver = Checkpointer(saver.directory, rank, size, saver.keep, mpi)
