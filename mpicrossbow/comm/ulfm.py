@@ -35,17 +35,26 @@ class ElasticEnd(RuntimeError):
     """Elastic training cannot go on (fewer ranks left than ``[fault] min_ranks``, a lost parameter server or
     EASGD centre): the job ends with this one line.
 
-    Every survivor meets the cause at about the same moment; ``reports`` says whether this rank is the one
-    that says so. The others wait :attr:`GRACE_S` first (training/runner.py), so the reporting rank's abort
-    ends them before they print — one line, not one per survivor — and print only if it did not (the
-    reporting rank was lost as well)."""
+    Every survivor meets the cause, but not always at the same moment nor in the same place: one may be
+    blocked in a collective that the others, having met the cause elsewhere, never enter. So the survivors
+    speak in turn: ``place`` is this rank's place in line (0: the rank expected to say it). A rank waits
+    ``place`` × :attr:`GRACE_S` before it prints and aborts (training/runner.py), so the first rank in line
+    that is free to speak ends the job — the others are gone before their turn — and the user reads one
+    line, not one per survivor."""
 
-    #: Seconds a rank that does not report waits before it reports and aborts after all.
+    #: Seconds between two ranks' turns to report.
     GRACE_S = 2.0
+    #: Turns beyond this one all fall on it (a bound on the wait when many ranks in line are stuck).
+    LAST_TURN = 8
 
-    def __init__(self, message: str, reports: bool = True) -> None:
+    def __init__(self, message: str, place: int = 0) -> None:
         super().__init__(message)
-        self.reports = reports
+        self.place = place
+
+    @property
+    def delay_s(self) -> float:
+        """How long this rank waits for the ranks before it in line to end the job."""
+        return self.GRACE_S * min(self.place, self.LAST_TURN)
 
 
 def library_name() -> str:

@@ -80,11 +80,11 @@ class ElasticWorker:
 
     def _centre_lost(self, exc: PeerLost) -> ElasticEnd:
         """The job's end when the centre is lost, met in an exchange or in the done message (a snapshot's
-        drain): one line, the lowest worker's."""
+        drain): one line, the lowest worker's when it is free to say it."""
         return ElasticEnd(
             f"worker rank {self.comm.rank}: the EASGD centre (rank {self.server}) was lost ({exc}); the "
             "job ends (elastic training survives lost workers only)",
-            reports=self.comm.rank == min(r for r in range(self.comm.size) if r != self.server),
+            place=[r for r in range(self.comm.size) if r != self.server].index(self.comm.rank),
         )
 
     def _round_trip(self, progress: float) -> None:

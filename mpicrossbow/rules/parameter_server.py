@@ -449,7 +449,7 @@ class ServerRule(Rule):
             raise ElasticEnd(
                 f"worker rank {self.comm.rank}: a parameter server was lost ({exc}); the model lives on "
                 "the server ranks, so the job ends (elastic training survives lost workers only)",
-                reports=self.comm.rank == self.servers,  # the first worker
+                place=self.comm.rank - self.servers,  # the first worker first
             ) from exc
 
     def _push_to_servers(self, flag: float) -> None:

@@ -183,7 +183,7 @@ class ElasticPauseOrders(PauseOrders):
                 f"parameter server or the EASGD centre), was lost at the snapshot meeting (rank "
                 f"{self.start_rank} at step {step}): the model lives there, so the job ends (elastic "
                 f"training survives lost workers only); resume from {self._last_snapshot()}",
-                reports=bool(workers) and workers[0] == self.start_rank,
+                place=workers.index(self.start_rank) if self.start_rank in workers else len(workers),
             )
         self._gone += gone
 

@@ -217,7 +217,7 @@ class ElasticSteps:
             raise ElasticEnd(
                 f"lost rank(s) {names} at {where}: {after.size} rank(s) left, fewer than "
                 f"[fault] min_ranks = {self.min_ranks}",
-                reports=after.rank == 0,
+                place=after.rank,
             )
         if self.replace:
             self.vacancies += tuple(before.ranks[r] for r in self.lost)

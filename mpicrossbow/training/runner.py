@@ -88,8 +88,8 @@ def train(world: World, session: Session) -> RunResult:
     except BaseException as exc:
         if session.elastic and not isinstance(exc, (KeyboardInterrupt, UsageError, ElasticEnd)):
             leave_job(world, exc, session.run_dir)
-        if isinstance(exc, ElasticEnd) and not exc.reports:
-            time.sleep(ElasticEnd.GRACE_S)  # the reporting survivor's abort normally ends this rank first
+        if isinstance(exc, ElasticEnd):
+            time.sleep(exc.delay_s)  # a survivor before this one in line normally ends the job first
         abort(world, exc, session.run_dir)
     return result
 
