@@ -121,12 +121,37 @@ def test_a_snapshot_after_an_elastic_loss_names_the_survivors_and_is_refused_in_
     assert safe_load(path / "meta.pt", "meta")["lost"] == [2]
     for rank in (2, 3):
         with pytest.raises(
-            CheckpointError, match=r"after elastic training lost rank\(s\) 2: .* earlier checkpoint"
+            CheckpointError, match=r"after elastic training lost rank\(s\) 2: .* newest checkpoint with"
         ):
             load_rank_state(path, rank, {**META, "world_size": 4})
     whole = save(Checkpointer(tmp_path / "ck", 0, 1, keep=2), 5)
     assert "lost" not in safe_load(whole / "meta.pt", "meta")
     assert load_rank_state(whole, 0, META)[1]["rank"] == 0
+
+
+def test_resuming_a_run_that_lost_a_rank_takes_its_newest_whole_checkpoint_which_pruning_keeps(
+    tmp_path: Path,
+) -> None:
+    """An elastic run that lost start rank 2 after its step-10 snapshot goes on snapshotting the survivors
+    (steps 20-50, ``keep`` = 2): pruning keeps step 10 beside the newest two, because the later ones cannot
+    be resumed; ``--resume <run folder>`` and ``resume = latest`` take step 10 (a requeued job restarts
+    there, not nowhere); a snapshot named as such is taken as it is (and refused on loading)."""
+    directory = tmp_path / "run" / "checkpoints"
+    save(Checkpointer(directory, 0, 1, keep=2), 10)
+    survivors = Checkpointer(directory, 0, 1, keep=2, lost=(2,))
+    for step in (20, 30, 40, 50):
+        save(survivors, step)
+    names = [p.name for p in complete_checkpoints(directory)]
+    assert names == ["step-000000010", "step-000000040", "step-000000050"]
+    whole = directory / "step-000000010"
+    assert find_resume(str(tmp_path / "run"), []) == whole
+    assert find_resume("latest", [directory]) == whole
+    assert find_resume(str(directory / "step-000000050"), []) == directory / "step-000000050"
+    assert load_rank_state(find_resume("latest", [directory]), 0, META)[0]["step"] == 10
+    only_lost = tmp_path / "later" / "checkpoints"
+    save(Checkpointer(only_lost, 0, 1, keep=2, lost=(1,)), 30)
+    with pytest.raises(CheckpointError, match=r"lost rank\(s\) 1"):
+        load_rank_state(find_resume(str(tmp_path / "later"), []), 0, META)
 
 
 def test_fault_injector_fires_only_for_its_rank_and_step() -> None:

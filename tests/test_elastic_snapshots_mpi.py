@@ -47,9 +47,14 @@ def killed_at(stderr: str, run: Path) -> float:
     return max(p.stat().st_mtime for p in (run / "checkpoints").glob("step-*.partial/*"))
 
 
+def meta_of(snapshot: Path) -> dict:
+    """A snapshot's ``meta.pt``."""
+    return torch.load(snapshot / "meta.pt", weights_only=True)
+
+
 def whole(snapshot: Path) -> bool:
     """Whether ``snapshot`` holds every one of the 4 ranks' files and names no lost rank."""
-    meta = torch.load(snapshot / "meta.pt", weights_only=True)
+    meta = meta_of(snapshot)
     files = sorted(p.name for p in snapshot.glob("rank-*.pt"))
     return "lost" not in meta and files == [f"rank-0000{r}.pt" for r in range(4)]
 
@@ -104,7 +109,9 @@ def test_a_lost_worker_is_survived_and_the_later_snapshots_hold_the_survivors(
     """Worker rank 2 SIGKILLed at its step 20 (at the step's start, or while writing snapshot 20): the
     snapshot meeting goes on over ranks 0, 1 and 3 (one line), the job finishes with status 0, the snapshots
     before the loss hold four files, the last one the survivors' — named by their start ranks — with the lost
-    rank in ``meta.pt``; ``--resume`` of it is refused in one line, exit status 2."""
+    rank in ``meta.pt``; pruning keeps the newest snapshot with all four, and ``--resume`` of the run
+    finishes from it with status 0, one line naming the later snapshots it skipped (``--resume`` of a
+    survivors' snapshot itself is refused in one line, exit status 2)."""
     proc = job(openmpi, tmp_path, *rule, "fault.rank=2", "fault.step=20", fault)
     assert proc.returncode == 0, proc.stderr[-3000:]
     met = [line for line in proc.stderr.splitlines() if "at the snapshot meeting" in line]
@@ -118,7 +125,15 @@ def test_a_lost_worker_is_survived_and_the_later_snapshots_hold_the_survivors(
         "rank-00003.pt",
     ]
     assert torch.load(last / "meta.pt", weights_only=True)["lost"] == [2]
-    refused = job(openmpi, tmp_path, *rule, "--resume", str(run))
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    lines = error_lines(refused.stderr)
-    assert len(lines) == 1 and "taken after elastic training lost rank(s) 2" in lines[0], lines
+    whole_ones = [p for p in complete_checkpoints(run / "checkpoints") if "lost" not in meta_of(p)]
+    assert whole_ones and whole(whole_ones[-1]), "pruning keeps the newest snapshot with every rank's files"
+    if fault == "fault.action=kill" and rule == ("RULE=ASGD",):
+        refused = job(openmpi, tmp_path, *rule, "--resume", str(last))
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        lines = error_lines(refused.stderr)
+        assert len(lines) == 1 and "taken after elastic training lost rank(s) 2" in lines[0], lines
+    resumed = job(openmpi, tmp_path, *rule, "--resume", str(run))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {whole_ones[-1]}" in resumed.stderr
+    skipped = [line for line in resumed.stderr.splitlines() if "the steps since are trained again" in line]
+    assert len(skipped) == 1 and f"the newest {last.name}" in skipped[0], resumed.stderr[-3000:]

@@ -128,8 +128,37 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def lost_ranks(path: Path) -> list[int]:
+    """The start ranks elastic training had lost when checkpoint ``path`` was taken: empty when it holds
+    every rank's state (or its metadata cannot be read: loading it then says what is wrong)."""
+    try:
+        meta = safe_load(path / META, "its metadata file")
+    except CheckpointError:
+        return []
+    return [int(r) for r in meta.get("lost", ())]
+
+
+def newest_whole(found: list[Path]) -> Path:
+    """The newest of ``found`` (oldest first, not empty) that holds every rank's state; the newest of all
+    when none does (loading it then refuses in one line). An elastic run that lost a worker goes on
+    snapshotting the survivors: resuming the run restarts from its last snapshot before the loss."""
+    for path in reversed(found):
+        if not lost_ranks(path):
+            return path
+    return found[-1]
+
+
+def skipped_for(path: Path) -> list[Path]:
+    """The complete checkpoints beside ``path``, newer than it, that name lost ranks: what resuming its run
+    skipped (:func:`newest_whole`), for the line that says so."""
+    return [p for p in complete_checkpoints(path.parent) if p.name > path.name and lost_ranks(p)]
+
+
 def find_resume(spec: str, candidates: list[Path], looked: str = "") -> Path:
     """The checkpoint ``spec`` names: ``latest`` (newest in ``candidates``), a checkpoint or a run folder.
+    A run folder or ``latest`` skips the checkpoints taken after elastic training lost a rank (they hold
+    the survivors' state only) for the newest one with every rank's; a checkpoint folder named as such is
+    taken as it is.
 
     ``looked`` describes where ``candidates`` came from, for the error when none holds a checkpoint."""
     if spec != "latest":
@@ -138,7 +167,7 @@ def find_resume(spec: str, candidates: list[Path], looked: str = "") -> Path:
             return path
         inside = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
         if inside:
-            return inside[-1]
+            return newest_whole(inside)
         if not path.exists():
             raise CheckpointError(f"[checkpoint] resume: {path} does not exist")
         raise CheckpointError(f"[checkpoint] resume: {path} holds no complete checkpoint ({META} missing)")
@@ -149,7 +178,8 @@ def find_resume(spec: str, candidates: list[Path], looked: str = "") -> Path:
             f"[checkpoint] resume = latest: no complete checkpoint; looked in {looked or where}"
             + (f" ({where})" if looked else "")
         )
-    return max(found, key=lambda p: (p / META).stat().st_mtime)
+    newest = max(found, key=lambda p: (p / META).stat().st_mtime)
+    return newest_whole(complete_checkpoints(newest.parent))
 
 
 class Checkpointer:
@@ -235,10 +265,16 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` complete checkpoints; remove older ones and stale partial folders (safe:
-        this job holds the directory's lock, so no other job is writing one)."""
+        this job holds the directory's lock, so no other job is writing one). Once elastic training lost a
+        rank, the newest checkpoint with every rank's state is kept too: the later ones cannot be resumed,
+        and without it a requeued job would have nothing to restart from."""
         complete = complete_checkpoints(self.directory)
-        for old in complete[: max(0, len(complete) - self.keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+        old = complete[: max(0, len(complete) - self.keep)]
+        if self.lost and old:
+            whole = newest_whole(complete)
+            old = [p for p in old if p != whole]
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
         for stale in self.directory.glob("step-*.partial"):
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -252,8 +288,8 @@ def load_rank_state(
         lost = ", ".join(str(r) for r in meta["lost"])
         raise CheckpointError(
             f"checkpoint {path} was taken after elastic training lost rank(s) {lost}: it holds the "
-            "survivors' state only, and a job cannot resume without every rank's; resume from an earlier "
-            "checkpoint of the run (--resume <its step folder>) or start afresh"
+            "survivors' state only, and a job cannot resume without every rank's; resume the run (--resume "
+            "<its run folder> takes its newest checkpoint with every rank's) or start afresh"
         )
     for key, value in expect.items():
         if meta.get(key) != value:

@@ -17,7 +17,14 @@ from ..launch.slurm import SlurmJob
 from ..launch.world import World
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
-from .checkpoint_files import Checkpointer, complete_checkpoints, find_resume, load_rank_state
+from .checkpoint_files import (
+    Checkpointer,
+    complete_checkpoints,
+    find_resume,
+    load_rank_state,
+    lost_ranks,
+    skipped_for,
+)
 from .checkpoint_lock import CheckpointLock
 from .faults import FaultInjector
 from .preemption import automatic_resume, written_by
@@ -115,6 +122,17 @@ class CheckpointManager:
         self.resume = (path, meta, state)
         if self.world.rank == 0:
             log.info("resuming from %s (step %d)", path, meta["step"])
+            skipped = skipped_for(path)
+            if skipped:
+                log.warning(
+                    "resuming from %s, the run's newest checkpoint with every rank's state: its %d later "
+                    "one(s) (the newest %s) were taken after elastic training lost rank(s) %s and hold the "
+                    "survivors' state only; the steps since are trained again",
+                    path.name,
+                    len(skipped),
+                    skipped[-1].name,
+                    ", ".join(str(r) for r in lost_ranks(skipped[-1])),
+                )
 
     @property
     def position(self) -> dict[str, Any]:

@@ -15,7 +15,8 @@ of :mod:`.pause_orders` runs over a fault-tolerant group of its own, split from 
 * **A lost worker**: the snapshot, and every one after it, holds the survivors' files, each named after its
   start rank (``rank-00003.pt`` stays rank 3's), with the lost start ranks in ``meta.pt`` (``lost``). Such a
   snapshot is not resumable — the lost rank's state is gone — and ``--resume`` of it is one line saying so
-  (:func:`~mpicrossbow.training.checkpoint_files.load_rank_state`); the snapshots before the loss resume.
+  (:func:`~mpicrossbow.training.checkpoint_files.load_rank_state`); resuming the run takes the newest
+  snapshot before the loss, which pruning keeps (:func:`~mpicrossbow.training.checkpoint_files.newest_whole`).
 * **A lost serving rank** (a parameter server, the EASGD centre: the model lives there) ends the job with
   :class:`~mpicrossbow.comm.ulfm.ElasticEnd` before anything is saved, so the last complete snapshot stays
   as it was on disk (a save cut short leaves only a ``.partial`` folder, never loaded). The lowest
