@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -152,6 +153,22 @@ def test_resuming_a_run_that_lost_a_rank_takes_its_newest_whole_checkpoint_which
     save(Checkpointer(only_lost, 0, 1, keep=2, lost=(1,)), 30)
     with pytest.raises(CheckpointError, match=r"lost rank\(s\) 1"):
         load_rank_state(find_resume(str(tmp_path / "later"), []), 0, META)
+
+
+def test_a_run_resumed_from_an_earlier_step_keeps_and_resumes_its_own_new_checkpoints(tmp_path: Path) -> None:
+    """Resumed from step 10 of a run that had reached step 30, a job with ``keep`` = 2 saves step 15: pruning
+    keeps the two written last (15 and the abandoned 30), not the two highest steps (which deleted the
+    step just saved), and ``resume = latest`` takes 15, the newest written."""
+    directory = tmp_path / "ck"
+    first = Checkpointer(directory, 0, 1, keep=3)
+    for age, step in ((30, 10), (20, 20), (10, 30)):  # written 30, 20 and 10 s ago
+        path = save(first, step, float(step))
+        os.utime(path / "meta.pt", ns=(time.time_ns() - age * 10**9,) * 2)
+    save(Checkpointer(directory, 0, 1, keep=2), 15, 15.0)
+    assert [p.name for p in complete_checkpoints(directory)] == ["step-000000015", "step-000000030"]
+    latest = find_resume("latest", [directory])
+    assert latest.name == "step-000000015"
+    assert find_resume(str(directory), []) == latest
 
 
 def test_fault_injector_fires_only_for_its_rank_and_step() -> None:

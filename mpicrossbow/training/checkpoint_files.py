@@ -138,20 +138,30 @@ def lost_ranks(path: Path) -> list[int]:
     return [int(r) for r in meta.get("lost", ())]
 
 
+def by_write_time(found: list[Path]) -> list[Path]:
+    """Checkpoint folders ordered by when their ``meta.pt`` was written, oldest first: a run resumed from an
+    earlier step writes over a timeline whose later steps are still on disk, and its new checkpoints are
+    the newest though their step numbers are lower."""
+    return sorted(found, key=lambda p: ((p / META).stat().st_mtime_ns, p.name))
+
+
 def newest_whole(found: list[Path]) -> Path:
-    """The newest of ``found`` (oldest first, not empty) that holds every rank's state; the newest of all
-    when none does (loading it then refuses in one line). An elastic run that lost a worker goes on
+    """The newest written of ``found`` (not empty) that holds every rank's state; the newest of all when
+    none does (loading it then refuses in one line). An elastic run that lost a worker goes on
     snapshotting the survivors: resuming the run restarts from its last snapshot before the loss."""
-    for path in reversed(found):
+    ordered = by_write_time(found)
+    for path in reversed(ordered):
         if not lost_ranks(path):
             return path
-    return found[-1]
+    return ordered[-1]
 
 
 def skipped_for(path: Path) -> list[Path]:
-    """The complete checkpoints beside ``path``, newer than it, that name lost ranks: what resuming its run
-    skipped (:func:`newest_whole`), for the line that says so."""
-    return [p for p in complete_checkpoints(path.parent) if p.name > path.name and lost_ranks(p)]
+    """The complete checkpoints beside ``path``, written after it, that name lost ranks: what resuming its
+    run skipped (:func:`newest_whole`), oldest first, for the line that says so."""
+    ordered = by_write_time(complete_checkpoints(path.parent))
+    later = ordered[ordered.index(path) + 1 :] if path in ordered else []
+    return [p for p in later if lost_ranks(p)]
 
 
 def find_resume(spec: str, candidates: list[Path], looked: str = "") -> Path:
@@ -178,7 +188,7 @@ def find_resume(spec: str, candidates: list[Path], looked: str = "") -> Path:
             f"[checkpoint] resume = latest: no complete checkpoint; looked in {looked or where}"
             + (f" ({where})" if looked else "")
         )
-    newest = max(found, key=lambda p: (p / META).stat().st_mtime)
+    newest = by_write_time(found)[-1]
     return newest_whole(complete_checkpoints(newest.parent))
 
 
@@ -264,11 +274,12 @@ class Checkpointer:
         raise StorageError(f"rank {failed[0]} could not write its checkpoint file")
 
     def _prune(self) -> None:
-        """Keep the newest ``keep`` complete checkpoints; remove older ones and stale partial folders (safe:
-        this job holds the directory's lock, so no other job is writing one). Once elastic training lost a
-        rank, the newest checkpoint with every rank's state is kept too: the later ones cannot be resumed,
-        and without it a requeued job would have nothing to restart from."""
-        complete = complete_checkpoints(self.directory)
+        """Keep the ``keep`` newest written complete checkpoints; remove older ones and stale partial folders
+        (safe: this job holds the directory's lock, so no other job is writing one). Newest written, not
+        highest step: a run resumed from an earlier step drops the abandoned later ones first. Once elastic
+        training lost a rank, the newest checkpoint with every rank's state is kept too: the later ones
+        cannot be resumed, and without it a requeued job would have nothing to restart from."""
+        complete = by_write_time(complete_checkpoints(self.directory))
         old = complete[: max(0, len(complete) - self.keep)]
         if self.lost and old:
             whole = newest_whole(complete)
