@@ -182,6 +182,28 @@ def test_elastic_bsp_ends_close_to_an_uninterrupted_run(openmpi: OpenMPIEnv, tmp
     assert abs(accuracy(whole.stderr) - accuracy(broken.stderr)) <= 0.03
 
 
+def test_a_resume_of_the_survivors_checkpoint_grows_back_to_the_whole_world(
+    openmpi: OpenMPIEnv, tmp_path: Path
+) -> None:
+    """A requeued job starts with its whole allocation: BSP lost rank 2 of 4 and saved on the 3 survivors;
+    ``--resume`` of the run on 4 ranks (6 epochs) finishes with status 0, one line saying rank 3 starts as a
+    copy of rank 0, and the final checkpoint holds 4 ranks' files with the replicas bitwise equal."""
+    broken = elastic_job(openmpi, tmp_path, "fault.rank=2", "fault.step=40", "fault.action=kill")
+    assert broken.returncode == 0, broken.stderr[-3000:]
+    run = only_run(tmp_path)
+    resumed = elastic_job(openmpi, tmp_path, "session.epochs=6", "--resume", str(run))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {run}/checkpoints/step-000000088" in resumed.stderr
+    grown = [line for line in resumed.stderr.splitlines() if "resuming a checkpoint of" in line]
+    assert len(grown) == 1 and "of 3 rank(s)" in grown[0], grown
+    assert "rank 3 starts as a copy of rank 0" in grown[0], grown
+    final = run / "checkpoints" / "step-000000132"
+    states = [torch.load(final / f"rank-{r:05d}.pt", weights_only=True) for r in range(4)]
+    replicas = [s["pool"]["learners"][0]["params"] for s in states]
+    assert all(torch.equal(replicas[0], other) for other in replicas[1:])
+    assert accuracy(resumed.stderr) > 0.85, resumed.stderr[-2000:]
+
+
 def test_rank_0_killed_hands_its_duties_to_the_lowest_survivor(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
     """SIGKILL of rank 0 at step 44, the first step after it wrote epoch 2's row and the checkpoint: the job
     finishes with status 0, start rank 1 (now rank 0) says it took over, writes the rest of metrics.h5 —

@@ -18,11 +18,13 @@ from ..launch.world import World
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
 from .checkpoint_files import (
+    META,
     Checkpointer,
     complete_checkpoints,
     find_resume,
     load_rank_state,
     lost_ranks,
+    safe_load,
     skipped_for,
 )
 from .checkpoint_lock import CheckpointLock
@@ -46,28 +48,48 @@ class CheckpointManager:
         self.job = SlurmJob.from_env()
         #: Where a replacement goes on from (:meth:`adopt`), else None.
         self.adopted: dict[str, Any] | None = None
+        #: The world size this run started with (an elastic run's checkpoints record it after a loss).
+        self.start_size = world.size
+        #: Resuming the checkpoint of a smaller world (:meth:`_grown_from`): this rank starts as a copy of
+        #: rank 0's state.
+        self.copied = False
         if config.checkpoint.resume:
             self._load(find_resume(config.checkpoint.resume, self.candidates(), self.looked()))
         elif automatic_resume(config, self.job):
             self._resume_requeued()
 
     def meta(self) -> dict[str, Any]:
-        """What a checkpoint must agree with to be resumed by this job."""
+        """What a checkpoint must agree with to be resumed by this job, and the world size the run started
+        with (``start_size``: larger than ``world_size`` once elastic training lost ranks)."""
         return {
             "world_size": self.world.size,
             "rule": self.config.rule,
             "learners": len(self.pool.learners),
             "numel": int(self.pool.learners[0].params.numel()),
+            "start_size": self.start_size,
         }
 
-    def expected(self) -> dict[str, Any]:
-        """What a resumed checkpoint's :meth:`meta` must match: all of it, but the learner count under
-        ``[pool] learners = auto``, where the checkpointed tuner's count rebuilds the pool
-        (:meth:`tuner_state`)."""
+    def expected(self, grown_from: int | None = None) -> dict[str, Any]:
+        """What a resumed checkpoint's :meth:`meta` must match: all of it but ``start_size``, the learner
+        count under ``[pool] learners = auto``, where the checkpointed tuner's count rebuilds the pool
+        (:meth:`tuner_state`), and ``world_size`` when resuming a smaller world (``grown_from``)."""
         meta = self.meta()
+        del meta["start_size"]
         if self.config.pool.learners == "auto":
             del meta["learners"]
+        if grown_from is not None:
+            meta["world_size"] = grown_from
         return meta
+
+    def _grown_from(self, path: Path) -> int | None:
+        """The world size of checkpoint ``path`` when this job resumes it on more ranks, back to the size its
+        run started with: a synchronous elastic run that lost ranks and saved on the survivors (a requeued
+        Slurm job starts with its whole allocation again). Else None (sizes must then match)."""
+        meta = safe_load(path / META, "its metadata file")
+        size, start = meta.get("world_size"), meta.get("start_size")
+        if isinstance(size, int) and size < self.world.size == start and not meta.get("lost"):
+            return size
+        return None
 
     def tuner_state(self) -> dict[str, Any]:
         """The auto-tuner's state in the resumed checkpoint (empty: none, or a fresh start)."""
@@ -117,11 +139,32 @@ class CheckpointManager:
         self._load(path)
 
     def _load(self, path: Path) -> None:
-        """Read this rank's part of the checkpoint ``path`` (no communication)."""
-        meta, state = load_rank_state(path, self.world.rank, self.expected())
+        """Read this rank's part of the checkpoint ``path`` (no communication). Resuming a smaller world
+        (:meth:`_grown_from`), the ranks it lacks read rank 0's file: every rank of a synchronous run is at
+        the same step, so each new rank starts as a copy of rank 0 (its replicas, optimizer and rule
+        state, the data position; its own data shard and random stream), as a replacement would."""
+        grown_from = self._grown_from(path)
+        self.copied = grown_from is not None and self.world.rank >= grown_from
+        rank = 0 if self.copied else self.world.rank
+        meta, state = load_rank_state(path, rank, self.expected(grown_from))
         self.resume = (path, meta, state)
         if self.world.rank == 0:
             log.info("resuming from %s (step %d)", path, meta["step"])
+            if grown_from is not None:
+                last = self.world.size - 1
+                which = (
+                    f"rank {last} starts as a copy"
+                    if last == grown_from
+                    else f"ranks {grown_from}-{last} start as copies"
+                )
+                log.warning(
+                    "resuming a checkpoint of %d rank(s), the survivors of an elastic run that started with "
+                    "%d, on %d: %s of rank 0",
+                    grown_from,
+                    self.world.size,
+                    self.world.size,
+                    which,
+                )
             skipped = skipped_for(path)
             if skipped:
                 log.warning(
@@ -166,6 +209,8 @@ class CheckpointManager:
         try:
             self.pool.load_state_dict(state["pool"])
             rule.load_state_dict(state["rule"])
+            if self.copied:  # rank 0's state, not its random stream: this rank keeps its own seed's
+                return
             torch.set_rng_state(state["rng"]["torch"])
             if self.device.type == "cuda" and state["rng"].get("cuda") is not None:
                 torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
