@@ -124,7 +124,7 @@ def test_a_lost_worker_is_survived_and_the_later_snapshots_hold_the_survivors(
         "rank-00001.pt",
         "rank-00003.pt",
     ]
-    assert torch.load(last / "meta.pt", weights_only=True)["lost"] == [2]
+    assert meta_of(last)["lost"] == [2]
     whole_ones = [p for p in complete_checkpoints(run / "checkpoints") if "lost" not in meta_of(p)]
     assert whole_ones and whole(whole_ones[-1]), "pruning keeps the newest snapshot with every rank's files"
     if fault == "fault.action=kill" and rule == ("RULE=ASGD",):

@@ -149,33 +149,38 @@ class CheckpointManager:
         meta, state = load_rank_state(path, rank, self.expected(grown_from))
         self.resume = (path, meta, state)
         if self.world.rank == 0:
-            log.info("resuming from %s (step %d)", path, meta["step"])
-            if grown_from is not None:
-                last = self.world.size - 1
-                which = (
-                    f"rank {last} starts as a copy"
-                    if last == grown_from
-                    else f"ranks {grown_from}-{last} start as copies"
-                )
-                log.warning(
-                    "resuming a checkpoint of %d rank(s), the survivors of an elastic run that started with "
-                    "%d, on %d: %s of rank 0",
-                    grown_from,
-                    self.world.size,
-                    self.world.size,
-                    which,
-                )
-            skipped = skipped_for(path)
-            if skipped:
-                log.warning(
-                    "resuming from %s, the run's newest checkpoint with every rank's state: its %d later "
-                    "one(s) (the newest %s) were taken after elastic training lost rank(s) %s and hold the "
-                    "survivors' state only; the steps since are trained again",
-                    path.name,
-                    len(skipped),
-                    skipped[-1].name,
-                    ", ".join(str(r) for r in lost_ranks(skipped[-1])),
-                )
+            self._say_resumed(path, int(meta["step"]), grown_from)
+
+    def _say_resumed(self, path: Path, step: int, grown_from: int | None) -> None:
+        """Rank 0's lines on what is resumed: the checkpoint, the ranks that start as copies of rank 0, the
+        survivors-only checkpoints skipped for it."""
+        log.info("resuming from %s (step %d)", path, step)
+        if grown_from is not None:
+            last = self.world.size - 1
+            which = (
+                f"rank {last} starts as a copy"
+                if last == grown_from
+                else f"ranks {grown_from}-{last} start as copies"
+            )
+            log.warning(
+                "resuming a checkpoint of %d rank(s), the survivors of an elastic run that started with %d, "
+                "on %d: %s of rank 0",
+                grown_from,
+                self.world.size,
+                self.world.size,
+                which,
+            )
+        skipped = skipped_for(path)
+        if skipped:
+            log.warning(
+                "resuming from %s, the run's newest checkpoint with every rank's state: its %d later one(s) "
+                "(the newest %s) were taken after elastic training lost rank(s) %s and hold the survivors' "
+                "state only; the steps since are trained again",
+                path.name,
+                len(skipped),
+                skipped[-1].name,
+                ", ".join(str(r) for r in lost_ranks(skipped[-1])),
+            )
 
     @property
     def position(self) -> dict[str, Any]:
