@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in one command, in the order of what a short loan of a GPU should give
-# first: (a) every CUDA test (pytest -m cuda); then the GPU tables, appended to benchmarks/results/gpu.md:
-# (b) learners per GPU, the pool engines serial, fused and streams against m = 1..16 at batch 16 and 32 on
-# ResNet-20 with each engine's peak GPU memory; (c) bf16 against fp32 samples/s on ResNet-20 and ResNet-50;
-# (d) BSP against DDP over NCCL; (e) the allreduce of a CUDA buffer over NCCL, staged MPI and CUDA-aware MPI;
-# (f) one short training run per engine on the GPU with its final accuracy next to the CPU's; (g) the pool
-# engines on ResNet-50. Run it whenever a CUDA GPU is at hand (benchmarks/gpu_device.sh runs it on a lent
-# machine):
+# first (issue 49's priority): (a) every CUDA test (pytest -m cuda); then the GPU tables, appended to
+# benchmarks/results/gpu.md: (b) train: one short training run per engine on the GPU (the digits job and the
+# MNIST-1D CNN, serial, fused and streams) with its final accuracy next to the same cfg's on this machine's
+# CPU, and BSP on 2 ranks sharing the GPU through the staged MPI exchange; (c) exchange: the allreduce of a
+# CUDA buffer over staged MPI, CUDA-aware MPI and NCCL against the floor of a pinned copy off the device and
+# back; (d) graphs and streams: the pool engines with CUDA graphs against without; (e) tta: the showdown on
+# one GPU, MNIST-1D to 94 %; (f) resnet50: the pool engines on ResNet-50. Steps that are not in the default
+# list, by name: learners (the engines against m = 1..16 on ResNet-20 without graphs), precision (bf16
+# against fp32 without graphs), ddp (BSP against DDP over NCCL: needs one GPU per rank). Run it whenever a
+# CUDA GPU is at hand (benchmarks/gpu_device.sh runs it on a lent machine):
 #
 #     benchmarks/gpu.sh                          # the python on PATH
 #     PYTHON=.venv/bin/python benchmarks/gpu.sh  # a virtual environment's
-#     GPU_SH_STEPS=ddp,exchange,train,resnet50 benchmarks/gpu.sh   # only these steps (a second try)
+#     GPU_SH_STEPS=graphs,streams,tta,resnet50 benchmarks/gpu.sh   # only these steps (a second try)
 #
-# The steps' names for GPU_SH_STEPS (default: all): tests, learners, precision, ddp, exchange, train,
-# resnet50. Without a CUDA device the tests skip, one line says the tables need one, nothing is written and
-# the exit status is 0. Every step has a time limit (passed to it as GPU_SH_STEP_SECONDS), and all of them
-# together GPU_SH_SECONDS (default 480: 8 minutes on one GPU); a step that fails or runs out of time gets a
-# note in gpu.md instead of its table. The exit status is non-zero when a CUDA test failed or a step did not
-# finish.
+# The steps' names for GPU_SH_STEPS (default: tests,train,exchange,graphs,streams,tta,resnet50; also
+# learners, precision, ddp). Without a CUDA device the tests skip, one line says the tables need one, nothing
+# is written and the exit status is 0. Every step has a time limit (passed to it as GPU_SH_STEP_SECONDS), and
+# all of them together GPU_SH_SECONDS (default 400); a step that fails or runs out of time gets a note in
+# gpu.md instead of its table, so every step writes its section even when it fails. The exit status is
+# non-zero when a CUDA test failed or a step did not finish.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python}
-BUDGET=${GPU_SH_SECONDS:-480}
-STEPS=${GPU_SH_STEPS:-tests,learners,precision,ddp,exchange,train,resnet50}
+BUDGET=${GPU_SH_SECONDS:-400}
+STEPS=${GPU_SH_STEPS:-tests,train,exchange,graphs,streams,tta,resnet50}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 limit_for() { # limit_for CAP: CAP seconds, or what is left of the budget if less (0: nothing left)
@@ -33,7 +36,7 @@ limit_for() { # limit_for CAP: CAP seconds, or what is left of the budget if les
 wants() { [[ ",$STEPS," == *",$1,"* ]]; } # wants NAME: whether GPU_SH_STEPS names the step
 
 tests_rc=0
-tests_limit=$(limit_for 150)
+tests_limit=$(limit_for 90)
 if ! wants tests; then
     tests_line="not run (GPU_SH_STEPS=$STEPS)"
 elif ((tests_limit == 0)); then # timeout 0 would mean no limit at all
@@ -85,18 +88,19 @@ step() { # step KEY NAME CAP COMMAND...: run COMMAND under its time limit (unles
 
 POOL=(-m benchmarks.pool --device cuda --engines serial,fused,streams --learners 1,2,4,8,16 --batches 16,32
     --rounds 3 --round-seconds 0.25 --out gpu)
-step learners "learners per GPU, ResNet-20" 120 "$PYTHON" "${POOL[@]}" --models resnet20
 PRECISION=(-m benchmarks.pool --device cuda --engines serial,fused --precisions fp32,bf16 --learners 1,8
     --batches 32 --rounds 3 --round-seconds 0.25 --out gpu)
+step train "training runs per engine" 150 "$PYTHON" -m benchmarks.gpu_train --device cuda \
+    --engines serial,fused,streams --cfgs launch/digits.cfg,launch/mnist1d.cfg --bsp-staged --run-timeout 40 \
+    --out gpu
+step exchange "exchange over CUDA" 60 "$PYTHON" -m benchmarks.exchange --device cuda --ranks 2 \
+    --sizes 16K,1M,16M,100M --repeats 20 --min-repeats 5 --out gpu
+step learners "learners per GPU, ResNet-20" 120 "$PYTHON" "${POOL[@]}" --models resnet20
 step precision "bf16 vs fp32, ResNet-20" 60 "$PYTHON" "${PRECISION[@]}" --models resnet20
 step precision "bf16 vs fp32, ResNet-50" 90 "$PYTHON" "${PRECISION[@]}" --models resnet50
 step ddp "BSP vs DDP-NCCL" 90 "$PYTHON" -m benchmarks.ddp --device cuda --ranks 2 --models resnet20,vgg16 \
     --rounds 2 --out gpu
-step exchange "exchange over CUDA" 60 "$PYTHON" -m benchmarks.exchange --device cuda --ranks 2 \
-    --sizes 16K,1M,16M,100M --repeats 20 --min-repeats 5 --out gpu
-step train "training runs per engine" 120 "$PYTHON" -m benchmarks.gpu_train --device cuda \
-    --engines serial,fused,streams --run-timeout 30 --out gpu
-step resnet50 "pool, ResNet-50" 180 "$PYTHON" "${POOL[@]}" --models resnet50
+step resnet50 "pool, ResNet-50" 120 "$PYTHON" "${POOL[@]}" --models resnet50
 
 echo "== gpu.sh: done in $SECONDS s; appended to benchmarks/results/gpu.md"
 if ((tests_rc != 0)); then exit "$tests_rc"; fi

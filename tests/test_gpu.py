@@ -9,6 +9,7 @@ a failed step noted, the time budget) and the pieces of the CUDA modes that need
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -177,7 +178,9 @@ def test_gpu_sh_without_cuda_skips_the_tests_and_writes_nothing() -> None:
 
 
 def test_gpu_sh_runs_every_step_in_order_and_notes_a_failure(tmp_path: Path) -> None:
-    python, log = fake_python(tmp_path, fail="benchmarks.ddp")
+    """The default steps run in issue 49's priority order (tests, train, exchange, ..., ResNet-50), the
+    steps outside the default list (learners, precision, ddp) not at all, and a failed step gets its note."""
+    python, log = fake_python(tmp_path, fail="benchmarks.exchange")
     proc = run_gpu_sh(python)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     calls = log.read_text(encoding="utf-8").splitlines()
@@ -185,18 +188,27 @@ def test_gpu_sh_runs_every_step_in_order_and_notes_a_failure(tmp_path: Path) -> 
     assert calls[1] == "-m benchmarks.gpu cuda"
     assert calls[2] == "-m benchmarks.gpu header --tests 4 passed, 1004 deselected in 9.00s --tests-rc 0"
     rest = [c.split()[1] for c in calls[3:]]
-    assert rest == ["benchmarks.pool"] * 3 + ["benchmarks.ddp", "benchmarks.gpu", "benchmarks.exchange"] + [
-        "benchmarks.gpu_train",
-        "benchmarks.pool",
-    ]
-    learners, bf16_20, bf16_50, _, note, _, train, resnet50 = calls[3:]
+    assert rest == ["benchmarks.gpu_train", "benchmarks.exchange", "benchmarks.gpu", "benchmarks.pool"]
+    train, _, note, resnet50 = calls[3:]
     assert all("--device cuda" in c and "--out gpu" in c for c in calls[3:] if c != note)
+    assert "--engines serial,fused,streams" in train and "--bsp-staged" in train
+    assert "launch/digits.cfg,launch/mnist1d.cfg" in train
+    assert resnet50.endswith("--models resnet50")
+    assert note.startswith("-m benchmarks.gpu note --step exchange over CUDA --rc 3 --limit ")
+    assert proc.stdout.count("left out (GPU_SH_STEPS=") == 4  # learners, precision twice, ddp
+
+
+def test_gpu_sh_runs_the_steps_outside_the_default_list_by_name(tmp_path: Path) -> None:
+    python, log = fake_python(tmp_path)
+    proc = run_gpu_sh(python, steps="learners,precision,ddp")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    calls = log.read_text(encoding="utf-8").splitlines()[2:]
+    assert [c.split()[1] for c in calls] == ["benchmarks.pool"] * 3 + ["benchmarks.ddp"]
+    learners, bf16_20, bf16_50, _ = calls
     assert "--engines serial,fused,streams --learners 1,2,4,8,16 --batches 16,32" in learners
-    assert learners.endswith("--models resnet20") and resnet50.endswith("--models resnet50")
+    assert learners.endswith("--models resnet20")
     assert "--precisions fp32,bf16" in bf16_20 and bf16_20.endswith("--models resnet20")
     assert "--precisions fp32,bf16" in bf16_50 and bf16_50.endswith("--models resnet50")
-    assert "--engines serial,fused,streams" in train
-    assert note.startswith("-m benchmarks.gpu note --step BSP vs DDP-NCCL --rc 3 --limit ")
 
 
 def test_gpu_sh_past_its_budget_starts_no_step(tmp_path: Path) -> None:
@@ -204,7 +216,10 @@ def test_gpu_sh_past_its_budget_starts_no_step(tmp_path: Path) -> None:
     proc = run_gpu_sh(python, budget=10)
     assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-2000:]
     notes = [c for c in log.read_text(encoding="utf-8").splitlines() if " note " in c]
-    assert len(notes) == 7 and all(n.endswith("--rc 124 --limit 0") for n in notes)
+    script = GPU_SH.read_text(encoding="utf-8")
+    defaults = re.search(r"STEPS=\$\{GPU_SH_STEPS:-([\w,]+)\}", script).group(1).split(",")  # type: ignore[union-attr]
+    default_steps = [key for key in re.findall(r"^step (\w+) ", script, re.M) if key in defaults]
+    assert len(notes) == len(default_steps) and all(n.endswith("--rc 124 --limit 0") for n in notes)
     assert "CUDA tests not started: the budget of 10 s is spent" in proc.stdout
     assert "not started, gpu.sh's time budget" in gpu.note_text("pool, ResNet-50", 124, 0)
     assert "stopped after its limit of 180 s" in gpu.note_text("pool, ResNet-50", 124, 180)
@@ -313,8 +328,10 @@ def test_gpu_train_plans_a_cpu_reference_for_every_engine_and_tabulates() -> Non
     assert [(j.engine, j.device) for j in jobs] == [
         ("serial", "cuda0"), ("serial", "cpu0"), ("fused", "cuda0"), ("fused", "cpu0"), ("streams", "cuda0")
     ]  # fmt: skip
-    assert [j.name for j in gpu_train.plan(["streams"], "cuda")] == ["streams-cuda0", "serial-cpu0"]
-    assert [j.name for j in gpu_train.plan(["serial", "fused"], "cpu")] == ["serial-cpu0", "fused-cpu0"]
+    names = [j.name for j in gpu_train.plan(["streams"], "cuda")]
+    assert names == ["digits-streams-cuda0", "digits-serial-cpu0"]
+    names = [j.name for j in gpu_train.plan(["serial", "fused"], "cpu")]
+    assert names == ["digits-serial-cpu0", "digits-fused-cpu0"]
     args = gpu_train.parse_args(["--epochs", "3"])
     cmd = gpu_train.command(gpu_train.Job("fused", "cuda0"), args, Path("out"))
     assert cmd[1:5] == ["-m", "mpicrossbow.cli", "-cfg", "launch/digits.cfg"]
@@ -328,12 +345,32 @@ def test_gpu_train_plans_a_cpu_reference_for_every_engine_and_tabulates() -> Non
         job("fused", "cuda0"): done(error="exit status 1: boom"),
         job("streams", "cuda0"): done(0.97, 2.5),
     }
-    lines = gpu_train.table(outcomes, ["serial", "fused", "streams"], "cuda", 4).splitlines()
-    assert lines[2] == "| serial | 4 | 97.50 % | 98.00 % | -0.50 | 2.0 | 3.0 |"
+    lines = gpu_train.table(outcomes, jobs, "cuda", 4).splitlines()
+    cfg = "| launch/digits.cfg"
+    assert lines[2] == f"{cfg} | serial | 1 | 4 | 97.50 % | 98.00 % | -0.50 | 2.0 | 3.0 |"
     assert lines[3].startswith(
-        "| fused | 4 | failed: exit status 1: boom | not run (the step's time was spent) |"
+        f"{cfg} | fused | 1 | 4 | failed: exit status 1: boom | not run (the step's time was spent) |"
     )
-    assert lines[4] == "| streams | 4 | 97.00 % | 98.00 % (serial's) | -1.00 | 2.5 | 3.0 |"
+    assert lines[4] == f"{cfg} | streams | 1 | 4 | 97.00 % | 98.00 % (serial's) | -1.00 | 2.5 | 3.0 |"
+
+
+def test_gpu_train_plans_both_cfgs_and_bsp_on_two_ranks_sharing_the_gpu() -> None:
+    """The default plan: the digits job's runs, then BSP on two ranks sharing the GPU through staged MPI
+    (with its two-rank CPU pair), then the MNIST-1D CNN's runs at the same overrides on both devices."""
+    args = gpu_train.parse_args(["--bsp-staged"])
+    jobs = gpu_train.plan(args.engines, "cuda", args.cfgs, args.bsp_staged)
+    staged = [j for j in jobs if j.ranks == 2]
+    assert [(j.engine, j.devices) for j in staged] == [("fused", "cuda0,cuda0"), ("fused", "cpu0,cpu1")]
+    assert jobs.index(staged[0]) == 5  # after the digits job's five runs, before MNIST-1D's
+    assert [j.cfg for j in jobs[7:]] == ["launch/mnist1d.cfg"] * 5
+    assert len({j.name for j in jobs}) == len(jobs)  # every run has its own folder
+    cmd = gpu_train.command(staged[0], args, Path("out"))
+    assert {"DEVICES=cuda0,cuda0", "RULE=BSP", "comm.backend=mpi"} <= set(cmd)
+    mnist = gpu_train.command(jobs[-1], args, Path("out"))
+    assert {"session.epochs=20", "optim.milestones=12,16"} <= set(mnist)
+    assert mnist[4] == "launch/mnist1d.cfg"
+    lines = gpu_train.table({staged[0]: gpu_train.Outcome(0.96, 4.0)}, jobs, "cuda", 4).splitlines()
+    assert "| fused | 2 (one GPU, staged MPI) | 4 | 96.00 % |" in lines[5]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
