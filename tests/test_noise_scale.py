@@ -176,13 +176,22 @@ def test_a_real_pool_gives_a_finite_positive_noise_scale(
     learners: int, make_rule: Callable[[], Rule]
 ) -> None:
     """The digits MLP on 2 in-process ranks through ``train_step``: BSP (its buckets on, one learner per
-    rank: the pooled mean) and parameter averaging with 2 learners per rank (each rank's own mean)."""
+    rank: the pooled mean) and parameter averaging with 2 learners per rank (each rank's own mean).
+
+    The pools (their networks) are built here, one after the other from their seeds, not in the ranks'
+    threads: those share torch's global generator, so the threads' interleaving decided the initial weights,
+    and with some draws the estimate of |G|² after 30 steps was not positive (the noise scale NaN by
+    definition; CI on e9e9262).
+    """
     steps = 30
+    pools = []
+    for rank in range(2):
+        torch.manual_seed(rank)
+        spec = PoolSpec(rank, 2, 8, OPTIM, torch.device("cpu"), seed=1, learners=learners)
+        pools.append(SerialPool(MLP(hidden=16), spec))
 
     def body(comm: Communicator) -> float:
-        torch.manual_seed(comm.rank)
-        spec = PoolSpec(comm.rank, 2, 8, OPTIM, torch.device("cpu"), seed=1, learners=learners)
-        pool = SerialPool(MLP(hidden=16), spec)
+        pool = pools[comm.rank]
         rule = make_rule().bind(comm, pool)
         probe = NoiseScale(every=2, smoothing=0.9)
         pool.start_epoch(0)
