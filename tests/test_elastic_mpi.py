@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import signal
@@ -175,11 +176,17 @@ def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
 
 def test_elastic_bsp_ends_close_to_an_uninterrupted_run(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
     """Losing one rank of four at step 40 of 88 costs little: the final accuracy is within 3 points of the
-    same job run whole (one seed; measured 0.9108 against the whole run's figure below)."""
+    same job run whole (one seed; measured 0.9108 against the whole run's figure below). The broken run
+    records a timeline (``session.timeline``), which the survivors gather over the live world at the end:
+    they gathered over the start world once, and failed there, after training, without a ``done:`` line."""
     whole = elastic_job(openmpi, tmp_path / "whole")
-    broken = elastic_job(openmpi, tmp_path / "broken", "fault.rank=1", "fault.step=40", "fault.action=kill")
+    kill = ("fault.rank=1", "fault.step=40", "fault.action=kill")
+    broken = elastic_job(openmpi, tmp_path / "broken", *kill, "session.timeline=5")
     assert whole.returncode == 0 and broken.returncode == 0, (whole.stderr[-2000:], broken.stderr[-2000:])
+    assert "Traceback" not in broken.stderr, broken.stderr[-3000:]
     assert abs(accuracy(whole.stderr) - accuracy(broken.stderr)) <= 0.03
+    trace = json.loads((only_run(tmp_path / "broken") / "timeline.json").read_text(encoding="utf-8"))
+    assert {event["pid"] for event in trace["traceEvents"]} == {0, 1, 2}  # the three survivors
 
 
 def test_a_resume_of_the_survivors_checkpoint_grows_back_to_the_whole_world(

@@ -57,7 +57,7 @@ class RunMode(ABC):
         if isinstance(parts.comm, ElasticCommunicator) and not parts.rule.synchronous:
             ElasticSteps(parts, parts.comm, parts.config.fault.min_ranks).settle("the end of training")
         if parts.timeline is not None:
-            parts.timeline.finish()
+            parts.timeline.finish(parts.world)
         if parts.trains and busy > 0:
             reporter.rank_rates(outcome.steps / busy, outcome.exchange_s / busy)
         else:

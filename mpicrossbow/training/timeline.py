@@ -60,8 +60,10 @@ class Timeline:
         """A serving rank records its messages from the start (bounded like the workers' window)."""
         RECORDER.start(self.steps * EVENTS_PER_STEP * max(1, self.world.size - 1))
 
-    def finish(self) -> None:
-        """Collective: gather every rank's events; rank 0 writes the Chrome trace and says what it holds."""
+    def finish(self, world: World) -> None:
+        """Collective over ``world``, the run's live one: gather every rank's events; rank 0 writes the Chrome
+        trace and says what it holds. Not the world this timeline started in: after an elastic loss that one
+        holds a dead rank, and its gather fails on every survivor after training."""
         RECORDER.stop()
         mine = [
             {
@@ -75,8 +77,8 @@ class Timeline:
             }
             for phase, name, cat, track, start, dur, args in RECORDER.take()
         ]
-        everyone = self.world.allgather(mine)
-        if self.world.rank != 0:
+        everyone = world.allgather(mine)
+        if world.rank != 0:
             return
         events: list[dict[str, Any]] = []
         for rank, theirs in enumerate(everyone):
@@ -91,7 +93,7 @@ class Timeline:
             "timeline of steps %d-%d on %d rank(s): %s (%d events); exchange %.4f s in those steps on rank 0",
             WARM_UP,
             WARM_UP + self.steps - 1,
-            self.world.size,
+            world.size,
             self.path,
             sum(len(t) for t in everyone),
             self.exchange_s,
