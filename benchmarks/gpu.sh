@@ -100,6 +100,7 @@ step precision "bf16 vs fp32, ResNet-20" 60 "$PYTHON" "${PRECISION[@]}" --models
 step precision "bf16 vs fp32, ResNet-50" 90 "$PYTHON" "${PRECISION[@]}" --models resnet50
 step ddp "BSP vs DDP-NCCL" 90 "$PYTHON" -m benchmarks.ddp --device cuda --ranks 2 --models resnet20,vgg16 \
     --rounds 2 --out gpu
+step tta "showdown on one GPU, MNIST-1D to 94 %" 90 "$PYTHON" -m benchmarks.tta --device cuda --out gpu
 step resnet50 "pool, ResNet-50" 120 "$PYTHON" "${POOL[@]}" --models resnet50
 
 echo "== gpu.sh: done in $SECONDS s; appended to benchmarks/results/gpu.md"

@@ -11,11 +11,16 @@ a global batch B, at factors of the linear-scaling centre ``base_lr × B / base_
 rules, whose every learner steps on its own batch of ``batch``, at η₀ × {1, √k, k} (``lr_scalings``) with
 η₀ the task's single-learner rate ``learner_lr`` and k the learners in all, capped at ``learner_lr_cap``
 (where one learner of that batch stops converging).
+
+The showdown on one device (``[cuda]``, :class:`OneDevice`) is a separate, short plan: a handful of
+configurations a side, each as a global batch and a factor of its linear-scaling centre, one process, plain
+PyTorch (side :data:`TORCH`) against mpicrossbow's fused learners; the grid above is not changed by it.
 """
 
 from __future__ import annotations
 
 import configparser
+import itertools
 import math
 import statistics
 from collections.abc import Iterable, Sequence
@@ -24,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 DDP, XB = "DDP", "mpicrossbow"
+#: The one-device showdown's baseline: one replica in one process, a plain PyTorch loop (no DDP).
+TORCH = "PyTorch"
 
 
 def _ints(text: str) -> list[int]:
@@ -104,6 +111,8 @@ class Setup:
         """How the tables name it."""
         if self.side == DDP:
             return f"DDP global batch {self.global_batch}, lr {self.lr:g}"
+        if self.side == TORCH:
+            return f"PyTorch one replica, batch {self.global_batch}, lr {self.lr:g}"
         if self.tune:
             return (
                 f"{self.rule} learners auto ({self.tune}) x b{self.batch} {self.engine}, "
@@ -183,6 +192,38 @@ class Grid:
         return list(dict.fromkeys(out))
 
 
+def _read(path: str | Path) -> configparser.ConfigParser:
+    """The grid file, parsed (a missing file ends the program with its name)."""
+    cfg = configparser.ConfigParser(inline_comment_prefixes=("#",))
+    if not cfg.read(path, encoding="utf-8"):
+        raise SystemExit(f"tta: no grid file {path}")
+    return cfg
+
+
+def _task(cfg: configparser.ConfigParser, name: str, path: str | Path) -> Task:
+    """The ``[task NAME]`` section as a :class:`Task`."""
+    if f"task {name}" not in cfg:
+        raise SystemExit(f"tta: no [task {name}] in {path}")
+    t = cfg[f"task {name}"]
+    return Task(
+        name=name,
+        modelfile=t["modelfile"],
+        modelclass=t["modelclass"],
+        dataset=t["dataset"],
+        target=t.getfloat("target"),
+        max_epochs=t.getint("max_epochs"),
+        momentum=t.getfloat("momentum"),
+        weight_decay=t.getfloat("weight_decay"),
+        warmup_epochs=t.getfloat("warmup_epochs"),
+        milestones=tuple(_ints(t["milestones"])),
+        gamma=t.getfloat("gamma"),
+        base_lr=t.getfloat("base_lr"),
+        base_batch=t.getint("base_batch"),
+        learner_lr=t.getfloat("learner_lr"),
+        learner_lr_cap=t.getfloat("learner_lr_cap"),
+    )
+
+
 def load_grid(path: str | Path, narrow: dict[str, str] | None = None) -> Grid:
     """Read the grid; ``narrow`` replaces lists by key (``seeds``, ``tasks``, ``global_batches``, ``rules``,
     ``learners`` (both BSP's and the averaging rules'), ``engines``, ``lr_scalings``, ``alphas``,
@@ -192,28 +233,7 @@ def load_grid(path: str | Path, narrow: dict[str, str] | None = None) -> Grid:
         raise SystemExit(f"tta: no grid file {path}")
     narrow = narrow or {}
     show, ddp, xb = cfg["showdown"], cfg["ddp"], cfg["mpicrossbow"]
-    tasks = {}
-    for name in _names(narrow.get("tasks") or show["tasks"]):
-        if f"task {name}" not in cfg:
-            raise SystemExit(f"tta: no [task {name}] in {path}")
-        t = cfg[f"task {name}"]
-        tasks[name] = Task(
-            name=name,
-            modelfile=t["modelfile"],
-            modelclass=t["modelclass"],
-            dataset=t["dataset"],
-            target=t.getfloat("target"),
-            max_epochs=t.getint("max_epochs"),
-            momentum=t.getfloat("momentum"),
-            weight_decay=t.getfloat("weight_decay"),
-            warmup_epochs=t.getfloat("warmup_epochs"),
-            milestones=tuple(_ints(t["milestones"])),
-            gamma=t.getfloat("gamma"),
-            base_lr=t.getfloat("base_lr"),
-            base_batch=t.getint("base_batch"),
-            learner_lr=t.getfloat("learner_lr"),
-            learner_lr_cap=t.getfloat("learner_lr_cap"),
-        )
+    tasks = {name: _task(cfg, name, path) for name in _names(narrow.get("tasks") or show["tasks"])}
     return Grid(
         ranks=show.getint("ranks"),
         threads=show.getint("threads"),
@@ -247,6 +267,103 @@ def _checked(text: str, known: dict[str, Any]) -> list[str]:
         if name not in known:
             raise SystemExit(f"tta: lr_scalings: unknown {name!r} (use {', '.join(known)})")
     return names
+
+
+@dataclass(frozen=True)
+class OneDevice:
+    """The showdown on one device (the ``[cuda]`` section): one process, a handful of configurations a side,
+    every one on the task's schedule, epoch cap and validation cadence (``[showdown] validate_every``)."""
+
+    task: Task
+    seeds: tuple[int, ...]
+    validate_every: float
+    #: torch threads of the process (both sides; the work is the device's)
+    threads: int
+    #: mpicrossbow's rule (its rates follow the linear-scaling centre of the batch one step averages: BSP)
+    rule: str
+    #: mpicrossbow's ``[pool] engine``
+    engine: str
+    #: ``[pool] cuda_graphs`` on a CUDA device, where the framework has the key
+    cuda_graphs: str
+    #: mpicrossbow's Config overrides beyond the plan's, ``{section: {key: value}}`` (``[cuda] settings``)
+    settings: dict[str, dict[str, str]]
+    #: no run starts with fewer seconds than this left before the deadline (a run is at least this long)
+    run_seconds: float
+    #: every configuration in the order the runs go: the sides alternate, each side's likeliest winner first
+    setups: tuple[Setup, ...]
+
+
+def _at_pairs(text: str, key: str) -> list[tuple[str, float]]:
+    """``A@F, B@F`` → ``[(A, F), …]`` (what ``[cuda] torch`` and ``mpicrossbow`` list)."""
+    out = []
+    for item in _names(text):
+        size, sep, factor = item.partition("@")
+        try:
+            value = float(factor)
+        except ValueError:
+            value = math.nan
+        if not sep or not size.strip() or not value > 0:
+            raise SystemExit(f"tta: [cuda] {key}: {item!r} is not SIZE@FACTOR (e.g. 256@0.5)")
+        out.append((size.strip(), value))
+    return out
+
+
+def _positive(text: str, key: str, item: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise SystemExit(f"tta: [cuda] {key}: {item!r} needs whole numbers of at least 1")
+    return int(text)
+
+
+def _overrides(text: str) -> dict[str, dict[str, str]]:
+    """``section.key=value, …`` (crossbow-launch's override form) → ``{section: {key: value}}``."""
+    out: dict[str, dict[str, str]] = {}
+    for item in _names(text):
+        dotted, sep, value = item.partition("=")
+        section, dot, key = dotted.strip().partition(".")
+        if not sep or not dot or not section or not key or not value.strip():
+            raise SystemExit(f"tta: [cuda] settings: {item!r} is not SECTION.KEY=VALUE")
+        out.setdefault(section, {})[key.strip()] = value.strip()
+    return out
+
+
+def load_one_device(path: str | Path, narrow: dict[str, str] | None = None) -> OneDevice:
+    """Read the ``[cuda]`` section of the grid file: the one-device plan. ``torch`` lists ``BATCH@FACTOR``
+    (one replica at that batch and FACTOR × the task's linear-scaling centre for it), ``mpicrossbow``
+    ``LEARNERSxBATCH@FACTOR`` (fused learners at that batch, the rule's rate FACTOR × the centre for the
+    ``LEARNERS × BATCH`` samples one step averages), ``settings`` mpicrossbow's further overrides as
+    ``section.key=value``; ``narrow`` may replace ``seeds``."""
+    cfg = _read(path)
+    if "cuda" not in cfg:
+        raise SystemExit(f"tta: no [cuda] section in {path}")
+    one, show = cfg["cuda"], cfg["showdown"]
+    task = _task(cfg, one["task"].strip(), path)
+    engine, rule = one["engine"].strip(), one["rule"].strip()
+    baseline = []
+    for size, factor in _at_pairs(one["torch"], "torch"):
+        batch = _positive(size, "torch", size)
+        baseline.append(Setup(TORCH, task.lr(factor, batch), global_batch=batch))
+    ours = []
+    for size, factor in _at_pairs(one["mpicrossbow"], "mpicrossbow"):
+        learners, sep, batch_text = size.lower().partition("x")
+        if not sep:
+            raise SystemExit(f"tta: [cuda] mpicrossbow: {size!r} is not LEARNERSxBATCH (e.g. 16x16)")
+        m, b = _positive(learners, "mpicrossbow", size), _positive(batch_text, "mpicrossbow", size)
+        ours.append(Setup(XB, task.lr(factor, m * b), rule=rule, learners=m, engine=engine, batch=b))
+    order: list[Setup] = []
+    for pair in itertools.zip_longest(baseline, ours):
+        order += [s for s in pair if s is not None]
+    return OneDevice(
+        task=task,
+        seeds=tuple(_ints((narrow or {}).get("seeds") or one["seeds"])),
+        validate_every=show.getfloat("validate_every"),
+        threads=one.getint("threads"),
+        rule=rule,
+        engine=engine,
+        cuda_graphs=one["cuda_graphs"].strip(),
+        settings=_overrides(one.get("settings", "")),
+        run_seconds=one.getfloat("run_seconds"),
+        setups=tuple(dict.fromkeys(order)),
+    )
 
 
 @dataclass
@@ -337,6 +454,7 @@ def summarise(runs: Sequence[Run]) -> list[Row]:
 def winners(rows: Sequence[Row]) -> dict[str, Row | None]:
     """Each side's fastest setup to the target (None: no setup of that side reached it on most seeds)."""
     best: dict[str, Row | None] = {DDP: None, XB: None}
+    best.update((row.setup.side, None) for row in rows if row.setup.side not in best)
     for row in rows:
         if not math.isnan(row.seconds) and best[row.setup.side] is None:
             best[row.setup.side] = row
