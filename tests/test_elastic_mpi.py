@@ -174,6 +174,31 @@ def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
     assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
 
 
+def test_a_job_that_is_not_elastic_leaves_no_rank_behind_under_ulfm(
+    openmpi: OpenMPIEnv, tmp_path: Path
+) -> None:
+    """Issue 50's orphan: ``elastic = false`` under ``mpiexec --with-ft ulfm``, rank 2 SIGKILLed at step 40.
+    The job fails (status non-zero, the lost rank named), and 5 s after mpiexec returned no rank of it is
+    left: ULFM's runtime does not end the survivors on MPI_Abort, and rank 0 once spun on in the
+    shared-memory flag poll at 65 % of a core, re-parented to init (PeerWatch ends that wait now)."""
+    out = tmp_path / "orphan"
+    args = digits_args(out, "session.epochs=4", "fault.rank=2", "fault.step=40", "fault.action=kill")
+    proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert any("rank 2 on" in line for line in error_lines(proc.stderr)), proc.stderr[-3000:]
+    time.sleep(5)
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if f"session.output={out}".encode() in cmdline.read_bytes():
+                left.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    for pid in left:  # never leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"ranks left running after the job ended: {left}"
+
+
 def test_elastic_bsp_ends_close_to_an_uninterrupted_run(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
     """Losing one rank of four at step 40 of 88 costs little: the final accuracy is within 3 points of the
     same job run whole (one seed; measured 0.9108 against the whole run's figure below). The broken run

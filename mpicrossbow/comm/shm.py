@@ -67,6 +67,7 @@ from mpi4py import MPI
 
 from mpicrossbow.comm.base import DoneHandle, Handle, ReduceOp
 from mpicrossbow.comm.mpi import MPICommunicator
+from mpicrossbow.comm.peer_watch import PeerWatch
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +265,10 @@ class SharedMemoryCommunicator(MPICommunicator):
             self._node.Free()
             raise ValueError(f"the ranks of the given node communicator do not all share memory ({size})")
         leader = self._node.Get_rank() == 0
+        #: Whether the peers the flag poll waits for can still answer (a dead peer, a job that ended)
+        self._watch = PeerWatch(
+            self._node.Get_rank(), dict(enumerate(self._node.allgather(PeerWatch.mine())))
+        )
         self._leaders = world.Split(0 if leader else MPI.UNDEFINED, key=world.rank)
         self.nodes = world.allreduce(int(leader))
         self.window_bytes = window_bytes
@@ -283,8 +288,9 @@ class SharedMemoryCommunicator(MPICommunicator):
 
         ``flags`` (default): the MPI-3 shared-memory polling idiom — ``MPI_Win_sync``, publish this rank's
         epoch in its flag, poll the other ranks' flags (yielding the core after :data:`SPINS` polls, which
-        matters when ranks outnumber free cores), ``MPI_Win_sync``. ``barrier``: ``MPI_Win_sync``, a barrier
-        on the node communicator, ``MPI_Win_sync``.
+        matters when ranks outnumber free cores; a wait past a second asks :class:`PeerWatch` whether the
+        peer is still alive and the job still running, and ends in its ``PeerGone`` if not),
+        ``MPI_Win_sync``. ``barrier``: ``MPI_Win_sync``, a barrier on the node communicator, ``MPI_Win_sync``.
         """
         window = self._window
         assert window is not None
@@ -302,7 +308,9 @@ class SharedMemoryCommunicator(MPICommunicator):
                     polls += 1
                     if polls > SPINS:
                         os.sched_yield()
+                        self._watch.waiting("the shared-memory allreduce")
                     window.win.Sync()
+            self._watch.reset()
         window.win.Sync()
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
