@@ -16,10 +16,17 @@ time for one call (for small sizes, the mean over a batch of calls), between bar
 algorithm bandwidth (bytes / median time) and the median's ratio to memcpy's and to raw mpi4py's.
 
 ``--device cuda`` allreduces a CUDA buffer instead (rank r on GPU ``r mod GPUs``, every call followed by a
-CUDA synchronisation inside the timed region): the framework's MPICommunicator staged through pinned host
-memory, the same with device pointers handed to a CUDA-aware MPI (only where the MPI says it is one), NCCL
-(only with one GPU per rank: NCCL refuses two ranks on one GPU) and one device-to-device copy; ratios are to
-the staged MPI path. Whatever cannot run is listed with its reason under the table.
+CUDA synchronisation inside the timed region): the framework's MPICommunicator on an MPI without CUDA support,
+its pipelined staging (mpicrossbow/comm/staged_pipeline.py: chunks copied out and back on copy streams while
+the host sums the chunk between them; buffers of one chunk or less are staged whole), the same with the
+chunks summed through node-shared memory (SharedMemoryCommunicator; skipped where /dev/shm is too small), the
+whole-buffer staging it replaces (one copy out, MPI, one copy back), device pointers handed to a CUDA-aware
+MPI (only where the MPI says it is one), NCCL (only with one GPU per rank: NCCL refuses two ranks on one
+GPU), the **floor** — each rank's own pinned device-to-host plus host-to-device copy of the same bytes, what
+any staging must at least pay — and one device-to-device copy. Ratios are to the floor (pipelined staging ÷
+floor is the goal figure: at most 1.5 at 16 MB and 100 MB) and to the whole-buffer staging (the gain).
+``--stage-chunks 1,16`` adds pipelined rows with other chunk sizes (MB). Whatever cannot run is listed with
+its reason under the table.
 
     python -m benchmarks.exchange --device cuda --ranks 2 --sizes 16K,1M,16M,100M --out gpu
 """
@@ -46,7 +53,12 @@ PLAIN = "framework, plain MPICommunicator"
 RAW = "raw mpi4py Allreduce"
 GLOO = "torch.distributed gloo all_reduce"
 MEMCPY = "memcpy of the same bytes (1 thread)"
-STAGED = "framework MPICommunicator, staged through pinned host memory"
+STAGED = "framework MPICommunicator, pipelined staging through pinned host memory (MPI sums the chunks)"
+STAGED_SHM = "framework SharedMemoryCommunicator, pipelined staging (node-shared memory sums the chunks)"
+WHOLE = (
+    "framework MPICommunicator, whole-buffer staging (one copy out, MPI, one copy back: before the pipeline)"
+)
+FLOOR = "floor: pinned device-to-host + host-to-device copy of the same bytes (each rank's own two copies)"
 AWARE = "framework MPICommunicator, CUDA-aware MPI (device pointers)"
 NCCL = "torch.distributed nccl all_reduce"
 D2D = "device-to-device copy of the same bytes"
@@ -83,6 +95,9 @@ def parse_args() -> argparse.Namespace:
         help="extra shared-memory rows, e.g. 1:flags,16:barrier (chunk MB : sync; no minimum size)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the buffer lives")
+    parser.add_argument(
+        "--stage-chunks", default="", help="--device cuda: extra pipelined-staging rows, chunk sizes in MB"
+    )
     parser.add_argument("--out", default="exchange", help="results/<OUT>.md to append to (gpu.sh: gpu)")
     parser.add_argument("--json", help="(internal) where a launched world writes its samples")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write to results/")
@@ -174,17 +189,43 @@ def cuda_plan(ranks: int, gpus: int, cuda_aware: bool, vendor: str) -> tuple[lis
     return methods, skipped
 
 
-def with_cuda_aware(flag: str) -> Any:
-    """An MPICommunicator over COMM_WORLD built with ``MPICROSSBOW_CUDA_AWARE=flag`` (read at construction:
-    "0" stages through pinned host memory, "1" hands device pointers to MPI); the environment is put back."""
+def cuda_rows(planned: list[str], chunk_rows: list[str], shm_ok: bool) -> list[str]:
+    """The table's rows for a CUDA run, in order: the pipelined staging (and ``chunk_rows``, its variants),
+    through shared memory where ``shm_ok``, the whole-buffer staging, then :func:`cuda_plan`'s other methods,
+    the floor before the device copy."""
+    rest = [name for name in planned if name not in (STAGED, D2D)]
+    return [STAGED, *chunk_rows, *([STAGED_SHM] if shm_ok else []), WHOLE, *rest, FLOOR, D2D]
+
+
+def shm_room(window_bytes: int, ranks: int) -> str:
+    """Why a SharedMemoryCommunicator with ``window_bytes`` chunks cannot be made here ('' if it can): its
+    window takes (2p + 4) chunks of /dev/shm, and a container's /dev/shm may be 64 MB in all."""
+    need = 2 * (2 * ranks + 4) * window_bytes  # twice the window: MPICH's own segments live there too
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError as exc:
+        return f"no /dev/shm ({exc})"
+    free = stat.f_bavail * stat.f_frsize
+    return "" if free >= need else f"/dev/shm has {free >> 20} MB free, the window wants {need >> 20} MB"
+
+
+def with_cuda_aware(flag: str, shared_memory: bool = False, stage_chunk_bytes: int | None = None) -> Any:
+    """An MPICommunicator (``shared_memory``: a SharedMemoryCommunicator with windows of one staging chunk)
+    over COMM_WORLD built with ``MPICROSSBOW_CUDA_AWARE=flag`` (read at construction: "0" stages through
+    pinned host memory, "1" hands device pointers to MPI); the environment is put back. ``stage_chunk_bytes``
+    overrides the pipelined staging's chunk (0: whole-buffer staging)."""
     from mpi4py import MPI
 
     from mpicrossbow.comm.mpi import MPICommunicator
+    from mpicrossbow.comm.shm import SharedMemoryCommunicator
+    from mpicrossbow.comm.staged_pipeline import stage_chunk_bytes as default_chunk
 
     before = os.environ.get("MPICROSSBOW_CUDA_AWARE")
     os.environ["MPICROSSBOW_CUDA_AWARE"] = flag
     try:
-        return MPICommunicator(MPI.COMM_WORLD)
+        if shared_memory:
+            return SharedMemoryCommunicator(MPI.COMM_WORLD, window_bytes=default_chunk())
+        return MPICommunicator(MPI.COMM_WORLD, stage_chunk_bytes=stage_chunk_bytes)
     finally:
         if before is None:
             del os.environ["MPICROSSBOW_CUDA_AWARE"]
@@ -192,27 +233,58 @@ def with_cuda_aware(flag: str) -> Any:
             os.environ["MPICROSSBOW_CUDA_AWARE"] = before
 
 
-def cuda_methods(comms: dict[str, Any], buf: Any, dst: Any) -> dict[str, Callable[[], object]]:
-    """Each communicator's allreduce of ``buf`` and the copy ``buf`` → ``dst``, each followed by a CUDA
-    synchronisation, so a timed call ends when the GPU's work (NCCL's kernel, a staging copy) has."""
+def cuda_methods(comms: dict[str, Any], buf: Any, dst: Any, host: Any) -> dict[str, Callable[[], object]]:
+    """Each communicator's allreduce of ``buf``, the floor (``buf`` → pinned ``host`` → ``dst``, both copies
+    queued on the current stream) and the copy ``buf`` → ``dst``, each followed by a CUDA synchronisation, so
+    a timed call ends when the GPU's work (NCCL's kernel, a staging copy) has."""
     import torch
 
     def synced(call: Callable[[], object]) -> Callable[[], object]:
         return lambda: (call(), torch.cuda.synchronize())
 
     methods = {name: synced(lambda c=comm: c.allreduce(buf)) for name, comm in comms.items()}
+    methods[FLOOR] = synced(lambda: (host.copy_(buf, non_blocking=True), dst.copy_(host, non_blocking=True)))
     methods[D2D] = synced(lambda: dst.copy_(buf))
     return methods
 
 
+def cuda_comms(args: argparse.Namespace, names: list[str], skipped: dict[str, str]) -> dict[str, Any]:
+    """The communicators of a CUDA run by row: the pipelined staging (and its ``--stage-chunks`` variants),
+    through shared memory where /dev/shm has room (else its reason goes into ``skipped``), the whole-buffer
+    staging, CUDA-aware MPI and NCCL where :func:`cuda_plan` put them in ``names``."""
+    from mpi4py import MPI
+
+    from mpicrossbow.comm.staged_pipeline import stage_chunk_bytes
+    from mpicrossbow.comm.torchdist import TorchDistCommunicator
+
+    world = MPI.COMM_WORLD
+    comms: dict[str, Any] = {STAGED: with_cuda_aware("0")}
+    for mb in filter(None, args.stage_chunks.split(",")):
+        chunk = int(float(mb) * 2**20)
+        comms[f"pipelined staging, {mb} MB chunks (MPI sums them)"] = with_cuda_aware(
+            "0", stage_chunk_bytes=chunk
+        )
+    why = world.allreduce(shm_room(stage_chunk_bytes(), world.Get_size()), op=MPI.MAX)  # one answer for all
+    if why:  # the window is collective: every rank skips it alike
+        skipped[STAGED_SHM] = why
+    else:
+        comms[STAGED_SHM] = with_cuda_aware("0", shared_memory=True)
+    comms[WHOLE] = with_cuda_aware("0", stage_chunk_bytes=0)
+    if AWARE in names:
+        comms[AWARE] = with_cuda_aware("1")
+    if NCCL in names:
+        comms[NCCL] = TorchDistCommunicator.from_mpi(world, backend="nccl")
+    return comms
+
+
 def measure_cuda(args: argparse.Namespace) -> dict[str, Any]:
-    """:func:`measure` on a CUDA buffer: staged and CUDA-aware MPI, NCCL and a device copy, as
-    :func:`cuda_plan` allows; rank 0 returns the samples (others: {})."""
+    """:func:`measure` on a CUDA buffer: the pipelined, shared-memory and whole-buffer staging, CUDA-aware MPI
+    and NCCL as :func:`cuda_plan` allows, the floor and a device copy; rank 0 returns the samples (others:
+    {})."""
     import torch
     from mpi4py import MPI
 
     from mpicrossbow.comm.mpi import mpi_cuda_aware
-    from mpicrossbow.comm.torchdist import TorchDistCommunicator
 
     world = MPI.COMM_WORLD
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
@@ -220,19 +292,20 @@ def measure_cuda(args: argparse.Namespace) -> dict[str, Any]:
     torch.cuda.set_device(local.Get_rank() % gpus)
     names, skipped = cuda_plan(local.Get_size(), gpus, mpi_cuda_aware(), MPI.get_vendor()[0])
     local.Free()
-    comms = {STAGED: with_cuda_aware("0")} | ({AWARE: with_cuda_aware("1")} if AWARE in names else {})
-    if NCCL in names:
-        comms[NCCL] = TorchDistCommunicator.from_mpi(world, backend="nccl")
+    comms = cuda_comms(args, names, skipped)
+    rows = cuda_rows(names, [n for n in comms if n.startswith("pipelined staging, ")], STAGED_SHM in comms)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     out: dict[str, Any] = {"ranks": world.Get_size(), "sizes": sizes, "samples": {}, "rounds": {}}
-    out |= {"mpi": MPI.get_vendor()[0], "reference": STAGED, "copy": D2D, "skipped": skipped}
+    out |= {"mpi": MPI.get_vendor()[0], "reference": WHOLE, "copy": FLOOR, "skipped": skipped}
     for size in sizes:
         buf = torch.empty(size // 4, device="cuda", dtype=torch.float32)
         dst = torch.empty_like(buf)
-        methods = cuda_methods(comms, buf, dst)
-        buffers = {name: dst if name == D2D else buf for name in methods}
+        host = torch.empty(size // 4, dtype=torch.float32, pin_memory=True)
+        made = cuda_methods(comms, buf, dst, host)
+        methods = {name: made[name] for name in rows}
+        buffers = {name: dst if name in (FLOOR, D2D) else buf for name in methods}
         out["samples"][str(size)] = time_methods(
-            world, methods, buffers, D2D, size, args, settle=torch.cuda.synchronize
+            world, methods, buffers, (FLOOR, D2D), size, args, settle=torch.cuda.synchronize
         )
         out["rounds"][str(size)] = rounds_for(size, args)
     for comm in comms.values():
@@ -244,24 +317,25 @@ def time_methods(
     world: Any,
     methods: dict[str, Callable[[], object]],
     buffers: dict[str, Any],
-    copy: str,
+    copy: str | tuple[str, ...],
     size: int,
     args: argparse.Namespace,
     settle: Callable[[], object] | None = None,
 ) -> dict[str, list[float]]:
-    """Check that every method sums (``copy``: copies) into its buffer in ``buffers``, then time them all in
-    rotating rounds, the buffers zeroed before each sample (then ``settle()``: a CUDA zeroing must finish
-    before the clock starts): the slowest rank's seconds per call, by name."""
+    """Check that every method sums (``copy``, one name or several: copies) into its buffer in ``buffers``,
+    then time them all in rotating rounds, the buffers zeroed before each sample (then ``settle()``: a CUDA
+    zeroing must finish before the clock starts): the slowest rank's seconds per call, by name."""
     from mpi4py import MPI
 
+    copies = {copy} if isinstance(copy, str) else set(copy)
     inputs = list({id(b): b for b in buffers.values()}.values())
     for name, call in methods.items():
         for b in inputs:
             b.fill_(1)
-        if name == copy:
+        if name in copies:
             buffers[name].zero_()  # the copy's destination: only the copy can make it 1
         call()
-        want = 1.0 if name == copy else float(world.Get_size())
+        want = 1.0 if name in copies else float(world.Get_size())
         got = buffers[name][[0, -1]].tolist()
         assert got == [want, want], f"{name} at {size} B gave {got}, want {want}"
     calls = max(1, min(100, int(1e6 // size)))  # batch tiny calls so one sample is not all timer noise
@@ -287,7 +361,14 @@ def time_methods(
 def table(result: dict[str, Any]) -> str:
     """One markdown table per world size: a row per (size, method); then the methods skipped and why."""
     reference, copy = result.get("reference", RAW), result.get("copy", MEMCPY)
-    names = {RAW: "raw mpi4py", STAGED: "staged MPI", MEMCPY: "memcpy", D2D: "device copy"}
+    names = {
+        RAW: "raw mpi4py",
+        STAGED: "staged MPI",
+        MEMCPY: "memcpy",
+        D2D: "device copy",
+        FLOOR: "floor",
+        WHOLE: "whole-buffer staging",
+    }
     rows = [
         f"### {result['ranks']} ranks",
         "",
@@ -332,11 +413,37 @@ def plot(results: list[dict[str, Any]], path: Path, mpi: str) -> None:
     plt.close(fig)
 
 
+def cuda_summary(result: dict[str, Any]) -> list[str]:
+    """The goal lines of a CUDA run: at 16 MB and 100 MB, each staging ÷ the floor (goal: the pipelined
+    staging at most 1.5), medians."""
+    lines = []
+    for size in (16 << 20, 100 << 20):
+        s = result["samples"].get(str(size), {})
+        if FLOOR not in s:
+            continue
+        floor = statistics.median(s[FLOOR])
+        ratios = ", ".join(
+            f"{label_} {statistics.median(s[name]) / floor:.2f}"
+            for name, label_ in (
+                (STAGED, "pipelined (MPI)"),
+                (STAGED_SHM, "pipelined (shared memory)"),
+                (WHOLE, "whole-buffer"),
+            )
+            if name in s
+        )
+        lines.append(
+            f"- {result['ranks']} ranks, {label(size)}: staging ÷ floor = {ratios} (goal: pipelined ≤ 1.5)"
+        )
+    return lines
+
+
 def summary(results: list[dict[str, Any]]) -> str:
     """The acceptance lines: 100 MB, the default path (a pool's buffer after share()) and the copying
-    shared-memory path ÷ raw mpi4py, and the default path ÷ one memcpy."""
+    shared-memory path ÷ raw mpi4py, and the default path ÷ one memcpy; of CUDA runs,
+    :func:`cuda_summary`'s."""
     lines = []
     for result in results:
+        lines += cuda_summary(result)
         key = str(100 << 20)
         if key in result["samples"] and SHM in result["samples"][key]:
             s = result["samples"][key]

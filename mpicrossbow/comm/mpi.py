@@ -10,7 +10,12 @@ broadcast and point-to-point move them as raw 16-bit words, without a copy.
 
 GPU tensors: if the MPI library is CUDA-aware (``MPI.Query_cuda_support()`` where mpi4py has it, overridden by
 ``MPICROSSBOW_CUDA_AWARE=0/1``) the device tensor goes to MPI directly, after the current stream is
-synchronized; otherwise it is staged through a pinned host buffer (cached per dtype and size) and copied back
+synchronized. Otherwise an allreduce of more than one chunk (``MPICROSSBOW_STAGE_CHUNK``, default 4 MiB) goes
+through :class:`~mpicrossbow.comm.staged_pipeline.StagedAllreduce`: chunks copied out and back on their own
+CUDA streams through two pinned host halves while the host sums the chunk between them (by this
+communicator's own allreduce of the host chunk, so a subclass's host path, shared memory, serves it too);
+it is blocking, also with ``async_op``, which then returns a completed handle. Smaller allreduces, broadcast
+and point-to-point are staged whole through a pinned host buffer (cached per dtype and size) and copied back
 when the operation completes.
 """
 
@@ -24,6 +29,8 @@ import torch
 from mpi4py import MPI
 
 from mpicrossbow.comm.base import Communicator, DoneHandle, FollowUpHandle, Handle, ReduceOp
+from mpicrossbow.comm.staged_pipeline import CudaStaging, StagedAllreduce
+from mpicrossbow.comm.staged_pipeline import stage_chunk_bytes as _stage_chunk_bytes
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +77,25 @@ class MPIHandle(FollowUpHandle):
 
 
 class MPICommunicator(Communicator):
-    """A :class:`Communicator` over an mpi4py communicator (``COMM_WORLD`` by default)."""
+    """A :class:`Communicator` over an mpi4py communicator (``COMM_WORLD`` by default).
+
+    ``stage_chunk_bytes``: the chunk of the pipelined staging of CUDA allreduces on an MPI without CUDA
+    support (module docstring); None: ``MPICROSSBOW_STAGE_CHUNK`` or 4 MiB; 0: always stage whole tensors.
+    Every rank must use the same value.
+    """
 
     name = "mpi"
 
-    def __init__(self, comm: MPI.Comm | None = None, *, _owned: bool = False) -> None:
+    def __init__(
+        self, comm: MPI.Comm | None = None, *, stage_chunk_bytes: int | None = None, _owned: bool = False
+    ) -> None:
         self._comm = MPI.COMM_WORLD if comm is None else comm
         self._owned = _owned  # True for communicators made by split(): close() frees them
         self._cuda_aware = mpi_cuda_aware()
         self._pinned: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self.stage_chunk_bytes = _stage_chunk_bytes() if stage_chunk_bytes is None else stage_chunk_bytes
+        # one pipelined staging (copy streams, pinned halves) per CUDA device, made on first use
+        self._staging: dict[torch.device, StagedAllreduce[torch.cuda.Event]] = {}
         self._closed = False
 
     @property
@@ -143,6 +160,29 @@ class MPICommunicator(Communicator):
         log.debug("allocating a pinned staging buffer of %d x %s", numel, dtype)
         return torch.empty(numel, dtype=dtype, pin_memory=True)
 
+    def _pipelines(self, tensor: torch.Tensor) -> bool:
+        """Whether an allreduce of ``tensor`` takes the pipelined staging: CUDA, MPI without CUDA support,
+        more than one chunk (a single chunk has nothing to overlap)."""
+        return (
+            tensor.is_cuda
+            and not self._cuda_aware
+            and 0 < self.stage_chunk_bytes < tensor.numel() * tensor.element_size()
+        )
+
+    def _staged_allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """Sum ``tensor`` through the device's :class:`StagedAllreduce`, each host chunk reduced by this
+        communicator's own allreduce (MPI's; a subclass's host path, such as shared memory, where it has
+        one)."""
+        if not tensor.is_contiguous():
+            raise ValueError("MPICommunicator needs a contiguous tensor; call .contiguous() first")
+        if tensor.dtype not in NATIVE_REDUCE_DTYPES | UPCAST_DTYPES:
+            raise TypeError(f"MPICommunicator cannot reduce {tensor.dtype}")
+        pipeline = self._staging.get(tensor.device)
+        if pipeline is None:
+            device = CudaStaging(tensor.device, self.stage_chunk_bytes)
+            pipeline = self._staging[tensor.device] = StagedAllreduce(device, self.stage_chunk_bytes)
+        pipeline(tensor.detach().view(-1), lambda host: self.allreduce(host, op).wait())
+
     def _finish(self, request: MPI.Request | None, buf: object, finish: Callable[[], None]) -> Handle:
         if request is None:
             finish()
@@ -152,7 +192,13 @@ class MPICommunicator(Communicator):
     # -- operations ----------------------------------------------------------------------------------
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
-        """In-place ``MPI_Allreduce`` (``MPI_Iallreduce`` when ``async_op``) on the tensor's own memory."""
+        """In-place ``MPI_Allreduce`` (``MPI_Iallreduce`` when ``async_op``) on the tensor's own memory.
+
+        A CUDA tensor of more than ``stage_chunk_bytes`` on an MPI without CUDA support goes through the
+        pipelined staging instead, blocking even with ``async_op`` (the handle returned is complete)."""
+        if self._pipelines(tensor):
+            self._staged_allreduce(tensor, op)
+            return DoneHandle()
         buf, finish = self._buffer(tensor, reduce=True, copy_in=True, copy_out=True)
         if async_op:
             return self._finish(self._comm.Iallreduce(MPI.IN_PLACE, buf, _MPI_OPS[op]), buf, finish)
@@ -185,19 +231,29 @@ class MPICommunicator(Communicator):
     def split(self, color: int, key: int | None = None) -> MPICommunicator:
         """``MPI_Comm_split``; the new communicator is freed by its own or this one's ``close()``."""
         return self._adopt(
-            MPICommunicator(self._comm.Split(color, self.rank if key is None else key), _owned=True)
+            MPICommunicator(
+                self._comm.Split(color, self.rank if key is None else key),
+                stage_chunk_bytes=self.stage_chunk_bytes,
+                _owned=True,
+            )
         )
 
     def split_node(self) -> MPICommunicator:
         """``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``: the ranks sharing this node's memory."""
         return self._adopt(
-            MPICommunicator(self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank), _owned=True)
+            MPICommunicator(
+                self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank),
+                stage_chunk_bytes=self.stage_chunk_bytes,
+                _owned=True,
+            )
         )
 
     def close(self) -> None:
-        """Free the communicators made by :meth:`split` (never ``COMM_WORLD``) and the staging buffers."""
+        """Free the communicators made by :meth:`split` (never ``COMM_WORLD``) and the staging buffers and
+        streams."""
         if not self._close_children():
             return
         self._pinned.clear()
+        self._staging.clear()
         if self._owned and self._comm != MPI.COMM_NULL:
             self._comm.Free()
