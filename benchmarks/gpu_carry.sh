@@ -8,6 +8,10 @@
 # (with cmeel, its one requirement) hwloc's lstopo. Pillow and tqdm come along as fallbacks that
 # gpu_device.sh installs only where the machine's Python cannot import them (tests/test_images.py imports
 # PIL, and a test module that fails to import stops `pytest -m cuda tests` before any CUDA test runs).
+# MNIST-1D travels as data, not as a package: the mnist1d generator needs scipy, matplotlib and requests,
+# which the GPU machine may lack and which would not fit the carry, so this script writes the data set's
+# cache file (the arguments of launch/mnist1d.cfg and of the showdown's task, the generator's defaults) into
+# .gpu-carry/mnist1d/, and gpu_device.sh copies it into data/mnist1d/, where the runs find it.
 #
 #     benchmarks/gpu_carry.sh            # download what is missing, prune what is not listed, check the size
 #     benchmarks/gpu_carry.sh --check    # only print the folder's size and check it against the limit
@@ -68,8 +72,17 @@ for spec in "${WHEELS[@]}"; do
     "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
         --python-version 3.12 --implementation cp "${PLATFORMS[@]}" -d "$CARRY" "$spec"
 done
+MNIST1D=$CARRY/mnist1d
+if compgen -G "$MNIST1D/mnist1d-*.h5" >/dev/null; then
+    echo "gpu_carry.sh: the MNIST-1D cache is there ($(cd "$MNIST1D" && ls mnist1d-*.h5 | tr '\n' ' '))"
+else
+    echo "gpu_carry.sh: generating the MNIST-1D cache into $MNIST1D"
+    "$PYTHON" -c 'import sys; from mpicrossbow.data.mnist1d import mnist1d; mnist1d("train", cache=sys.argv[1])' \
+        "$MNIST1D"
+fi
 for file in "$CARRY"/*; do # a wheel of another version, or anything else, would travel for nothing
     name=${file##*/}
+    [[ $name == mnist1d ]] && continue
     keep=0
     for s in "${stems[@]}"; do
         if [[ ${name,,} == "$s"*.whl ]]; then keep=1; fi

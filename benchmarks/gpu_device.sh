@@ -25,7 +25,8 @@
 # 3. The project importable without installing it: a .pth naming the repository, read before the machine's
 #    packages (what an editable install writes, without needing setuptools on that machine), and setup.py's
 #    console scripts (crossbow-launch, ...) as small scripts in the venv's bin/.
-# 4. The versions: nvidia-smi, `python -m benchmarks.gpu versions` (torch, CUDA, cuDNN, NCCL, MPI, mpiexec,
+# 4. The MNIST-1D cache that gpu_carry.sh generated, copied into data/mnist1d/ (the machine may lack the
+#    generator's packages). The versions: nvidia-smi, `python -m benchmarks.gpu versions` (torch, CUDA, cuDNN, NCCL, MPI, mpiexec,
 #    hwloc, ...), mpiexec --version.
 # 5. benchmarks/gpu.sh with GPU_SH_SECONDS = what is left of GPU_DEVICE_SECONDS (default 420 s for this whole
 #    script, which leaves time for a second try within a 15-minute loan) less 20 s for copying results back.
@@ -187,6 +188,15 @@ timeout 30 nvidia-smi >"$OUTDIR/nvidia-smi.txt" 2>&1 || log "nvidia-smi failed o
     { timeout 20 mpiexec --version 2>&1 || echo "no mpiexec"; } | head -n 5
 } >"$OUTDIR/versions.txt"
 tee -a "$OUTDIR/device.log" <"$OUTDIR/versions.txt"
+
+shopt -s nullglob
+cached=("$CARRY"/mnist1d/mnist1d-*.h5)
+shopt -u nullglob
+if ((${#cached[@]})); then # the MNIST-1D data set, generated where the generator installs (gpu_carry.sh)
+    mkdir -p data/mnist1d && cp -n "${cached[@]}" data/mnist1d/ && log "MNIST-1D cache into data/mnist1d/: ${cached[*]##*/}"
+else
+    log "no MNIST-1D cache in $CARRY/mnist1d: the MNIST-1D runs need the mnist1d package on this machine"
+fi
 
 before=$(stat -c %s "$GPU_MD" 2>/dev/null || echo 0)
 left=$((BUDGET - SECONDS - RESERVE))

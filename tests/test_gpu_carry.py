@@ -135,6 +135,7 @@ def test_gpu_device_sh_installs_offline_and_writes_its_logs(tmp_path: Path) -> N
     assert "-m pip install --no-index --no-deps --ignore-installed --no-cache-dir fakecarry-1.0" in log
     assert "tqdm: the machine's Python imports tqdm; its carried wheel is left out" in log
     assert "the project imports from any folder" in log and "FAILED" not in log
+    assert f"no MNIST-1D cache in {carry}/mnist1d: the MNIST-1D runs need the mnist1d package" in log
     assert "Successfully installed fakecarry-1.0" in (out / "pip.log").read_text(encoding="utf-8")
     versions = (out / "versions.txt").read_text(encoding="utf-8")
     assert f"torch: {torch.__version__} from " in versions and "cuda: no CUDA device" in versions
