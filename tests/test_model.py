@@ -32,7 +32,12 @@ def test_builtin_models_follow_their_contracts() -> None:
     [
         ("def broken(:\n", "X", r"MODELFILE '.*user_model.py': syntax error in .*user_model.py line 1"),
         ("import no_such_package_xyz\n", "X", r"imports 'no_such_package_xyz', which is not installed"),
-        ("raise ValueError('bad constant')\n", "X", r"failed to import: ValueError: bad constant"),
+        (
+            "import torch\n\ndef make():\n    return torch.zeros(6).reshape(4, 4)\n\nW = make()\n",
+            "X",
+            r"failed to import at .*user_model.py:4: RuntimeError: shape '\[4, 4\]' is invalid",
+        ),
+        ("x = 1\nraise ValueError('bad constant')\n", "X", r"at .*user_model.py:2: ValueError: bad constant"),
         ("class A: pass\n", "B", r"MODELCLASS 'B' not found in .*; classes and functions there: A"),
         ("class A:\n    def module(self): pass\n", "A", r"A is missing data\(\); a torch-native model needs"),
         (

@@ -26,10 +26,12 @@ and ``val_batches()`` iterators of ``(inputs, targets)``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Literal
 
@@ -112,6 +114,20 @@ def _import_module(modelfile: str) -> Any:
         raise
 
 
+def raised_at(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``exc`` in the user's code (importlib's own frozen frames left
+    out), relative to the working directory when under it: where a model file that raises at import failed,
+    so the one line names the file and line and the user need not find a traceback."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.filename.startswith("<frozen") or frame.filename == __file__:
+            continue
+        path = Path(frame.filename)
+        with contextlib.suppress(ValueError):
+            path = path.resolve().relative_to(Path.cwd().resolve())
+        return f"{path}:{frame.lineno}"
+    return "an unknown line"
+
+
 def load_model_class(modelfile: str, modelclass: str) -> Any:
     """MODELCLASS (a class or a function) from MODELFILE; an import failure is one ContractError line."""
     try:
@@ -126,7 +142,7 @@ def load_model_class(modelfile: str, modelclass: str) -> Any:
         ) from None
     except Exception as exc:
         raise ContractError(
-            f"MODELFILE '{modelfile}' failed to import: {type(exc).__name__}: {exc}"
+            f"MODELFILE '{modelfile}' failed to import at {raised_at(exc)}: {type(exc).__name__}: {exc}"
         ) from None
     cls = getattr(module, modelclass, None)
     if not callable(cls):
