@@ -8,6 +8,7 @@ examples/train_digits.py's ``main`` — so torch starts once per rank for a whol
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -166,3 +167,21 @@ def test_a_bad_init_argument_is_one_line_naming_the_argument(mpiexec: str, call:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith(f"mpicrossbow: error: {line}"), proc.stderr[-2000:]
     assert "NOT REACHED" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_a_second_xb_init_that_asks_for_more_is_one_line_and_leaves_nothing(
+    mpiexec: str, tmp_path: Path
+) -> None:
+    """``xb.init()`` then ``xb.init(bind="core")`` on 2 ranks (issue 51): rank 0 alone prints the line, every
+    rank exits 2, and no shared-memory segment nor traceback folder is left (it was one line per rank, a
+    /dev/shm segment and a traceback folder)."""
+    script = "import mpicrossbow as xb\nxb.init()\nxb.init(bind='core')\nprint('NOT REACHED')\n"
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = run_mpi(mpiexec, 2, [sys.executable, "-c", script], timeout=90, env={"TMPDIR": str(tmp_path)})
+    lines = [text for text in proc.stderr.splitlines() if text.startswith("mpicrossbow: error: ")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    said = "mpicrossbow: error: xb.init(bind='core'): xb.init already ran in this process with bind='none'"
+    assert len(lines) == 1 and lines[0].startswith(said), proc.stderr[-2000:]
+    assert "NOT REACHED" not in proc.stdout and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+    assert set(os.listdir("/dev/shm")) - shm_before == set()

@@ -34,6 +34,7 @@ import os
 import secrets
 import sys
 import tempfile
+import time
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -90,6 +91,8 @@ class _Process:
     tracebacks: Path | None = None
     #: An uncaught exception is ending the job: the exit hook has nothing to add.
     failed: bool = False
+    #: A duplicate of COMM_WORLD for the API's own agreements, apart from the user's collectives.
+    control: Any = None
 
 
 _state = _Process()
@@ -127,7 +130,9 @@ def init(
     asked = {"devices": devices, "bind": bind, "comm": dict(comm or {}), "log_level": log_level}
     asked["threads"] = threads
     if _state.world is not None:
-        _check_repeated_init(asked)
+        problem = _repeated_init_problem(asked)
+        if problem:
+            _refuse_repeated_init(_state.world, problem)
         return _state.world
     tasks = srun_tasks_without_pmi()
     if tasks:  # every task would see a world of one and train alone
@@ -160,25 +165,57 @@ def init(
     _state.tracebacks = Path(tempfile.gettempdir()) / f"mpicrossbow-{world.bcast(secrets.token_hex(4))}"
     _state.world = replace(world, device=device)
     _state.init_args = asked
+    _state.control = world.mpi.Dup() if world.mpi is not None else None
     log.info("%d rank(s); rank 0 on %s, %d thread(s)", world.size, device, torch.get_num_threads())
     return _state.world
 
 
-def _check_repeated_init(asked: dict[str, Any]) -> None:
-    """A second ``init`` may ask for nothing new; one that would change the first call's arguments is a
-    UsageError, not silently ignored (MPI, the device and the binding are chosen once per process)."""
+#: Seconds a rank whose second ``xb.init`` asks for something new waits for every rank to have done the same
+#: (then rank 0 alone says so); past it, the others are elsewhere and this rank ends the job with its line.
+REPEATED_INIT_WAIT_S = 5.0
+
+
+def _repeated_init_problem(asked: dict[str, Any]) -> str | None:
+    """A second ``init`` may ask for nothing new; the line refusing one that would change the first call's
+    arguments (MPI, the device and the binding are chosen once per process), or None."""
     defaults = {name: p.default for name, p in inspect.signature(init).parameters.items()}
     defaults["comm"] = {}
     first = _state.init_args
     changed = [k for k, value in asked.items() if value != defaults[k] and value != first.get(k, defaults[k])]
-    if changed:
-        now = ", ".join(f"{k}={asked[k]!r}" for k in changed)
-        before = ", ".join(f"{k}={first.get(k, defaults[k])!r}" for k in changed)
-        raise UsageError(
-            f"xb.init({now}): xb.init already ran in this process with {before}, and MPI, the device and the "
-            "binding are chosen once: pass every argument to the first xb.init call (xb.init() without "
-            "arguments returns the same world)"
-        )
+    if not changed:
+        return None
+    now = ", ".join(f"{k}={asked[k]!r}" for k in changed)
+    before = ", ".join(f"{k}={first.get(k, defaults[k])!r}" for k in changed)
+    return (
+        f"xb.init({now}): xb.init already ran in this process with {before}, and MPI, the device and the "
+        "binding are chosen once: pass every argument to the first xb.init call (xb.init() without "
+        "arguments returns the same world)"
+    )
+
+
+def _refuse_repeated_init(world: World, problem: str) -> None:
+    """End the job over a second ``init`` that asks for something new: one line, status 2, nothing left.
+
+    The script makes the same call on every rank, so the ranks meet (a non-blocking allgather on the API's
+    own communicator, never the user's): rank 0 says the line, and every rank leaves through a normal exit
+    (MPI_Finalize: no shared-memory segment, no traceback folder left). A rank whose peers do not come within
+    :data:`REPEATED_INIT_WAIT_S` (a call made on some ranks only) says the line itself and ends the job.
+    """
+    _state.failed = True  # the exit hook has nothing to add
+    control = _state.control
+    if control is None or world.size == 1:
+        say(problem, PREFIX)
+        raise SystemExit(USAGE_EXIT_CODE)
+    mine, everyone = bytearray(b"\x01"), bytearray(world.size)
+    request = control.Iallgather(mine, everyone)
+    deadline = time.monotonic() + REPEATED_INIT_WAIT_S
+    while not request.Test():
+        if time.monotonic() > deadline:
+            abort_job(world, f"rank {world.rank}: {problem}", USAGE_EXIT_CODE, prefix=PREFIX)
+        time.sleep(0.01)
+    if world.rank == 0:
+        say(problem, PREFIX)
+    raise SystemExit(USAGE_EXIT_CODE)
 
 
 def _as_argument(exc: ConfigError, key: str, name: str, value: object) -> UsageError:
