@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 hostfile=args.hostfile,
                 bind=config.numa.bind,
                 launcher=args.launcher,
-                fault_tolerant=config.fault.elastic is not False,
+                fault_tolerant=config.elastic.enabled is not False,
             )
         except UsageError as exc:
             say(str(exc))
@@ -149,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     freeze_objects_at_exit()
     with collector_off_then_frozen():
         from .training.runner import run_rank  # ranks import torch; the path to mpiexec does not
+
+        try:  # every [rule] key is checked here, before MPI starts, as [optim]'s are when the cfg is read
+            resolved(config)
+        except UsageError as exc:  # every rank reads the same cfg and fails alike: rank 0 speaks for all
+            if launcher_rank() in (0, None):
+                say(str(exc))
+            return USAGE_EXIT_CODE
 
     return run_rank(config)
 

@@ -229,3 +229,16 @@ def test_sigint_to_a_rule_init_driver_stops_the_whole_job(tmp_path: Path) -> Non
             driver.wait(timeout=10)
         for pid, _ in processes_mentioning(marker):  # only this test's processes, by id
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_rule_key_typo_is_refused_before_mpi_starts(mpiexec: str, tmp_path: Path) -> None:
+    """``rule.alpah=0.5`` is one line and status 2 before any rank starts MPI, as a typo in [optim] is (issue
+    51: it came after MPI's start, about 10 s in). The ranks run with mpi4py's automatic MPI_Init off: a
+    rank that reached an MPI call would fail on it (MPICH: 'Attempting to use an MPI routine before
+    initializing'), not on the key."""
+    args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}/runs", "RULE=SMA"]
+    proc = run_mpi(mpiexec, 2, [*args, "rule.alpah=0.5"], timeout=60, env={"MPI4PY_RC_INITIALIZE": "0"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line or "MPI routine" in line]
+    assert errors == ["crossbow-launch: error: [rule] unknown key 'alpah'; valid keys: alpha, momentum"]
+    assert not (tmp_path / "runs").exists()
