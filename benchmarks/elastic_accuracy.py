@@ -4,10 +4,10 @@ For each rule that is elastic today (BSP, SMA, LOCALSGD, sync EASGD: synchronous
 PSGD, WEEDOUT, async EASGD: the parameter server or centre forgets a lost worker; GOSGD: every peer forgets
 it) and each seed, the MNIST-1D CNN
 (launch/mnist1d.cfg) trains on 4 ranks under ``mpiexec --with-ft ulfm`` (Open MPI with ULFM) twice with
-the same cfg: once uninterrupted, once with a non-zero rank SIGKILLed by the library's ``[fault]`` hook in
+the same cfg: once uninterrupted, once with a non-zero rank SIGKILLed by the library's ``[inject]`` hook in
 the middle of epoch ``--kill-epoch`` (rank 2: a worker, never the server, for the server rules; inside the
 step's exchange for BSP and SMA, at a local step for LOCALSGD, as ``benchmarks.faults --elastic`` does).
-Every run is elastic (``[fault] elastic = true``), ``DEVICES=cpu``, one thread per rank, and
+Every run is elastic (``[elastic] enabled = true``), ``DEVICES=cpu``, one thread per rank, and
 ``--epochs`` epochs with the learning rate dropped 10x at 2/3 and 5/6 of them, so the last epochs sit on a
 plateau instead of the steep part of the curve. ASGD runs with ``rule.scale = 0`` (pushes scaled by
 1 / workers, as SSP's default): its default scale 1 diverges at this lr with 3 workers.
@@ -22,11 +22,11 @@ final validation accuracy (metrics.h5). Appends the table to ``benchmarks/result
     .venv-openmpi/bin/python -m benchmarks.elastic_accuracy [--seeds 0 1 2] [--epochs 20] [--kill-epoch 7]
         [--replace]
 
-``--replace`` (synchronous rules): the broken run has ``[fault] replace = true``, so the survivors spawn a
+``--replace`` (synchronous rules): the broken run has ``[elastic] replace = true``, so the survivors spawn a
 replacement at the next commit window's start; the table then also gives the seconds from meeting the loss
 to 4 ranks again (the job's ``replaced ... s after the loss was met`` line) and the ranks at the end are 4.
 
-GSP is refused under ``[fault] elastic`` and is not measured.
+GSP is refused under ``[elastic] enabled`` and is not measured.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-epoch", type=int, default=7, help="rank 2 dies in the middle of this epoch")
     parser.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES), metavar="RULE")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write results/")
-    parser.add_argument("--replace", action="store_true", help="[fault] replace = true in the broken runs")
+    parser.add_argument("--replace", action="store_true", help="[elastic] replace = true in the broken runs")
     return parser.parse_args()
 
 
@@ -134,7 +134,7 @@ def drops(epochs: int) -> str:
 def common(epochs: int, seed: int) -> list[str]:
     """The overrides every run shares: CPU, one thread, elastic, the shortened schedule, the seed."""
     return ["DEVICES=cpu", "session.threads=1", f"session.epochs={epochs}", f"session.seed={seed}",
-            f"optim.milestones={drops(epochs)}", "session.progress=off", "fault.elastic=true",
+            f"optim.milestones={drops(epochs)}", "session.progress=off", "elastic.enabled=true",
             "checkpoint.on_signal=false"]  # fmt: skip
 
 
@@ -171,7 +171,7 @@ def final_accuracy(out: Path) -> float | None:
 
 def names_step(where: str, step: int) -> bool:
     """Whether the loss line's ``at …`` part names ``step``: as the step the loss was met in, or within the
-    steps it dropped (a commit window, ``[fault] commit_every``)."""
+    steps it dropped (a commit window, ``[elastic] commit_every``)."""
     window = re.search(r"steps (\d+)-(\d+) dropped", where)
     if window:
         return int(window[1]) <= step <= int(window[2])
@@ -182,10 +182,12 @@ def measure(rule: Rule, seed: int, epochs: int, step: int | None, replace: bool 
     """One run of ``rule`` with ``seed``; rank ``KILLED`` SIGKILLed at ``step`` unless it is None (and
     replaced, with ``replace``)."""
     fault = (
-        [] if step is None else [f"fault.rank={KILLED}", f"fault.step={step}", f"fault.action={rule.action}"]
+        []
+        if step is None
+        else [f"inject.rank={KILLED}", f"inject.step={step}", f"inject.action={rule.action}"]
     )
     if replace and step is not None:
-        fault.append("fault.replace=true")
+        fault.append("elastic.replace=true")
     with tempfile.TemporaryDirectory(prefix="elastic-accuracy-") as out:
         status, stderr = job(Path(out), [*rule.overrides, *common(epochs, seed), *fault])
         accuracy = final_accuracy(Path(out))
@@ -290,7 +292,7 @@ def main() -> None:
         print(summary[-1], flush=True)
     print("\n".join(summary), flush=True)
     after = (
-        "the survivors spawn a replacement at the next commit window's start ([fault] replace), which "
+        "the survivors spawn a replacement at the next commit window's start ([elastic] replace), which "
         "reads rank 2's shard from there on: 4 ranks again for the rest of the run; `4 ranks again in` is "
         "the job's `replaced ... s after the loss was met` line"
         if args.replace
@@ -311,7 +313,7 @@ def main() -> None:
     if not args.no_write:
         title = f"Elastic training: final accuracy with rank {KILLED} of 4 SIGKILLed, MNIST-1D CNN"
         if args.replace:
-            title += ", replaced ([fault] replace = true)"
+            title += ", replaced ([elastic] replace = true)"
         print(append_result("faults", title, "\n".join(summary) + "\n\n" + "\n".join(detail), notes))
 
 

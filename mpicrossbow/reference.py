@@ -41,7 +41,8 @@ SEE_ALSO: dict[str, str] = {
     "numa": "[core binding](binding.md)",
     "checkpoint": "[reliability](reliability.md)",
     "watchdog": "[reliability](reliability.md)",
-    "fault": "[reliability](reliability.md)",
+    "elastic": "[reliability](reliability.md)",
+    "inject": "[reliability](reliability.md)",
 }
 
 HEADER = """\
@@ -52,7 +53,9 @@ change a help string in the code, then regenerate this page (a test checks that 
 
 A cfg is INI. Theano-MPI's **bare keys** come before any section and work unchanged; all four are
 required. Then come sections. Unknown sections or keys, wrong types and out-of-range values are one line
-naming the key and exit status 2 on every rank, before any rank trains.
+naming the key and exit status 2 on every rank, before any rank trains. The old `[fault]` section was split
+in two: elastic training's keys are in `[elastic]` (`fault.elastic` is `elastic.enabled`), the drills in
+`[inject]`; an old key is refused in one line naming its new one.
 
 ```ini
 RULE=BSP

@@ -55,7 +55,7 @@ def job(
 
 
 def test_sigusr1_stops_an_asynchronous_job_with_75_and_it_resumes(mpiexec: str, tmp_path: Path) -> None:
-    stopped = job(mpiexec, tmp_path, "fault.rank=2", "fault.step=25", "fault.action=signal")
+    stopped = job(mpiexec, tmp_path, "inject.rank=2", "inject.step=25", "inject.action=signal")
     assert stopped.returncode == STOPPED_EXIT_CODE, stopped.stderr[-3000:]
     step = int(re.search(r"stopped by a signal after step (\d+)", stopped.stderr)[1])
     assert [p.name for p in complete_checkpoints(only_run(tmp_path) / "checkpoints")] == [f"step-{step:09d}"]
@@ -73,8 +73,8 @@ def test_sigusr1_stops_an_asynchronous_job_with_75_and_it_resumes(mpiexec: str, 
 def test_a_killed_asynchronous_job_resumes_from_its_last_complete_snapshot(
     mpiexec: str, tmp_path: Path, rule: tuple[str, ...]
 ) -> None:
-    crashed = job(mpiexec, tmp_path, "checkpoint.every_steps=20", "fault.rank=1", "fault.step=50",
-                  "fault.action=kill", rule=rule)  # fmt: skip
+    crashed = job(mpiexec, tmp_path, "checkpoint.every_steps=20", "inject.rank=1", "inject.step=50",
+                  "inject.action=kill", rule=rule)  # fmt: skip
     assert crashed.returncode != 0
     saved = complete_checkpoints(only_run(tmp_path) / "checkpoints")
     assert saved, "no snapshot before the kill"
@@ -98,12 +98,12 @@ def test_a_dead_server_ends_the_job_within_30_s_naming_it_and_it_resumes_from_it
     """The server (or centre, or rank 0's colocated shard) SIGKILLed after two snapshots: the job ends
     within 30 s of the kill with one line naming rank 0; the last snapshot is complete and the resume
     finishes."""
-    crashed = job(mpiexec, tmp_path, "checkpoint.every_steps=20", "fault.rank=0", f"fault.step={after}",
-                  "fault.action=kill", rule=rule, timeout=120)  # fmt: skip
+    crashed = job(mpiexec, tmp_path, "checkpoint.every_steps=20", "inject.rank=0", f"inject.step={after}",
+                  "inject.action=kill", rule=rule, timeout=120)  # fmt: skip
     ended = time.time()
     output = crashed.stdout + crashed.stderr
     assert crashed.returncode != 0, output[-3000:]
-    killed = re.search(r"(\d\d):(\d\d):(\d\d) \[rank 0[^]]*\] WARNING \[fault\] kill", crashed.stderr)
+    killed = re.search(r"(\d\d):(\d\d):(\d\d) \[rank 0[^]]*\] WARNING \[inject\] kill", crashed.stderr)
     assert killed is not None, output[-3000:]
     h, m, sec = (int(v) for v in killed.groups())
     clock = time.localtime(ended)

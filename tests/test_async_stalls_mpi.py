@@ -1,4 +1,4 @@
-"""Stalls of asynchronous rules under real ``mpiexec``: a hung worker (``[fault] action = hang``) is named by
+"""Stalls of asynchronous rules under real ``mpiexec``: a hung worker (``[inject] action = hang``) is named by
 the parameter server and by the worker whose held reply waits on it (SSP), or by its GOSGD peers waiting
 for its goodbye; ``abort_after`` then ends the job with one line."""
 
@@ -20,7 +20,7 @@ PATIENCE = ("watchdog.warn_after=2", "watchdog.abort_after=5")
 def hung(mpiexec: str, out: Path, *overrides: str) -> tuple[str, float, int]:
     """Digits on 3 ranks with rank 2 hanging at step 15: (stderr, seconds, exit status)."""
     args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={out}", "session.epochs=3",
-            "fault.rank=2", "fault.step=15", "fault.action=hang", *PATIENCE, *overrides]  # fmt: skip
+            "inject.rank=2", "inject.step=15", "inject.action=hang", *PATIENCE, *overrides]  # fmt: skip
     start = time.monotonic()
     proc = run_mpi(mpiexec, 3, args, timeout=90)
     return proc.stderr, time.monotonic() - start, proc.returncode

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpicrossbow.config import FaultSection
+from mpicrossbow.config import InjectSection
 from mpicrossbow.errors import CheckpointError
 from mpicrossbow.training.checkpoint_files import (
     FORMAT_VERSION,
@@ -172,26 +172,26 @@ def test_a_run_resumed_from_an_earlier_step_keeps_and_resumes_its_own_new_checkp
 
 
 def test_fault_injector_fires_only_for_its_rank_and_step() -> None:
-    FaultInjector(FaultSection(rank=1, step=3), rank=0).at_step(3)
-    injector = FaultInjector(FaultSection(rank=1, step=3), rank=1)
+    FaultInjector(InjectSection(rank=1, step=3), rank=0).at_step(3)
+    injector = FaultInjector(InjectSection(rank=1, step=3), rank=1)
     injector.at_step(2)
     with pytest.raises(InjectedFault, match="step 3"):
         injector.at_step(3)
     losses, grads = [torch.zeros(())], [torch.zeros(4)]
-    FaultInjector(FaultSection(rank=0, step=1, action="nan"), 0).poison(1, losses, grads)
+    FaultInjector(InjectSection(rank=0, step=1, action="nan"), 0).poison(1, losses, grads)
     assert torch.isnan(losses[0]) and torch.isnan(grads[0]).all()
-    assert FaultInjector(FaultSection(rank=0, step=5, action="kill_in_save"), 0).in_save(4) is None
+    assert FaultInjector(InjectSection(rank=0, step=5, action="kill_in_save"), 0).in_save(4) is None
 
 
 def test_a_serving_rank_fails_once_it_has_answered_step_requests() -> None:
-    """A parameter server takes no steps: ``[fault] step`` counts the requests it answered, and the fault
+    """A parameter server takes no steps: ``[inject] step`` counts the requests it answered, and the fault
     fires once (a signal drill asked between every sweep would otherwise repeat)."""
-    injector = FaultInjector(FaultSection(rank=0, step=30), rank=0)
+    injector = FaultInjector(InjectSection(rank=0, step=30), rank=0)
     injector.at_served(29)
     with pytest.raises(InjectedFault, match="step 30"):
         injector.at_served(31)  # a sweep may answer several requests: at or past the count
     injector.at_served(40)
-    FaultInjector(FaultSection(rank=0, step=30, action="nan"), rank=0).at_served(30)  # a step's own actions
+    FaultInjector(InjectSection(rank=0, step=30, action="nan"), rank=0).at_served(30)  # a step's own actions
 
 
 def test_resuming_beside_damaged_metrics_keeps_them_and_starts_new_ones(

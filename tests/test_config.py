@@ -91,6 +91,62 @@ def test_bad_input_names_the_key(text: str, overrides: list[str], message: str) 
     assert "\n" not in str(info.value)
 
 
+#: Every key of the old ``[fault]`` section and where it lives now.
+FAULT_KEYS = {
+    "elastic": ("elastic", "enabled"),
+    "min_ranks": ("elastic", "min_ranks"),
+    "commit_every": ("elastic", "commit_every"),
+    "replace": ("elastic", "replace"),
+    "rank": ("inject", "rank"),
+    "step": ("inject", "step"),
+    "action": ("inject", "action"),
+}
+
+
+@pytest.mark.parametrize("old", FAULT_KEYS)
+def test_old_fault_keys_are_refused_naming_the_new_key(old: str) -> None:
+    """``[fault]`` was split into ``[elastic]`` and ``[inject]``: an old key, in a file or as an override, is
+    one line naming its new home, and the new key reads the same value."""
+    section, key = FAULT_KEYS[old]
+    value = "kill" if old == "action" else "1"
+    with pytest.raises(ConfigError) as info:
+        load_config(text=BASE + f"[fault]\n{old} = {value}\n")
+    assert str(info.value) == f"[fault] {old} moved: use [{section}] {key}"
+    with pytest.raises(ConfigError) as info:
+        load_config(text=BASE, overrides=[f"fault.{old}={value}"])
+    assert str(info.value) == f"fault.{old} moved: use {section}.{key}"
+    read = getattr(getattr(load_config(text=BASE + f"[{section}]\n{key} = {value}\n"), section), key)
+    assert read in ("kill", 1, True)
+
+
+def test_fault_section_without_a_known_key_lists_where_its_keys_went() -> None:
+    where = "[elastic] enabled, min_ranks, commit_every, replace; [inject] rank, step, action"
+    with pytest.raises(ConfigError) as info:
+        load_config(text=BASE + "[fault]\n")
+    assert str(info.value) == f"[fault]: [fault] is gone; its keys moved: {where}"
+    with pytest.raises(ConfigError) as info:
+        load_config(text=BASE, overrides=["fault.nosuch=1"])
+    assert str(info.value) == f"fault.nosuch: [fault] is gone; its keys moved: {where}"
+    with pytest.raises(ConfigError, match=r"^\[fault\] elastic moved: use \[elastic\] enabled$"):
+        load_config(extra={"__top__": {"rule": "BSP", "modelfile": "m", "modelclass": "M", "devices": "cpu"},
+                           "fault": {"elastic": True}})  # fmt: skip
+
+
+def test_cli_refuses_an_old_fault_key_in_one_line_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "s.cfg"
+    cfg.write_text(BASE)
+    assert main(["-cfg", str(cfg), "fault.elastic=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["crossbow-launch: error: fault.elastic moved: use elastic.enabled"]
+    cfg.write_text(BASE + "[fault]\nrank = 1\nstep = 5\n")
+    assert main(["-cfg", str(cfg)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "crossbow-launch: error: [fault] rank moved: use [inject] rank"
+    ]
+
+
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="no such cfg file"):
         load_config("does/not/exist.cfg")

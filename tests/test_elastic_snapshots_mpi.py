@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.mpi]
 
 #: Every job: digits for 4 epochs on 4 ranks (rank 0 serves or holds the centre; GOSGD: all four gossip),
 #: elastic, a snapshot every 10 of a training rank's steps, the signal stop on (the default).
-SNAPSHOTS = ("session.epochs=4", "fault.elastic=true", "checkpoint.every_steps=10")
+SNAPSHOTS = ("session.epochs=4", "elastic.enabled=true", "checkpoint.every_steps=10")
 
 
 def job(openmpi: OpenMPIEnv, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -40,7 +40,7 @@ def error_lines(stderr: str) -> list[str]:
 def killed_at(stderr: str, run: Path) -> float:
     """When the injected fault fired, as a POSIX time: its log line's wall-clock time (to the second), or,
     for ``kill_in_save`` (which logs nothing), when the killed rank last wrote into the cut-short save."""
-    clocks = re.findall(r"^(\d\d:\d\d:\d\d) .*\[fault\] kill at step", stderr, re.M)
+    clocks = re.findall(r"^(\d\d:\d\d:\d\d) .*\[inject\] kill at step", stderr, re.M)
     if clocks:
         today = datetime.now().strftime("%Y-%m-%d")
         return datetime.strptime(f"{today} {clocks[0]}", "%Y-%m-%d %H:%M:%S").timestamp()
@@ -62,10 +62,14 @@ def whole(snapshot: Path) -> bool:
 @pytest.mark.parametrize(
     ("rule", "fault", "said"),
     [
-        # a serving rank takes no steps: its fault.step counts the requests it answered
-        (("RULE=ASGD",), ("fault.step=100", "fault.action=kill"), "a parameter server was lost"),
-        (("RULE=ASGD",), ("fault.step=20", "fault.action=kill_in_save"), "was lost at the snapshot meeting"),
-        (("RULE=EASGD", "rule.mode=async"), ("fault.step=30", "fault.action=kill"), "the EASGD centre"),
+        # a serving rank takes no steps: its inject.step counts the requests it answered
+        (("RULE=ASGD",), ("inject.step=100", "inject.action=kill"), "a parameter server was lost"),
+        (
+            ("RULE=ASGD",),
+            ("inject.step=20", "inject.action=kill_in_save"),
+            "was lost at the snapshot meeting",
+        ),
+        (("RULE=EASGD", "rule.mode=async"), ("inject.step=30", "inject.action=kill"), "the EASGD centre"),
     ],
     ids=["ASGD-between-snapshots", "ASGD-in-a-save", "EASGD-async-centre"],
 )
@@ -76,7 +80,7 @@ def test_a_lost_server_or_centre_ends_in_one_line_and_the_run_resumes(
     job ends with status non-zero and one line saying what was lost, within 30 s of the kill; the last
     complete snapshot holds all four ranks' files (a save cut short is a ``.partial`` folder, never
     loaded); ``--resume`` of the run, elastic as before, finishes with status 0 from that snapshot."""
-    proc = job(openmpi, tmp_path, *rule, "fault.rank=0", *fault)
+    proc = job(openmpi, tmp_path, *rule, "inject.rank=0", *fault)
     ended = time.time()
     assert proc.returncode not in (0, 75), proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
@@ -98,11 +102,11 @@ def test_a_lost_server_or_centre_ends_in_one_line_and_the_run_resumes(
 @pytest.mark.parametrize(
     ("rule", "fault"),
     [
-        (("RULE=ASGD",), "fault.action=kill"),
-        (("RULE=ASGD",), "fault.action=kill_in_save"),
-        (("RULE=GOSGD", "rule.p=0.1"), "fault.action=kill"),
+        (("RULE=ASGD",), "inject.action=kill"),
+        (("RULE=ASGD",), "inject.action=kill_in_save"),
+        (("RULE=GOSGD", "rule.p=0.1"), "inject.action=kill"),
         # One server, the three workers one group: the group's pause agreement is a committed group step.
-        (("RULE=GSP",), "fault.action=kill"),
+        (("RULE=GSP",), "inject.action=kill"),
     ],
     ids=["ASGD", "ASGD-in-a-save", "GOSGD", "GSP"],
 )
@@ -115,7 +119,7 @@ def test_a_lost_worker_is_survived_and_the_later_snapshots_hold_the_survivors(
     rank in ``meta.pt``; pruning keeps the newest snapshot with all four, and ``--resume`` of the run
     finishes from it with status 0, one line naming the later snapshots it skipped (``--resume`` of a
     survivors' snapshot itself is refused in one line, exit status 2)."""
-    proc = job(openmpi, tmp_path, *rule, "fault.rank=2", "fault.step=20", fault)
+    proc = job(openmpi, tmp_path, *rule, "inject.rank=2", "inject.step=20", fault)
     assert proc.returncode == 0, proc.stderr[-3000:]
     met = [line for line in proc.stderr.splitlines() if "at the snapshot meeting" in line]
     assert len(met) == 1 and "lost rank(s) 2 (start numbering)" in met[0], proc.stderr[-3000:]
@@ -130,7 +134,7 @@ def test_a_lost_worker_is_survived_and_the_later_snapshots_hold_the_survivors(
     assert meta_of(last)["lost"] == [2]
     whole_ones = [p for p in complete_checkpoints(run / "checkpoints") if "lost" not in meta_of(p)]
     assert whole_ones and whole(whole_ones[-1]), "pruning keeps the newest snapshot with every rank's files"
-    if fault == "fault.action=kill" and rule == ("RULE=ASGD",):
+    if fault == "inject.action=kill" and rule == ("RULE=ASGD",):
         refused = job(openmpi, tmp_path, *rule, "--resume", str(last))
         assert refused.returncode == 2, refused.stderr[-3000:]
         lines = error_lines(refused.stderr)

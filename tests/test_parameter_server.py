@@ -86,7 +86,7 @@ def test_parameter_server_rules_equal_numpy(name: str, size: int, order: Order) 
     server = out.rules[0].server
     assert server.updates == updates
     assert server.updates + server.discarded == sum(k // TAU for k in steps.values())
-    assert out.rules[0].served == server.received == sum(k // TAU for k in steps.values())  # [fault]'s clock
+    assert out.rules[0].served == server.received == sum(k // TAU for k in steps.values())  # [inject]'s clock
     assert all(rule.served == 0 for rule in out.rules[1:])
     if size == 4 and order is skewed:  # the fast worker runs ahead: each rule's mechanism really acted
         assert (server.holds > 0) == (name in ("SSP", "PSGD"))

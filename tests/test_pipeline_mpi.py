@@ -71,7 +71,7 @@ def test_a_resumed_run_with_loader_workers_is_bitwise_equal(mpiexec: str, tmp_pa
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     common = ("session.epochs=3", "checkpoint.every_steps=10", "RULE=SMA", "pool.learners=2")
     assert job(mpiexec, whole, *common).returncode == 0
-    crashed = job(mpiexec, broken, *common, "fault.rank=1", "fault.step=45")
+    crashed = job(mpiexec, broken, *common, "inject.rank=1", "inject.step=45")
     assert crashed.returncode != 0 and "rank 1 of 2" in crashed.stderr
     resumed = job(mpiexec, broken, *common, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -115,7 +115,7 @@ def test_a_stopped_tuned_run_resumes_with_the_tuner_s_count_and_state(mpiexec: s
     the tuner chose; the ranks agree on a step soon after) saves the tuner mid-epoch; the resume rebuilds the
     pool with its count and continues its history (a fresh tuner would start at 2 learners, history empty)."""
     common = [*launcher(), *MNIST1D_AUTO, "session.epochs=5", f"session.output={tmp_path}"]
-    drill = ["fault.rank=0", "fault.step=110", "fault.action=signal"]
+    drill = ["inject.rank=0", "inject.step=110", "inject.action=signal"]
     stopped = run_mpi(mpiexec, 2, [*common, *drill], timeout=180)
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     run = only_run(tmp_path)

@@ -62,7 +62,7 @@ def test_a_run_killed_after_the_switch_resumes_bitwise_equal_from_either_side(
     done = job(mpiexec, whole)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"switched from BSP to SMA at step {SWITCH} (epoch 1)" in done.stderr
-    crashed = job(mpiexec, before, "fault.rank=1", "fault.step=70")
+    crashed = job(mpiexec, before, "inject.rank=1", "inject.step=70")
     assert crashed.returncode != 0 and "rank 1 of 2" in crashed.stderr
     shutil.copytree(before, after)
     checkpoints = only_run(before) / "checkpoints"

@@ -39,14 +39,14 @@ def test_bf16_trains_every_synchronous_rule_within_a_point_of_fp32(
 
 
 def test_an_fp16_overflow_on_one_rank_is_skipped_by_every_rank(mpiexec: str, tmp_path: Path) -> None:
-    """crossbow-launch's path, 2 ranks, BSP: rank 1's gradient made NaN at step 5 ([fault] action = nan)
+    """crossbow-launch's path, 2 ranks, BSP: rank 1's gradient made NaN at step 5 ([inject] action = nan)
     under a fixed loss scale; rank 0, whose own gradients were finite, logs the skip (the agreed flag), the
     job ends normally and trains to its target."""
     args = [
         sys.executable,
         str(SCRIPTS / "digits_runs.py"),
         str(tmp_path),
-        "fp16=RULE=BSP,optim.precision=fp16,optim.loss_scale=1024,fault.rank=1,fault.step=5,fault.action=nan",
+        "fp16=RULE=BSP,optim.precision=fp16,optim.loss_scale=1024,inject.rank=1,inject.step=5,inject.action=nan",
     ]
     proc = run_mpi(mpiexec, 2, args, timeout=120)
     assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Reliability in real MPI jobs: exact resume, a crash during a save, failing and hanging ranks, bad input.
 
 Every job is one ``mpiexec -n 2`` launch of the digits job bounded by a timeout; failures are injected with
-the library's own ``[fault]`` hook.
+the library's own ``[inject]`` hook.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(
 ) -> None:
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert job(mpiexec, whole, *rule).returncode == 0
-    crashed = job(mpiexec, broken, *rule, "fault.rank=1", "fault.step=70")
+    crashed = job(mpiexec, broken, *rule, "inject.rank=1", "inject.step=70")
     assert crashed.returncode != 0 and "rank 1 of 2" in crashed.stderr
     resumed = job(mpiexec, broken, *rule, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -77,7 +77,7 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(mpiexec: str, tmp_path: Path) -> None:
-    crashed = job(mpiexec, tmp_path, "fault.rank=1", "fault.step=50", "fault.action=kill_in_save")
+    crashed = job(mpiexec, tmp_path, "inject.rank=1", "inject.step=50", "inject.action=kill_in_save")
     assert crashed.returncode != 0
     folder = only_run(tmp_path) / "checkpoints"
     assert [c.name for c in complete_checkpoints(folder)] == ["step-000000025"]
@@ -91,7 +91,7 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(mpiexec: st
 @pytest.mark.parametrize("action", ["raise", "kill", "exit", "nan"])
 def test_a_failing_rank_ends_the_job_quickly_and_is_named(mpiexec: str, tmp_path: Path, action: str) -> None:
     start = time.monotonic()
-    proc = job(mpiexec, tmp_path, "fault.rank=1", "fault.step=30", f"fault.action={action}", timeout=60)
+    proc = job(mpiexec, tmp_path, "inject.rank=1", "inject.step=30", f"inject.action={action}", timeout=60)
     assert time.monotonic() - start < 30
     assert proc.returncode != 0
     if action != "kill":
@@ -111,7 +111,9 @@ def test_a_failing_rank_ends_the_job_quickly_and_is_named(mpiexec: str, tmp_path
 
 
 def test_nan_loss_can_be_skipped(mpiexec: str, tmp_path: Path) -> None:
-    proc = job(mpiexec, tmp_path, "fault.rank=0", "fault.step=30", "fault.action=nan", "session.on_nan=skip")
+    proc = job(
+        mpiexec, tmp_path, "inject.rank=0", "inject.step=30", "inject.action=nan", "session.on_nan=skip"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loss is NaN or infinite at step 30 (epoch 1), learner(s) 0: that batch is skipped" in proc.stderr
 
@@ -119,7 +121,7 @@ def test_nan_loss_can_be_skipped(mpiexec: str, tmp_path: Path) -> None:
 def test_a_hanging_rank_is_named_and_the_job_aborted(mpiexec: str, tmp_path: Path) -> None:
     start = time.monotonic()
     proc = job(
-        mpiexec, tmp_path, "fault.rank=1", "fault.step=20", "fault.action=hang", "watchdog.warn_after=2",
+        mpiexec, tmp_path, "inject.rank=1", "inject.step=20", "inject.action=hang", "watchdog.warn_after=2",
         "watchdog.abort_after=5", "watchdog.interval=0.5", timeout=90,
     )  # fmt: skip
     assert proc.returncode != 0 and time.monotonic() - start < 40

@@ -1,4 +1,4 @@
-"""``[fault] replace`` (issue 40 point 4): what is refused before training, and the protocol's local parts.
+"""``[elastic] replace`` (issue 40 point 4): what is refused before training, and the protocol's local parts.
 The replacements themselves are spawned in real Open MPI jobs (tests/test_elastic_mpi.py)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ DIGITS = str(REPO / "launch" / "digits.cfg")
 
 def obstacle(elastic: bool, *overrides: str) -> str | None:
     """What ``replace = true`` meets for the digits job with ``overrides``."""
-    rule, config = resolve(load_config(DIGITS, ["fault.replace=true", *overrides]))
+    rule, config = resolve(load_config(DIGITS, ["elastic.replace=true", *overrides]))
     return replace_obstacle(config, rule, elastic)
 
 
@@ -51,8 +51,8 @@ def test_what_a_replacement_cannot_join_is_one_line(
 ) -> None:
     """Each refusal names the setting; the combinations check raises it as a ConfigError (exit 2)."""
     line = obstacle(elastic, *overrides)
-    assert line is not None and said in line and "[fault] replace = true" in line
-    rule, config = resolve(load_config(DIGITS, ["fault.replace=true", *overrides]))
+    assert line is not None and said in line and "[elastic] replace = true" in line
+    rule, config = resolve(load_config(DIGITS, ["elastic.replace=true", *overrides]))
     with pytest.raises(ConfigError, match="replace"):
         check_replace(config, rule, elastic)
 
@@ -60,7 +60,7 @@ def test_what_a_replacement_cannot_join_is_one_line(
 def test_replace_is_off_by_default() -> None:
     """No replacement unless asked: the default job has nothing to refuse."""
     rule, config = resolve(load_config(DIGITS, []))
-    assert config.fault.replace is False and replace_obstacle(config, rule, False) is None
+    assert config.elastic.replace is False and replace_obstacle(config, rule, False) is None
 
 
 def test_a_replacement_is_known_by_its_environment() -> None:

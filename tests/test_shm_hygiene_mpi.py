@@ -33,11 +33,11 @@ LANES = 2
 #: Seconds one failing job may take before the test gives up on it.
 JOB_TIMEOUT_S = 60.0
 FAILURES = [
-    ("fault.rank=1", "fault.step=5", "fault.action=kill"),
-    ("fault.rank=1", "fault.step=5", "fault.action=raise"),
+    ("inject.rank=1", "inject.step=5", "inject.action=kill"),
+    ("inject.rank=1", "inject.step=5", "inject.action=raise"),
     ("session.output=/proc/x",),
-    ("fault.rank=1", "fault.step=5", "fault.action=kill", "comm.shared_memory=off"),
-    ("fault.rank=1", "fault.step=5", "fault.action=raise", "comm.shared_memory=off"),
+    ("inject.rank=1", "inject.step=5", "inject.action=kill", "comm.shared_memory=off"),
+    ("inject.rank=1", "inject.step=5", "inject.action=raise", "comm.shared_memory=off"),
 ]
 
 

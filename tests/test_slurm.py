@@ -100,7 +100,7 @@ def test_a_rank_killed_outright_fails_the_job_within_a_minute_and_leaves_no_proc
     options = ("--exclusive",) if nodes > 1 else ()
     start = time.monotonic()
     job = submit(
-        slurm_cluster, tmp_path, template, "fault.rank=1", "fault.step=30", "fault.action=kill",
+        slurm_cluster, tmp_path, template, "inject.rank=1", "inject.step=30", "inject.action=kill",
         "session.epochs=200", options=options,
     )  # fmt: skip
     record = slurm_cluster.wait_job(job, timeout=120)
@@ -118,7 +118,7 @@ def test_a_rank_that_raises_fails_the_job_with_status_1_not_srun_137(
     tmp_path: Path,
 ) -> None:
     job = submit(
-        slurm_cluster, tmp_path, "one-node.sbatch", "fault.rank=1", "fault.step=30", "session.epochs=200"
+        slurm_cluster, tmp_path, "one-node.sbatch", "inject.rank=1", "inject.step=30", "session.epochs=200"
     )
     record = slurm_cluster.wait_job(job, timeout=120)
     out = output(tmp_path, job)
@@ -133,8 +133,8 @@ def rank_1_killed_under_plain_srun(cluster: SlurmCluster, tmp_path: Path, *overr
     step 30 (what a user's own script without the templates' options gets); its job id."""
     command = (
         f". {VENV}/bin/activate && srun --mpi=pmi2 --kill-on-bad-exit=0 crossbow-launch -cfg "
-        f"launch/digits.cfg session.output={tmp_path / 'runs'} session.epochs=200 fault.rank=1 fault.step=30 "
-        f"fault.action=kill {' '.join(overrides)}"
+        f"launch/digits.cfg session.output={tmp_path / 'runs'} session.epochs=200 inject.rank=1 "
+        f"inject.step=30 inject.action=kill {' '.join(overrides)}"
     )
     return cluster.sbatch(
         "--ntasks=2", f"--output={tmp_path}/slurm-%j.out", "--wrap", command, cwd=REPO, fresh=True
@@ -389,4 +389,4 @@ def test_templates_are_valid_bash_and_carry_the_production_directives() -> None:
     # The elastic template: Open MPI's ULFM launcher, elastic on, and an allocation that outlives a node.
     elastic = (TEMPLATES / "elastic.sbatch").read_text()
     assert "#SBATCH --no-kill\n" in elastic and "--kill-on-bad-exit" not in elastic
-    assert '"$MPIEXEC" --with-ft ulfm ' in elastic and '"fault.elastic=true" "$@"' in elastic
+    assert '"$MPIEXEC" --with-ft ulfm ' in elastic and '"elastic.enabled=true" "$@"' in elastic

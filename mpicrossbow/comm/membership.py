@@ -23,7 +23,7 @@ class Membership:
     #: This process's rank now (its index in ``ranks``).
     rank: int
     #: Each member's host, in rank order, where known (elastic training over MPI): where a replacement for a
-    #: lost member is started (``[fault] replace``); empty where nobody asked.
+    #: lost member is started (``[elastic] replace``); empty where nobody asked.
     hosts: tuple[str, ...] = ()
 
     @property

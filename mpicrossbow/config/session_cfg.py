@@ -49,12 +49,26 @@ SECTIONS: dict[str, type] = {
     "numa": s.NumaSection,
     "checkpoint": s.CheckpointSection,
     "watchdog": s.WatchdogSection,
-    "fault": s.FaultSection,
+    "elastic": s.ElasticSection,
+    "inject": s.InjectSection,
 }
 #: Sections whose keys belong to a plug-in (the rule's hyper-parameters, the model's keyword arguments).
 FREE_SECTIONS = ("rule", "model", "dataset")
 #: The bare Theano-MPI keys; all required.
 TOP_KEYS = ("rule", "modelfile", "modelclass", "devices")
+#: Sections that are gone, each key → (the section it moved to, its name there): ``[fault]`` mixed the
+#: tolerance of elastic training with the drills that break a run on purpose, so it was split in two.
+MOVED: dict[str, dict[str, tuple[str, str]]] = {
+    "fault": {
+        "elastic": ("elastic", "enabled"),
+        "min_ranks": ("elastic", "min_ranks"),
+        "commit_every": ("elastic", "commit_every"),
+        "replace": ("elastic", "replace"),
+        "rank": ("inject", "rank"),
+        "step": ("inject", "step"),
+        "action": ("inject", "action"),
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -75,7 +89,8 @@ class Config:
     numa: s.NumaSection = field(default_factory=s.NumaSection)
     checkpoint: s.CheckpointSection = field(default_factory=s.CheckpointSection)
     watchdog: s.WatchdogSection = field(default_factory=s.WatchdogSection)
-    fault: s.FaultSection = field(default_factory=s.FaultSection)
+    elastic: s.ElasticSection = field(default_factory=s.ElasticSection)
+    inject: s.InjectSection = field(default_factory=s.InjectSection)
     #: ``[rule]`` as written (strings from a file); the rule validates them once, when it is built.
     rule_params: Mapping[str, Any] = field(default_factory=dict)
     model_params: Mapping[str, str] = field(default_factory=dict)
@@ -151,11 +166,32 @@ def _parse_error(exc: configparser.Error) -> str:
     return " ".join(str(exc).replace(TOP, "bare keys").split())
 
 
+def moved(section: str, key: str | None, *, override: bool = False) -> str:
+    """The one line refusing a key of a section that is gone (``key`` None: the section itself), naming
+    where it lives now: ``[fault] elastic moved: use [elastic] enabled``, or in an override's own syntax
+    ``fault.elastic moved: use elastic.enabled``."""
+    keys = MOVED[section]
+    name = key.strip().lower().replace("-", "_") if key is not None else None
+    if name in keys:
+        new_section, new_key = keys[name]
+        if override:
+            return f"{section}.{key} moved: use {new_section}.{new_key}"
+        return f"[{section}] {key} moved: use [{new_section}] {new_key}"
+    homes: dict[str, list[str]] = {}
+    for new_section, new_key in keys.values():
+        homes.setdefault(new_section, []).append(new_key)
+    where = "; ".join(f"[{home}] {', '.join(names)}" for home, names in homes.items())
+    what = f"[{section}]" if key is None else f"{section}.{key}" if override else f"[{section}] {key}"
+    return f"{what}: [{section}] is gone; its keys moved: {where}"
+
+
 def _apply_override(raw: dict[str, dict[str, str]], item: str) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override '{item}': expected section.key=value or KEY=value")
     section, dot, name = key.strip().rpartition(".")
+    if dot and section.strip().lower() in MOVED:
+        raise ConfigError(moved(section.strip().lower(), name.strip(), override=True))
     raw.setdefault(section.lower() if dot else TOP, {})[name.strip().lower()] = value.strip()
 
 
@@ -187,6 +223,9 @@ def from_raw(raw: Mapping[str, Mapping[str, Any]], source: str) -> Config:
     """Validate a {section: {key: value}} mapping into a Config (``__top__`` holds the bare keys)."""
     valid_sections = [*SECTIONS, *FREE_SECTIONS]
     for section in raw:
+        if section in MOVED:
+            written = list(raw[section])
+            raise ConfigError(moved(section, written[0] if written else None))
         if section != TOP and section not in valid_sections:
             raise ConfigError(f"unknown section [{section}]; valid sections: {', '.join(valid_sections)}")
     top = dict(raw.get(TOP, {}))

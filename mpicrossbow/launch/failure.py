@@ -4,7 +4,7 @@
   ranks agree on it with one ``allgather``, rank 0 prints one line, every rank exits with status 2.
 * Any exception later, on any rank, goes to :func:`abort`: one line naming the rank and the cause (the
   traceback goes to ``rank<r>.traceback`` in the run folder), then ``MPI_Abort``, which ends every rank.
-  In elastic training (``[fault] elastic``) it goes to :func:`leave_job` instead: the same line and file,
+  In elastic training (``[elastic] enabled``) it goes to :func:`leave_job` instead: the same line and file,
   then this rank alone ends by SIGKILL, which the survivors' ULFM sees, and they go on without it.
 """
 

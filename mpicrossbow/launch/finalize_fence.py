@@ -50,7 +50,7 @@ def bound_finalize(seconds: int = FINALIZE_DEADLINE_S) -> None:
     the interpreter's exit, has not returned within ``seconds``, SIGALRM ends the process.
 
     Why: Open MPI 5.0.11's MPI_Finalize disconnects from every job this process was connected to — a
-    ``[fault] replace`` replacement's and its survivors' — and now and then waits forever: measured here, 1
+    ``[elastic] replace`` replacement's and its survivors' — and now and then waits forever: measured here, 1
     of 4 runs of the test where a replacement dies and is replaced left the second replacement spinning in
     ``ompi_dpm_dyn_finalize`` for 9 minutes after every other rank had exited. The job had finished (its
     checkpoint and metrics written); a rank that never exits would hold its allocation to the time limit."""

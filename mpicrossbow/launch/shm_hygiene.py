@@ -7,7 +7,8 @@ that runs hundreds of short jobs fills up, and a later job with the same PMI nam
 the stale file and fails in ``MPI_Init``. mpicrossbow's own window (:mod:`mpicrossbow.comm.shm`) is not
 concerned: it is unlinked as soon as every rank has mapped it. Open MPI's shared-memory transport does the
 same with ``/dev/shm/sm_segment.<host>.<uid>.<job>.<n>`` (16 MB each): its owner unlinks it at finalize, so
-a rank killed in an elastic run (``[fault] elastic``, where the job goes on and ends well) leaves its segment.
+a rank killed in an elastic run (``[elastic] enabled``, where the job goes on and ends well) leaves its
+segment.
 
 A segment is removed only when it is this user's and no live process maps it or holds it open: unlinking a
 name that a running job still needs (one of its ranks yet to attach in ``MPI_Init``) would break that job.

@@ -137,9 +137,9 @@ def spawn_command(
 
     Open MPI binds ranks itself by default; when mpicrossbow binds (``bind`` other than none) it is told
     ``--bind-to none`` so the two do not fight. Hydra (MPICH) binds nothing unless asked. ``fault_tolerant``
-    (``[fault] elastic`` true or auto) starts Open MPI with ``--with-ft ulfm``, without which a lost rank
+    (``[elastic] enabled`` true or auto) starts Open MPI with ``--with-ft ulfm``, without which a lost rank
     ends its job, and makes the jobs its ranks spawn recoverable too (``state_base_recoverable``: a
-    ``[fault] replace`` replacement that dies in turn would otherwise make mpiexec exit 137 at the end,
+    ``[elastic] replace`` replacement that dies in turn would otherwise make mpiexec exit 137 at the end,
     although every rank finished); Hydra has no such mode (its ranks then say so, and ``elastic = true``
     stops there).
     """

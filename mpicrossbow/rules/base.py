@@ -171,7 +171,7 @@ class Rule:
 
     @property
     def elastic(self) -> bool:
-        """Whether this rule can go on after a rank is lost (``[fault] elastic``): it overrides
+        """Whether this rule can go on after a rank is lost (``[elastic] enabled``): it overrides
         :meth:`on_rebind`. Asked before training, so a rule that cannot is refused at start, not at the
         first loss."""
         return type(self).on_rebind is not Rule.on_rebind
@@ -199,7 +199,10 @@ class Rule:
         communicators derived from ``self.comm`` (splits, node groups) rebuilds them here. The default
         refuses, so a rule never goes on over a changed world without its consent.
         """
-        raise ConfigError(f"RULE={self.name} does not support [fault] elastic: a lost rank ends the job")
+        raise ConfigError(
+            f"RULE={self.name} does not support elastic training ([elastic] enabled): a lost rank ends "
+            "the job"
+        )
 
     def on_lr_change(self, old: float, new: float) -> None:
         """Called when the learning-rate schedule changes the rate (SMA resets replicas on a step down)."""
@@ -225,7 +228,7 @@ class Rule:
     @property
     def served(self) -> int:
         """Requests this rank has answered so far when it serves (a parameter server, an EASGD centre); 0 on
-        a rank that trains. A serving rank takes no steps: this is its clock (``[fault] step`` counts it)."""
+        a rank that trains. A serving rank takes no steps: this is its clock (``[inject] step`` counts it)."""
         return 0
 
     # ------------------------------------------------------------ checkpoints

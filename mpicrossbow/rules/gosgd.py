@@ -29,7 +29,7 @@ blocks on nothing before sending its goodbyes, so every loop ends; ranks may eve
 steps. ``sync_state()`` (after finish, collectives allowed) computes Σ a_i x_i with one allreduce;
 ``eval_params()`` returns it (None before).
 
-Elastic training (``[fault] elastic``): a peer rank that dies is met by a receive posted from it or a send
+Elastic training (``[elastic] enabled``): a peer rank that dies is met by a receive posted from it or a send
 to it (:class:`~mpicrossbow.comm.ulfm.PeerLost`, without revoking: the run is asynchronous). The rank then
 forgets it — no receive is posted from it again, it is never drawn as a destination (the draw is among the
 live learners), and no goodbye is awaited from it. The gossip weight it held, and what was on the way to or

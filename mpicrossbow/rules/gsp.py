@@ -18,7 +18,7 @@ per step (waits for the group excluded); then they agree on everyone's median, f
 data-sharding file (one ``start end`` fraction per rank) that replaces the equal shards; ranks of one group
 must hold the same number of batches per epoch (checked at the start).
 
-Elastic training (``[fault] elastic``): each group talks over a fault-tolerant group of its own (split off
+Elastic training (``[elastic] enabled``): each group talks over a fault-tolerant group of its own (split off
 the run's, :meth:`~mpicrossbow.comm.elastic.FaultTolerantGroup.split`), so a loss inside one group revokes
 that group only — the servers and the other groups go on. Every group step (the gradient average, the pull's
 broadcasts) ends with a fault-tolerant agreement among the group's ranks that it completed on all of them.

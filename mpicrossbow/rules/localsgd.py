@@ -17,7 +17,7 @@ Validation and checkpoints use the mean model: ``sync_state`` computes the mean 
 separate buffer (the learners keep their own weights, so validating never changes training) and averages
 BatchNorm buffers; ``eval_params`` returns that mean until the next step, else None (learner 0's own).
 Learner count changes (``[pool] learners = auto``) need nothing: k is read at every average. Elastic training
-(``[fault] elastic``): after a lost rank the node-local communicator is split again from the survivors.
+(``[elastic] enabled``): after a lost rank the node-local communicator is split again from the survivors.
 """
 
 from __future__ import annotations

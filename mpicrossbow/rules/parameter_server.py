@@ -29,7 +29,7 @@ Termination as in asynchronous EASGD: a worker's last message (flag DONE) says d
 counts for c_min, and a server leaves :meth:`ParameterServer.serve` once every worker is done, no reply waits
 and every reply send has completed: nothing is in flight.
 
-Elastic training (``[fault] elastic``, ASGD and SSP with server ranks): a receive from or reply to a worker
+Elastic training (``[elastic] enabled``, ASGD and SSP with server ranks): a receive from or reply to a worker
 that died raises :class:`~mpicrossbow.comm.ulfm.PeerLost`; the server forgets that worker
 (:meth:`ParameterServer.forget`: done for good, out of c_min) and serves the others on. A lost server ends
 the job: the model lives there.
@@ -352,7 +352,7 @@ class ServerRule(Rule):
 
     @property
     def elastic(self) -> bool:
-        """``[fault] elastic``: a rule whose servers forget lost workers, with server ranks (placement =
+        """``[elastic] enabled``: a rule whose servers forget lost workers, with server ranks (placement =
         rank). Colocated shards are not: a lost rank takes its shard of the model with it."""
         return self.forgets_workers and not self.colocated
 

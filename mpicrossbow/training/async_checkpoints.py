@@ -20,7 +20,7 @@ checkpoint is a pause that every rank joins (the protocol is :mod:`.pause_orders
 A rank whose training has ended keeps meeting until no rank has training left; the last meeting is the
 run's end (and its final checkpoint, with ``final = true`` and periodic checkpoints on).
 
-In elastic training (``[fault] elastic``) the control plane and the save run over a fault-tolerant group of
+In elastic training (``[elastic] enabled``) the control plane and the save run over a fault-tolerant group of
 their own (:mod:`.elastic_pause`): a lost worker is left out of the meeting and of the snapshots after it; a
 lost server or EASGD centre ends the job in one line with the last complete snapshot intact.
 """

@@ -190,7 +190,7 @@ class CheckpointManager:
         return self.resume[2]["position"] if self.resume is not None else {}
 
     def adopt(self, position: dict[str, Any]) -> None:
-        """A replacement (``[fault] replace``) goes on from the survivors' ``position``, not from a file:
+        """A replacement (``[elastic] replace``) goes on from the survivors' ``position``, not from a file:
         a checkpoint read at set-up is dropped."""
         self.resume, self.adopted = None, dict(position)
 

@@ -1,6 +1,6 @@
 """Coordinated snapshots in elastic training: the pause orders and the meeting, fault tolerant.
 
-An asynchronous run with ``[fault] elastic`` loses workers and goes on (a parameter server or EASGD centre
+An asynchronous run with ``[elastic] enabled`` loses workers and goes on (a parameter server or EASGD centre
 forgets a lost worker, GOSGD peers forget a lost peer); its snapshots must go on too. Here the control plane
 of :mod:`.pause_orders` runs over a fault-tolerant group of its own, split from the run's
 :class:`~mpicrossbow.comm.elastic.ElasticCommunicator` at start, and the snapshot is saved over that group:

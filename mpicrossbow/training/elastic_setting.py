@@ -1,4 +1,4 @@
-"""``[fault] elastic``: whether this run goes on after losing a rank, decided once per rank before training.
+"""``[elastic] enabled``: whether this run goes on after losing a rank, decided once per rank before training.
 
 ``false`` (the default): a lost rank ends the job, which resumes from its checkpoints — today's behaviour,
 bit for bit, and no per-step cost. ``true``: elastic or nothing — anything that rules it out (an MPI without
@@ -58,14 +58,14 @@ def elastic_obstacle(config: Config, rule: Rule, world: World) -> str | None:
 def resolve_elastic(config: Config, rule: Rule, world: World) -> bool:
     """Whether this run is elastic; ConfigError (exit 2 on every rank, through ``agree``) when
     ``elastic = true`` cannot be honoured."""
-    wanted = config.fault.elastic
+    wanted = config.elastic.enabled
     if wanted is False:
         return False
     obstacle = elastic_obstacle(config, rule, world)
     if obstacle is None:
         return True
     if wanted is True:
-        raise ConfigError(f"[fault] elastic = true: {obstacle}")
+        raise ConfigError(f"[elastic] enabled = true: {obstacle}")
     if world.rank == 0:
-        log.info("[fault] elastic = auto: not elastic (%s); a lost rank ends the job", obstacle)
+        log.info("[elastic] enabled = auto: not elastic (%s); a lost rank ends the job", obstacle)
     return False

@@ -1,7 +1,7 @@
 """Elastic steps: a synchronous rule's steps are committed on every survivor or on none, and a lost rank costs
-the steps since the last commit, not the job (``[fault] elastic``).
+the steps since the last commit, not the job (``[elastic] enabled``).
 
-Steps run in windows of ``[fault] commit_every`` (a window ends after step s when s + 1 is a multiple of
+Steps run in windows of ``[elastic] commit_every`` (a window ends after step s when s + 1 is a multiple of
 it, and before every collective between steps: validation, the epoch's statistics, the signal check,
 a checkpoint). A window ends as torchft ends a step: a fault-tolerant agreement that every step of it
 completed on every rank (:meth:`~mpicrossbow.comm.elastic.ElasticCommunicator.commit`,
@@ -89,7 +89,7 @@ class ElasticSteps:
         if every < 1:
             raise ValueError(f"commit every {every} steps: at least 1")
         self.parts, self.comm, self.min_ranks, self.every = parts, comm, min_ranks, every
-        #: ``[fault] replace``: a lost rank gets a replacement (:meth:`admit`).
+        #: ``[elastic] replace``: a lost rank gets a replacement (:meth:`admit`).
         self.replace = replace
         #: The state at the last commit (what a dropped window restores), once taken.
         self.saved: tuple[Any, Any] | None = None
@@ -110,7 +110,7 @@ class ElasticSteps:
         self.pending = 0
         #: Where and when this rank met a lost rank in the open window, else None.
         self.met: tuple[str, float] | None = None
-        #: ``[fault] replace``: the start ranks lost and not yet replaced (:meth:`admit` at the next step).
+        #: ``[elastic] replace``: the start ranks lost and not yet replaced (:meth:`admit` at the next step).
         self.vacancies: tuple[int, ...] = ()
         #: When the latest recovery's loss was met (``time.perf_counter``): what a replacement is timed from.
         self.lost_at = 0.0
@@ -216,7 +216,7 @@ class ElasticSteps:
         if after.size < self.min_ranks:
             raise ElasticEnd(
                 f"lost rank(s) {names} at {where}: {after.size} rank(s) left, fewer than "
-                f"[fault] min_ranks = {self.min_ranks}",
+                f"[elastic] min_ranks = {self.min_ranks}",
                 place=after.rank,
             )
         if self.replace:
@@ -241,7 +241,7 @@ class ElasticSteps:
             )
 
     def admit(self, position: dict[str, Any]) -> None:
-        """``[fault] replace``, at the start of the first step after a recovery (every survivor holds the
+        """``[elastic] replace``, at the start of the first step after a recovery (every survivor holds the
         committed state, no window is open): spawn a replacement for every vacancy and go on with them from
         ``position`` (the protocol: :mod:`.replacement`). Collective over the survivors, then the grown
         world."""

@@ -1,6 +1,6 @@
 """Fault injection, built into the library (as torchft does) so tests and drills can break a job on purpose.
 
-``[fault] rank = r, step = s, action = ...`` makes rank r fail when it starts step s (counted from 0 over the
+``[inject] rank = r, step = s, action = ...`` makes rank r fail when it starts step s (counted from 0 over the
 whole run): ``raise`` an exception, ``exit`` (``sys.exit(3)``, as user code might), ``kill`` itself
 with SIGKILL, ``hang`` forever, make its loss ``nan``, ``kill_in_save``: SIGKILL itself in the middle
 of writing the checkpoint taken once s steps are done (its file written, not yet renamed into place), or
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import FaultSection
+from ..config import InjectSection
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,9 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjector:
-    """This rank's part of ``[fault]``: does nothing unless this rank is the one that fails."""
+    """This rank's part of ``[inject]``: does nothing unless this rank is the one that fails."""
 
-    def __init__(self, section: FaultSection, rank: int) -> None:
+    def __init__(self, section: InjectSection, rank: int) -> None:
         self.section = section
         self.active = section.rank == rank
         #: A serving rank's fault has fired (:meth:`at_served` is asked between every sweep).
@@ -48,12 +48,12 @@ class FaultInjector:
         if not self._due(step, "raise", "exit", "kill", "hang", "signal"):
             return
         action = self.section.action
-        log.warning("[fault] %s at step %d (injected)", action, step)
+        log.warning("[inject] %s at step %d (injected)", action, step)
         if action == "signal":
             os.kill(os.getpid(), signal.SIGUSR1)
             return
         if action == "raise":
-            raise InjectedFault(f"injected fault at step {step} ([fault] action = raise)")
+            raise InjectedFault(f"injected fault at step {step} ([inject] action = raise)")
         if action == "exit":
             sys.exit(3)  # as user code calling exit() would: the launcher still names the rank
         if action == "kill":
@@ -64,18 +64,18 @@ class FaultInjector:
     def at_served(self, served: int) -> None:
         """Called by a serving rank (a parameter server, an EASGD centre: it takes no steps) between sweeps of
         its requests, ``served`` of them answered so far: the step's actions fire once ``served`` reaches
-        ``[fault] step``, once."""
+        ``[inject] step``, once."""
         if not self.active or self.fired or served < self.section.step:
             return
         if self.section.action in ("raise", "exit", "kill", "hang", "signal"):
             self.fired = True
-            log.warning("[fault] a serving rank after %d request(s) served:", served)
+            log.warning("[inject] a serving rank after %d request(s) served:", served)
             self.at_step(self.section.step)
 
     def poison(self, step: int, losses: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """``action = nan``: after the step's backward, learner 0's loss and gradient become NaN."""
         if self._due(step, "nan"):
-            log.warning("[fault] nan loss at step %d (injected)", step)
+            log.warning("[inject] nan loss at step %d (injected)", step)
             losses[0].fill_(float("nan"))
             grads[0].fill_(float("nan"))
 
@@ -86,7 +86,7 @@ class FaultInjector:
             return None
 
         def kill() -> None:
-            log.warning("[fault] kill in the exchange of step %d (injected)", step)
+            log.warning("[inject] kill in the exchange of step %d (injected)", step)
             os.kill(os.getpid(), signal.SIGKILL)
 
         return kill

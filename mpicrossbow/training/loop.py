@@ -65,11 +65,13 @@ class TrainLoop:
     ) -> None:
         self.parts, self.validate, self.reduce = parts, validate, reduce
         self.signals: Callable[[int], bool] | None = signals
-        #: Elastic training's committed steps (``[fault] elastic``), else None.
+        #: Elastic training's committed steps (``[elastic] enabled``), else None.
         self.elastic: ElasticSteps | None = None
         if isinstance(parts.comm, ElasticCommunicator) and parts.rule.synchronous:
-            fault = parts.config.fault
-            self.elastic = ElasticSteps(parts, parts.comm, fault.min_ranks, fault.commit_every, fault.replace)
+            tolerance = parts.config.elastic
+            self.elastic = ElasticSteps(
+                parts, parts.comm, tolerance.min_ranks, tolerance.commit_every, tolerance.replace
+            )
             self.validate = self.elastic.collective(validate, "validation")
             self.reduce = self.elastic.collective(reduce, "the epoch's statistics")
             if signals is not None:
@@ -172,7 +174,7 @@ class TrainLoop:
 
     def _step(self, count: int, per_epoch: int) -> None:
         parts = self.parts
-        if self.elastic is not None and self.elastic.vacancies:  # [fault] replace: the world grows back
+        if self.elastic is not None and self.elastic.vacancies:  # [elastic] replace: the world grows back
             self.elastic.admit(self.position(count))
         started, steady = time.perf_counter(), not parts.pool.warming_up
         self._beat("compute")

@@ -55,7 +55,7 @@ class RunMode(ABC):
         if not self.finished:
             parts.rule.finish()
         if isinstance(parts.comm, ElasticCommunicator) and not parts.rule.synchronous:
-            ElasticSteps(parts, parts.comm, parts.config.fault.min_ranks).settle("the end of training")
+            ElasticSteps(parts, parts.comm, parts.config.elastic.min_ranks).settle("the end of training")
         if parts.timeline is not None:
             parts.timeline.finish(parts.world)
         if parts.trains and busy > 0:
@@ -155,7 +155,7 @@ class Serving(Asynchronous):
     def train(self) -> LoopOutcome:
         """The rule's serve loop; the served model is validated and reported as it goes. With snapshots on,
         the server meets the others whenever every worker drained, and serves again until the end. Between
-        sweeps of its requests the loop asks ``[fault]`` whether this rank fails now (by requests served:
+        sweeps of its requests the loop asks ``[inject]`` whether this rank fails now (by requests served:
         a serving rank takes no steps)."""
         parts = self.parts
         if parts.timeline is not None:

@@ -17,7 +17,7 @@ class NonFiniteLoss(RuntimeError):
 def check_finite(pool: LearnerPool, faults: FaultInjector, on_nan: str, step: int, epoch: int) -> None:
     """After a step's backward: raise :class:`NonFiniteLoss`, or (``on_nan = skip``) zero the bad gradients.
 
-    ``[fault] action = nan`` poisons learner 0 here first. Theano-MPI-form models report their own cost
+    ``[inject] action = nan`` poisons learner 0 here first. Theano-MPI-form models report their own cost
     through the recorder and are not checked. Under fp16's loss scale a non-finite loss or gradient is an
     overflow, not a policy matter: the step's agreed unscale skips it on every rank and halves the scale
     (:mod:`~mpicrossbow.pool.loss_scale`; a scale that falls below 1 stops the job).

@@ -1,5 +1,5 @@
-"""Replacements (``[fault] replace``): after elastic training lost ranks, the survivors start one new process
-for each, hand it the consensus state from a live peer (no disk), and the world grows back.
+"""Replacements (``[elastic] replace``): after elastic training lost ranks, the survivors start one new
+process for each, hand it the consensus state from a live peer (no disk), and the world grows back.
 
 Who sends what to whom, in order (S: every survivor, J: every replacement, M: the merged communicator):
 
@@ -19,7 +19,7 @@ Who sends what to whom, in order (S: every survivor, J: every replacement, M: th
    learner 0's for BSP). The replacement loads them and sets every learner's weights to the consensus, so its
    replicas equal the survivors' consensus at its first step. Its optimizer state (momentum) is rank 0's:
    a warm start, where zeros would take a few steps to build up again.
-5. Every member goes on at the same step, ``[fault] commit_every`` windows and all.
+5. Every member goes on at the same step, ``[elastic] commit_every`` windows and all.
 
 The lost rank's data shard is read by its replacement from the position the survivors are at (the batches
 the lost rank trained since the last commit are dropped with the window, as without replacements).
@@ -64,18 +64,20 @@ def replaced_rank(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 def replace_obstacle(config: Config, rule: Rule, elastic: bool) -> str | None:
-    """Why ``[fault] replace = true`` cannot be honoured for this run (one line), or None."""
-    if not config.fault.replace:
+    """Why ``[elastic] replace = true`` cannot be honoured for this run (one line), or None."""
+    if not config.elastic.replace:
         return None
     if not elastic:
-        return "[fault] replace = true needs elastic training ([fault] elastic = true, or auto where it can)"
+        return (
+            "[elastic] replace = true needs elastic training ([elastic] enabled = true, or auto where it can)"
+        )
     if not rule.synchronous:
         return (
-            f"[fault] replace = true covers the synchronous rules; RULE={config.rule} is asynchronous (its "
-            "servers or gossip peers would admit a worker mid-protocol): set fault.replace=false"
+            f"[elastic] replace = true covers the synchronous rules; RULE={config.rule} is asynchronous (its "
+            "servers or gossip peers would admit a worker mid-protocol): set elastic.replace=false"
         )
     if config.pool.learners == "auto":
-        return "[fault] replace = true needs a fixed learner count: set [pool] learners to a number"
+        return "[elastic] replace = true needs a fixed learner count: set [pool] learners to a number"
     return None
 
 

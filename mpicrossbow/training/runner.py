@@ -95,7 +95,7 @@ def train(world: World, session: Session) -> RunResult:
 
 
 def join_rank(config: Config, replaces: int) -> int:
-    """A replacement's life (``[fault] replace``, the protocol: :mod:`.replacement`): merge with the
+    """A replacement's life (``[elastic] replace``, the protocol: :mod:`.replacement`): merge with the
     survivors that spawned it, prepare as start rank ``replaces`` would (its device, data shard and seed),
     join their communicator and binding, take the handover and train on from their position. Any failure
     ends only this process, by a signal the survivors see (they recover without it)."""

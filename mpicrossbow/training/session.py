@@ -70,7 +70,7 @@ class Session:
         self.tuner: AutoTuner | None = None
         self.binding: Binding | None = None  # set by the runner before prepare_local
         self.device = torch.device("cpu")
-        #: Whether this run goes on after losing a rank (``[fault] elastic``, resolved in prepare_local).
+        #: Whether this run goes on after losing a rank (``[elastic] enabled``, resolved in prepare_local).
         self.elastic = False
 
     # --------------------------------------------------------------- local
@@ -231,7 +231,7 @@ class Session:
                 self.comm.name,
             )
         trains = self.rule.trains(world.rank, world.size)
-        faults = dataclasses.replace(cfg.fault, rank=-1) if joined else cfg.fault  # drills: start ranks only
+        faults = dataclasses.replace(cfg.inject, rank=-1) if joined else cfg.inject  # start ranks only
         evaluator = Evaluator(self.pool, self.rule, self.comm, world, self.reporter, self.full_val)
         self.parts = RankParts(
             config=cfg,

@@ -1,5 +1,5 @@
 """Checkpoints of asynchronous rules in one MPI job: for each rule, an uninterrupted digits run that also
-snapshots periodically, a run stopped by a SIGUSR1 drill (``[fault] action = signal``), and its resume.
+snapshots periodically, a run stopped by a SIGUSR1 drill (``[inject] action = signal``), and its resume.
 
     mpiexec -n 3 python tests/mpi_scripts/async_snapshots.py OUT NAME[:override,...] ...
 
@@ -119,7 +119,7 @@ def checks_for(out: Path, spec: str) -> list[tuple[str, Any]]:
         assert len(states(saved[-1])) == WORLD.size
 
     def signal() -> None:
-        drill = [*overrides, "fault.rank=1", "fault.step=30", "fault.action=signal"]
+        drill = [*overrides, "inject.rank=1", "inject.step=30", "inject.action=signal"]
         result = run(broken, drill)
         assert result.stopped, "the SIGUSR1 drill did not stop the run"
         (last,) = checkpoints(broken)
