@@ -56,6 +56,7 @@ _LAZY = {
     "restore": "mpicrossbow.embed",
     "trains": "mpicrossbow.embed",
     "noise_scale": "mpicrossbow.embed",
+    "allreduce": "mpicrossbow.embed",
     "GradScaler": "mpicrossbow.embed",
 }
 

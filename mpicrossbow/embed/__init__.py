@@ -3,11 +3,23 @@
 See :mod:`mpicrossbow.embed.api` and docs/embedded.md.
 """
 
-from .api import checkpoint, consensus, distribute, finish, init, noise_scale, restore, shard, trains
+from .api import (
+    allreduce,
+    checkpoint,
+    consensus,
+    distribute,
+    finish,
+    init,
+    noise_scale,
+    restore,
+    shard,
+    trains,
+)
 from .grad_scaler import GradScaler
 
 __all__ = [
     "GradScaler",
+    "allreduce",
     "checkpoint",
     "consensus",
     "distribute",

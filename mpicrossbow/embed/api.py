@@ -66,7 +66,9 @@ from ..pool.precision import DTYPES, Precision
 from ..rules.base import Rule
 from ..rules.registry import build_rule
 from ..training.noise_scale import NoiseScale
+from ..training.schedule import lr_scale
 from .embedded_job import EmbeddedJob
+from .metric_reduce import allreduce_value
 from .own_model import OwnModel
 from .precision_forward import PrecisionForward
 from .sharded_loader import Part, ShardedLoader
@@ -91,8 +93,10 @@ class _Process:
     tracebacks: Path | None = None
     #: An uncaught exception is ending the job: the exit hook has nothing to add.
     failed: bool = False
-    #: A duplicate of COMM_WORLD for the API's own agreements, apart from the user's collectives.
+    #: A duplicate of COMM_WORLD for the API's own agreements and ``allreduce``, apart from the rules'.
     control: Any = None
+    #: The ranks that train under the current job (None on a rank that serves): ``allreduce``'s group.
+    trainers: Any = None
 
 
 _state = _Process()
@@ -243,17 +247,29 @@ def choose_device(devices: str | None, world: World) -> torch.device:
 
 
 def shard(
-    dataset: Any, batch_size: int, seed: int = 0, *, workers: int = 0, prefetch: int = 2
+    dataset: Any,
+    batch_size: int,
+    seed: int = 0,
+    *,
+    evaluation: bool = False,
+    workers: int = 0,
+    prefetch: int = 2,
 ) -> ShardedLoader:
     """A DataLoader of this rank's equal share of map-style ``dataset``, in a new order every epoch.
 
     The same pipeline as ``crossbow-launch`` (same data, batch size and seed: the same batches); ``workers``
     processes load ``prefetch`` batches ahead. Iterate it once per epoch; a rank the rule keeps out of
-    training (a parameter server) gets no batches. See :mod:`.sharded_loader`.
+    training (a parameter server) gets no batches. Full batches only: the last partial batch of a share is
+    left out (another one each epoch), so every rank takes the same number of steps; a share smaller than
+    one batch is an error here, when the loader is built.
+
+    ``evaluation=True``: an evaluation set's loader instead: every sample once, in order, near-equal shares
+    (nothing dropped, nothing padded), the last batch short. ``loader.samples`` is the rank's own count, to
+    weigh a mean over ranks by (:func:`allreduce`). See :mod:`.sharded_loader`.
     """
     world = _world("xb.shard")
     options = LoaderOptions(workers=workers, prefetch=prefetch, pin_memory=world.device.type == "cuda")
-    loader = ShardedLoader(dataset, batch_size, seed, _current_part, options)
+    loader = ShardedLoader(dataset, batch_size, seed, _current_part, options, evaluation, world.size)
     _state.loaders.add(loader)
     return loader
 
@@ -273,6 +289,8 @@ def distribute(
     *,
     precision: str = "fp32",
     noise_scale_every: int = SessionSection.noise_scale_every,
+    lr_scaling: str = "none",
+    lr_cap: float = 0.0,
     **hyper: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Put ``model`` and ``optimizer`` under ``rule`` and return them.
@@ -280,7 +298,9 @@ def distribute(
     ``rule`` is a registry name with its ``[rule]`` keys as keywords (``rule="EASGD", mode="async"``), the
     same as one string for a command line (``"EASGD mode=async tau=4"``), or a Rule instance.
 
-    Every rank starts from rank 0's weights. Afterwards ``optimizer.step()`` runs the rule's exchange where
+    Every rank starts from rank 0's weights and rank 0's optimizer state (its ``state_dict``: momentum
+    buffers and every param group's settings; Horovod's ``broadcast_parameters`` and
+    ``broadcast_optimizer_state`` in one). Afterwards ``optimizer.step()`` runs the rule's exchange where
     the rule needs it (gradient averaging before the update, model averaging or elastic pulls after it,
     asynchronous messages without waiting). On a rank the rule keeps out of training (parameter servers:
     ranks 0..S-1; the asynchronous EASGD centre: rank 0) this call serves until every worker has called
@@ -293,6 +313,11 @@ def distribute(
 
     ``noise_scale_every`` (``[session] noise_scale_every``): measure the gradient noise scale every N
     optimizer steps (0: never); :func:`noise_scale` reads it.
+
+    ``lr_scaling``, ``lr_cap`` (``[optim]``'s keys): every param group's ``lr`` times 1 (``none``), √k
+    (``sqrt``) or k (``linear``), k the ranks that train, at most ``lr_cap`` (0: no cap). ``linear`` is
+    Horovod's ``lr * hvd.size()`` for BSP; model averaging wants it with a cap (docs/rules.md). Build a
+    learning-rate scheduler after this call, so that it starts from the scaled rate.
     """
     world = _world("xb.distribute")
     if _state.job is not None and not _state.job.finished:
@@ -300,14 +325,7 @@ def distribute(
     built: dict[str, Any] = {}
 
     def prepare() -> None:
-        if not isinstance(noise_scale_every, int) or noise_scale_every < 0:
-            raise UsageError(
-                f"xb.distribute: noise_scale_every must be an int >= 0, got {noise_scale_every!r}"
-            )
-        if precision not in DTYPES:
-            raise UsageError(
-                f"xb.distribute: precision={precision!r}: choose one of {', '.join(map(repr, DTYPES))}"
-            )
+        _check_settings(precision, noise_scale_every, lr_scaling, lr_cap)
         chosen = _make_rule(rule, hyper)
         if chosen.needs_mpi_threads and not mpi_threads_ok(world):
             raise UsageError(
@@ -322,9 +340,13 @@ def distribute(
         for loader in _state.loaders:
             loader.check_part(part)
         own = OwnModel(model, optimizer, _steps_per_epoch, scaled_gradients=precision == "fp16")
-        built.update(rule=chosen, trains=trains, part=part, own=own)
+        trainers = sum(chosen.trains(r, world.size) for r in range(world.size))
+        built.update(rule=chosen, trains=trains, part=part, own=own, trainers=trainers)
 
     _agree(world, prepare)
+    _split_trainers(bool(built["trains"]))
+    _broadcast_optimizer_state(world, optimizer)
+    _scale_lr(world, optimizer, lr_scaling, lr_cap, built["trainers"])
     own: OwnModel = built["own"]
     _agree(world, lambda: check_same_shapes(world, [tuple(p.shape) for p in own.learner.param_list]))
     chosen: Rule = built["rule"]
@@ -339,6 +361,99 @@ def distribute(
         # This rank's optimizer never steps: a scheduler's "step() before optimizer.step()" is expected.
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
     return model, optimizer
+
+
+#: ``lr_scaling``'s choices (``[optim] lr_scaling``'s).
+LR_SCALINGS = ("none", "sqrt", "linear")
+
+
+def _check_settings(precision: str, noise_scale_every: int, lr_scaling: str, lr_cap: float) -> None:
+    """:func:`distribute`'s keyword settings, each refused in one UsageError naming it."""
+    if not isinstance(noise_scale_every, int) or noise_scale_every < 0:
+        raise UsageError(f"xb.distribute: noise_scale_every must be an int >= 0, got {noise_scale_every!r}")
+    if lr_scaling not in LR_SCALINGS:
+        raise UsageError(
+            f"xb.distribute: lr_scaling={lr_scaling!r}: choose one of {', '.join(map(repr, LR_SCALINGS))}"
+        )
+    if not isinstance(lr_cap, int | float) or lr_cap < 0:
+        raise UsageError(f"xb.distribute: lr_cap must be a number >= 0 (0: no cap), got {lr_cap!r}")
+    if precision not in DTYPES:
+        raise UsageError(
+            f"xb.distribute: precision={precision!r}: choose one of {', '.join(map(repr, DTYPES))}"
+        )
+
+
+def _broadcast_optimizer_state(world: World, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank's optimizer takes rank 0's ``state_dict`` (collective; tensors travel through the host)."""
+    if _state.control is None or world.size == 1:
+        return
+    mine = _to_cpu(optimizer.state_dict()) if world.rank == 0 else None
+    state = _state.control.bcast(mine, root=0)
+    if world.rank != 0:
+        optimizer.load_state_dict(state)  # casts the state to each parameter's device and dtype
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it copied to the CPU (dicts and lists walked)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _scale_lr(world: World, optimizer: torch.optim.Optimizer, scaling: str, cap: float, k: int) -> None:
+    """``lr_scaling``: every param group's rate times 1, √k or k, at most ``cap`` (see :func:`distribute`)."""
+    if scaling == "none":
+        return
+    factor = lr_scale(scaling, max(k, 1))
+    rates = []
+    for group in optimizer.param_groups:
+        rate = group["lr"] * factor
+        group["lr"] = min(rate, cap) if cap else rate
+        rates.append(group["lr"])
+    if world.rank == 0:
+        capped = f", capped at {cap:g}" if cap and any(r == cap for r in rates) else ""
+        log.info(
+            "lr_scaling = %s over %d training rank(s): lr x %.4g%s -> %s",
+            scaling,
+            k,
+            factor,
+            capped,
+            ", ".join(f"{r:g}" for r in rates),
+        )
+
+
+def _split_trainers(trains: bool) -> None:
+    """The group :func:`allreduce` reduces over while this job runs: the ranks that train (collective)."""
+    from mpi4py import MPI
+
+    if _state.trainers is not None:
+        _state.trainers.Free()
+        _state.trainers = None
+    if _state.control is not None:
+        group = _state.control.Split(0 if trains else MPI.UNDEFINED, _state.control.Get_rank())
+        _state.trainers = group if group != MPI.COMM_NULL else None
+
+
+def allreduce(value: Any, op: str = "mean") -> Any:
+    """``value`` (a Python number or a tensor) reduced over the ranks with ``op`` (``mean``, ``sum``,
+    ``max``, ``min``): Horovod's ``hvd.allreduce``, for metrics such as a validation loss or accuracy.
+
+    Returns a new value of the same kind (a tensor keeps its dtype and device). While a job runs under a rule
+    that keeps ranks out of training (parameter servers), the ranks that train take part, which are the
+    ones running the loop; otherwise every rank. Collective over those ranks. See :mod:`.metric_reduce`.
+    """
+    _world("xb.allreduce")
+    job = _state.job
+    comm = _state.trainers if job is not None and not job.finished else _state.control
+    if comm is None:  # a process without MPI reduces with itself
+        from mpi4py import MPI
+
+        comm = MPI.COMM_SELF
+    return allreduce_value(comm, value, op)
 
 
 def _make_rule(rule: str | Rule, hyper: Mapping[str, Any]) -> Rule:

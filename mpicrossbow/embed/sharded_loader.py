@@ -7,6 +7,14 @@ synchronous rules need), each epoch reshuffles the part with a generator seeded 
 and every sample gets its own seed for augmentation. Iterating the loader starts the next epoch by itself:
 no ``set_epoch`` to forget (call :meth:`ShardedLoader.set_epoch` to resume at a given one).
 
+``evaluation=True`` makes an evaluation loader instead (Horovod's ``DistributedSampler`` on a test set,
+without its padding): the ranks' parts are near-equal contiguous slices that together hold every sample
+once, in order, the last batch short where the part is not a multiple of the batch; nothing is dropped,
+shares may differ by one sample, and a part smaller than a batch is fine. :attr:`ShardedLoader.samples` is
+the rank's own sample count, what a mean over ranks is weighted by. A training loader keeps full batches
+only: its last partial batch is left out (a different one every epoch), so every rank takes the same number
+of steps, which synchronous rules need; ``samples`` counts what it iterates.
+
 Which part a rank reads is the rule's to say — a parameter server's ranks read none, GSP's shares file
 gives fast ranks more — so the part is cut when the loader is first used (``len`` or iteration), after
 ``xb.distribute`` named the rule. Used before, it cuts ``rank`` of ``size`` and ``xb.distribute`` refuses a
@@ -22,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..data.loader import LoaderOptions, seeded_loader
-from ..data.sampler import EpochBatches, train_part
+from ..data.sampler import EpochBatches, InOrder, train_part, val_part
 from ..errors import DataError, UsageError
 from ..model.shard import Shard
 
@@ -48,6 +56,8 @@ class ShardedLoader:
         seed: int,
         part_of: Callable[[], Part],
         options: LoaderOptions,
+        evaluation: bool = False,
+        size: int = 1,
     ) -> None:
         if batch_size < 1:
             raise UsageError(f"xb.shard: batch_size must be at least 1, got {batch_size}")
@@ -62,6 +72,14 @@ class ShardedLoader:
             ) from None
         #: The whole data set, as ``DataLoader.dataset`` (scripts log ``len(loader.dataset)``).
         self.dataset = dataset
+        #: Every sample once, in order, shares near-equal (True); or full shuffled batches (training).
+        self.evaluation = evaluation
+        if not evaluation and self.total // max(size, 1) < batch_size:
+            raise DataError(  # checked when built: the equal share is the smallest a rule cuts
+                f"xb.shard: {self.total} samples over {size} rank(s) leave each fewer than one batch of "
+                f"{batch_size}; use a smaller batch size or fewer ranks, or xb.shard(..., evaluation=True) "
+                "for an evaluation set (every sample, uneven shares)"
+            )
         self.batch_size, self.seed, self.options = batch_size, seed, options
         self._part_of = part_of
         #: The epoch the next iteration reads.
@@ -70,11 +88,17 @@ class ShardedLoader:
         self._sampler: EpochBatches | None = None
         self._loader: Any = None
 
-    def _cut(self) -> EpochBatches:
+    def _cut(self) -> EpochBatches | InOrder:
         """The sampler of this rank's part, cut on first use."""
         if self._sampler is not None:
             return self._sampler
         part = self.part = self._part_of()
+        if self.evaluation:
+            indices = val_part(self.total, Shard(part.index, part.count, self.batch_size, self.seed))
+            evaluation = InOrder(indices if part.trains else np.arange(0), self.batch_size)
+            self._sampler = evaluation
+            self._loader = seeded_loader(self.dataset, evaluation, self.options, self.seed, persistent=True)
+            return evaluation
         if not part.trains:
             indices = np.arange(0)
         else:
@@ -100,8 +124,19 @@ class ShardedLoader:
             )
 
     def __len__(self) -> int:
-        """Batches per epoch (full batches only, the same on every training rank; 0 on a serving rank)."""
+        """Batches per epoch (training: full batches only, the same on every training rank; evaluation: the
+        last one possibly short; 0 on a serving rank)."""
         return len(self._cut())
+
+    @property
+    def samples(self) -> int:
+        """This rank's own samples per epoch: what one pass yields (a training loader's full batches; an
+        evaluation loader's whole share). Weigh a per-rank mean by it (``len(loader.dataset)`` is the whole
+        data set's size)."""
+        sampler = self._cut()
+        if isinstance(sampler, InOrder):
+            return len(sampler.part)
+        return len(sampler) * self.batch_size
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration read epoch ``epoch`` (resuming); iterations go on from there."""
@@ -110,7 +145,8 @@ class ShardedLoader:
     def __iter__(self) -> Iterator[Any]:
         """One epoch: this rank's part in the epoch's order; the next iteration is the next epoch."""
         sampler = self._cut()
-        sampler.set_epoch(self.epoch)
+        if isinstance(sampler, EpochBatches):
+            sampler.set_epoch(self.epoch)
         self.epoch += 1
         return iter(self._loader)
 

@@ -29,7 +29,7 @@ import mpicrossbow as xb
 from data.digits import digits_dataset
 from mpicrossbow.config.sections import CommSection
 from mpicrossbow.embed import api
-from mpicrossbow.errors import UsageError
+from mpicrossbow.errors import DataError, UsageError
 
 LR = 0.05
 TRAIN = digits_dataset("train")
@@ -225,6 +225,62 @@ def check_gossip_with_unequal_steps_ends_in_one_model() -> None:
     same_everywhere(flat(model), "the gossip mean")
 
 
+def check_allreduce_numbers_and_tensors() -> None:
+    """xb.allreduce (Horovod's hvd.allreduce): numbers and tensors, mean/sum/max/min, the input's kind and
+    dtype kept; over the workers only while a parameter server serves (issue 51)."""
+    n, r = WORLD.size, WORLD.rank
+    assert xb.allreduce(float(r)) == sum(range(n)) / n
+    assert xb.allreduce(r + 1, op="sum") == n * (n + 1) // 2 and isinstance(xb.allreduce(r, op="sum"), int)
+    assert xb.allreduce(r, op="max") == n - 1 and xb.allreduce(r, op="min") == 0
+    t = torch.tensor([r, 2.0 * r], dtype=torch.bfloat16, device=DEVICE)
+    got, total = xb.allreduce(t, op="sum"), sum(range(n))
+    assert got.dtype == torch.bfloat16 and got.device == t.device and got.tolist() == [total, 2 * total]
+    assert t.tolist() == [r, 2.0 * r], "xb.allreduce changed its input"
+    mean = xb.allreduce(torch.tensor([r, r + 1]))  # integers: the mean is a float tensor
+    assert mean.dtype == torch.float32 and mean.tolist() == [(n - 1) / 2, (n + 1) / 2]
+    expect(UsageError, "op='avg': choose one of", lambda: xb.allreduce(1.0, op="avg"))
+    if n >= 2:  # ASGD: rank 0 serves inside distribute; the workers' allreduce is theirs alone
+        xb.distribute(*network(), rule="ASGD")
+        if xb.trains():
+            assert xb.allreduce(1, op="sum") == n - 1
+        xb.finish()
+        assert xb.allreduce(1, op="sum") == n  # the job is over: every rank again
+
+
+def check_evaluation_shards_keep_every_sample() -> None:
+    """xb.shard(..., evaluation=True): every sample once over the ranks, shares within one sample of each
+    other, the last batch short, samples = the rank's own count; training shares are equal on every rank
+    (no join needed for uneven inputs) and drop only the last partial batch."""
+    val = digits_dataset("val")
+    loader = xb.shard(val, 16, evaluation=True)
+    seen = torch.cat([y for _, y in loader])
+    assert len(seen) == loader.samples
+    counts = WORLD.allgather(loader.samples)
+    assert sum(counts) == len(val) and max(counts) - min(counts) <= 1, counts
+    assert len(loader) == -(-loader.samples // 16)
+    mine = torch.cat([x for x, _ in loader]).reshape(-1, 64)
+    every = torch.cat([torch.from_numpy(m) for m in WORLD.allgather(mine.numpy())])
+    assert torch.equal(every, val.x.reshape(-1, 64)), "the shares, in rank order, are not the set in order"
+    train = xb.shard(TRAIN, 32, seed=3)
+    steps = WORLD.allgather(len(train))
+    assert len(set(steps)) == 1 and train.samples == 32 * steps[0] == 32 * (len(TRAIN) // WORLD.size // 32)
+    expect(DataError, "evaluation=True", lambda: xb.shard(val, len(val) // WORLD.size + 1))
+
+
+def check_distribute_broadcasts_the_optimizer_state_and_scales_lr() -> None:
+    """xb.distribute: every rank takes rank 0's optimizer state (Horovod's broadcast_optimizer_state) and
+    lr_scaling='linear' multiplies the rate by the training ranks, capped by lr_cap."""
+    model, optimizer = network(seed=5)
+    x, y = batches(1)[0]
+    step(model, optimizer, x, y)  # a momentum buffer that differs by rank
+    model, optimizer = xb.distribute(model, optimizer, rule="BSP", lr_scaling="linear", lr_cap=LR * 1.5)
+    buffers = torch.cat([optimizer.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
+    same_everywhere(buffers.cpu(), "the momentum buffers")
+    assert optimizer.param_groups[0]["lr"] == min(LR * WORLD.size, LR * 1.5)
+    xb.finish()
+    expect(SystemExit, "2", lambda: xb.distribute(*network(), rule="BSP", lr_scaling="cubic"))
+
+
 def expect(kind: type[BaseException], words: str, call: Callable[[], object]) -> None:
     """``call()`` raises ``kind`` with ``words`` in its message."""
     try:
@@ -249,6 +305,9 @@ def main() -> int:
         ("bad_rule_status_2", check_bad_rule_ends_every_rank_with_status_2),
         ("server_rank_serves", check_server_rank_serves_and_reads_nothing),
         ("gossip_unequal_steps", check_gossip_with_unequal_steps_ends_in_one_model),
+        ("allreduce", check_allreduce_numbers_and_tensors),
+        ("evaluation_shards", check_evaluation_shards_keep_every_sample),
+        ("optimizer_state_and_lr", check_distribute_broadcasts_the_optimizer_state_and_scales_lr),
     ]
     return finish(run_checks("embedded", checks))
 
