@@ -16,10 +16,19 @@ a second table gives learners per GPU: m learners' samples/s ÷ one learner's, w
 ``OptimSection(precision=...)``; bf16 autocast runs on the CPU too): samples/s and the ratio of every
 precision to the first, side by side in the same alternating rounds, without the bound.
 
+``--graphs off,on`` (CUDA) measures every engine and the bound without and with CUDA graphs (``[pool]
+cuda_graphs``, pools built with ``PoolSpec(cuda_graphs=...)``) in the same alternating rounds: samples/s,
+each engine's with ÷ without, fused ÷ bound and streams ÷ serial at each setting (the bound captured too
+where the setting is on). One value (``--graphs on``) builds every pool of the other modes with it, e.g.
+``--precisions fp32,bf16 --graphs on`` for bf16 ÷ fp32 with graphs. With ``--graphs`` or ``--precisions``
+comparing two or more values, ``--engines`` may name any of the engines (the bound is measured in the graphs
+comparison whatever they are).
+
     python -m benchmarks.pool             # full grid, 1 and 2 threads; appends to results/pool.md + PNG
     python -m benchmarks.pool --quick     # m ∈ {1, 8}, batch ∈ {4, 16}, 1 thread, short rounds
     python -m benchmarks.pool --device cuda --engines serial,fused,streams --models resnet50 --out gpu
     python -m benchmarks.pool --device cuda --precisions fp32,bf16 --learners 1,8 --batches 32 --out gpu
+    python -m benchmarks.pool --device cuda --engines fused --graphs off,on --models resnet20 --batches 16
 """
 
 from __future__ import annotations
@@ -60,6 +69,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="comma list of [optim] precision values (fp32, bf16, fp16); two or more: measure each engine "
         "at each precision, and the ratio to the first, instead of the engine grid",
     )
+    parser.add_argument(
+        "--graphs",
+        default="off",
+        help="comma list of [pool] cuda_graphs values (off, on, auto); two or more: measure each engine and "
+        "the bound at each, with the ratios, instead of the engine grid; one: build every pool with it",
+    )
     parser.add_argument("--out", default="pool", help="results/<OUT>.md to append to (gpu.sh: gpu)")
     parser.add_argument("--rounds", type=int, default=5, help="timed alternating rounds per engine")
     parser.add_argument("--round-seconds", type=float, default=0.5, help="target length of one round")
@@ -70,18 +85,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.models = args.models or "mlp,lenet8,resnet20"
         args.rounds, args.round_seconds = 3, 0.2
     args.models = args.models or "mlp,lenet8,lenet28,resnet20,mnist1d,transformer"
-    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if not {"serial", "fused"} <= set(args.engines) <= set(ENGINES):
-        parser.error(
-            f"--engines must name serial and fused, and may add streams; got {','.join(args.engines)}"
-        )
-    if "streams" in args.engines and args.device != "cuda":
-        parser.error("--engines streams needs --device cuda (the streams engine runs on CUDA devices only)")
     args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     if not args.precisions or not set(args.precisions) <= set(PRECISIONS):
         parser.error(f"--precisions takes a comma list of {', '.join(PRECISIONS)}; got {args.precisions}")
     if len(set(args.precisions)) != len(args.precisions):
         parser.error(f"--precisions names a precision twice: {args.precisions}")
+    args.graphs = [g.strip() for g in args.graphs.split(",") if g.strip()]
+    if not args.graphs or not set(args.graphs) <= set(GRAPHS) or len(set(args.graphs)) != len(args.graphs):
+        parser.error(f"--graphs takes a comma list of distinct {', '.join(GRAPHS)}; got {args.graphs}")
+    if "on" in args.graphs and args.device != "cuda":
+        parser.error("--graphs on needs --device cuda (CUDA graphs capture on CUDA devices only)")
+    if len(args.graphs) > 1 and len(args.precisions) > 1:
+        parser.error("compare --graphs or --precisions, not both: give the other one value")
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    comparing = len(args.precisions) > 1 or len(args.graphs) > 1
+    if not args.engines or not set(args.engines) <= set(ENGINES):
+        parser.error(f"--engines takes a comma list of {', '.join(ENGINES)}; got {','.join(args.engines)}")
+    if not comparing and not {"serial", "fused"} <= set(args.engines):
+        parser.error(
+            f"--engines must name serial and fused, and may add streams; got {','.join(args.engines)}"
+        )
+    if "streams" in args.engines and args.device != "cuda":
+        parser.error("--engines streams needs --device cuda (the streams engine runs on CUDA devices only)")
     return args
 
 
@@ -89,6 +114,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 ENGINES = ("serial", "fused", "streams")
 #: ``[optim] precision`` values ``--precisions`` takes.
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: ``[pool] cuda_graphs`` values ``--graphs`` takes.
+GRAPHS = ("off", "on", "auto")
 
 
 def check_device(device: str) -> None:
@@ -241,12 +268,27 @@ def optim_for(precision: str) -> Any:
     return OptimSection(lr=0.01, momentum=0.9, weight_decay=5e-4, **extra)
 
 
-def time_pools(
-    model: Any, makers: dict[str, tuple[type, int, int, Any]], args: argparse.Namespace, device: Any
-) -> Timing:
-    """Build a pool per ``makers`` entry, ``name: (engine class, batch per learner, learners, optim)``, from
-    the same torch seed, warm each up (the fused engine until it has chosen its form), then time them in
-    alternating rounds (the order reversed every other round, so machine noise hits them alike)."""
+#: What :func:`time_pools` builds for one name: engine class, batch per learner, learners, optim, and
+#: ``[pool] cuda_graphs``.
+Maker = tuple[type, int, int, Any, str]
+
+
+def warm_up_steps(pool: Any) -> int:
+    """Untimed steps before a pool runs as it will: 2, the fused engine's form trial, and with CUDA graphs
+    the steps until both graphs are captured (the warm-up steps a capture needs, the capture, one more)."""
+    from mpicrossbow.pool.cuda_graphs import WARMUP
+
+    choice = getattr(pool, "choice", None)
+    graphs = getattr(pool, "graphs", None)
+    captures = WARMUP + 2 if graphs is not None and graphs.enabled else 0
+    return 2 + (choice.steps_to_decide if choice is not None else 0) + captures
+
+
+def time_pools(model: Any, makers: dict[str, Maker], args: argparse.Namespace, device: Any) -> Timing:
+    """Build a pool per ``makers`` entry, ``name: (engine class, batch per learner, learners, optim,
+    cuda_graphs)``, from the same torch seed, warm each up (:func:`warm_up_steps`: the fused engine until it
+    has chosen its form, CUDA graphs until captured), then time them in alternating rounds (the order
+    reversed every other round, so machine noise hits them alike)."""
     import torch
 
     from mpicrossbow.pool import PoolSpec
@@ -263,16 +305,16 @@ def time_pools(
     pools: dict[str, Any] = {}
     states = {name: {"epoch": 0, "count": 0} for name in makers}
     memory: dict[str, float] = {}
-    for name, (cls, b, learners, optim) in makers.items():
+    for name, (cls, b, learners, optim, graphs) in makers.items():
         if cuda:
             sync()
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         torch.manual_seed(0)
-        pools[name] = pool = cls(model, PoolSpec(0, 1, b, optim, device, seed=0, learners=learners))
+        spec = PoolSpec(0, 1, b, optim, device, seed=0, learners=learners, cuda_graphs=graphs)  # type: ignore[arg-type]
+        pools[name] = pool = cls(model, spec)
         pool.start_epoch(0)
-        choice = getattr(pool, "choice", None)
-        run_steps(pool, 2 + (choice.steps_to_decide if choice is not None else 0), states[name])
+        run_steps(pool, warm_up_steps(pool), states[name])
         if cuda:
             sync()
             memory[name] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
@@ -296,7 +338,7 @@ def time_pools(
             sync()
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-    rate = {name: steps * m * b / statistics.median(times[name]) for name, (_, b, m, _) in makers.items()}
+    rate = {name: steps * m * b / statistics.median(times[name]) for name, (_, b, m, _, _) in makers.items()}
     forms = {
         name: getattr(pool.choice, "chosen", None) or "fused"
         for name, pool in pools.items()
@@ -317,9 +359,9 @@ def measure(model: Any, m: int, batch: int, args: argparse.Namespace, device: An
     """Every engine in ``args.engines`` and the bound (one serial learner at batch m·b) at
     ``args.precisions[0]``: their timing, and the CPU-time ratio of serial to fused."""
     engines = engine_classes()
-    optim = optim_for(args.precisions[0])
-    makers = {e: (engines[e], batch, m, optim) for e in args.engines}
-    makers["bound"] = (engines["serial"], m * batch, 1, optim)
+    optim, graphs = optim_for(args.precisions[0]), args.graphs[0]
+    makers: dict[str, Maker] = {e: (engines[e], batch, m, optim, graphs) for e in args.engines}
+    makers["bound"] = (engines["serial"], m * batch, 1, optim, graphs)
     timing = time_pools(model, makers, args, device)
     return timing, timing.cpu["serial"] / max(timing.cpu["fused"], 1e-9)
 
@@ -397,7 +439,12 @@ def measure_precisions(
     """Every engine in ``args.engines`` at every precision in ``args.precisions``, in the same alternating
     rounds: one row per engine."""
     engines = engine_classes()
-    makers = {f"{e}@{p}": (engines[e], batch, m, optim_for(p)) for e in args.engines for p in args.precisions}
+    graphs = args.graphs[0]
+    makers: dict[str, Maker] = {
+        f"{e}@{p}": (engines[e], batch, m, optim_for(p), graphs)
+        for e in args.engines
+        for p in args.precisions
+    }
     timing = time_pools(model, makers, args, device)
     return [
         PrecisionRow(
@@ -437,6 +484,98 @@ def precision_table(rows: list[PrecisionRow], precisions: list[str]) -> str:
             + " |"
         )
     return "\n".join(lines)
+
+
+@dataclass
+class GraphsRow:
+    """Every engine and the bound at one (model, m, batch) point, measured at every ``--graphs`` setting."""
+
+    model: str
+    m: int
+    batch: int
+    #: samples/s by ``engine@setting`` (``bound@setting`` included).
+    rate: dict[str, float]
+    #: Peak GPU memory in MiB by ``engine@setting``.
+    memory: dict[str, float] = field(default_factory=dict)
+
+
+def measure_graphs(model: Any, m: int, batch: int, args: argparse.Namespace, device: Any) -> Timing:
+    """Every engine in ``args.engines`` and the bound (one serial learner at batch m·b) at every setting in
+    ``args.graphs``, at ``args.precisions[0]``, in the same alternating rounds."""
+    engines = engine_classes()
+    optim = optim_for(args.precisions[0])
+    makers: dict[str, Maker] = {}
+    for graphs in args.graphs:
+        for e in args.engines:
+            makers[f"{e}@{graphs}"] = (engines[e], batch, m, optim, graphs)
+        makers[f"bound@{graphs}"] = (engines["serial"], m * batch, 1, optim, graphs)
+    return time_pools(model, makers, args, device)
+
+
+def graphs_label(name: str, graphs: str) -> str:
+    """A column's name for ``name`` at ``[pool] cuda_graphs = graphs``."""
+    return {"off": name, "on": f"{name} with graphs"}.get(graphs, f"{name} (graphs {graphs})")
+
+
+def graphs_table(rows: list[GraphsRow], engines: list[str], settings: list[str]) -> str:
+    """Markdown table: samples/s of every engine and the bound at every setting; each one's last setting ÷
+    its first (with ÷ without graphs); fused ÷ bound and, with both engines measured, streams ÷ serial, at
+    every setting; the peak GPU memory at the last setting."""
+    names = [*engines, "bound"]
+    first, last = settings[0], settings[-1]
+    heads = [f"{graphs_label(n, g)} samples/s" for n in names for g in settings]
+    versus = "with ÷ without graphs" if (first, last) == ("off", "on") else f"graphs {last} ÷ {first}"
+    heads += [f"{n} {versus}" for n in names]
+    pairs = [("fused", "bound")] if "fused" in engines else []
+    pairs += [("streams", "serial")] if {"streams", "serial"} <= set(engines) else []
+    heads += [f"{graphs_label(f'{a} ÷ {b}', g)}" for a, b in pairs for g in settings]
+    heads += [f"{graphs_label(n, last)} peak MiB" for n in names]
+    lines = [
+        "| model | m | batch/learner | " + " | ".join(heads) + " |",
+        "|---|---:|---:|" + "---:|" * len(heads),
+    ]
+    for r in rows:
+        cells = [f"{r.rate[f'{n}@{g}']:,.0f}" for n in names for g in settings]
+        cells += [f"{r.rate[f'{n}@{last}'] / r.rate[f'{n}@{first}']:.2f}" for n in names]
+        cells += [f"{r.rate[f'{a}@{g}'] / r.rate[f'{b}@{g}']:.2f}" for a, b in pairs for g in settings]
+        cells += [f"{r.memory[f'{n}@{last}']:,.0f}" if f"{n}@{last}" in r.memory else "–" for n in names]
+        lines.append(f"| {r.model} | {r.m} | {r.batch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main_graphs(
+    args: argparse.Namespace, catalogue: dict[str, Any], points: list[tuple[int, str, int, int]], device: Any
+) -> int:
+    """``--graphs`` with two or more values: every engine and the bound at every setting, the table,
+    results/."""
+    import torch
+
+    rows: list[GraphsRow] = []
+    for threads, key, batch, m in points:
+        torch.set_num_threads(threads)
+        label, model = catalogue[key]
+        timing = measure_graphs(model, m, batch, args, device)
+        rows.append(GraphsRow(label, m, batch, timing.rate, timing.memory))
+        print(graphs_table(rows[-1:], args.engines, args.graphs).splitlines()[-1], flush=True)
+    head = (
+        f"Each engine and the bound (one serial learner at batch m·b) with `[pool] cuda_graphs` = "
+        f"{', '.join(args.graphs)} (pools built with `PoolSpec(cuda_graphs=...)`: the learner step and the "
+        f"optimizer step captured in CUDA graphs and replayed where on), `[optim] precision = "
+        f"{args.precisions[0]}`, {args.rounds} alternating timed rounds of about {args.round_seconds} s "
+        "(median), after the warm-up steps (the fused engine's form trial, and the steps until both graphs "
+        "are captured). samples/s = m × batch × steps ÷ wall time; peak MiB = "
+        "torch.cuda.max_memory_allocated over building the pool and its warm-up steps (the graphs' memory "
+        "included), less what was allocated before."
+    )
+    text = head + "\n\n" + graphs_table(rows, args.engines, args.graphs)
+    print(text)
+    if not args.no_write:
+        where = "GPU" if device.type == "cuda" else "CPU"
+        title = f"Pool engines with cuda_graphs = {' vs '.join(args.graphs)}, on the {where} "
+        title += f"({', '.join(args.engines)})"
+        line = f"{versions()}; {gpu_versions()}" if device.type == "cuda" else None
+        print("appended to", append_result(args.out, title, text, versions_line=line))
+    return 0
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -594,6 +733,8 @@ def main() -> int:
     ]  # fmt: skip
     if len(args.precisions) > 1:
         return main_precisions(args, catalogue, points, device)
+    if len(args.graphs) > 1:
+        return main_graphs(args, catalogue, points, device)
     rows: list[Row] = []
     for threads, key, batch, m in points:
         torch.set_num_threads(threads)
@@ -643,13 +784,15 @@ def main_precisions(
         "batch × steps ÷ wall time; peak MiB (CUDA only) = torch.cuda.max_memory_allocated over building the "
         "pool and its warm-up steps, less what was allocated before"
         + (f"; on CUDA fp32 runs with `[optim] tf32 = {str(tf32).lower()}`" if tf32 is not None else "")
-        + "."
+        + f"; `[pool] cuda_graphs = {args.graphs[0]}`."
     )
     text = head + "\n\n" + precision_table(rows, args.precisions)
     print(text)
     if not args.no_write:
         where = "GPU" if device.type == "cuda" else "CPU"
         title = f"Pool engines at {' vs '.join(args.precisions)}, on the {where}"
+        if args.graphs[0] != "off":
+            title += f", cuda_graphs = {args.graphs[0]}"
         line = f"{versions()}; {gpu_versions()}" if device.type == "cuda" else None
         print("appended to", append_result(args.out, title, text, versions_line=line))
     return 0

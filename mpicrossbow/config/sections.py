@@ -201,6 +201,12 @@ class PoolSection:
         "that path pinned (an error where it cannot run the network); never: the replicas one after another "
         "(one flat optimizer). The log and metrics.h5 (fused_path, fused_choice) say what ran and why",
     )
+    cuda_graphs: Literal["auto", "on", "off"] = setting(
+        "auto",
+        "CUDA devices: each learner's forward and backward, and the optimizer step, captured in CUDA graphs "
+        "and replayed (one launch instead of one per kernel); auto: where they can be, each refusal logged "
+        "in one line (off on other devices); on: a refusal is an error; off: never",
+    )
     max_learners: int = setting(16, "learners = auto: the most learners per rank the tuner tries", ge=1)
     tune: Literal["goodput", "throughput"] = setting(
         "goodput",

@@ -20,6 +20,11 @@ hand (:mod:`.chain_step`).
 the m rows of ``params2d`` instead, as PyTorch's fused SGD kernel (:func:`rows_sgd`). Only elementwise
 optimizers (SGD, Adam, RMSprop…) update each replica as its own would; frozen parameters are rejected.
 The path (layers, replicated, vmapped, unfused) and step form are the chooser's (:mod:`.chooser`).
+
+**CUDA graphs** (``[pool] cuda_graphs``, :mod:`.cuda_graphs`): on a CUDA device, once the chooser has settled
+the path and the form (and the first fused step has run), the step of all m replicas is captured as one graph
+and the optimizer step as another; the stacked batches are copied from their page-locked buffers straight
+into the graph's static inputs.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import logging
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +48,7 @@ from ..model.contract import TorchModel, sgd_settings
 from .base import TimedBatches, next_batch, params_loaded, summed
 from .chain_step import ChainStep
 from .chooser import FUSED, Chooser, synchronize
+from .cuda_graphs import LEARNER_STEP, OPTIMIZER_STEP, WATCHED, GraphSwitch, optimizer_settings
 from .flat import empty_flat, point_grads_into, point_into
 from .fused_chain import FusedChain, chain_runs
 from .fused_network import FlatSlots, FusedNetwork
@@ -59,6 +65,8 @@ log = logging.getLogger(__name__)
 
 #: A step's result: each replica's loss and its hits, ``(m,)`` each.
 _Step = tuple[torch.Tensor, torch.Tensor]
+#: Where a stacked batch may be copied to: ``(index, shape, dtype)`` → a device tensor, or None.
+Placement = Callable[[int, Sequence[int], torch.dtype], torch.Tensor | None]
 
 #: Autograd warns when a .grad's strides differ from a dense parameter's; ours are strided views by design.
 _LAYOUT_WARNING = "grad and param do not obey the gradient layout contract"
@@ -121,6 +129,8 @@ class FusedPool(ShardedPool):
         self.precision = Precision.of(spec.optim, spec.device)
         self._default_loss = getattr(type(model), "loss", None) is TorchModel.loss
         self._default_correct = getattr(type(model), "correct", None) is TorchModel.correct
+        #: Which of the pool's steps run through CUDA graphs, and why not (one switch through resizes).
+        self.graphs = GraphSwitch(spec.cuda_graphs, spec.device)
         self._build(spec)
 
     def _build(self, spec: PoolSpec) -> None:
@@ -165,6 +175,14 @@ class FusedPool(ShardedPool):
         for j, learner in enumerate(self.learners):  # a view: a fault injected into it is seen by nonfinite()
             learner.last_loss = self._last_losses[j]
         self._fused_ran = False
+        self._wire_graphs()
+
+    def _wire_graphs(self) -> None:
+        """A fresh CUDA graph for the replicas' step and one for the optimizer step, where the pool captures
+        (after :meth:`_build`, and after a checkpoint load replaced the optimizer's state tensors)."""
+        self.graphs.check_optimizers([self.optimizer])
+        self._step_graph = self.graphs.step(LEARNER_STEP, self._recorded_step)
+        self._apply_graph = self.graphs.step(OPTIMIZER_STEP, self._optimizer_step)
 
     def _make_rows(self, replicas: list[nn.Module]) -> FlatSlots:
         """The ``(m, P)`` params and grads and ``(m, B)`` buffers, every replica's tensors pointed into its
@@ -233,8 +251,9 @@ class FusedPool(ShardedPool):
         return self.choice.chosen is None
 
     def run_record(self) -> dict[str, Any]:
-        """The chooser's path, forms and their measurements (:meth:`.Chooser.record`)."""
-        return self.choice.record()
+        """The chooser's path, forms and their measurements (:meth:`.Chooser.record`), and what ran through
+        CUDA graphs (:meth:`.GraphSwitch.record`)."""
+        return {**self.choice.record(), **self.graphs.record()}
 
     def start_epoch(self, epoch: int) -> None:
         """Start every learner's reshuffled pass over its shard (one joint pass where the data allows); a
@@ -250,13 +269,20 @@ class FusedPool(ShardedPool):
             self._joint = False
             self._iters = [TimedBatches(d.train_batches(epoch), self._waited) for d in self.datas]
 
-    def _next_batches(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every learner's next batch, stacked to ``(m, N, …)`` inputs and ``(m, N)`` targets."""
+    def _next_batches(self, count: int, into: Placement | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every learner's next batch, stacked to ``(m, N, …)`` inputs and ``(m, N)`` targets; ``into(i,
+        shape, dtype)`` names a device tensor the i-th (inputs 0, targets 1) may be copied into from its
+        page-locked buffer (a CUDA graph's static input, :meth:`.GraphedStep.buffer`), or None."""
+
+        def place(i: int, like: torch.Tensor, m: int | None = None) -> torch.Tensor | None:
+            shape = like.shape if m is None else (m, *like.shape)
+            return None if into is None else into(i, shape, like.dtype)
+
         if self._joint:
             x, y = next_batch(self._iters[0], count, self.n_batch_train)
             if self._staging is not None:
                 staged = self._staging.stacked
-                return staged("inputs", x.unbind()), staged("targets", y.unbind())
+                return staged("inputs", x.unbind(), place(0, x)), staged("targets", y.unbind(), place(1, y))
             return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         inputs, targets = [], []
         for batches in self._iters:
@@ -264,7 +290,11 @@ class FusedPool(ShardedPool):
             inputs.append(x)
             targets.append(y)
         if self._staging is not None and inputs[0].device.type == "cpu":
-            return self._staging.stacked("inputs", inputs), self._staging.stacked("targets", targets)
+            m = len(inputs)
+            return (
+                self._staging.stacked("inputs", inputs, place(0, inputs[0], m)),
+                self._staging.stacked("targets", targets, place(1, targets[0], m)),
+            )
         x, y = torch.stack(inputs), torch.stack(targets)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
@@ -287,8 +317,16 @@ class FusedPool(ShardedPool):
 
     def compute(self, count: int) -> None:
         """Every learner's forward and backward on its next batch, in the step :meth:`_step_for` picks (the
-        form :attr:`choice` says, see :mod:`.chooser`); each step starts the gradients' contract itself."""
-        inputs, targets = self._next_batches(count)
+        form :attr:`choice` says, see :mod:`.chooser`); each step starts the gradients' contract itself.
+        Through the step's CUDA graph once the form is settled (:meth:`_graph_ready`)."""
+        graph = self._step_graph if self._graph_ready() else None
+        inputs, targets = self._next_batches(count, graph.buffer if graph is not None else None)
+        if graph is not None:
+            key = (self.choice.form(), id(self.fused), self.precision.scale)
+            graph(inputs, targets, setting=key)
+            self.choice.record_step(None)
+            self._samples += targets.shape[1]
+            return
         step = self._step_for()
         timing = self.choice.timing
         if timing:
@@ -298,12 +336,28 @@ class FusedPool(ShardedPool):
         if timing:
             synchronize(self.device)
         self.choice.record_step(time.perf_counter() - started if timing else None)
+        self._record(losses, hits, targets.shape[1])
+        self._samples += targets.shape[1]
+
+    def _graph_ready(self) -> bool:
+        """Whether the step may go through its CUDA graph: the pool captures, the form trial is over and the
+        fused path's guarded first step has run (graphs capture neither a trial nor a refusal)."""
+        if self._step_graph is None or self.choice.chosen is None:
+            return False
+        return self.choice.chosen != FUSED or self._fused_ran
+
+    def _recorded_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """The step of the settled form and its statistics, device work only (what the step's graph
+        captures)."""
+        self._record(*self._step_for()(inputs, targets), targets.shape[1])
+
+    def _record(self, losses: torch.Tensor, hits: torch.Tensor, n: int) -> None:
+        """Each learner's loss and hits of this step on ``n`` samples each into the running statistics (on
+        the device; the sample count, a Python number, is the caller's)."""
         with torch.no_grad():
             self._last_losses.copy_(losses)
-            n = targets.shape[1]
             row = torch.stack((losses.double() * n, hits.double()))  # exact whatever the model's dtype
             self._stats.add_(torch.where(torch.isfinite(losses), row, 0.0))
-            self._samples += n
 
     def _step_for(self) -> Callable[[torch.Tensor, torch.Tensor], _Step]:
         """The step this batch takes: the replicas one after another (the unfused form), the fused network's
@@ -375,8 +429,9 @@ class FusedPool(ShardedPool):
 
     def grad_layout(self) -> list[tuple[int, int]] | None:
         """Each fused parameter's (column offset, numel of one replica's slice) in a row of ``grads2d``; None
-        under a loss scale (:meth:`~.base.LearnerPool.scaled_gradients`)."""
-        if self.scaled_gradients:
+        under a loss scale (:meth:`~.base.LearnerPool.scaled_gradients`) and under ``cuda_graphs = on`` (a
+        replayed backward tells no watcher: BSP then allreduces once after it)."""
+        if self.scaled_gradients or self.graphs.strict:
             return None
         return [(o, p.numel() // self.m) for o, p in zip(self.fused_offsets, self.fused_params, strict=True)]
 
@@ -384,7 +439,8 @@ class FusedPool(ShardedPool):
         """A post-accumulate-grad hook on every fused parameter, ``ready(i, m)`` (the fused form: all replicas
         at once), and on every replica's parameter, ``ready(i, 1)`` (the replicas one after another). A
         gradient put straight into its row (:mod:`.step_gradients`) fires no hook; the step calls
-        ``ready(i, m)`` itself."""
+        ``ready(i, m)`` itself. The step runs eagerly while watched (a replay calls no Python)."""
+        self.graphs.hold(LEARNER_STEP, WATCHED)
         watchers = self._gradients.watchers
         watchers.append(ready)
         handles = [
@@ -402,11 +458,20 @@ class FusedPool(ShardedPool):
                 handle.remove()
             if ready in watchers:
                 watchers.remove(ready)
+            self.graphs.release(LEARNER_STEP)
 
         return unwatch
 
     def apply(self) -> None:
-        """One optimizer step over the fused parameters (every replica's step)."""
+        """One optimizer step over the fused parameters (every replica's step), through its CUDA graph where
+        the pool captures it."""
+        if self._apply_graph is None:
+            self._optimizer_step()
+        else:
+            self._apply_graph(setting=optimizer_settings([self.optimizer]))
+
+    def _optimizer_step(self) -> None:
+        """The optimizer's step, eagerly (what the optimizer step's graph captures)."""
         self.optimizer.step()
 
     @property
@@ -446,6 +511,7 @@ class FusedPool(ShardedPool):
         if "form" in state:
             self.choice.load_state_dict(state["form"])
         self.load_precision_state(state)
+        self._wire_graphs()  # the optimizer's state tensors are new: graphs are captured anew
 
     def resize(self, learners: int) -> None:
         """Rebuild for ``learners`` replicas between epochs (auto-tuner, :meth:`_build`); rows kept, new rows

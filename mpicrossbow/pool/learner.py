@@ -10,6 +10,7 @@ from torch import nn
 
 from ..config import OptimSection
 from ..errors import CheckpointError, ContractError
+from .cuda_graphs import GraphedStep
 from .flat import attach_flat_grads, flatten_into_buffer
 from .precision import FP32, Precision
 from .step_gradients import StepGradients
@@ -56,10 +57,23 @@ class Learner:
         self._stats = torch.zeros(3, dtype=torch.float64, device=device)
         #: The loss of the last training batch (on the device): the session checks it is finite.
         self.last_loss = torch.zeros((), device=device)
+        #: The step's CUDA graph (:mod:`.cuda_graphs`), set by the pool where it captures; None: eager.
+        self.graph: GraphedStep | None = None
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Zero the flat gradient, run forward and backward on one batch, accumulate the batch's stats."""
-        self.module.train()
+        """Zero the flat gradient, run forward and backward on one batch, accumulate the batch's stats:
+        through :attr:`graph` where the pool captures the step (:mod:`.cuda_graphs`), else eagerly."""
+        if self.graph is None:
+            self.module.train()
+            self.last_loss = self.train_batch(inputs, targets)
+            return
+        if not self.module.training:  # a replay does not read it; an eager warm-up step does
+            self.module.train()
+        self.last_loss = self.graph(inputs, targets, setting=self.precision.scale)
+
+    def train_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The device work of one training batch (what a CUDA graph captures): zero the flat gradient,
+        forward, loss, backward, add the batch's stats; returns the loss (float32, on the device)."""
         self.gradients.start()
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
@@ -68,13 +82,15 @@ class Learner:
             loss = self.model.loss(output, targets)
         self.gradients.backward(loss)
         with torch.no_grad():
-            self.last_loss = loss.detach().float()
+            last_loss = loss.detach().float()
             hits = torch.as_tensor(
                 self.model.correct(output, targets), dtype=torch.float64, device=self.device
             )
-            n = torch.tensor(float(len(targets)), dtype=torch.float64, device=self.device)
-            row = torch.stack([self.last_loss.double() * n, hits, n])
-            self._stats += torch.where(torch.isfinite(self.last_loss), row, torch.zeros_like(row))
+            # A fill, not a copy from the host: a graph can capture it.
+            n = torch.full((), float(len(targets)), dtype=torch.float64, device=self.device)
+            row = torch.stack([last_loss.double() * n, hits, n])
+            self._stats += torch.where(torch.isfinite(last_loss), row, torch.zeros_like(row))
+        return last_loss
 
     def step(self) -> None:
         """Apply the optimizer to the (possibly exchanged) flat gradient."""

@@ -68,10 +68,13 @@ class Precision:
         return self.loss_scale.scale if self.loss_scale is not None else 1.0
 
     def autocast(self) -> AbstractContextManager[Any]:
-        """The context a learner's forward and loss run in: autocast to :attr:`dtype`, or nothing."""
+        """The context a learner's forward and loss run in: autocast to :attr:`dtype`, or nothing. While a
+        CUDA graph captures (:mod:`.cuda_graphs`) without autocast's cache of cast weights, as torch requires:
+        a cached cast made in one capture would be freed memory in the next replay."""
         if self.dtype is None:
             return nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
+        capturing = self.device_type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=not capturing)
 
     def state_dict(self) -> dict[str, Any]:
         """The loss scale's state (empty without one), for a checkpoint."""

@@ -13,6 +13,7 @@ from ..model.contract import check_data
 from ..model.shard import Shard
 from ..trace import span
 from .base import LearnerPool, TimedBatches, close_datas, next_batch, params_loaded, summed
+from .cuda_graphs import LEARNER_STEP, OPTIMIZER_STEP, WATCHED, GraphSwitch, optimizer_settings
 from .learner import Learner
 from .precision import Precision
 from .spec import PoolSpec
@@ -87,16 +88,39 @@ class ShardedPool(LearnerPool):
 
 
 class SerialPool(ShardedPool):
-    """Learners of a torch-native model; learner j of rank r reads shard ``r * m + j`` of ``size * m``."""
+    """Learners of a torch-native model; learner j of rank r reads shard ``r * m + j`` of ``size * m``.
+
+    On a CUDA device each learner's step and the optimizer steps run through CUDA graphs where they can
+    (``[pool] cuda_graphs``, :mod:`.cuda_graphs`): one graph per learner, one for every optimizer step.
+    """
 
     def __init__(self, model: Any, spec: PoolSpec) -> None:
         self.model, self.spec = model, spec
+        #: Which of the pool's steps run through CUDA graphs, and why not (one switch through resizes).
+        self.graphs = GraphSwitch(spec.cuda_graphs, spec.device)
         self.precision = Precision.of(spec.optim, spec.device)
         self.learners = [
             Learner(model.module(), model, spec.optim, spec.device, self.precision)
             for _ in range(spec.learners)
         ]
         self._load_data()
+        self._wire_graphs()
+
+    def _wire_graphs(self) -> None:
+        """A fresh CUDA graph for every learner's step and one for the optimizer steps, where the pool
+        captures (at construction, and after a resize or a checkpoint load replaced what graphs point at)."""
+        self.graphs.check_optimizers(self.optimizers)
+        for j, learner in enumerate(self.learners):
+            learner.graph = self.graphs.step(LEARNER_STEP, learner.train_batch, self._learner_stream(j))
+        self._apply_graph = self.graphs.step(OPTIMIZER_STEP, self._step_all)
+
+    def _learner_stream(self, j: int) -> torch.cuda.Stream | None:
+        """The stream learner j's graph is captured on (None: a side stream of its own)."""
+        return None
+
+    def run_record(self) -> dict[str, Any]:
+        """What ran through CUDA graphs and why not (:meth:`.GraphSwitch.record`)."""
+        return self.graphs.record()
 
     def resize(self, learners: int) -> None:
         """Keep the first ``learners`` replicas, or add copies of learner 0; reshard the data.
@@ -122,6 +146,7 @@ class SerialPool(ShardedPool):
             self.learners.append(learner)
         self.spec = self.spec.resized(learners)
         self._load_data()
+        self._wire_graphs()
 
     def start_epoch(self, epoch: int) -> None:
         """Start every learner's reshuffled pass over its shard."""
@@ -141,8 +166,9 @@ class SerialPool(ShardedPool):
 
     def grad_layout(self) -> list[tuple[int, int]] | None:
         """Each trainable parameter's (offset, numel) in a learner's flat gradient (``param_list`` order);
-        None under a loss scale (:meth:`~.base.LearnerPool.scaled_gradients`)."""
-        if self.scaled_gradients:
+        None under a loss scale (:meth:`~.base.LearnerPool.scaled_gradients`) and under ``cuda_graphs = on``
+        (a replayed backward runs no hook: BSP then allreduces once after it)."""
+        if self.scaled_gradients or self.graphs.strict:
             return None
         layout, offset = [], 0
         for p in self.learners[0].param_list:
@@ -151,7 +177,9 @@ class SerialPool(ShardedPool):
         return layout
 
     def watch_gradients(self, ready: Callable[[int, int], None]) -> Callable[[], None]:
-        """A post-accumulate-grad hook on every parameter of every learner: ``ready(i, 1)``."""
+        """A post-accumulate-grad hook on every parameter of every learner: ``ready(i, 1)``; the learners'
+        steps run eagerly while watched (a replayed backward runs no hook)."""
+        self.graphs.hold(LEARNER_STEP, WATCHED)
         handles = [
             p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i, 1))
             for learner in self.learners
@@ -161,6 +189,7 @@ class SerialPool(ShardedPool):
         def unwatch() -> None:
             for handle in handles:
                 handle.remove()
+            self.graphs.release(LEARNER_STEP)
 
         return unwatch
 
@@ -178,9 +207,17 @@ class SerialPool(ShardedPool):
         for learner, learner_state in zip(self.learners, saved, strict=True):
             learner.load_state_dict(learner_state)
         self.load_precision_state(state)
+        self._wire_graphs()  # the optimizers' state tensors are new: graphs are captured anew
 
     def apply(self) -> None:
-        """Every learner's optimizer step."""
+        """Every learner's optimizer step (through one CUDA graph where the pool captures it)."""
+        if self._apply_graph is None:
+            self._step_all()
+        else:
+            self._apply_graph(setting=optimizer_settings(self.optimizers))
+
+    def _step_all(self) -> None:
+        """Every learner's optimizer step, eagerly (what the optimizer step's graph captures)."""
         for learner in self.learners:
             learner.step()
 

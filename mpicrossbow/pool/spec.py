@@ -39,6 +39,9 @@ class PoolSpec:
     #: against the replicas one after another; ``always`` that path untimed; ``layers``, ``replicated``,
     #: ``vmapped`` that path pinned; ``never`` the replicas one after another on the shared rows.
     fuse: Literal["auto", "always", "never", "layers", "replicated", "vmapped"] = "auto"
+    #: Whether the learners' steps run through CUDA graphs (:mod:`.cuda_graphs`): ``auto`` where they can on
+    #: a CUDA device (off elsewhere), ``on`` the same with every refusal an error, ``off`` never.
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
 
     def resized(self, learners: int) -> PoolSpec:
         """The same spec with another learner count (the auto-tuner)."""

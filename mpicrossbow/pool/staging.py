@@ -31,8 +31,11 @@ class PinnedStaging:
         self.device = device
         self._rings: dict[tuple[str, torch.Size, torch.dtype], _Ring] = {}
 
-    def stacked(self, key: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``torch.stack(tensors)`` on the device, copied asynchronously from a pinned buffer."""
+    def stacked(
+        self, key: str, tensors: Sequence[torch.Tensor], into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``torch.stack(tensors)`` on the device, copied asynchronously from a pinned buffer: into ``into``
+        where given (a CUDA graph's static input of that shape and dtype), else a new tensor."""
         shape = torch.Size((len(tensors), *tensors[0].shape))
         index = (key, shape, tensors[0].dtype)
         ring = self._rings.get(index)
@@ -44,7 +47,10 @@ class PinnedStaging:
         if last_copy is not None:
             last_copy.synchronize()
         torch.stack(list(tensors), out=ring.buffers[slot])
-        on_device = ring.buffers[slot].to(self.device, non_blocking=True)
+        if into is not None and into.shape == shape and into.dtype == tensors[0].dtype:
+            on_device = into.copy_(ring.buffers[slot], non_blocking=True)
+        else:
+            on_device = ring.buffers[slot].to(self.device, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         ring.copies[slot] = done

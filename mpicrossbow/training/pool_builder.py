@@ -71,6 +71,11 @@ def build_pool(
                 f"{config.modelclass} is a Theano-MPI-form model (it trains itself in train_iter): it runs "
                 "one learner per rank; [pool] learners and engine need a torch-native model"
             )
+        if config.pool.cuda_graphs == "on":
+            raise ConfigError(
+                f"[pool] cuda_graphs = on: {config.modelclass} is a Theano-MPI-form model (it computes its "
+                "own step in train_iter), whose step the pool cannot capture; use cuda_graphs = auto or off"
+            )
         if config.optim.precision != "fp32":
             raise ContractError(
                 f"{config.modelclass} is a Theano-MPI-form model (it computes its own step in train_iter): "
@@ -85,7 +90,18 @@ def build_pool(
     index, count = rule.train_shard(world.rank, world.size) if trains else (0, 1)
     span = rule.train_span(world.rank, world.size) if trains else None
     batch, seed = config.data.batch_size, config.session.seed
-    spec = PoolSpec(index, count, batch, config.optim, device, seed, learners, span, fuse=config.pool.fuse)
+    spec = PoolSpec(
+        index,
+        count,
+        batch,
+        config.optim,
+        device,
+        seed,
+        learners,
+        span,
+        config.pool.fuse,
+        config.pool.cuda_graphs,
+    )
     pool = ENGINES.get(config.pool.engine)(model, spec)
     if config.data.dataset:
         check_labels(pool.learners[0].module, model.train_set, config.data.dataset, device)
