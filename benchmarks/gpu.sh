@@ -95,6 +95,14 @@ step train "training runs per engine" 150 "$PYTHON" -m benchmarks.gpu_train --de
     --out gpu
 step exchange "exchange over CUDA" 60 "$PYTHON" -m benchmarks.exchange --device cuda --ranks 2 \
     --sizes 16K,1M,16M,100M --repeats 20 --min-repeats 5 --out gpu
+GRAPHS=(-m benchmarks.pool --device cuda --graphs off,on --models resnet20 --batches 16 --rounds 3
+    --round-seconds 0.2 --out gpu)
+step graphs "CUDA graphs, ResNet-20" 30 "$PYTHON" "${GRAPHS[@]}" --engines fused --learners 2,4,8,16
+step graphs "bf16 vs fp32 with CUDA graphs, ResNet-50" 30 "$PYTHON" -m benchmarks.pool --device cuda \
+    --engines fused --precisions fp32,bf16 --graphs on --models resnet50 --learners 8 --batches 32 --rounds 3 \
+    --round-seconds 0.2 --out gpu
+step streams "streams with CUDA graphs, ResNet-20" 40 "$PYTHON" "${GRAPHS[@]}" --engines serial,streams \
+    --learners 8
 step learners "learners per GPU, ResNet-20" 120 "$PYTHON" "${POOL[@]}" --models resnet20
 step precision "bf16 vs fp32, ResNet-20" 60 "$PYTHON" "${PRECISION[@]}" --models resnet20
 step precision "bf16 vs fp32, ResNet-50" 90 "$PYTHON" "${PRECISION[@]}" --models resnet50
