@@ -20,12 +20,12 @@ from torch import nn
 
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
-from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import Rule
+from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.step import train_step
 from openmpi_env import OPENMPI_VENV, OpenMPIEnv, why_not
 

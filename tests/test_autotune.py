@@ -11,12 +11,12 @@ import torch
 
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
-from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, GOSGD, SMA
+from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.autotune import AutoTuner, efficiency, start_count
 from mpicrossbow.training.learner_tuning import StepMeter
 

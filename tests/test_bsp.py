@@ -18,11 +18,11 @@ import reference
 from conftest import launcher, only_run, run_mpi, run_world
 from models.mlp import MLP
 from mpicrossbow.comm.compressed import CompressedCommunicator
-from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import FusedPool, SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP
+from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.metrics import read_metrics
 from mpicrossbow.training.step import train_step
 
@@ -254,8 +254,9 @@ def test_buckets_are_skipped_when_the_communicator_cannot_overlap() -> None:
 def test_swap_mode_pairs_ranks_that_trade_their_replicas(size: int) -> None:
     """Every step each rank of a pair takes its partner's weights (learner by learner); with an odd size the
     rank left over keeps its own; every rank draws the same pairs without talking."""
-    from mpicrossbow.comm import Communicator, InProcessWorld
+    from mpicrossbow.comm import Communicator
     from mpicrossbow.rules.pair_swap import PairSwap, partner
+    from mpicrossbow.testing import InProcessWorld
 
     def body(comm: Communicator) -> list[list[float]]:
         flats = [torch.full((5,), 10.0 * comm.rank + j) for j in range(2)]

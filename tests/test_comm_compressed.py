@@ -19,11 +19,7 @@ import torch
 
 from conftest import train_steps
 from models.mlp import MLP
-from mpicrossbow.comm import (
-    CompressedCommunicator,
-    InProcessWorld,
-    ReduceOp,
-)
+from mpicrossbow.comm import CompressedCommunicator, ReduceOp
 from mpicrossbow.comm.base import Communicator, Handle
 from mpicrossbow.comm.compressed import EXACT_TAIL
 from mpicrossbow.config import OptimSection, load_config
@@ -31,7 +27,7 @@ from mpicrossbow.errors import ConfigError, UsageError
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import ASGD, BSP, EASGD, GOSGD, PSGD, SMA, SSP, DiLoCo, LocalSGD, Rule, WeedOut
-from mpicrossbow.rules.elastic_server import ElasticServer
+from mpicrossbow.rules.easgd_server import EASGDServer
 from mpicrossbow.rules.parameter_server import (
     PULL_TAG,
     PUSH_HEADER,
@@ -40,6 +36,7 @@ from mpicrossbow.rules.parameter_server import (
     ParameterServer,
     Policy,
 )
+from mpicrossbow.testing import InProcessWorld
 
 WIRES = [torch.bfloat16, torch.float16]
 N = 1500  # above the default threshold (1024), not a multiple of any world size
@@ -252,13 +249,13 @@ def test_parameter_server_keeps_w_in_float32(wire: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("wire", WIRES)
-def test_elastic_server_keeps_the_centre_in_float32(wire: torch.dtype) -> None:
+def test_easgd_server_keeps_the_centre_in_float32(wire: torch.dtype) -> None:
     alpha, centre0, x = 0.25, values(50), values(51)
 
     def body(comm: Communicator) -> torch.Tensor:
         c = CompressedCommunicator(comm, wire)
         if c.rank == 0:
-            server = ElasticServer(c, centre0.clone(), alpha)
+            server = EASGDServer(c, centre0.clone(), alpha)
             server.serve(lambda centre, epoch: None)
             return server.centre
         request, reply = torch.zeros(N + 2), torch.zeros(N)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from mpicrossbow.comm import Communicator, InProcessWorld, ReduceOp, WorldAborted
+from mpicrossbow.comm import Communicator, ReduceOp
+from mpicrossbow.testing import InProcessWorld, WorldAborted
 
 SIZES = [1, 2, 3, 4]
 NP_REDUCE = {ReduceOp.SUM: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}

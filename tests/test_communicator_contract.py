@@ -7,7 +7,7 @@ whether messages carry tags). The functions never ask which implementation they 
 them, in the manner of mpi4py's test mixins (one class of tests, subclasses that only say how to get the
 communicator):
 
-* **in process**, as pytest tests: :class:`~mpicrossbow.comm.InProcessWorld` at 1, 2, 3 and 4 ranks, bare
+* **in process**, as pytest tests: :class:`~mpicrossbow.testing.InProcessWorld` at 1, 2, 3 and 4 ranks, bare
   and wrapped in :class:`~mpicrossbow.comm.CompressedCommunicator` (bf16 and fp16);
 * **under mpiexec**: this file is also the script every rank runs (``python
   tests/test_communicator_contract.py [IMPL ...] [--also MODULE ...] [--cuda]``); it runs the same functions
@@ -47,9 +47,10 @@ import pytest
 import torch
 
 from conftest import COMM_JOB_SIZES, CommJob, run_mpi, verdicts
-from mpicrossbow.comm import CompressedCommunicator, InProcessWorld, ReduceOp
+from mpicrossbow.comm import CompressedCommunicator, ReduceOp
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.compressed import EXACT_TAIL
+from mpicrossbow.testing import InProcessWorld
 
 N = 100_003  # a rendezvous-size message for MPI, not a multiple of any world size
 SMALL = 1000  # below the compressed wrapper's threshold (1024 elements): never rounded

@@ -27,13 +27,13 @@ import reference
 from conftest import LR, MOMENTUM, WorldRun, launcher, only_run, run_mpi, run_world
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
-from mpicrossbow.comm.inprocess import InProcessCommunicator, InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import EASGD, Rule
+from mpicrossbow.testing import InProcessCommunicator, InProcessWorld
 from mpicrossbow.training.metrics import read_metrics
 
 TAU = 3

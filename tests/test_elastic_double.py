@@ -1,4 +1,4 @@
-"""Elastic recovery in-process, on the fault double (mpicrossbow/comm/fault_double.py: ranks as threads,
+"""Elastic recovery in-process, on the fault double (mpicrossbow/testing/fault_double.py: ranks as threads,
 deaths injected on demand): the commit agreement, a step dropped on every survivor, the divisor following
 the new size, min_ranks. What needs a real ULFM job is in tests/test_elastic_mpi.py."""
 
@@ -14,13 +14,13 @@ import torch
 from conftest import OPTIM
 from models.mlp import MLP
 from mpicrossbow.comm.elastic import ElasticCommunicator
-from mpicrossbow.comm.fault_double import FaultyGroup, FaultyWorld
 from mpicrossbow.comm.ulfm import ElasticEnd, PeerLost
 from mpicrossbow.launch.world import World
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules.gosgd import UNIT
 from mpicrossbow.rules.registry import RULES
+from mpicrossbow.testing import FaultyGroup, FaultyWorld
 from mpicrossbow.training.elastic_steps import ElasticSteps, cloned
 from mpicrossbow.training.step import train_step
 

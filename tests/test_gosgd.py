@@ -24,12 +24,12 @@ import reference
 from conftest import LR, MOMENTUM, launcher, only_run, run_mpi
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
-from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import GOSGD
 from mpicrossbow.rules.gosgd import UNIT
+from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.metrics import read_metrics
 from mpicrossbow.training.step import train_step
 

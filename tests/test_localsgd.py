@@ -20,11 +20,11 @@ import reference
 from conftest import LR, MOMENTUM, WorldRun, launcher, only_run, run_mpi, run_world
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
-from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, DiLoCo, LocalSGD, Rule
+from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.metrics import read_metrics
 
 STEPS = 9

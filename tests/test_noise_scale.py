@@ -22,7 +22,6 @@ import torch
 from conftest import OPTIM, only_run, run_mpi
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
-from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.spec import PoolSpec
@@ -31,6 +30,7 @@ from mpicrossbow.report.figure import report_figure
 from mpicrossbow.report.run_data import load_run
 from mpicrossbow.rules import Rule
 from mpicrossbow.rules.bsp import BSP
+from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.metrics import read_metrics
 from mpicrossbow.training.noise_scale import NoiseScale, two_batch_estimates
 from mpicrossbow.training.step import train_step

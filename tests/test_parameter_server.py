@@ -27,7 +27,6 @@ from conftest import LR, MOMENTUM, NormedMLP, WorldRun, launcher, only_run, run_
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.compressed import EXACT_TAIL
-from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.pool import SerialPool
@@ -35,6 +34,7 @@ from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import ASGD, BSP, EASGD, GSP, PSGD, SSP, Rule, WeedOut
 from mpicrossbow.rules.grouping import group_by_speed, group_of, read_groups, read_shares
 from mpicrossbow.rules.parameter_server import PUSH_HEADER, REPLY_HEADER
+from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.metrics import read_metrics
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"

@@ -18,7 +18,6 @@ import torch
 
 from conftest import OPTIM, NormedMLP, stacked
 from mpicrossbow.comm.base import Communicator
-from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.launch.failure import agree
@@ -28,6 +27,7 @@ from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, RULES, PostLocalSGD, Rule
 from mpicrossbow.rules.registry import resolve
+from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.session import Session
 from mpicrossbow.training.step import train_step
 

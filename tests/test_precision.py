@@ -2,7 +2,7 @@
 scale's arithmetic, the agreed fp16 skip in ``train_step`` and in the embedded API, the chain step's scale,
 every engine under bf16 and fp16 against the serial engine, and checkpoints that resume bit for bit.
 
-The ranks are threads of the in-process world (:class:`~mpicrossbow.comm.inprocess.InProcessWorld`): the
+The ranks are threads of the in-process world (:class:`~mpicrossbow.testing.InProcessWorld`): the
 same Communicator interface the MPI jobs use, so the agreement is the same allreduce.
 """
 
@@ -22,7 +22,6 @@ from conftest import stacked
 from models.lenet import LeNet
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
-from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.config.fields import build
 from mpicrossbow.embed.grad_scaler import GradScaler
@@ -38,6 +37,7 @@ from mpicrossbow.pool.precision import Precision
 from mpicrossbow.pool.replica_loss import cross_entropy_and_grad
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, SMA
+from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.step import overflow_anywhere, train_step
 
 CPU = torch.device("cpu")

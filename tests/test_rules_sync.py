@@ -20,11 +20,11 @@ import reference
 from conftest import LR, MOMENTUM, NormedMLP, WorldRun, run_mpi, run_world, stacked
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
-from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import EASGD, RULES, SMA
+from mpicrossbow.testing import InProcessWorld
 
 STEPS = 9
 

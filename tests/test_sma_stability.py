@@ -17,7 +17,6 @@ import torch
 from conftest import launcher, run_mpi, train_steps
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
-from mpicrossbow.comm.inprocess import InProcessWorld
 from mpicrossbow.config import OptimSection
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.pool import FusedPool, SerialPool
@@ -25,6 +24,7 @@ from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import SMA
 from mpicrossbow.rules.sma_stability import ALPHA_CAP, alpha_bound, default_alpha
+from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.step import rule_exchange, rule_gradients
 
 

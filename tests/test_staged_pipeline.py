@@ -7,7 +7,7 @@ or at random points (``schedule``), as a GPU may run them any time after they ar
 logged (issue, run, wait, and the reductions the test's host reduction logs), and hooks see each log entry.
 So a pipeline that omits a wait both reads stale memory (a wrong sum) and leaves a trace that
 :func:`ordering_problems` names. The host reductions are real: in-process ranks (threads,
-:class:`~mpicrossbow.comm.InProcessWorld`), and under ``mpiexec -n 2`` MPICommunicator and
+:class:`~mpicrossbow.testing.InProcessWorld`), and under ``mpiexec -n 2`` MPICommunicator and
 SharedMemoryCommunicator themselves.
 
 This file is also the script the MPI ranks run (``python tests/test_staged_pipeline.py [--cuda]``); rank 0
@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from conftest import run_mpi, verdicts
-from mpicrossbow.comm import InProcessWorld, ReduceOp
+from mpicrossbow.comm import ReduceOp
 from mpicrossbow.comm.base import Communicator, DoneHandle, Handle
 from mpicrossbow.comm.staged_pipeline import (
     STAGE_CHUNK_BYTES,
@@ -41,6 +41,7 @@ from mpicrossbow.comm.staged_pipeline import (
     StagedAllreduce,
     stage_chunk_bytes,
 )
+from mpicrossbow.testing import InProcessWorld
 
 HERE = Path(__file__).resolve()
 #: Every dtype MPICommunicator reduces (16-bit ones through float32).

@@ -202,6 +202,9 @@ DISTINCT_NEAR_NAMES = {
     frozenset({"replicated", "replicated_ops"}): "the value; its per-operator handlers",
     # rules/: the SMA rule, and the stability analysis that picks its elastic rate α (pure arithmetic).
     frozenset({"sma", "sma_stability"}): "the rule; the analysis of where it is stable",
+    # rules/: the EASGD rule, and its asynchronous mode's wire protocol (the centre's server loop, a worker's
+    # exchange with it), named for EASGD so that "elastic" means elastic training alone.
+    frozenset({"easgd", "easgd_server"}): "the rule; its asynchronous centre's server and worker protocol",
     # model.shard.Shard is a rank's share of a data set's rows (the model contract); data.shards.Shards is the
     # packed-HDF5 image data set (``[data] dataset = shards``). Both are user API, named in model files and
     # cfgs, so they keep their names.

@@ -1,7 +1,8 @@
 """Communicators: the interface rules talk to, its implementations, and the factory the session uses.
 
 ``MPICommunicator`` and ``TorchDistCommunicator`` are imported lazily, on first use: importing mpi4py starts
-MPI, which a plain process (a unit test using :class:`InProcessWorld`, a config check) should not pay for.
+MPI, which a plain process (a unit test on :mod:`mpicrossbow.testing`'s threads, a config check) should not
+pay for. The test doubles (a world of threads as ranks) live in :mod:`mpicrossbow.testing`, not here.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 
 from mpicrossbow.comm.base import Communicator, DoneHandle, Handle, ReduceOp
 from mpicrossbow.comm.compressed import COMPRESSIONS, CompressedCommunicator, wire_dtype
-from mpicrossbow.comm.inprocess import InProcessCommunicator, InProcessWorld, WorldAborted
 from mpicrossbow.config import CommSection
 from mpicrossbow.config.fields import choices
 from mpicrossbow.errors import ConfigError
@@ -33,13 +33,10 @@ __all__ = [
     "CompressedCommunicator",
     "DoneHandle",
     "Handle",
-    "InProcessCommunicator",
-    "InProcessWorld",
     "MPICommunicator",
     "ReduceOp",
     "SharedMemoryCommunicator",
     "TorchDistCommunicator",
-    "WorldAborted",
     "make_communicator",
 ]
 

@@ -5,7 +5,7 @@ operations on *flat tensors* (allreduce, broadcast, isend/irecv, barrier, split)
 :class:`Handle`; blocking calls return one that is already complete, so callers can treat both alike.
 
 Implementations: :mod:`mpicrossbow.comm.mpi` (mpi4py), :mod:`mpicrossbow.comm.torchdist` (torch.distributed,
-Gloo or NCCL, bootstrapped from MPI) and :mod:`mpicrossbow.comm.inprocess` (a world of threads for tests).
+Gloo or NCCL, bootstrapped from MPI) and :mod:`mpicrossbow.testing.inprocess` (a world of threads for tests).
 """
 
 from __future__ import annotations

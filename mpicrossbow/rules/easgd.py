@@ -14,7 +14,7 @@ Who sends what to whom, and when:
   the e_j back; the worker applies ``x_j ← x_j − e_j``.
   No barrier: a slow worker never holds the others. The protocol (one posted receive per worker, the done
   message that ends :meth:`EASGD.serve`, the once-per-epoch report) is in
-  :mod:`mpicrossbow.rules.elastic_server`. k is the number of worker learners ((N − 1)·m with m learners
+  :mod:`mpicrossbow.rules.easgd_server`. k is the number of worker learners ((N − 1)·m with m learners
   per rank); a job of one rank has no worker and is rejected with a ConfigError. During training a worker
   validates its own weights; after ``finish()``, ``sync_state()`` broadcasts the final centre from rank 0.
 
@@ -36,7 +36,7 @@ import torch
 from ..config.fields import setting
 from ..errors import ConfigError
 from .base import Rule
-from .elastic_server import ElasticServer, ElasticWorker, Order
+from .easgd_server import EASGDServer, EASGDWorker, Order
 from .registry import RULES
 from .served_stats import learners_mean_buffers
 
@@ -79,8 +79,8 @@ class EASGD(Rule):
     def __init__(self, order: Order | None = None, **hyper: Any) -> None:
         super().__init__(**hyper)
         self.order = order
-        self._server: ElasticServer | None = None
-        self._worker: ElasticWorker | None = None
+        self._server: EASGDServer | None = None
+        self._worker: EASGDWorker | None = None
         self._steps = 0
         self._synced = False
 
@@ -91,12 +91,12 @@ class EASGD(Rule):
         return self.hyper.mode == "sync"
 
     @property
-    def server(self) -> ElasticServer | None:
+    def server(self) -> EASGDServer | None:
         """``async`` on rank 0 after ``bind``: the centre's server (its counters); None elsewhere."""
         return self._server
 
     @property
-    def worker(self) -> ElasticWorker | None:
+    def worker(self) -> EASGDWorker | None:
         """``async`` on ranks 1..N-1 after ``bind``: this worker's end of the protocol; None elsewhere."""
         return self._worker
 
@@ -148,7 +148,7 @@ class EASGD(Rule):
             )
             return
         if self.comm.rank == SERVER:
-            self._server = ElasticServer(
+            self._server = EASGDServer(
                 self.comm,
                 self.centre,
                 self.alpha,
@@ -159,7 +159,7 @@ class EASGD(Rule):
             )
         else:
             pool = self.pool
-            self._worker = ElasticWorker(
+            self._worker = EASGDWorker(
                 self.comm,
                 [learner.params for learner in pool.learners],
                 SERVER,
@@ -235,7 +235,7 @@ class EASGD(Rule):
         follows it, and the difference buffers are shared over the new communicator; the loop then restores
         the centre of the last committed step, identical on every survivor. ``async``, after the serving
         ended (asynchronous ranks meet only then): nothing to rebuild — the centre forgot the lost workers
-        as it met them (a defaulted α following the live workers from then on: ``ElasticServer.forget``)
+        as it met them (a defaulted α following the live workers from then on: ``EASGDServer.forget``)
         and keeps rank 0 (the lowest survives renumbering)."""
         if self.synchronous:
             self.on_resize()

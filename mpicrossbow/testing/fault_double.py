@@ -33,9 +33,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from .base import Communicator, DoneHandle, Handle, ReduceOp
-from .elastic import FaultTolerantGroup
-from .ulfm import PeerLost
+from ..comm.base import Communicator, DoneHandle, Handle, ReduceOp
+from ..comm.elastic import FaultTolerantGroup
+from ..comm.ulfm import PeerLost
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""Asynchronous EASGD's wire protocol: the centre's server loop (rank 0) and a worker's elastic exchange.
+"""Asynchronous EASGD's wire protocol: the centre's server loop (rank 0) and a worker's exchange with it.
 
 Theano-MPI style: the centre x~ lives on a server rank that does not train. Who sends what to whom, and when:
 
@@ -14,7 +14,7 @@ Theano-MPI style: the centre x~ lives on a server rank that does not train. Who 
   is the same update made atomic (no other worker's update can slip between the read of x~ and the write).
 * Termination: after its last step a worker sends a *done* message through the same channel (same tag,
   same size, flag element set), so it consumes the receive the server has posted for it and no receive is
-  left dangling nor needs cancelling. The server leaves :meth:`ElasticServer.serve` once every worker is
+  left dangling nor needs cancelling. The server leaves :meth:`EASGDServer.serve` once every worker is
   done and every reply send has completed: nothing is in flight on either side.
 
 A request is ``[x_1 .. x_m (m·n values), stats, flag, progress]``: stats the mean of the worker's learners'
@@ -47,7 +47,7 @@ REQUEST_TAG = 7101
 REPLY_TAG = 7102
 
 
-class ElasticWorker:
+class EASGDWorker:
     """A training rank's side: every τ steps, send all x_j at once, apply the replies ``x_j ← x_j − e_j``."""
 
     def __init__(
@@ -126,7 +126,7 @@ class ElasticWorker:
         self.done = True
 
 
-class ElasticServer:
+class EASGDServer:
     """Rank 0's side: holds the centre x~ and answers each worker's request as it arrives."""
 
     def __init__(

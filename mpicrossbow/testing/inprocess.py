@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from mpicrossbow.comm.base import Communicator, DoneHandle, Handle, ReduceOp
+from ..comm.base import Communicator, DoneHandle, Handle, ReduceOp
 
 T = TypeVar("T")
 
