@@ -207,3 +207,9 @@ def test_the_horovod_port_counts_every_test_sample_and_averages_with_xb_allreduc
     assert sum(counts) == int(last[0]) == len(digits_dataset("val")) and max(counts) - min(counts) <= 1
     assert float(last[1]) == pytest.approx(100 * sum(int(h) for _, _, h in ranks) / sum(counts), abs=0.006)
     assert float(last[1]) > 50, proc.stdout[-2000:]
+    # the run's last line names what it wrote; the embedded API writes no metrics.h5, so none is named
+    (ended,) = [line for line in proc.stderr.splitlines() if "RULE=BSP finished after" in line]
+    assert ended.endswith(
+        "; mpicrossbow wrote no files (no run folder, no metrics.h5): save the model yourself"
+    )
+    assert "metrics.h5 holds" not in proc.stderr

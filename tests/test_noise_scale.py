@@ -228,3 +228,17 @@ def test_an_mnist1d_run_records_plots_and_mirrors_its_noise_scale(
 
     events = EventAccumulator(str(folder / "tb")).Reload()
     np.testing.assert_allclose([s.value for s in events.Scalars("train/noise_scale")], noise, rtol=1e-6)
+
+
+def test_a_value_that_cannot_be_estimated_is_said_once_naming_where_it_shows(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The line names where the NaN shows: crossbow-launch's metrics.h5, or the embedded API's
+    xb.noise_scale() (issue 51: an embedded run said metrics.h5, which it never writes)."""
+    probe = NoiseScale(1, 0.9, record="xb.noise_scale() returns NaN")
+    with caplog.at_level("INFO", logger="mpicrossbow.training.noise_scale"):
+        probe._update(math.nan, math.nan)
+        probe._update(math.nan, math.nan)
+    said = [r.getMessage() for r in caplog.records if "not estimable" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("; xb.noise_scale() returns NaN"), said
+    assert NoiseScale(1, 0.9).record == "metrics.h5 holds NaN"

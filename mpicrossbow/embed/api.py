@@ -354,7 +354,9 @@ def distribute(
     comm = make_communicator(_state.comm, world.device, world.mpi)
     chosen.bind(comm, own)
     forward = PrecisionForward(model, Precision(precision, world.device))
-    noise = NoiseScale(noise_scale_every, SessionSection.noise_scale_smoothing)
+    noise = NoiseScale(
+        noise_scale_every, SessionSection.noise_scale_smoothing, record="xb.noise_scale() returns NaN"
+    )
     job = _state.job = EmbeddedJob(world, chosen, comm, own, built["trains"], forward, noise)
     if not job.trains:
         job.serve()

@@ -58,6 +58,8 @@ class EmbeddedJob:
             StepHooks(own, rule, precision=precision, noise=self.noise) if trains else None
         )
         self.finished = False
+        #: The folders :meth:`checkpoint` wrote, in order: what the job's last line names.
+        self.written: list[Path] = []
 
     @property
     def module(self) -> torch.nn.Module:
@@ -104,7 +106,18 @@ class EmbeddedJob:
             self.own.learner.params.copy_(final)
         self.comm.close()
         self.finished = True
-        log.info("RULE=%s finished after %d step(s) on this rank", self.rule.name, self.steps)
+        log.info(
+            "RULE=%s finished after %d step(s) on this rank; %s", self.rule.name, self.steps, self.wrote()
+        )
+
+    def wrote(self) -> str:
+        """What the job wrote, for its last line: the embedded API writes no run folder nor metrics.h5, only
+        the checkpoints the script asked for; the model is the script's to save."""
+        if not self.written:
+            return "mpicrossbow wrote no files (no run folder, no metrics.h5): save the model yourself"
+        last = self.written[-1]
+        more = f" (the last of {len(self.written)} xb.checkpoint folders)" if len(self.written) > 1 else ""
+        return f"wrote checkpoint {last}{more}; the model is yours to save"
 
     # ------------------------------------------------------------ checkpoints
     def checkpoint(self, path: Path) -> None:
@@ -126,6 +139,7 @@ class EmbeddedJob:
         if self.world.rank == 0:
             meta = {"version": FORMAT_VERSION, "rule": self.rule.name, "size": self.world.size}
             atomic_save(meta, path / META)
+        self.written.append(path)
 
     def restore(self, path: Path) -> None:
         """Load what :meth:`checkpoint` wrote (same rule and rank count) into the running job."""

@@ -79,8 +79,10 @@ class NoiseScale:
     around the rule's ``on_gradients`` every ``every`` steps (0: never), ``value(b)`` for B_noise in
     samples. ``smoothing`` is the moving averages' decay per estimate."""
 
-    def __init__(self, every: int, smoothing: float) -> None:
+    def __init__(self, every: int, smoothing: float, record: str = "metrics.h5 holds NaN") -> None:
         self.every, self.smoothing = every, smoothing
+        #: Where a value that cannot be estimated shows as NaN, for the one line that says so.
+        self.record = record
         #: Moving averages of |G|² and tr(Σ)/b, bias-corrected by ``weight`` (the decayed count).
         self.sqr, self.var, self.weight = 0.0, 0.0, 0.0
         #: Estimates taken so far (over a resume too).
@@ -155,8 +157,8 @@ class NoiseScale:
             if not self._told:
                 log.info(
                     "gradient noise scale: not estimable here (it needs gradients of 2 or more learners "
-                    "over one big batch: pool.learners >= 2, or BSP in grad mode over 2 or more ranks); "
-                    "metrics.h5 holds NaN"
+                    "over one big batch: pool.learners >= 2, or BSP in grad mode over 2 or more ranks); %s",
+                    self.record,
                 )
                 self._told = True
             return

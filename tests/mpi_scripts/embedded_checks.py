@@ -165,6 +165,8 @@ def check_checkpoint_then_restore_continues_bitwise(folder: Path) -> None:
     for x, y in data[3:]:
         step(model, optimizer, x, y)
     xb.finish()
+    assert api._state.job is not None  # the job's last line names the folder xb.checkpoint wrote
+    assert api._state.job.wrote() == f"wrote checkpoint {folder / 'rule'}; the model is yours to save"
     first = flat(model)
     model, optimizer = xb.distribute(*network(seed=7), rule="SMA")
     own = torch.load(folder / f"own{WORLD.rank}.pt", weights_only=True)
