@@ -166,6 +166,8 @@ def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
         r"lost rank\(s\) 2 \(start numbering\) at (step 4[01]|the epoch's statistics), steps 40-43 dropped; "
     )
     assert len(lost) == 1 and re.search(said, lost[0]), lost
+    # Open MPI's libnbc lines about the same loss are said to be expected (issue 51: they read like a crash)
+    assert lost[0].endswith("giving up on the lost rank: expected after a loss)"), lost
     final = only_run(tmp_path) / "checkpoints" / "step-000000088"
     states = [torch.load(final / f"rank-{r:05d}.pt", weights_only=True) for r in range(3)]
     assert not (final / "rank-00003.pt").exists()

@@ -52,6 +52,13 @@ from .replacement import Handover, Offer
 
 log = logging.getLogger(__name__)
 
+#: Said once, with a job's first loss: Open MPI's libnbc prints its own lines about the same event just
+#: before ours, unconditionally, and they read like a crash.
+LIBNBC_NOTE = (
+    " (Open MPI's 'NBC_Progress: an error 75 was found during schedule ... aborting the schedule' lines just "
+    "before this one are its non-blocking collectives giving up on the lost rank: expected after a loss)"
+)
+
 T = TypeVar("T")
 
 
@@ -232,12 +239,14 @@ class ElasticSteps:
         self.recoveries.append(seconds)
         if after.rank == 0:
             log.warning(
-                "elastic: lost rank(s) %s (start numbering) at %s; %d rank(s) go on (%s); recovered in %.3fs",
+                "elastic: lost rank(s) %s (start numbering) at %s; %d rank(s) go on (%s); "
+                "recovered in %.3fs%s",
                 names,
                 where,
                 after.size,
                 after,
                 seconds,
+                LIBNBC_NOTE if len(self.recoveries) == 1 else "",
             )
 
     def admit(self, position: dict[str, Any]) -> None:
