@@ -170,7 +170,10 @@ def test_each_refusal_is_logged_once_and_is_an_error_under_on(caplog: pytest.Log
     [
         pytest.param(lambda s: SerialPool(LeNet(), s), id="serial"),
         pytest.param(lambda s: FusedPool(LeNet(), dataclasses.replace(s, fuse="always")), id="fused"),
-        pytest.param(lambda s: FusedPool(NormedMLP(), s), id="fused-auto-form"),
+        # the form pinned: two runs' timed trials (fuse = auto) may pick different forms on a busy machine
+        pytest.param(
+            lambda s: FusedPool(NormedMLP(), dataclasses.replace(s, fuse="never")), id="fused-unfused"
+        ),
     ],
 )
 def test_auto_on_the_cpu_trains_exactly_as_off(make: Callable[[PoolSpec], LearnerPool]) -> None:
@@ -185,7 +188,7 @@ def test_auto_on_the_cpu_trains_exactly_as_off(make: Callable[[PoolSpec], Learne
     np.testing.assert_array_equal(stacked(auto), stacked(off))
     np.testing.assert_array_equal(stacked(auto, "buffers"), stacked(off, "buffers"))
     assert auto.take_stats() == off.take_stats()
-    assert "cuda_graphs" not in auto.run_record()
+    assert not auto.graphs.enabled and "cuda_graphs" not in auto.run_record()  # type: ignore[attr-defined]
     assert auto.grad_layout() == off.grad_layout() is not None  # BSP's buckets as before
 
 
@@ -200,13 +203,16 @@ def _pools(make: Callable[[PoolSpec], LearnerPool], graphs: tuple[str, ...], **k
     return pools
 
 
-def _close(a: LearnerPool, b: LearnerPool) -> None:
+def _close(a: LearnerPool, b: LearnerPool, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """Every learner's params and buffers equal to round-off (the same kernels, captured or not; cuDNN's
+    backward may add in another order from run to run)."""
     torch.cuda.synchronize()
     for x, y in zip(a.learners, b.learners, strict=True):
-        torch.testing.assert_close(x.params, y.params, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(x.buffers, y.buffers, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x.params, y.params, rtol=rtol, atol=atol)
+        torch.testing.assert_close(x.buffers, y.buffers, rtol=rtol, atol=atol)
 
 
+BF16 = dataclasses.replace(OPTIM, precision="bf16")
 ENGINES = [
     pytest.param(lambda s: SerialPool(LeNet(), s), id="serial"),
     pytest.param(lambda s: FusedPool(LeNet(), dataclasses.replace(s, fuse="always")), id="fused"),
@@ -216,7 +222,13 @@ ENGINES = [
 ]
 
 
-@pytest.mark.parametrize("make", ENGINES)
+@pytest.mark.parametrize(
+    "make",
+    [
+        *ENGINES,
+        pytest.param(lambda s: SerialPool(LeNet(), dataclasses.replace(s, optim=BF16)), id="serial-bf16"),
+    ],
+)
 @pytest.mark.cuda
 @needs_cuda
 def test_a_captured_step_trains_as_the_eager_one(make: Callable[[PoolSpec], LearnerPool]) -> None:
@@ -225,7 +237,8 @@ def test_a_captured_step_trains_as_the_eager_one(make: Callable[[PoolSpec], Lear
         pool.start_epoch(0)
         train(pool, WARMUP + 5)
     assert graphed.graphs.captures[LEARNER_STEP] >= 1 and graphed.graphs.captures[OPTIMIZER_STEP] == 1  # type: ignore[attr-defined]
-    _close(graphed, eager)
+    bf16 = graphed.precision.name == "bf16"
+    _close(graphed, eager, *((1e-3, 1e-4) if bf16 else ()))
     assert graphed.take_stats() == pytest.approx(eager.take_stats(), rel=1e-5)
     assert '"setting": "on"' in graphed.run_record()["cuda_graphs"]
 
@@ -322,7 +335,7 @@ def test_a_graphed_step_replays_runs_other_shapes_eagerly_and_refuses_a_host_syn
             continue
         for _ in range(WARMUP + 3):
             assert float(step(torch.ones(2))) == 2.0
-        assert "synchronizes with the host (test_cuda_graphs.py:" in switch.refused[LEARNER_STEP]
+        assert "it synchronizes with the host (" in switch.refused[LEARNER_STEP]
         assert switch.captures[LEARNER_STEP] == 0
 
 
