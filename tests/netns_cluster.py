@@ -2,8 +2,12 @@
 
 Each **node** is a process (its "holder", ``sleep infinity`` as PID 1) in its own network, PID, IPC, UTS and
 mount namespaces: hostname ``node<i>``, one interface ``eth0`` with an address of a private /24 that exists
-only inside these namespaces, its own ``/etc/hosts``. With the PID and IPC namespaces MPI sees separate hosts
-and moves data over the links (with a network namespace alone UCX would use shared memory between "nodes").
+only inside these namespaces, its own ``/etc/hosts`` and its own ``/dev/shm``. With the PID and IPC namespaces
+MPI sees separate hosts and moves data over the links (with a network namespace alone UCX would use shared
+memory between "nodes"). The private ``/dev/shm`` (a tmpfs the holder mounts in its mount namespace, whose
+propagation is private, so the mount reaches neither the host nor another node) keeps one node's MPI
+segments out of every other node's and out of the host's, as on real machines; it goes with the node (a
+killed or stopped node's segments are gone, a restarted node starts with an empty one).
 The links are veth pairs to a bridge in a **switch** namespace; a rate (``tc tbf``) may be put on any node's
 link, both ways, and a link may be set down. The **head** (``mpiexec``, ``srun``, the test's own commands)
 runs in a namespace of its own on the same bridge with hostname ``head``, sharing the host's PID namespace
@@ -17,8 +21,11 @@ Everything it makes is named with one per-cluster prefix and removed by :meth:`N
 namespace by name, every holder by pid: killing a node's PID 1 kills every process in it), also when
 :meth:`NetnsCluster.start` fails half way. :func:`leftovers` lists anything of any cluster still present.
 
-By hand (as root): ``python tests/netns_cluster.py --nodes 3 [--rate 1gbit]`` starts a cluster, prints how
-to launch into it, and removes it on Ctrl-C.
+By hand (as root): ``python tests/netns_cluster.py --nodes 3 [--rate 1gbit] [--seconds N]`` starts a
+cluster, prints how to launch into it, and removes it on Ctrl-C (SIGINT), SIGTERM or SIGHUP (a closed
+terminal; not under ``nohup``), after ``--seconds``, or when the start fails, then prints one line naming what
+it removed. It installs its own SIGINT handler: a job put in the background by a non-interactive shell
+inherits SIGINT ignored, where Python's KeyboardInterrupt never comes.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -36,6 +44,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 #: Every namespace, link and folder of a cluster starts with this (and the cluster's own id).
 PREFIX = "xbc"
@@ -43,6 +52,10 @@ TOOLS = ("ip", "unshare", "nsenter", "tc")
 COMMAND_TIMEOUT_S = 20.0
 #: The failures :meth:`NetnsCluster.fail` injects, as the tests name them.
 FAILURES = ("node killed", "link down", "link crawls")
+#: Mount options of each node's private /dev/shm: half the memory at most, like the kernel's own tmpfs
+#: default (a cap, not a reservation: pages are used only as segments are written), and a host's usual
+#: /dev/shm mode and flags.
+SHM_OPTIONS = "size=50%,mode=1777,nosuid,nodev"
 
 
 def missing_reason() -> str | None:
@@ -108,6 +121,9 @@ class NetnsCluster:
     head_netns: str = ""
     switch: str = ""
     subnet: str = ""
+    #: what :meth:`stop` has removed so far, one item each (``namespace N``, ``holder pid P (nodeI)``,
+    #: ``folder F``), kept across calls: a failed :meth:`start` stops before its caller can ask
+    removed: list[str] = field(default_factory=list)
 
     @property
     def hosts(self) -> list[str]:
@@ -201,14 +217,19 @@ class NetnsCluster:
         _sh("ip", "-n", netns, "link", "set", "lo", "up")
 
     def _hold(self, n: Node) -> int:
-        """Start the node's holder (PID 1 of its PID namespace) and return its pid as the host sees it."""
+        """Start the node's holder (PID 1 of its PID namespace) and return its pid as the host sees it.
+
+        Its mount namespace has private propagation (``--propagation private``, said rather than left to
+        unshare's default), so the node's own /etc/hosts and its own tmpfs on /dev/shm (:data:`SHM_OPTIONS`)
+        stay inside the node and vanish with it. ``--kill-child``: the holder dies with its ``unshare``
+        parent, so killing either pid removes the node."""
         script = (
             f"hostname {n.name} && mount --bind {shlex.quote(str(self.hosts_file(n.name)))} /etc/hosts "
-            "&& exec sleep infinity"
+            f"&& mount -t tmpfs -o {SHM_OPTIONS} shm /dev/shm && exec sleep infinity"
         )
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", n.netns, "unshare", "--fork", "--pid", "--ipc", "--uts", "--mount",
-             "--mount-proc", "sh", "-c", script],
+            ["ip", "netns", "exec", n.netns, "unshare", "--fork", "--kill-child", "--pid", "--ipc", "--uts",
+             "--mount", "--propagation", "private", "--mount-proc", "sh", "-c", script],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True,
         )  # fmt: skip
@@ -240,16 +261,39 @@ exec nsenter -t "$pid" -n -u -i -p -m --wd="$PWD" -- sh -c "$*"
         )
         self.launcher.chmod(0o755)
 
-    def stop(self) -> None:
-        """Remove everything this cluster made: holders by pid, namespaces by name, its folder."""
+    def stop(self) -> list[str]:
+        """Remove everything this cluster made and return what was there, one item each (also added to
+        :attr:`removed`; a second call finds nothing more).
+
+        Holders by pid: the recorded ones and any process still running a holder script of this cluster's
+        folder (a start cut short between starting a holder and recording it); killing a node's holder
+        takes every process of the node and its private /dev/shm with it. Namespaces by name: every one of
+        this cluster's ident (:meth:`_own_netns`), recorded or not. Then its folder."""
+        found: list[str] = []
+        pids: dict[int, str] = {}
         for n in self.members:
             for pid in (n.pid, _read_int(self.root / f"{n.name}.launcher-pid")):
                 if pid:
-                    _kill(pid)
-        for netns in [n.netns for n in self.members] + [self.head_netns, self.switch]:
-            if netns and netns in _netns_names():
-                _sh("ip", "netns", "del", netns, check=False)
-        shutil.rmtree(self.root, ignore_errors=True)
+                    pids.setdefault(pid, n.name)
+        for pid, name in _holder_processes(self.root).items():
+            pids.setdefault(pid, name)
+        for pid, name in pids.items():
+            if _kill(pid):
+                found.append(f"holder pid {pid} ({name})")
+        for netns in self._own_netns():
+            if _sh("ip", "netns", "del", netns, check=False).returncode == 0:
+                found.append(f"namespace {netns}")
+        if self.root.exists():
+            shutil.rmtree(self.root, ignore_errors=True)
+            found.append(f"folder {self.root}")
+        self.removed += found
+        return found
+
+    def _own_netns(self) -> list[str]:
+        """This cluster's namespaces present now: its switch, head and nodes, found by name. The ident is
+        digits and every suffix starts with a letter, so another cluster's names never match."""
+        own = re.compile(rf"{re.escape(PREFIX + self.ident)}(sw|hd|n\d+)")
+        return [n for n in _netns_names() if own.fullmatch(n)]
 
     # -- running things ---------------------------------------------------------------------------------
 
@@ -389,19 +433,21 @@ def _read_int(path: Path) -> int:
         return 0
 
 
-def _kill(pid: int) -> None:
+def _kill(pid: int) -> bool:
+    """SIGKILL ``pid`` and wait (up to 5 s) until it is gone; True when it was there to kill."""
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
-        return
+        return False
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
         try:  # our own child: reap it; otherwise wait for its parent to
             if os.waitpid(pid, os.WNOHANG)[0]:
-                return
+                return True
         except ChildProcessError:
             pass
         time.sleep(0.01)
+    return True
 
 
 def _child_sleep(pid: int) -> int:
@@ -428,6 +474,27 @@ def _hostname_of(pid: int) -> str:
         return ""
 
 
+def _holder_processes(root: Path) -> dict[int, str]:
+    """pid → node name of the processes running a holder script of the cluster whose folder is ``root``
+    (its ``unshare``, or the script before it execs ``sleep``), with the ``sleep`` each has become."""
+    marker = f"{root}/hosts-".encode()
+    found: dict[int, str] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker in cmd and b"mount --bind" in cmd:
+            name = cmd.split(marker, 1)[1].split(b" ", 1)[0].decode(errors="replace").strip("'")
+            found[int(proc.name)] = name
+            sleep = _child_sleep(int(proc.name))
+            if sleep:
+                found.setdefault(sleep, name)
+    return found
+
+
 def leftovers() -> list[str]:
     """Anything a namespace cluster made that still exists: namespaces, folders, holder processes, and the
     Slurm and munge daemons that tests/netns_slurm.py runs for it."""
@@ -445,34 +512,106 @@ def leftovers() -> list[str]:
     return found
 
 
+class Signalled(BaseException):
+    """Raised by :func:`_on_signal` out of whatever :func:`main` was doing (waiting, or half way through
+    :meth:`NetnsCluster.start`, which then removes what it made): a BaseException, so that no ``except
+    Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.name = signal.Signals(signum).name
+
+
+def _on_signal(signum: int, _frame: FrameType | None) -> None:
+    raise Signalled(signum)
+
+
+def _stop_signals() -> list[signal.Signals]:
+    """The signals that remove a cluster started by hand: SIGINT and SIGTERM always (SIGINT even where the
+    parent left it ignored: a background job of a non-interactive shell), SIGHUP unless ignored
+    (``nohup`` asks the cluster to outlive the terminal)."""
+    wanted = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        wanted.append(signal.SIGHUP)
+    return wanted
+
+
+def removal_line(removed: list[str], why: str) -> str:
+    """One line saying what a stop removed (items as :meth:`NetnsCluster.stop` words them), and why."""
+    namespaces = [item.split(" ", 1)[1] for item in removed if item.startswith("namespace ")]
+    folders = [item.split(" ", 1)[1] for item in removed if item.startswith("folder ")]
+    holders: dict[str, list[str]] = {}
+    for item in removed:
+        if item.startswith("holder pid "):
+            pid, node = item.removeprefix("holder pid ").split(" ", 1)
+            holders.setdefault(node.strip("()"), []).append(pid)
+    parts = []
+    if holders:
+        pids = ", ".join(f"{node} {' '.join(p)}" for node, p in holders.items())
+        parts.append(f"holder pids {pids} (each node's processes and /dev/shm with them)")
+    if namespaces:
+        parts.append(f"namespaces {' '.join(namespaces)}")
+    if folders:
+        parts.append(f"folder {' '.join(folders)}")
+    return f"netns_cluster: {why}: removed {'; '.join(parts) if parts else 'nothing (nothing was left)'}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Start a cluster by hand, print how to use it, remove it on Ctrl-C or SIGTERM."""
+    """Start a cluster by hand, print how to use it; remove it on SIGINT, SIGTERM or SIGHUP, after
+    ``--seconds``, or when the start fails, and print one line naming what was removed.
+
+    The handlers are installed before anything is made, so a signal during the start removes the half-made
+    cluster too, and set to ignore once the removal begins, so a second Ctrl-C cannot cut it short.
+    Exit status 0 after a signal or ``--seconds`` (the ways to end it), 1 when the start failed, 2 when a
+    cluster cannot be made here."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--nodes", type=int, default=2, help="nodes (default 2)")
     parser.add_argument("--rate", default="", help="tbf rate on every link, e.g. 1gbit (default: line rate)")
+    parser.add_argument(
+        "--seconds", type=float, default=0.0, help="remove it after this long (default: on a signal)"
+    )
     args = parser.parse_args(argv)
     reason = missing_reason()
     if reason:
         print(f"netns_cluster: {reason}", file=sys.stderr)
         return 2
-    cluster = NetnsCluster(args.nodes, args.rate)
-    started = time.perf_counter()
-    cluster.start()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signals = _stop_signals()
+    previous = {s: signal.signal(s, _on_signal) for s in signals}
+    cluster: NetnsCluster | None = None
+    status, why = 0, "stopped"
     try:
+        cluster = NetnsCluster(args.nodes, args.rate)
+        started = time.perf_counter()
+        cluster.start()
         print(
-            f"up in {time.perf_counter() - started:.2f} s\n{cluster.describe()}\nCtrl-C removes it.",
+            f"up in {time.perf_counter() - started:.2f} s\n{cluster.describe()}\n"
+            f"Ctrl-C or SIGTERM (kill {os.getpid()}) removes it.",
             flush=True,
         )
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        if args.seconds > 0:
+            time.sleep(args.seconds)
+            why = f"{args.seconds:g} s are over"
+        else:
+            while True:
+                time.sleep(3600)
+    except Signalled as sig:
+        why = sig.name
+    except Exception as error:
+        status, why = 1, f"the start failed ({error})"
     finally:
-        cluster.stop()
-    return 0
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        if cluster is not None:
+            cluster.stop()
+            try:
+                print(removal_line(cluster.removed, why), flush=True)
+            except OSError:  # stdout gone with the terminal: the removal itself is done
+                pass
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return status
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import pytest
@@ -92,6 +94,146 @@ def test_a_failed_start_and_a_stop_leave_nothing_behind() -> None:
     fine.stop()
     assert [item for item in leftovers() if fine.ident in item or str(fine.root) in item] == []
     assert not any(Path(f"/proc/{pid}").exists() for pid in holders)
+
+
+#: tests/netns_cluster.py run as a script, as docs/cluster.md has a user start it by hand
+BY_HAND = [sys.executable, str(Path(__file__).parent / "netns_cluster.py"), "--nodes", "2"]
+#: the line the script ends with: why, the holders by node, the namespaces, the folder
+REMOVED = re.compile(
+    r"^netns_cluster: (?P<why>.+?): removed holder pids (?P<holders>(node\d [\d ]+(, )?)+) "
+    r"\(each node's processes and /dev/shm with them\); namespaces (?P<namespaces>[\w ]+); "
+    r"folder (?P<folder>\S+)$",
+    re.MULTILINE,
+)
+
+
+def _read_lines(stream: IO[str], lines: list[str]) -> None:
+    """Every line of ``stream`` appended to ``lines`` as it comes (a reader thread's body)."""
+    for line in iter(stream.readline, ""):
+        lines.append(line)
+
+
+def _wait_for(lines: list[str], text: str, job: subprocess.Popen[str], timeout: float) -> str:
+    """The output so far once ``text`` is in it; fails when ``job`` ends first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = "".join(lines)
+        if text in out:
+            return out
+        assert job.poll() is None, f"ended with status {job.returncode}: {out[-2000:]}"
+        time.sleep(0.05)
+    raise AssertionError(f"no {text!r} in {timeout:g} s: {''.join(lines)[-2000:]}")
+
+
+def _mine(ident: str, root: str) -> list[str]:
+    """:func:`leftovers` of one cluster only (other clusters may be up beside it)."""
+    own = re.compile(rf"namespace xbc{ident}(sw|hd|n\d+)$")
+    return [item for item in leftovers() if own.match(item) or (root and f"{root}/" in item + "/")]
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "--seconds", "a failed start"])
+def test_the_cluster_started_by_hand_in_the_background_removes_itself_and_says_what(how: str) -> None:
+    """``python tests/netns_cluster.py`` as a background job of a non-interactive shell (SIGINT ignored by
+    its parent, so no KeyboardInterrupt would ever come): SIGINT and SIGTERM each end it within seconds, as
+    does the end of ``--seconds`` and a start that fails half way (tc refuses the rate after the nodes are
+    up); each time status 0 (1 for the failed start), one line naming the holders by node, the namespaces
+    and the folder it removed, and nothing of the cluster left. Whatever happens, the test removes what the
+    script made."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    extra = {"--seconds": ["--seconds", "1"], "a failed start": ["--rate", "no-such-rate"]}.get(how, [])
+    job = subprocess.Popen(
+        [*BY_HAND, *extra], cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=_read_lines, args=(job.stdout, lines), daemon=True)
+    reader.start()
+    ident = root = ""
+    holders: list[int] = []
+    try:
+        if how != "a failed start":
+            up = _wait_for(lines, "removes it.", job, timeout=30)
+            ident = re.search(r"namespace cluster (\d+):", up).group(1)  # type: ignore[union-attr]
+            root = re.search(r"(/\S+/xbc-[^/\s]+)/hosts-head", up).group(1)  # type: ignore[union-attr]
+            holders = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", up)]
+            assert len(holders) == 2, up
+            if how.startswith("SIG"):
+                os.kill(job.pid, getattr(signal, how))
+        sent = time.monotonic()
+        status = job.wait(timeout=20)
+        waited = time.monotonic() - sent
+        reader.join(timeout=5)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=10)
+        if ident:  # the script did not clean up after itself: the test does
+            NetnsCluster(ident=ident, root=Path(root)).stop()
+    out = "".join(lines)
+    assert waited < 10, out[-2000:]
+    assert status == (1 if how == "a failed start" else 0), out[-2000:]
+    assert len(REMOVED.findall(out)) == 1, out[-2000:]
+    line = REMOVED.search(out)
+    assert line is not None
+    by_node = {node: pids.split() for node, pids in re.findall(r"(node\d) ([\d ]+)", line["holders"])}
+    why = {"--seconds": "1 s are over", "a failed start": "the start failed (ip netns exec "}.get(how, how)
+    assert line["why"].startswith(why), line.group(0)
+    nodes = ["n1"]  # the failed start: tc refuses node1's rate before node2 is made
+    if how == "a failed start":
+        ident = re.search(r"xbc(\d+)sw", line["namespaces"]).group(1)  # type: ignore[union-attr]
+        root = line["folder"]
+        assert list(by_node) == ["node1"], line.group(0)
+    else:
+        nodes.append("n2")
+        assert [int(by_node["node1"][0]), int(by_node["node2"][0])] == holders, line.group(0)
+    assert all(len(pids) == 2 for pids in by_node.values()), line.group(0)  # the holder and its unshare
+    assert sorted(line["namespaces"].split()) == sorted(f"xbc{ident}{s}" for s in ("hd", "sw", *nodes))
+    assert line["folder"] == root
+    assert _mine(ident, root) == [] and not Path(root).exists()
+    assert not any(Path(f"/proc/{pid}").exists() for pid in holders)
+
+
+def test_each_node_has_its_own_dev_shm_that_goes_with_the_node() -> None:
+    """A segment written to /dev/shm in node1 is there in node1 only: not in node2, not on the host. It
+    goes with its node: node1 booted again has an empty /dev/shm, and once the cluster stops no process
+    is left in the mount namespace that held it (its tmpfs, mounted nowhere else, is released)."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    made = NetnsCluster(2).start()
+    segment = f"xbc-segment-{made.ident}"
+    try:
+
+        def in_node(node: str, script: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                made.node_command(node, ["sh", "-c", script]), capture_output=True, text=True, timeout=20
+            )
+
+        assert in_node("node1", f"echo written in node1 > /dev/shm/{segment}").returncode == 0
+        assert in_node("node1", f"cat /dev/shm/{segment}").stdout == "written in node1\n"
+        assert in_node("node2", f"test -e /dev/shm/{segment}").returncode == 1
+        assert not Path("/dev/shm", segment).exists()
+        mounts = in_node("node2", "grep ' /dev/shm ' /proc/self/mounts").stdout  # the last one is seen
+        assert mounts.splitlines()[-1].startswith("shm /dev/shm tmpfs rw,nosuid,nodev"), mounts
+        made.restart_node("node1")
+        assert in_node("node1", f"test -e /dev/shm/{segment}").returncode == 1
+        assert in_node("node1", f"echo again > /dev/shm/{segment}").returncode == 0
+        namespace = os.readlink(f"/proc/{made.node('node1').pid}/ns/mnt")
+    finally:
+        made.stop()
+    assert not Path("/dev/shm", segment).exists()
+    assert _mine(made.ident, str(made.root)) == []
+    holding = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and os.readlink(proc / "ns" / "mnt") == namespace:
+                holding.append(proc.name)
+        except OSError:
+            continue
+    assert holding == []
 
 
 @pytest.fixture(scope="module")
