@@ -50,8 +50,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..comm.base import Communicator, ReduceOp
+from ..comm.committed import until_committed
 from ..comm.elastic import ElasticCommunicator
-from ..comm.ulfm import PeerLost
 from ..config.fields import setting
 from ..errors import ConfigError
 from .grouping import group_by_speed, group_of, read_groups, read_shares
@@ -248,17 +248,7 @@ class GSP(ServerRule):
         group (:meth:`_regroup`) and do it again over themselves. Collective over the group."""
         group = self.elastic_group
         assert group is not None
-        again = False
-        while True:
-            ok = True
-            try:
-                work(again)
-            except PeerLost:
-                ok = False
-            if group.commit(ok):
-                return
-            self._regroup(step, what)
-            again = True
+        until_committed(work, group.commit, lambda _started: self._regroup(step, what))
 
     def _regroup(self, step: int, what: str) -> None:
         """Shrink the group to its survivors (revoke, shrink, rebuild: collective over them); its new rank

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..comm.committed import until_committed
 from ..comm.elastic import ElasticCommunicator
 from ..comm.ulfm import ElasticEnd, is_process_failure
 from .checkpoint_files import Checkpointer, complete_checkpoints
@@ -116,26 +117,23 @@ class ElasticPauseOrders(PauseOrders):
         """Collective over the live members: the meeting and ``then`` (the save), agreed fault-tolerantly;
         after a loss, again over the survivors (ElasticEnd when a serving rank was lost)."""
         mine = self.mine(signalled, training_left)
-        abandoned, stale = False, False
-        while True:
-            ok, meeting = True, None
-            try:
-                if stale:
-                    self._use_saver()
-                meeting = self._gather(mine, step, abandoned)
-                if then is not None:
-                    then(meeting)
-            except Exception as exc:
-                if not self.group.is_failure(exc):
-                    raise
-                ok = False
+
+        def attempt(redo: bool) -> Meeting:  # a redo: after a loss, over the survivors
+            if redo:
+                self._use_saver()
+            meeting = self._gather(mine, step, redo)
+            if then is not None:
+                then(meeting)
+            return meeting
+
+        def commit(ok: bool) -> bool:
             if not ok:
                 self.group.revoke()  # members still blocked in the meeting or the save are released
-            if self.group.agree(ok):
-                break
-            self._recover(step)
-            abandoned = stale = True
-        assert meeting is not None
+            return self.group.agree(ok)
+
+        meeting = until_committed(
+            attempt, commit, lambda _started: self._recover(step), self.group.is_failure
+        )
         if self._gone and self.leader:
             log.warning(
                 "elastic: lost rank(s) %s (start numbering) at the snapshot meeting of step %d; the "

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..comm.committed import until_committed
 from ..comm.elastic import ElasticCommunicator, MPIGroup
 from ..comm.ulfm import ElasticEnd, PeerLost
 from ..log import setup_logging
@@ -189,18 +190,15 @@ class ElasticSteps:
         """``fn`` as a committed collective: the open window committed first, then ``fn`` retried over the
         survivors until every one completed it."""
 
+        def recovered(started: float) -> None:
+            self.recover(what, started)
+            self.parts.rule.on_rebind(self.lost)
+
         def run(*args: Any) -> T:
             self.flush(what)
-            while True:
-                started, ok, value = time.perf_counter(), True, None
-                try:
-                    value = fn(*args)
-                except PeerLost:
-                    ok = False
-                if self.comm.commit(ok):
-                    return value  # type: ignore[return-value]
-                self.recover(what, started)
-                self.parts.rule.on_rebind(self.lost)
+            return until_committed(
+                lambda _redo: fn(*args), self.comm.commit, recovered, clock=time.perf_counter
+            )
 
         return run
 
