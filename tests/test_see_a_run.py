@@ -1,6 +1,7 @@
 """Seeing a run: the progress bar through a pseudo-terminal, ``crossbow-report``'s figure against
-metrics.h5, TensorBoard's own reader against metrics.h5, and the Chrome-trace timeline of a BSP and a GOSGD
-run (tests/mpi_scripts/digits_runs.py: two digits runs in one MPI job)."""
+metrics.h5 (of the default job, and of an elastic job that loses a rank), TensorBoard's own reader against
+metrics.h5, and the Chrome-trace timeline of a BSP and a GOSGD run (tests/mpi_scripts/digits_runs.py: two
+digits runs in one MPI job)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from mpicrossbow.report.cli import main as report_main
 from mpicrossbow.report.figure import PANELS
 from mpicrossbow.report.run_data import load_run
 from mpicrossbow.training.metrics import read_metrics
+from openmpi_env import OpenMPIEnv
 
 pytestmark = [pytest.mark.mpi]
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
@@ -105,10 +107,13 @@ def test_the_report_draws_what_metrics_h5_holds(
         xy = lines[f"0:{series}"].get_xydata()
         np.testing.assert_array_equal(xy[:, 0], metrics[table][x])
         np.testing.assert_array_equal(xy[:, 1], metrics[table][y])
-    rates = lines["0:rank_samples_per_second"].get_xydata()[:, 1]
+    ranks = figure.axes[PANELS.index("samples/s per rank")]
+    bars = [p for p in ranks.patches if str(p.get_gid()).startswith("0:rank_samples_per_second:")]
     expected = np.asarray(metrics["attrs"]["rank_steps_per_second"]) * 16  # batch 16, 1 learner per rank
-    np.testing.assert_allclose(rates, expected)
-    assert len(rates) == int(metrics["attrs"]["world_size"]) and len(metrics["train"]["epoch"]) == 20
+    np.testing.assert_allclose([p.get_height() for p in bars], expected)
+    assert ranks.get_ylim()[1] > max(expected)  # every bar and its number inside the panel
+    assert len(bars) == int(metrics["attrs"]["world_size"]) and len(metrics["train"]["epoch"]) == 20
+    assert metrics["train"]["world_size"].tolist() == [2] * 20 and "world_changes" not in metrics["attrs"]
 
 
 def test_report_compares_runs_and_refuses_a_folder_without_metrics(
@@ -119,6 +124,42 @@ def test_report_compares_runs_and_refuses_a_folder_without_metrics(
     assert report_main([str(folder), str(folder), "--compare", str(compare)]) == 0 and compare.is_file()
     assert report_main([str(tmp_path)]) == 2
     assert "no metrics.h5 here" in capsys.readouterr().err
+
+
+def test_the_report_of_an_elastic_job_marks_the_loss_and_the_smaller_world(
+    openmpi: OpenMPIEnv, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The digits job on 4 ranks under ULFM, start rank 2 killed at step 40, a commit every step (so the
+    survivors go on from step 40 itself): metrics.h5 records 4 ranks for epoch 1 and 3 after, and the loss at
+    step 40; the report marks it at epoch 40/22 of the loss panel, the global batch goes from 64 to 48
+    (3 ranks × batch 16), the per-rank bars stand at start ranks 0, 1 and 3, and the summary says the same."""
+    overrides = ["session.epochs=3", "elastic.enabled=true", "elastic.commit_every=1"]
+    overrides += ["inject.rank=2", "inject.step=40", "inject.action=kill"]
+    args = [openmpi.launch, "-cfg", "launch/digits.cfg", f"session.output={tmp_path}", *overrides]
+    proc = run_local(openmpi.ft_command(4, *args), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = only_run(tmp_path)
+    metrics = read_metrics(folder / "metrics.h5")
+    assert metrics["train"]["world_size"].tolist() == [4, 3, 3]
+    assert metrics["attrs"]["world_changes"][:, :3].tolist() == [[40, 4, 3]]
+    assert metrics["attrs"]["rank_start_rank"].tolist() == [0, 1, 3]
+    assert report_main([str(folder)]) == 0
+    said = capsys.readouterr().out
+    assert "elastic: lost 1 rank: 4 \u2192 3 ranks from step 40 (epoch 1.82), global batch 48" in said, said
+    from mpicrossbow.report.figure import report_figure
+
+    run = load_run(folder)
+    figure = report_figure([run])
+    axes = {ax.get_title(): ax for ax in figure.axes}
+    (mark,) = [line for line in axes["loss"].lines if line.get_gid() == "0:world_change:0"]
+    assert mark.get_xdata()[0] == pytest.approx(40 / 22)
+    (batch,) = [
+        line for line in axes["gradient noise scale and global batch"].lines if "batch" in line.get_gid()
+    ]
+    x, y = batch.get_xdata(), batch.get_ydata()
+    assert set(y[x < 40 / 22]) == {64} and set(y[x >= 40 / 22]) == {48}
+    bars = axes["samples/s per rank"].patches
+    assert sorted(int(p.get_gid().rsplit(":", 1)[1]) for p in bars) == [0, 1, 3]
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 
 Writes ``report.png`` and ``report.svg`` into each run folder (and ``timeline.png`` beside a
 ``timeline.json``) and prints each run's summary; with several folders also one figure comparing them
-(``--compare``, default ``crossbow-report.png`` here). matplotlib is an optional extra
-(``pip install 'mpicrossbow[report]'``): without it, one line says so.
+(``--compare``, default ``crossbow-report.png`` here). matplotlib is a dependency of the package, so the
+default install can see its runs; where it is missing all the same (an install with ``--no-deps``, an
+environment put together by hand), one line says the one command that adds it alone.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 from ..errors import USAGE_EXIT_CODE, UsageError
 
 PROGRAM = "crossbow-report"
+#: The line without matplotlib: the install that adds it alone, not the package again.
+MISSING = "needs matplotlib (a dependency of mpicrossbow, missing here): pip install matplotlib"
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -38,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import matplotlib
     except ImportError:
-        sys.stderr.write(f"{PROGRAM}: error: needs matplotlib: pip install 'mpicrossbow[report]'\n")
+        sys.stderr.write(f"{PROGRAM}: error: {MISSING}\n")
         return USAGE_EXIT_CODE
     matplotlib.use("Agg")
     from .figure import report_figure

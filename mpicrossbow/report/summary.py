@@ -1,5 +1,10 @@
 """The text summary ``crossbow-report`` prints for each run: accuracy, time to the best, speed, exchange,
-B_noise, and what the fused engine chose."""
+B_noise, an elastic run's changes of world, and what the fused engine chose.
+
+Every figure that also has a panel is the panel's statistic, taken from the same :class:`RunData` property
+and named as the panel names it: the best accuracy is the accuracy panel's star, the exchange share the
+mean over ranks drawn dashed on the per-rank exchange panel, the slowest and fastest rank the samples/s
+bars (by start rank), B_noise the noise panel's last labelled point, the world changes its markers."""
 
 from __future__ import annotations
 
@@ -11,8 +16,10 @@ from .run_data import RunData
 
 
 def summary(run: RunData) -> str:
-    """Final and best validation accuracy (and when the best came), samples/s, the exchange share, the
-    last gradient noise scale where one was measured, and the fused engine's path and step form."""
+    """Final and best validation accuracy (and when the best came), samples/s, the exchange share (mean
+    over ranks), the last gradient noise scale where one was measured, the slowest and fastest rank, an
+    elastic run's changes of world with the global batch after each, and the fused engine's path and step
+    form."""
     attrs = run.attrs
     best, epoch, seconds = run.best()
     final = float(attrs.get("val_accuracy", math.nan))
@@ -20,17 +27,26 @@ def summary(run: RunData) -> str:
         f"{run.folder}: {run.label}",
         f"  validation accuracy: final {final:.4f}, best {best:.4f} at epoch {epoch:g} after {seconds:.1f} s",
         f"  {float(attrs.get('samples_per_second', math.nan)):,.0f} samples/s over "
-        f"{float(attrs.get('wall_seconds', math.nan)):.1f} s, {int(attrs.get('steps', 0))} steps; exchange "
-        f"{run.exchange_share:.0%} of training time",
+        f"{float(attrs.get('wall_seconds', math.nan)):.1f} s (all ranks), {int(attrs.get('steps', 0))} "
+        f"steps; exchange {run.exchange_share:.0%} of training time (mean over ranks)",
     ]
     noise = [float(v) for v in run.train.get("noise_scale", []) if math.isfinite(float(v))]
     if noise:
         lines.append(f"  gradient noise scale B_noise: {noise[-1]:,.0f} samples at the last estimate")
+    for change in run.world_changes:  # the markers and the global batch's levels of the noise panel
+        batch = run.global_batch_at(change.epoch, change.after)
+        where = f"from step {change.step} (epoch {change.epoch:.2f})"
+        lines.append(f"  elastic: {change.text} ranks {where}, global batch {batch:,.0f}")
     if "fused_choice" in attrs:
         lines.append(fused_line(json.loads(str(attrs["fused_choice"]))))
-    rates = [r for r in run.rank_samples_per_second if not math.isnan(r)]
+    rates = [(r, rank) for r, rank in zip(run.rank_samples_per_second, run.start_ranks, strict=True)]
+    rates = [(r, rank) for r, rank in rates if not math.isnan(r)]
     if len(rates) > 1:
-        lines.append(f"  slowest rank {min(rates):,.0f} samples/s, fastest {max(rates):,.0f}")
+        (slow, slow_rank), (fast, fast_rank) = min(rates), max(rates)
+        lines.append(
+            f"  slowest rank {slow_rank} {slow:,.0f} samples/s, fastest rank {fast_rank} {fast:,.0f} "
+            "(start ranks)"
+        )
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
 Layout: group ``train`` with one row per epoch, averaged over every rank (``step``, ``epoch``, ``loss``,
 ``accuracy``, ``lr``, ``time``, ``learners`` per rank, ``data_wait``: the share of the epoch's training time
 rank 0's learners waited for a batch, ``noise_scale``: the smoothed gradient noise scale B_noise in samples at
-the epoch's end, NaN where not measured, :mod:`.noise_scale`); group ``val`` with one row per validation
+the epoch's end, NaN where not measured, :mod:`.noise_scale`, ``world_size``: the ranks training at the
+epoch's end, fewer after an elastic loss); group ``val`` with one row per validation
 (``epoch``, ``step``, ``loss``, ``accuracy``, ``time``, ``exchange_share``); the resolved cfg text is the
 file attribute ``config``; ``learners`` (final count per rank) and, with ``[pool] learners = auto``,
 ``autotune_history`` (per check: learners, samples/s, B_noise, efficiency, goodput) are attributes too.
@@ -24,7 +25,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRAIN_COLUMNS = ("step", "epoch", "loss", "accuracy", "lr", "time", "learners", "data_wait", "noise_scale")
+TRAIN_COLUMNS = (
+    "step",
+    "epoch",
+    "loss",
+    "accuracy",
+    "lr",
+    "time",
+    "learners",
+    "data_wait",
+    "noise_scale",
+    "world_size",
+)
 VAL_COLUMNS = ("epoch", "step", "loss", "accuracy", "time", "exchange_share")
 
 

@@ -1,9 +1,10 @@
 """Reporting: rank 0's console (a tqdm bar on a terminal, log lines otherwise) and ``metrics.h5``.
 
 Nothing else writes the metrics file: the per-epoch train rows, the validation rows, the served model's
-rows, and the per-rank attributes (steps/s, exchange share, resident memory, requests in flight, injected
-straggler sleep, validation accuracy of each rank's own model, the auto-tuner's history). Gathering a
-per-rank attribute is collective; every rank calls those methods.
+rows, and the per-rank attributes (steps/s, exchange share, start rank, resident memory, requests in flight,
+injected straggler sleep, validation accuracy of each rank's own model, the auto-tuner's history), and the
+world's changes of size under elastic training (``world_changes``: where a rank was lost or replaced).
+Gathering a per-rank attribute is collective; every rank calls those methods.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..launch.slurm import SlurmJob
 from ..launch.spawn import TERMINAL_VARIABLE
 from ..launch.world import World
 from .metrics import MetricsWriter
+from .replacement import replaced_rank
 from .result import RunResult
 from .tensorboard_log import TensorBoardLog
 
@@ -70,8 +72,16 @@ class Reporter:
     """Rank 0 writes; every rank takes part in gathering per-rank attributes."""
 
     def __init__(self, config: Config, world: World, run_dir: Path, resume_step: int | None) -> None:
-        self.config, self.world, self.run_dir = config, world, run_dir
         self.start = time.perf_counter()
+        #: Steps done so far (:meth:`step_done`): where a change of the world is placed.
+        self.steps_done = resume_step or 0
+        #: ``(steps done, ranks before, ranks after, seconds of training)`` of every change of the world's
+        #: size (elastic training: a loss, a replacement), kept on every rank (any may become rank 0).
+        self.world_changes: list[tuple[int, int, int, float]] = []
+        self.config, self.world, self.run_dir = config, world, run_dir
+        #: The rank this process had when the job started (a replacement: the rank it stands for).
+        replaced = replaced_rank()
+        self.start_rank = world.rank if replaced is None else replaced
         self.rss_start, self.rss_warm = resident_mb(), math.nan
         self.metrics: MetricsWriter | None = None
         self.tensorboard: TensorBoardLog | None = None
@@ -118,6 +128,21 @@ class Reporter:
         return len(self.metrics.steps("train"))
 
     @property
+    def world(self) -> World:
+        """The run's world now: elastic training moves it on after a loss or a replacement
+        (:mod:`.elastic_steps`)."""
+        return self._world
+
+    @world.setter
+    def world(self, world: World) -> None:
+        """Move on to ``world``, recording a change of its size in :attr:`world_changes` (so the report can
+        mark a loss on its time axes, and the global batch can follow the world)."""
+        before = getattr(self, "_world", None)
+        if before is not None and before.size != world.size:
+            self.world_changes.append((self.steps_done, before.size, world.size, self.wall))
+        self._world = world
+
+    @property
     def wall(self) -> float:
         """Seconds since training started."""
         return time.perf_counter() - self.start
@@ -155,7 +180,8 @@ class Reporter:
         )
 
     def step_done(self, step: int) -> None:
-        """One more step: advance the bar; sample resident memory once warmed up."""
+        """One more step (``step`` steps done): advance the bar; sample resident memory once warmed up."""
+        self.steps_done = step
         if step == RSS_WARM_STEPS:
             self.rss_warm = resident_mb()
         if self.bar is not None:
@@ -196,6 +222,7 @@ class Reporter:
         share = exchange_s / wall if wall > 0 else 0.0
         row = {"step": step, "epoch": epoch + 1, "loss": train[0], "accuracy": train[1], "lr": lr}
         extra = {"time": wall, "learners": learners, "data_wait": data_wait, "noise_scale": noise_scale}
+        extra["world_size"] = self.world.size  # elastic training: the ranks training at the epoch's end
         rows: list[tuple[str, dict[str, float]]] = [("train", {**row, **extra})]
         if val is not None:
             val_row = {"epoch": epoch + 1, "step": step, "loss": val[0], "accuracy": val[1], "time": wall}
@@ -206,6 +233,7 @@ class Reporter:
         self._last_step = step
         for table, values in rows:
             self._row(table, **values)
+        self._world_changes()
         text = f"epoch {epoch + 1} step {step}: train loss {shown(train[0])} acc {shown(train[1])}"
         if val is not None:
             text += f" | val loss {shown(val[0])} acc {shown(val[1])}"
@@ -250,12 +278,14 @@ class Reporter:
             self.metrics.file.attrs["autotune_history"] = [list(h) for h in history]
 
     def rank_rates(self, rate: float, share: float) -> None:
-        """Collective: every rank's training steps/s and exchange share (NaN for serving ranks)."""
-        pairs = self.world.allgather((rate, share))
+        """Collective: every rank's training steps/s and exchange share (NaN for serving ranks), and its
+        start rank (after an elastic loss the survivors' ranks are renumbered; the report names them so)."""
+        pairs = self.world.allgather((rate, share, self.start_rank))
         figures = {"steps_per_second": [p[0] for p in pairs], "exchange_share": [p[1] for p in pairs]}
         if self.metrics is not None:
             for name, values in figures.items():
                 self.metrics.file.attrs[f"rank_{name}"] = values
+            self.metrics.file.attrs["rank_start_rank"] = [p[2] for p in pairs]
         if self.tensorboard is not None:
             self.tensorboard.ranks(figures, self._last_step)
 
@@ -273,6 +303,12 @@ class Reporter:
         if self.metrics is not None:
             for i, name in enumerate(names):
                 self.metrics.file.attrs[name] = [row[i] for row in rows]
+
+    def _world_changes(self) -> None:
+        """Rank 0: :attr:`world_changes` as the attribute ``world_changes`` (rows of steps done, ranks
+        before, ranks after, seconds), once there is one."""
+        if self.metrics is not None and self.metrics.file.id.valid and self.world_changes:
+            self.metrics.file.attrs["world_changes"] = [list(c) for c in self.world_changes]
 
     def _row(self, table: str, **row: float) -> None:
         """Rank 0: one row of ``train`` or ``val`` into metrics.h5 and, when on, the TensorBoard events."""
@@ -295,6 +331,7 @@ class Reporter:
             self.tensorboard = None
         if self.metrics is None:
             return
+        self._world_changes()
         attrs: dict[str, Any] = {}
         if result is not None:
             attrs = {k: v for k, v in dataclasses.asdict(result).items() if k not in ("run_dir", "curve")}
