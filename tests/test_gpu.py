@@ -188,11 +188,18 @@ def test_gpu_sh_runs_every_step_in_order_and_notes_a_failure(tmp_path: Path) -> 
     assert calls[1] == "-m benchmarks.gpu cuda"
     assert calls[2] == "-m benchmarks.gpu header --tests 4 passed, 1004 deselected in 9.00s --tests-rc 0"
     rest = [c.split()[1] for c in calls[3:]]
-    assert rest == ["benchmarks.gpu_train", "benchmarks.exchange", "benchmarks.gpu", "benchmarks.pool"]
-    train, _, note, resnet50 = calls[3:]
+    assert rest == [
+        "benchmarks.gpu_train", "benchmarks.exchange", "benchmarks.gpu", *["benchmarks.pool"] * 3,
+        "benchmarks.tta", "benchmarks.pool",
+    ]  # fmt: skip
+    train, _, note, graphs20, graphs50, streams, tta, resnet50 = calls[3:]
     assert all("--device cuda" in c and "--out gpu" in c for c in calls[3:] if c != note)
     assert "--engines serial,fused,streams" in train and "--bsp-staged" in train
     assert "launch/digits.cfg,launch/mnist1d.cfg" in train
+    assert "--graphs off,on" in graphs20 and "--engines fused" in graphs20 and "resnet20" in graphs20
+    assert "--precisions fp32,bf16" in graphs50 and "resnet50" in graphs50
+    assert "--engines serial,streams" in streams and "--graphs off,on" in streams
+    assert tta.startswith("-m benchmarks.tta --device cuda")
     assert resnet50.endswith("--models resnet50")
     assert note.startswith("-m benchmarks.gpu note --step exchange over CUDA --rc 3 --limit ")
     assert proc.stdout.count("left out (GPU_SH_STEPS=") == 4  # learners, precision twice, ddp
@@ -240,7 +247,7 @@ def test_gpu_sh_runs_only_the_steps_gpu_sh_steps_names(tmp_path: Path) -> None:
     assert calls[1] == "-m benchmarks.gpu header --tests not run (GPU_SH_STEPS=train,resnet50) --tests-rc 0"
     assert [c.split()[1] for c in calls[2:]] == ["benchmarks.gpu_train", "benchmarks.pool"]
     assert calls[3].endswith("--models resnet50")
-    assert proc.stdout.count("left out (GPU_SH_STEPS=train,resnet50)") == 5
+    assert proc.stdout.count("left out (GPU_SH_STEPS=train,resnet50)") == 9
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
