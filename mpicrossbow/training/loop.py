@@ -36,6 +36,9 @@ class LoopOutcome:
 
     epochs: int = 0
     steps: int = 0
+    #: The step this process's loop started at (a resume's, or a replacement's join): ``steps`` less this is
+    #: what it trained itself.
+    first_step: int = 0
     train: tuple[float, float] = NAN2
     val: tuple[float, float] = NAN2
     exchange_s: float = 0.0
@@ -86,7 +89,7 @@ class TrainLoop:
         self.epoch, self.step = int(position.get("epoch", 0)), int(position.get("step", 0))
         self.skip, self.lr = int(position.get("count", 0)), float(position.get("lr", -1.0))
         self.saved_at = self.step if parts.checkpoints.resume is not None else -1
-        self.out = LoopOutcome()
+        self.out = LoopOutcome(first_step=self.step)
         self.at_epochs = float(self.epoch)  # epochs done, with the current one's fraction
         self.checks = Validations(self.validate, cfg.session.validate_every, cfg.session.target_accuracy)
         #: The auto-tuner's checks (``[pool] learners = auto``), else None.

@@ -59,7 +59,8 @@ class RunMode(ABC):
         if parts.timeline is not None:
             parts.timeline.finish(parts.world)
         if parts.trains and busy > 0:
-            reporter.rank_rates(outcome.steps / busy, outcome.exchange_s / busy)
+            # the steps this process trained: a resumed run's or a replacement's started part-way
+            reporter.rank_rates((outcome.steps - outcome.first_step) / busy, outcome.exchange_s / busy)
         else:
             reporter.rank_rates(math.nan, math.nan)
         reporter.rank_health(parts.rule.in_flight, parts.straggler.injected_seconds)
