@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
 
 def digits(ranks: int, overrides: list[str], out: Path) -> dict[str, float] | None:
     """Run one digits job; its final and best validation accuracy (None if it failed)."""
-    from mpicrossbow.training.metrics import read_metrics
+    from mpicrossbow.training.reporting.metrics import read_metrics
 
     here = Path(sys.executable).parent
     cmd = [str(here / "mpiexec"), "-n", str(ranks), str(here / "crossbow-launch"), "-cfg",

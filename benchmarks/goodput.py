@@ -36,7 +36,7 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 from benchmarks.report import append_result, cfg_runs
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 log = logging.getLogger("benchmarks.goodput")
 

@@ -177,7 +177,7 @@ def command(job: Job, args: argparse.Namespace, out: Path) -> list[str]:
 def run(job: Job, args: argparse.Namespace, out: Path, timeout: float) -> Outcome:
     """Run ``job`` in its own process group (a timeout ends the launcher, mpiexec and the rank together) and
     read its metrics.h5."""
-    from mpicrossbow.training.metrics import read_metrics
+    from mpicrossbow.training.reporting.metrics import read_metrics
 
     env = dict(
         os.environ,

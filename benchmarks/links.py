@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.report import REPO, append_result, cfg_runs
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster is the test suite's own fixture
 from netns_cluster import NetnsCluster, missing_reason

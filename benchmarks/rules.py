@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
 
 def launch(ranks: int, overrides: list[str], out: Path) -> dict | None:
     """Run the digits job; return its metrics (None if the rule is not available or the run failed)."""
-    from mpicrossbow.training.metrics import read_metrics
+    from mpicrossbow.training.reporting.metrics import read_metrics
 
     here = Path(sys.executable).parent
     cmd = [str(here / "mpiexec"), "-n", str(ranks), str(here / "crossbow-launch"), "-cfg",

@@ -198,7 +198,7 @@ def time_rules(
     from mpi4py import MPI
 
     from mpicrossbow.config import load_config
-    from mpicrossbow.training.runner import prepare_session, train
+    from mpicrossbow.training.run.runner import prepare_session, train
 
     floor = ["rule.period=" + str(10 * steps)]
     runs = [("floor", "LOCALSGD", floor), *((r, r, OVERRIDES.get(r, [])) for r in RULES)]

@@ -28,7 +28,7 @@ from tempfile import TemporaryDirectory
 
 from benchmarks.report import append_result, cfg_runs
 from mpicrossbow.rules.sma_stability import alpha_bound, default_alpha
-from mpicrossbow.training.schedule import lr_scale
+from mpicrossbow.training.run.schedule import lr_scale
 
 CFG = "launch/mnist1d.cfg"
 RANKS = 2

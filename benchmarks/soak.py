@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
 
 def soak(ranks: int, steps: int, overrides: list[str], out: Path) -> tuple[dict, float]:
     """One long run; its metrics attributes and wall time."""
-    from mpicrossbow.training.metrics import read_metrics
+    from mpicrossbow.training.reporting.metrics import read_metrics
 
     here = Path(sys.executable).parent
     cmd = [str(here / "mpiexec"), "-n", str(ranks), str(here / "crossbow-launch"), "-cfg",
@@ -60,7 +60,11 @@ def checkpoint_io(millions: float) -> tuple[float, float]:
     """Median seconds to save and to load a checkpoint of ``millions`` float32 values (3 rounds)."""
     import torch
 
-    from mpicrossbow.training.checkpoint_files import FORMAT_VERSION, Checkpointer, load_rank_state
+    from mpicrossbow.training.checkpoints.checkpoint_files import (
+        FORMAT_VERSION,
+        Checkpointer,
+        load_rank_state,
+    )
 
     state = {"rank": 0, "params": torch.randn(int(millions * 1e6))}
     meta = {"world_size": 1}

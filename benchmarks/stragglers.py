@@ -101,7 +101,7 @@ def parse_args() -> argparse.Namespace:
 
 def launch(cfg: str, overrides: list[str], out: Path) -> dict:
     """One 4-rank run; its metrics."""
-    from mpicrossbow.training.metrics import read_metrics
+    from mpicrossbow.training.reporting.metrics import read_metrics
 
     here = Path(sys.executable).parent
     cmd = [str(here / "mpiexec"), "-n", str(RANKS), str(here / "crossbow-launch"), "-cfg",

@@ -33,7 +33,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def measure(args: argparse.Namespace) -> dict[tuple[str, bool], list[float]]:
     """Every rank trains every run; rank 0's train_seconds per (rule, timeline on)."""
     from mpicrossbow.config import load_config
-    from mpicrossbow.training.runner import prepare_session, train
+    from mpicrossbow.training.run.runner import prepare_session, train
 
     samples: dict[tuple[str, bool], list[float]] = {}
     with tempfile.TemporaryDirectory() as out:

@@ -212,7 +212,7 @@ def session_run(world: Any, setup: Setup, extra: dict[str, Any]) -> Run:
     from mpi4py import MPI
 
     from mpicrossbow.config import load_config
-    from mpicrossbow.training.session import Session
+    from mpicrossbow.training.run.session import Session
 
     seed = extra["session"]["seed"]
     session = Session(load_config(extra=extra), world)

@@ -2,7 +2,7 @@
 
 Each rank holds the whole training split in memory and trains on its share of a fresh permutation every
 epoch (the permutation seeded by seed and epoch, rank r taking every r-th index, ``batch // ranks`` a step),
-with the task's SGD recipe and mpicrossbow's own schedule function (:func:`~mpicrossbow.training.schedule.
+with the task's SGD recipe and mpicrossbow's own schedule function (:func:`~mpicrossbow.training.run.schedule.
 lr_at`: linear warm-up, ×gamma at the milestones), so both sides follow one schedule family. Every
 ``validate_every`` of an epoch (and at its end) every rank evaluates half of the held-out split and the hits
 are summed; the training clock stops meanwhile. The run ends at the first validation at the target.
@@ -26,7 +26,7 @@ from torch.utils.data import default_collate
 from benchmarks.tta_grid import Run, Setup, Task
 from mpicrossbow.config import DataSection, OptimSection
 from mpicrossbow.data.registry import build_dataset
-from mpicrossbow.training.schedule import lr_at
+from mpicrossbow.training.run.schedule import lr_at
 
 
 def module_of(task: Task) -> torch.nn.Module:
@@ -53,7 +53,7 @@ def _accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, world: 
 
 def recipe_of(task: Task, lr: float) -> OptimSection:
     """The task's SGD recipe and schedule at peak rate ``lr``, as the framework's ``[optim]`` holds it (for
-    :func:`~mpicrossbow.training.schedule.lr_at`)."""
+    :func:`~mpicrossbow.training.run.schedule.lr_at`)."""
     return OptimSection(
         lr=lr,
         momentum=task.momentum,

@@ -45,7 +45,7 @@ _LAZY = {
     "Shard": "mpicrossbow.model",
     "Residual": "mpicrossbow.model",
     "JobFailed": "mpicrossbow.compat.jobs",
-    "RunResult": "mpicrossbow.training.result",
+    "RunResult": "mpicrossbow.training.reporting.result",
     # the embedded API: import mpicrossbow as xb; xb.init(); xb.distribute(model, optimizer, rule="SMA")
     "init": "mpicrossbow.embed",
     "shard": "mpicrossbow.embed",

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("-hostfile is used only when crossbow-launch starts the job itself; ignored under MPI")
     freeze_objects_at_exit()
     with collector_off_then_frozen():
-        from .training.runner import run_rank  # ranks import torch; the path to mpiexec does not
+        from .training.run.runner import run_rank  # ranks import torch; the path to mpiexec does not
 
         try:  # every [rule] key is checked here, before MPI starts, as [optim]'s are when the cfg is read
             resolved(config)

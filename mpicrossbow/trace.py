@@ -3,8 +3,8 @@
 Instrumented places (the training step, the data wait, BSP's buckets, the asynchronous rules' messages)
 call :func:`span`, :func:`complete` or :func:`instant`. With the recorder off each call is one attribute
 test; with it on an event is a tuple appended to a list — the same cost as the counters the loop keeps
-anyway. :class:`~mpicrossbow.training.timeline.Timeline` turns it on for its window of steps and turns the
-events into a Chrome trace. Times are ``time.perf_counter()`` seconds of this process.
+anyway. :class:`~mpicrossbow.training.reporting.timeline.Timeline` turns it on for its window of steps and
+turns the events into a Chrome trace. Times are ``time.perf_counter()`` seconds of this process.
 """
 
 from __future__ import annotations

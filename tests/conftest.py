@@ -26,7 +26,7 @@ from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import Rule
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.step import train_step
+from mpicrossbow.training.run.step import train_step
 from openmpi_env import OPENMPI_VENV, OpenMPIEnv, why_not
 
 REPO = Path(__file__).resolve().parent.parent
@@ -177,7 +177,7 @@ def only_run(out: Path) -> Path:
 
 def train_steps(pool: Any, rule: Any, steps: int, sleep_s: float = 0.0) -> list[np.ndarray]:
     """The session's step loop without the session, for in-process rule tests: each epoch started as it
-    begins, then :func:`~mpicrossbow.training.step.train_step`, then ``sleep_s`` (a test's straggler).
+    begins, then :func:`~mpicrossbow.training.run.step.train_step`, then ``sleep_s`` (a test's straggler).
     Returns every step's gradients as the rule received them, ``(learners, P)`` arrays: what the
     differential tests replay in numpy."""
     per_epoch = pool.n_batch_train

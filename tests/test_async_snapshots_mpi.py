@@ -15,7 +15,7 @@ import pytest
 
 from conftest import launcher, only_run, run_mpi, verdicts
 from mpicrossbow.errors import STOPPED_EXIT_CODE
-from mpicrossbow.training.checkpoint_files import complete_checkpoints
+from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
 
 pytestmark = [pytest.mark.mpi]
 

@@ -17,8 +17,8 @@ from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, GOSGD, SMA
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.autotune import AutoTuner, efficiency, start_count
-from mpicrossbow.training.learner_tuning import StepMeter
+from mpicrossbow.training.run.learner_tuning import StepMeter
+from mpicrossbow.training.tuning.autotune import AutoTuner, efficiency, start_count
 
 NAN = math.nan
 

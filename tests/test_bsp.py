@@ -23,8 +23,8 @@ from mpicrossbow.pool import FusedPool, SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.metrics import read_metrics
-from mpicrossbow.training.step import train_step
+from mpicrossbow.training.reporting.metrics import read_metrics
+from mpicrossbow.training.run.step import train_step
 
 STEPS = 6
 BATCH = 8

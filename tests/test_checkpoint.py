@@ -14,7 +14,7 @@ import torch
 
 from mpicrossbow.config import InjectSection
 from mpicrossbow.errors import CheckpointError
-from mpicrossbow.training.checkpoint_files import (
+from mpicrossbow.training.checkpoints.checkpoint_files import (
     FORMAT_VERSION,
     Checkpointer,
     atomic_save,
@@ -23,8 +23,8 @@ from mpicrossbow.training.checkpoint_files import (
     load_rank_state,
     safe_load,
 )
-from mpicrossbow.training.faults import FaultInjector, InjectedFault
-from mpicrossbow.training.metrics import MetricsWriter, read_metrics
+from mpicrossbow.training.health.faults import FaultInjector, InjectedFault
+from mpicrossbow.training.reporting.metrics import MetricsWriter, read_metrics
 
 META = {"world_size": 1, "rule": "BSP", "learners": 1, "numel": 10}
 
@@ -113,9 +113,10 @@ def test_other_version_and_other_job_shape_are_named(tmp_path: Path) -> None:
 def test_a_snapshot_after_an_elastic_loss_names_the_survivors_and_is_refused_in_one_line(
     tmp_path: Path,
 ) -> None:
-    """An elastic run's snapshot taken after losing start rank 2 (training/elastic_pause.py): the survivor's
-    file keeps its start rank's name, ``meta.pt`` lists the lost rank, and resuming it — every rank, the
-    survivors too — is one line naming the lost rank and what to do; a snapshot without ``lost`` loads."""
+    """An elastic run's snapshot taken after losing start rank 2 (training/elastic/elastic_pause.py): the
+    survivor's file keeps its start rank's name, ``meta.pt`` lists the lost rank, and resuming it — every
+    rank, the survivors too — is one line naming the lost rank and what to do; a snapshot without ``lost``
+    loads."""
     ck = Checkpointer(tmp_path / "ck", 0, 1, keep=2, file_rank=3, lost=(2,))
     path = ck.save(7, {"rank": 3, "x": torch.zeros(10)}, {**META, "world_size": 4})
     assert [f.name for f in sorted(path.glob("rank-*.pt"))] == ["rank-00003.pt"]

@@ -26,8 +26,8 @@ from digits_rules import DIGITS_RULES, DIGITS_TARGET
 from netns_cluster import NetnsCluster, leftovers, missing_reason
 
 from conftest import REPO, epoch_of, find_mpiexec, launcher, mpi_env, only_run
-from mpicrossbow.training.checkpoint_files import complete_checkpoints as checkpoint_folders
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints as checkpoint_folders
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
 

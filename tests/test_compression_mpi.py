@@ -17,7 +17,7 @@ import pytest
 from digits_rules import DIGITS_RULES, DIGITS_TARGET
 
 from conftest import only_run, run_mpi
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi]
 

@@ -80,7 +80,7 @@ def test_a_theano_form_model_refuses_cuda_graphs_on() -> None:
     from conftest import REPO
     from mpicrossbow.launch.world import World
     from mpicrossbow.rules.registry import build_rule
-    from mpicrossbow.training.pool_builder import build_pool
+    from mpicrossbow.training.run.pool_builder import build_pool
 
     golden = REPO / "tests" / "data" / "theano_mpi" / "session_single_node.cfg"
     config = load_config(golden, ["pool.cuda_graphs=on"])

@@ -34,7 +34,7 @@ from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import EASGD, Rule
 from mpicrossbow.testing import InProcessCommunicator, InProcessWorld
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 TAU = 3
 Order = Callable[[int, Sequence[int]], int]

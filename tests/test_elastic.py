@@ -20,8 +20,8 @@ from mpicrossbow.launch.spawn import spawn_command
 from mpicrossbow.launch.world import World
 from mpicrossbow.rules.base import Rule
 from mpicrossbow.rules.registry import resolve
-from mpicrossbow.training import elastic_setting
-from mpicrossbow.training.elastic_setting import resolve_elastic
+from mpicrossbow.training.elastic import elastic_setting
+from mpicrossbow.training.elastic.elastic_setting import resolve_elastic
 
 WORLD = World(rank=0, size=2, local_rank=0, local_size=2, node=0, nodes=1, hostname="h", launcher="x", mpi=1)
 
@@ -114,7 +114,8 @@ def test_servers_that_forget_lost_workers_are_elastic(monkeypatch: pytest.Monkey
 
 
 def test_asynchronous_rules_with_coordinated_snapshots_are_elastic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Snapshots (the signal stop, periodic checkpoints) meet over the survivors (training/elastic_pause.py):
+    """Snapshots (the signal stop, periodic checkpoints) meet over the survivors
+    (training/elastic/elastic_pause.py):
     the parameter-server rules, async EASGD, GOSGD, and GSP (its groups' pause agreement is a committed group
     step) stay elastic with them on."""
     monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: None)

@@ -21,8 +21,8 @@ from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules.gosgd import UNIT
 from mpicrossbow.rules.registry import RULES
 from mpicrossbow.testing import FaultyGroup, FaultyWorld
-from mpicrossbow.training.elastic_steps import ElasticSteps, cloned
-from mpicrossbow.training.step import train_step
+from mpicrossbow.training.elastic.elastic_steps import ElasticSteps, cloned
+from mpicrossbow.training.run.step import train_step
 
 
 def test_a_dead_rank_makes_the_commit_false_everywhere_and_the_survivors_shrink() -> None:

@@ -18,7 +18,7 @@ import torch
 
 from conftest import REPO, launcher, mpi_env, only_run, run_local, run_mpi
 from mpicrossbow.launch.failure import ERROR_PREFIX
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 from openmpi_env import OpenMPIEnv
 
 pytestmark = [pytest.mark.mpi]

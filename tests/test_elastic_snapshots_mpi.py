@@ -1,7 +1,7 @@
-"""Coordinated snapshots in elastic asynchronous runs (issue 40, training/elastic_pause.py), in real Open MPI
-jobs under ``mpiexec --with-ft ulfm`` (:mod:`openmpi_env`; the tests skip, saying why, without it): a lost
-worker is survived with snapshots on, a lost parameter server or EASGD centre ends the job in one line with
-the last complete snapshot intact, and ``--resume`` finishes from it."""
+"""Coordinated snapshots in elastic asynchronous runs (issue 40, training/elastic/elastic_pause.py), in real
+Open MPI jobs under ``mpiexec --with-ft ulfm`` (:mod:`openmpi_env`; the tests skip, saying why, without it): a
+lost worker is survived with snapshots on, a lost parameter server or EASGD centre ends the job in one line
+with the last complete snapshot intact, and ``--resume`` finishes from it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from conftest import only_run, run_local
 from mpicrossbow.launch.failure import ERROR_PREFIX
-from mpicrossbow.training.checkpoint_files import complete_checkpoints
+from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
 from openmpi_env import OpenMPIEnv
 
 pytestmark = [pytest.mark.mpi]

@@ -23,7 +23,7 @@ from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.vmapped import VmappedNetwork
 from mpicrossbow.report.run_data import load_run
 from mpicrossbow.report.summary import fused_line, summary
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 #: Each network and the path ``fuse = auto`` settles on for it.
 CHOSEN = {

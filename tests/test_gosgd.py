@@ -30,8 +30,8 @@ from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import GOSGD
 from mpicrossbow.rules.gosgd import UNIT
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.metrics import read_metrics
-from mpicrossbow.training.step import train_step
+from mpicrossbow.training.reporting.metrics import read_metrics
+from mpicrossbow.training.run.step import train_step
 
 STEPS = 10
 

@@ -18,7 +18,7 @@ from mpicrossbow.data.pack import pack
 from mpicrossbow.data.shapes import make_shapes
 from mpicrossbow.data.shards import Shards
 from mpicrossbow.model.shard import Shard
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 BATCH = 16
 

@@ -19,7 +19,7 @@ import torch
 from conftest import REPO, launcher, mpi_env, only_run, run_local, run_mpi
 from models.mlp import MLP
 from mpicrossbow.model.shard import Shard
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi]
 

@@ -1,5 +1,5 @@
-"""The watchdog's link probe (mpicrossbow/training/link_probe.py): two probes in one process stand for two
-ranks on different hosts; a probe that stops answering (its sockets closed, as a dead link leaves them) is
+"""The watchdog's link probe (mpicrossbow/training/health/link_probe.py): two probes in one process stand for
+two ranks on different hosts; a probe that stops answering (its sockets closed, as a dead link leaves them) is
 named after ``timeout`` seconds of silence, and never before. Across real links:
 tests/test_cluster_netns.py."""
 
@@ -10,8 +10,8 @@ import time
 import pytest
 
 from mpicrossbow.comm.interfaces import host_addresses
-from mpicrossbow.training.heartbeat import Beat
-from mpicrossbow.training.link_probe import LinkProbe
+from mpicrossbow.training.health.heartbeat import Beat
+from mpicrossbow.training.health.link_probe import LinkProbe
 
 pytestmark = pytest.mark.skipif(not host_addresses(), reason="no IPv4 address but loopback")
 

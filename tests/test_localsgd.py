@@ -25,7 +25,7 @@ from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, DiLoCo, LocalSGD, Rule
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 STEPS = 9
 SGD = reference.Sgd(LR, MOMENTUM)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_mpi
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 SCRIPTS = REPO / "tests" / "mpi_scripts"
 LR = 0.01

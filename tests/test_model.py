@@ -12,7 +12,7 @@ from mpicrossbow.errors import ContractError
 from mpicrossbow.launch.failure import agree
 from mpicrossbow.launch.world import World
 from mpicrossbow.model.contract import contract_form, load_model_class
-from mpicrossbow.training.session import Session
+from mpicrossbow.training.run.session import Session
 
 
 def write(tmp_path: Path, text: str) -> str:

@@ -1,6 +1,6 @@
-"""The gradient noise scale B_noise (mpicrossbow/training/noise_scale.py): against the analytic answer of a
-linear regression through ``train_step`` under every way the big batch is formed, through a real pool, and
-in checkpoints.
+"""The gradient noise scale B_noise (mpicrossbow/training/tuning/noise_scale.py): against the analytic answer
+of a linear regression through ``train_step`` under every way the big batch is formed, through a real pool,
+and in checkpoints.
 
 Linear regression y = x·w* + ε, x ~ N(0, I_d), ε ~ N(0, σ²), loss ½(x·w − y)², at a fixed w = w* + δ: a
 sample's gradient is g = x (x·δ − ε), so G = E[g] = δ and, by Isserlis' theorem,
@@ -31,9 +31,9 @@ from mpicrossbow.report.run_data import load_run
 from mpicrossbow.rules import Rule
 from mpicrossbow.rules.bsp import BSP
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.metrics import read_metrics
-from mpicrossbow.training.noise_scale import NoiseScale, two_batch_estimates
-from mpicrossbow.training.step import train_step
+from mpicrossbow.training.reporting.metrics import read_metrics
+from mpicrossbow.training.run.step import train_step
+from mpicrossbow.training.tuning.noise_scale import NoiseScale, two_batch_estimates
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
 
@@ -236,7 +236,7 @@ def test_a_value_that_cannot_be_estimated_is_said_once_naming_where_it_shows(
     """The line names where the NaN shows: crossbow-launch's metrics.h5, or the embedded API's
     xb.noise_scale() (issue 51: an embedded run said metrics.h5, which it never writes)."""
     probe = NoiseScale(1, 0.9, record="xb.noise_scale() returns NaN")
-    with caplog.at_level("INFO", logger="mpicrossbow.training.noise_scale"):
+    with caplog.at_level("INFO", logger="mpicrossbow.training.tuning.noise_scale"):
         probe._update(math.nan, math.nan)
         probe._update(math.nan, math.nan)
     said = [r.getMessage() for r in caplog.records if "not estimable" in r.getMessage()]

@@ -35,7 +35,7 @@ from mpicrossbow.rules import ASGD, BSP, EASGD, GSP, PSGD, SSP, Rule, WeedOut
 from mpicrossbow.rules.grouping import group_by_speed, group_of, read_groups, read_shares
 from mpicrossbow.rules.parameter_server import PUSH_HEADER, REPLY_HEADER
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
 SGD = reference.Sgd(LR, MOMENTUM)

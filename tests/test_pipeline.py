@@ -20,7 +20,7 @@ from mpicrossbow.data.sampler import EpochBatches, sample_seeds, train_part, val
 from mpicrossbow.errors import ConfigError, ContractError, DataError
 from mpicrossbow.model.contract import contract_form, load_model_class
 from mpicrossbow.model.shard import Shard
-from mpicrossbow.training.pool_builder import torch_model
+from mpicrossbow.training.run.pool_builder import torch_model
 
 NOISY = "user_project.datasets:noisy_digits"
 

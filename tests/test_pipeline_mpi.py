@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import launcher, only_run, run_mpi
-from mpicrossbow.training.checkpoint_files import complete_checkpoints
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi]
 

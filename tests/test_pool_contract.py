@@ -30,7 +30,7 @@ from mpicrossbow.pool.engines import ENGINES
 from mpicrossbow.pool.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.pool.vmapped import VmappedNetwork
-from mpicrossbow.training.checkpoint_files import FORMAT_VERSION, atomic_save, safe_load
+from mpicrossbow.training.checkpoints.checkpoint_files import FORMAT_VERSION, atomic_save, safe_load
 
 #: Engines that run only on a CUDA device; every other engine runs on the CPU.
 NEEDS_CUDA = {"STREAMS"}

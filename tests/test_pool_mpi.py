@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import launcher, only_run, run_mpi
-from mpicrossbow.training.faults import Straggler
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.health.faults import Straggler
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi]
 

@@ -28,8 +28,8 @@ from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, RULES, PostLocalSGD, Rule
 from mpicrossbow.rules.registry import resolve
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.session import Session
-from mpicrossbow.training.step import train_step
+from mpicrossbow.training.run.session import Session
+from mpicrossbow.training.run.step import train_step
 
 SIZE, LEARNERS, STEPS = 2, 2, 8
 #: Epochs of BSP: a tenth of an epoch of the digits shard (4 of its 44 steps per epoch on 2 ranks).

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import launcher, only_run, run_mpi
-from mpicrossbow.training.checkpoint_files import complete_checkpoints
+from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
 
 pytestmark = [pytest.mark.mpi]
 

@@ -38,7 +38,7 @@ from mpicrossbow.pool.replica_loss import cross_entropy_and_grad
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, SMA
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.step import overflow_anywhere, train_step
+from mpicrossbow.training.run.step import overflow_anywhere, train_step
 
 CPU = torch.device("cpu")
 

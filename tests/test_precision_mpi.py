@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.precision import RULES, SYNCHRONOUS, TOLERANCE, measure
 from conftest import only_run, run_mpi
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi]
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from mpicrossbow.config import load_config
 from mpicrossbow.launch.world import World
-from mpicrossbow.training.checkpoint_lock import LOCK
-from mpicrossbow.training.metrics import read_metrics
-from mpicrossbow.training.reporting import Reporter
+from mpicrossbow.training.checkpoints.checkpoint_lock import LOCK
+from mpicrossbow.training.reporting.metrics import read_metrics
+from mpicrossbow.training.reporting.reporting import Reporter
 
 RANK0 = World(rank=0, size=4, local_rank=0, local_size=4, node=0, nodes=1, hostname="h", launcher=None)
 RANK1 = dataclasses.replace(RANK0, rank=1, local_rank=1)
@@ -84,7 +84,7 @@ def test_a_row_rank_0_was_killed_in_the_middle_of_is_dropped_and_written_whole(t
 def test_the_survivor_takes_the_dead_rank_0s_checkpoint_lock(tmp_path: Path) -> None:
     """The lock names a process on another host (nothing here can tell it is gone): elastic training knows
     it is, so the new rank 0 takes the lock, and gives it up at the end."""
-    from mpicrossbow.training.checkpoint_manager import CheckpointManager
+    from mpicrossbow.training.checkpoints.checkpoint_manager import CheckpointManager
 
     config = load_config("launch/digits.cfg", ["checkpoint.every_epochs=1"])
     directory = tmp_path / "checkpoints"

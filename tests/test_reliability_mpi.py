@@ -20,7 +20,7 @@ import torch
 
 from conftest import REPO, launcher, mpi_env, only_run, run_mpi
 from mpicrossbow.errors import STOPPED_EXIT_CODE
-from mpicrossbow.training.checkpoint_files import complete_checkpoints, load_rank_state
+from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints, load_rank_state
 
 pytestmark = [pytest.mark.mpi]
 

@@ -12,7 +12,7 @@ from conftest import REPO
 from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.rules.registry import resolve
-from mpicrossbow.training.replacement import (
+from mpicrossbow.training.elastic.replacement import (
     REPLACES,
     Handover,
     check_replace,

@@ -22,9 +22,9 @@ from mpicrossbow.launch.world import World
 from mpicrossbow.report.cli import main as report_main
 from mpicrossbow.report.run_data import RunData, load_run
 from mpicrossbow.report.summary import summary
-from mpicrossbow.training.metrics import read_metrics
-from mpicrossbow.training.reporting import Reporter
-from mpicrossbow.training.tensorboard_log import check_available
+from mpicrossbow.training.reporting.metrics import read_metrics
+from mpicrossbow.training.reporting.reporting import Reporter
+from mpicrossbow.training.reporting.tensorboard_log import check_available
 
 
 def test_tensorboard_without_its_package_is_one_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mpicrossbow.config import OptimSection
-from mpicrossbow.training.schedule import lr_at, lr_scale
+from mpicrossbow.training.run.schedule import lr_at, lr_scale
 
 
 def test_constant_by_default() -> None:

@@ -25,7 +25,7 @@ from conftest import REPO, launcher, mpi_env, only_run, run_local, run_mpi
 from mpicrossbow.report.cli import main as report_main
 from mpicrossbow.report.figure import PANELS
 from mpicrossbow.report.run_data import load_run
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 from openmpi_env import OpenMPIEnv
 
 pytestmark = [pytest.mark.mpi]

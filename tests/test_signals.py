@@ -10,7 +10,7 @@ import time
 
 BLOCKED_AFTER_SIGTERM = """
 import os, select, signal, sys, time
-from mpicrossbow.training.signals import SignalStop
+from mpicrossbow.training.health.signals import SignalStop
 
 class Done:
     def wait(self):

@@ -20,8 +20,8 @@ import torch
 from slurm_cluster import SlurmCluster, ranks_of, slurm_cluster, wait_for  # noqa: F401  (the fixture)
 
 from conftest import REPO
-from mpicrossbow.training.checkpoint_files import complete_checkpoints
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 TEMPLATES = REPO / "launch" / "slurm"

@@ -1,5 +1,5 @@
 """What a job reads from Slurm and asks of it (launch/slurm.py), and the requeue decisions built on that
-(training/preemption.py), against a stand-in ``scontrol`` on PATH that records its calls."""
+(training/health/preemption.py), against a stand-in ``scontrol`` on PATH that records its calls."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from mpicrossbow.errors import STOPPED_EXIT_CODE
 from mpicrossbow.launch.slurm import SlurmJob, in_slurm_allocation, srun_tasks_without_pmi
 from mpicrossbow.launch.spawn import default_ranks
 from mpicrossbow.launch.world import World
-from mpicrossbow.training.preemption import after_signal_stop, automatic_resume, requeue, written_by
+from mpicrossbow.training.health.preemption import after_signal_stop, automatic_resume, requeue, written_by
 
 JOB_ENV = {
     "SLURM_JOB_ID": "4711",

@@ -28,8 +28,8 @@ from netns_slurm import NetnsSlurm, netns_missing, slurm_missing
 from slurm_cluster import ranks_of, wait_for
 
 from conftest import REPO, epoch_of
-from mpicrossbow.training.checkpoint_files import complete_checkpoints
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
+from mpicrossbow.training.reporting.metrics import read_metrics
 from openmpi_env import OpenMPIEnv
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slurm, pytest.mark.slow]

@@ -25,7 +25,7 @@ from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import SMA
 from mpicrossbow.rules.sma_stability import ALPHA_CAP, alpha_bound, default_alpha
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.step import rule_exchange, rule_gradients
+from mpicrossbow.training.run.step import rule_exchange, rule_gradients
 
 
 def consensus_step(w: np.ndarray, z: np.ndarray, z_prev: np.ndarray, alpha: float, mu: float) -> tuple:

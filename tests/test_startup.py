@@ -130,7 +130,7 @@ def test_binding_nothing_reads_no_topology(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_ranks_import_h5py_only_to_write_metrics() -> None:
-    proc = fresh("import sys\nimport mpicrossbow.training.runner\nprint('h5py' in sys.modules)\n")
+    proc = fresh("import sys\nimport mpicrossbow.training.run.runner\nprint('h5py' in sys.modules)\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "False"
 

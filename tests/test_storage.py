@@ -18,10 +18,10 @@ import torch
 from conftest import REPO
 from mpicrossbow.config import load_config
 from mpicrossbow.errors import CheckpointError, ConfigError, StorageError
-from mpicrossbow.training.checkpoint_files import atomic_save, safe_load
-from mpicrossbow.training.checkpoint_lock import LOCK, CheckpointLock, LockOwner
-from mpicrossbow.training.reporting import make_run_dir
-from mpicrossbow.training.storage import check_room, check_writable
+from mpicrossbow.training.checkpoints.checkpoint_files import atomic_save, safe_load
+from mpicrossbow.training.checkpoints.checkpoint_lock import LOCK, CheckpointLock, LockOwner
+from mpicrossbow.training.checkpoints.storage import check_room, check_writable
+from mpicrossbow.training.reporting.reporting import make_run_dir
 
 
 def finished_pid() -> int:

@@ -100,12 +100,14 @@ def test_no_function_is_longer_than_80_lines() -> None:
 
 
 def test_session_only_assembles() -> None:
-    lines = len((PACKAGE / "training" / "session.py").read_text(encoding="utf-8").splitlines())
-    assert lines <= MAX_SESSION_LINES, f"training/session.py has {lines} lines (at most {MAX_SESSION_LINES})"
+    lines = len((PACKAGE / "training" / "run" / "session.py").read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_SESSION_LINES, (
+        f"training/run/session.py has {lines} lines (at most {MAX_SESSION_LINES})"
+    )
 
 
 #: Where a rule's step hooks are called: the step sequence itself, and a rule delegating to the rule it wraps.
-STEP_SEQUENCE = "mpicrossbow/training/step.py"
+STEP_SEQUENCE = "mpicrossbow/training/run/step.py"
 
 
 def own_calls(node: ast.AST) -> set[str]:
@@ -125,7 +127,7 @@ def own_calls(node: ast.AST) -> set[str]:
 def sequence_writers(sources: dict[str, str]) -> list[str]:
     """``path:function`` of every function (or module body) in ``sources`` (path → code) that writes a step
     sequence of its own: it calls a rule's ``on_gradients`` — the hook between backward and the optimizer —
-    outside training/step.py, or a pool's ``apply`` together with a rule's ``exchange``. A rule's own
+    outside training/run/step.py, or a pool's ``apply`` together with a rule's ``exchange``. A rule's own
     ``on_gradients``/``exchange`` forwarding to a rule it wraps (POSTLOCALSGD) is delegation, not a copy."""
     writers = []
     for path, code in sources.items():
@@ -144,8 +146,8 @@ def sequence_writers(sources: dict[str, str]) -> list[str]:
 
 def test_train_step_is_the_only_place_the_step_sequence_is_written() -> None:
     """Whoever drives a pool and a rule (the loop, the embedded API's hooks, tests, MPI scripts, benchmarks)
-    goes through training/step.py (``train_step``, or ``rule_gradients``/``rule_exchange`` around a user's own
-    optimizer step): no second copy of the sequence anywhere."""
+    goes through training/run/step.py (``train_step``, or ``rule_gradients``/``rule_exchange`` around a
+    user's own optimizer step): no second copy of the sequence anywhere."""
     sources = {
         str(path.relative_to(REPO)): path.read_text(encoding="utf-8")
         for folder in ("mpicrossbow", "tests", "benchmarks", "examples")
@@ -155,7 +157,7 @@ def test_train_step_is_the_only_place_the_step_sequence_is_written() -> None:
 
 
 def test_a_second_copy_of_the_step_sequence_fails_the_structure_test() -> None:
-    """The embedded hooks as they were before they called training/step.py, and a loop of one's own."""
+    """The embedded hooks as they were before they called training/run/step.py, and a loop of one's own."""
     hooks = """
 class StepHooks:
     def _before(self, optimizer, args, kwargs):

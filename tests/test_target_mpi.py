@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import only_run, run_mpi
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi]
 

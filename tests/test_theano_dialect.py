@@ -16,7 +16,7 @@ from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError, ContractError
 from mpicrossbow.launch.devices import DeviceSpec
 from mpicrossbow.pool.theano import TheanoPool, TheanoRecorder
-from mpicrossbow.training.evaluation import per_sample
+from mpicrossbow.training.run.evaluation import per_sample
 
 GOLDEN = Path(__file__).parent / "data" / "theano_mpi"
 
@@ -136,7 +136,7 @@ def test_what_a_model_does_not_report_is_not_a_measurement() -> None:
 def test_a_theano_form_model_under_a_gradient_rule_is_one_line_naming_the_rules_that_run_it() -> None:
     from mpicrossbow.launch.world import World
     from mpicrossbow.rules.registry import build_rule
-    from mpicrossbow.training.pool_builder import build_pool
+    from mpicrossbow.training.run.pool_builder import build_pool
 
     config = load_config(GOLDEN / "session_single_node.cfg", ["RULE=GSP"])
     world = World(0, 2, 0, 2, 0, 1, "localhost", None)

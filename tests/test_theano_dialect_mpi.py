@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import launcher, only_run, run_local, run_mpi
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi]
 SCRIPTS = Path(__file__).parent / "mpi_scripts"

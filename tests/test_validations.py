@@ -1,4 +1,4 @@
-"""When the loop validates and when it stops at a target accuracy (mpicrossbow/training/validations.py):
+"""When the loop validates and when it stops at a target accuracy (mpicrossbow/training/run/validations.py):
 the cadence of ``[session] validate_every`` (whole epochs, or fractions within one), the training clock that
 leaves validation out, and the first validation at or above ``[session] target_accuracy``."""
 
@@ -12,8 +12,8 @@ from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.launch.failure import agree
 from mpicrossbow.launch.world import World
-from mpicrossbow.training.session import Session
-from mpicrossbow.training.validations import Validations
+from mpicrossbow.training.run.session import Session
+from mpicrossbow.training.run.validations import Validations
 
 
 def scripted(accuracies: list[float], seconds: float = 0.0) -> Validations:

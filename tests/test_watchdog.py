@@ -11,9 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from mpicrossbow.training.heartbeat import Beat, fault_file, heartbeat_file, read_heartbeats, write_heartbeat
-from mpicrossbow.training.liveness import PeerLiveness
-from mpicrossbow.training.watchdog import AUTO_FIRST_STEP_S, AUTO_FLOOR_S, Watchdog
+from mpicrossbow.training.health.heartbeat import (
+    Beat,
+    fault_file,
+    heartbeat_file,
+    read_heartbeats,
+    write_heartbeat,
+)
+from mpicrossbow.training.health.liveness import PeerLiveness
+from mpicrossbow.training.health.watchdog import AUTO_FIRST_STEP_S, AUTO_FLOOR_S, Watchdog
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="pids are checked through /proc")
 

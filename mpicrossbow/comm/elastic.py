@@ -18,10 +18,10 @@ reconfiguration by swapping the process group under its Manager. It does three t
   :class:`~mpicrossbow.comm.membership.Membership` one version on.
 
 What to do with the work that was not committed, and what a rule must rebuild (its splits, its peers), is
-the training loop's business (:mod:`mpicrossbow.training.elastic_steps`) and the rule's (``on_rebind``). The
-fault-tolerant substrate is a :class:`FaultTolerantGroup`: :class:`MPIGroup` over mpi4py with ULFM, and
-:class:`~mpicrossbow.testing.fault_double.FaultyGroup`, ranks as threads with deaths injected on demand
-(torchft's FakeProcessGroupWrapper), which tests recovery in-process.
+the training loop's business (:mod:`mpicrossbow.training.elastic.elastic_steps`) and the rule's
+(``on_rebind``). The fault-tolerant substrate is a :class:`FaultTolerantGroup`: :class:`MPIGroup` over mpi4py
+with ULFM, and :class:`~mpicrossbow.testing.fault_double.FaultyGroup`, ranks as threads with deaths injected
+on demand (torchft's FakeProcessGroupWrapper), which tests recovery in-process.
 """
 
 from __future__ import annotations

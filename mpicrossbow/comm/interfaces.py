@@ -1,6 +1,6 @@
 """This host's network interfaces: names, IPv4 addresses and subnets (Linux ioctls, no extra package), and
 the subnet a set of hosts shares. The rendezvous (:mod:`.rendezvous`) meets on it and the watchdog's link
-probe (:mod:`mpicrossbow.training.link_probe`) pings peers through it."""
+probe (:mod:`mpicrossbow.training.health.link_probe`) pings peers through it."""
 
 from __future__ import annotations
 

@@ -38,8 +38,8 @@ class ElasticEnd(RuntimeError):
     Every survivor meets the cause, but not always at the same moment nor in the same place: one may be
     blocked in a collective that the others, having met the cause elsewhere, never enter. So the survivors
     speak in turn: ``place`` is this rank's place in line (0: the rank expected to say it). A rank waits
-    ``place`` × :attr:`GRACE_S` before it prints and aborts (training/runner.py), so the first rank in line
-    that is free to speak ends the job — the others are gone before their turn — and the user reads one
+    ``place`` × :attr:`GRACE_S` before it prints and aborts (training/run/runner.py), so the first rank in
+    line that is free to speak ends the job — the others are gone before their turn — and the user reads one
     line, not one per survivor."""
 
     #: Seconds between two ranks' turns to report.

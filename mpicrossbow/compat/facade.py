@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..rules.base import Rule
-from ..training.result import RunResult
+from ..training.reporting.result import RunResult
 from .jobs import Job, start_job
 
 

@@ -2,9 +2,9 @@
 
 Inside an MPI job (``mpiexec -n 2 python train.py``) ``init`` joins the running world: it prepares this rank's
 session, agreeing on bad input like ``crossbow-launch`` does, and ``wait`` trains and returns the
-:class:`~mpicrossbow.training.result.RunResult`. From a plain Python process ``init`` writes the resolved cfg
-into the output folder and starts ``crossbow-launch`` under MPI with one rank per device; ``wait`` blocks
-until it ends and raises :class:`JobFailed` with its exit status if it failed.
+:class:`~mpicrossbow.training.reporting.result.RunResult`. From a plain Python process ``init`` writes the
+resolved cfg into the output folder and starts ``crossbow-launch`` under MPI with one rank per device;
+``wait`` blocks until it ends and raises :class:`JobFailed` with its exit status if it failed.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from ..launch.failure import ERROR_PREFIX, abort
 from ..launch.world import detect_launcher
 from ..rules.base import Rule
 from ..rules.registry import RULES
-from ..training.result import RunResult
-from ..training.runner import prepare_session, train
+from ..training.reporting.result import RunResult
+from ..training.run.runner import prepare_session, train
 
 
 class JobFailed(RuntimeError):

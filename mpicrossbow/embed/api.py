@@ -65,8 +65,8 @@ from ..pool.base import params_loaded
 from ..pool.precision import DTYPES, Precision
 from ..rules.base import Rule
 from ..rules.registry import build_rule
-from ..training.noise_scale import NoiseScale
-from ..training.schedule import lr_scale
+from ..training.run.schedule import lr_scale
+from ..training.tuning.noise_scale import NoiseScale
 from .embedded_job import EmbeddedJob
 from .metric_reduce import allreduce_value
 from .own_model import OwnModel
@@ -547,7 +547,7 @@ def restore(path: str | Path) -> None:
 
 def noise_scale(batch_size: int | None = None) -> float:
     """The gradient noise scale B_noise of the distributed model, in samples: the batch size beyond which a
-    larger batch stops paying off (McCandlish et al. 2018; :mod:`mpicrossbow.training.noise_scale`).
+    larger batch stops paying off (McCandlish et al. 2018; :mod:`mpicrossbow.training.tuning.noise_scale`).
 
     Smoothed over the estimates so far (every ``noise_scale_every`` steps of ``xb.distribute``); NaN before
     the first, while the gradient is still lost in its noise, or where it cannot be estimated: the embedded

@@ -26,8 +26,8 @@ from ..comm.base import Communicator
 from ..errors import CheckpointError, UsageError
 from ..launch.world import World
 from ..rules.base import Rule
-from ..training.checkpoint_files import FORMAT_VERSION, META, atomic_save, rank_file, safe_load
-from ..training.noise_scale import NoiseScale
+from ..training.checkpoints.checkpoint_files import FORMAT_VERSION, META, atomic_save, rank_file, safe_load
+from ..training.tuning.noise_scale import NoiseScale
 from .own_model import OwnModel
 from .precision_forward import PrecisionForward
 from .step_hooks import StepHooks

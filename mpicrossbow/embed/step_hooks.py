@@ -3,7 +3,7 @@
 ``crossbow-launch`` runs a step as forward and backward, the rule's ``on_gradients`` (BSP's gradient
 allreduce, SMA's corrections), the optimizer step, the rule's ``exchange`` (model averaging, elastic pulls,
 gossip, pushes to a server). In the user's loop the same order follows from torch's own optimizer hooks,
-which call the rule's side of the step as :mod:`mpicrossbow.training.step` writes it (``rule_gradients``,
+which call the rule's side of the step as :mod:`mpicrossbow.training.run.step` writes it (``rule_gradients``,
 ``rule_exchange``, ``overflow_anywhere``), not a copy of it:
 
 * a **step pre-hook** gathers the gradients into the flat buffer and calls ``on_gradients(step)``;
@@ -12,8 +12,8 @@ which call the rule's side of the step as :mod:`mpicrossbow.training.step` write
   (the user's scheduler), before the forward pass: SMA restarts its replicas from z there, as it does under
   ``crossbow-launch``, where the rate is set before the step's forward pass.
 
-The gradient noise scale (:class:`~mpicrossbow.training.noise_scale.NoiseScale`, ``xb.noise_scale()``) is
-measured in the pre-hook as ``crossbow-launch``'s step measures it: the gradient before ``on_gradients``
+The gradient noise scale (:class:`~mpicrossbow.training.tuning.noise_scale.NoiseScale`, ``xb.noise_scale()``)
+is measured in the pre-hook as ``crossbow-launch``'s step measures it: the gradient before ``on_gradients``
 (after fp16's unscale), the rule's mean after it.
 
 Asynchronous rules need nothing more: their ``exchange`` never waits for a collective. :meth:`remove`
@@ -37,8 +37,8 @@ from torch import nn
 
 from ..errors import UsageError
 from ..rules.base import Rule
-from ..training.noise_scale import NoiseScale
-from ..training.step import overflow_anywhere, rule_exchange, rule_gradients
+from ..training.run.step import overflow_anywhere, rule_exchange, rule_gradients
+from ..training.tuning.noise_scale import NoiseScale
 from .own_model import OwnModel
 
 #: The hooks installed on each distributed optimizer (what :class:`~.grad_scaler.GradScaler` asks).

@@ -12,7 +12,7 @@ its optimizer step, the others step. Under a synchronous rule that desynchronise
 differ from then on, and a rank that skips its collective while its peers enter it hangs the job. Here the
 overflow flag is one value allreduced with MAX through the rule's communicator, so every rank skips the
 same steps and every rank's scale moves alike (the caller passes that agreement in:
-:func:`~mpicrossbow.training.step.overflow_anywhere`, the one place it is written). Asynchronous rules run
+:func:`~mpicrossbow.training.run.step.overflow_anywhere`, the one place it is written). Asynchronous rules run
 no collective between ``bind`` and ``finish``: their ranks decide alone, as their steps are independent
 anyway.
 
@@ -56,7 +56,7 @@ class LossScale:
 
     def unscale(self, grads: Sequence[torch.Tensor], agree: Callable[[bool], bool] | None = None) -> bool:
         """Divide ``grads`` by the scale in place, ``agree`` with the other ranks (this rank's overflow →
-        whether any rank overflowed; None: alone, the step's :func:`~mpicrossbow.training.step.
+        whether any rank overflowed; None: alone, the step's :func:`~mpicrossbow.training.run.step.
         overflow_anywhere` in training) and update the scale; True when the step goes on.
 
         On an overflow every gradient is zeroed, so nothing downstream reads an inf.

@@ -6,7 +6,7 @@
 * ``bf16``: the forward (and the loss) runs under ``torch.autocast`` with bfloat16, on CUDA and on the
   CPU alike. bf16 has fp32's exponent range, so gradients need no scaling.
 * ``fp16``: autocast with float16, and the loss multiplied by a :class:`~.loss_scale.LossScale` before
-  backward; the step (:func:`~mpicrossbow.training.step.train_step`) divides it out and every rank skips
+  backward; the step (:func:`~mpicrossbow.training.run.step.train_step`) divides it out and every rank skips
   the steps whose gradients overflowed on any rank.
 
 What stays fp32 whatever the setting, as DDP's, DeepSpeed's and Lightning's mixed precision keep it: the

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
-from ..training.metrics import read_metrics
+from ..training.reporting.metrics import read_metrics
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,8 @@ class Rule:
     @property
     def averages_gradients(self) -> bool:
         """True when ``on_gradients`` leaves every learner's ``grads`` the mean gradient over all k learners
-        (BSP's grad mode): the gradient noise scale (:mod:`mpicrossbow.training.noise_scale`) then reads the
-        big batch there instead of paying for a gradient allreduce of its own."""
+        (BSP's grad mode): the gradient noise scale (:mod:`mpicrossbow.training.tuning.noise_scale`) then
+        reads the big batch there instead of paying for a gradient allreduce of its own."""
         return False
 
     @property

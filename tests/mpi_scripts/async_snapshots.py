@@ -29,9 +29,9 @@ from verdicts import WORLD, run_checks, say
 
 from mpicrossbow.config import load_config
 from mpicrossbow.rules.gosgd import UNIT
-from mpicrossbow.training.checkpoint_files import complete_checkpoints, load_rank_state
-from mpicrossbow.training.result import RunResult
-from mpicrossbow.training.runner import prepare_session, train
+from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints, load_rank_state
+from mpicrossbow.training.reporting.result import RunResult
+from mpicrossbow.training.run.runner import prepare_session, train
 
 EPOCHS = 10
 TARGET = 0.9

@@ -22,7 +22,7 @@ from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP
-from mpicrossbow.training.step import train_step
+from mpicrossbow.training.run.step import train_step
 
 STEPS, BATCH = 6, 8
 OPTIM = OptimSection(lr=0.1, momentum=0.9, weight_decay=1e-3)

@@ -15,8 +15,8 @@ from pathlib import Path
 from mpi4py import MPI
 
 from mpicrossbow.config import load_config
-from mpicrossbow.training.metrics import read_metrics
-from mpicrossbow.training.runner import run_rank
+from mpicrossbow.training.reporting.metrics import read_metrics
+from mpicrossbow.training.run.runner import run_rank
 
 
 def main(argv: list[str]) -> int:

@@ -21,7 +21,7 @@ import sys
 from mpi4py import MPI
 
 from mpicrossbow.config import load_config
-from mpicrossbow.training.runner import run_rank
+from mpicrossbow.training.run.runner import run_rank
 
 
 def link_bytes(interface: str) -> int:

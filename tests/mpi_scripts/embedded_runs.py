@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from examples import train_digits as example  # noqa: E402
 from mpicrossbow.config import load_config  # noqa: E402
-from mpicrossbow.training.runner import prepare_session, train  # noqa: E402
+from mpicrossbow.training.run.runner import prepare_session, train  # noqa: E402
 
 CFG = """
 RULE={rule}

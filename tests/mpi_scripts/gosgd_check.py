@@ -25,7 +25,7 @@ from mpicrossbow.config import OptimSection
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import GOSGD
-from mpicrossbow.training.step import train_step
+from mpicrossbow.training.run.step import train_step
 
 torch.set_num_threads(1)
 comm = MPICommunicator()

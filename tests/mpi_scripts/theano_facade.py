@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from mpicrossbow import BSP, EASGD, GOSGD, SMA
-from mpicrossbow.training.metrics import read_metrics
+from mpicrossbow.training.reporting.metrics import read_metrics
 
 RULES = (("BSP", BSP, {}), ("EASGD", EASGD, {"mode": "async"}), ("GOSGD", GOSGD, {}), ("SMA", SMA, {}))
 

@@ -1,0 +1,213 @@
+"""Replacements (``[elastic] replace``): after elastic training lost ranks, the survivors start one new
+process for each, hand it the consensus state from a live peer (no disk), and the world grows back.
+
+Who sends what to whom, in order (S: every survivor, J: every replacement, M: the merged communicator):
+
+1. **Spawn.** At the first step after a recovery — a commit window's start, where every survivor holds the
+   last committed state — S call ``MPI_Comm_spawn`` over their communicator: one process per lost rank, the
+   job's own command line (``sys.orig_argv``), with :data:`REPLACES` in its environment naming the start
+   rank it stands for. J starts as any rank does, finds :data:`REPLACES` and merges; S merge too, first, so
+   every survivor keeps its rank and rank 0 its duties.
+2. **Offer.** Rank 0 broadcasts an :class:`Offer` over M: the start ranks every member stands for, the
+   run folder, the loop position and the thread count. J prepares locally as the lost start rank would
+   have: its device, its data shard, its seed (S wait meanwhile, in the next collective).
+3. **Communicator and binding.** Everyone builds the run's communicator over M (the factory of the start),
+   then binds the rule over it, collectively, as at start. The binding's broadcast overwrites the
+   survivors' learners with rank 0's learner 0: each survivor puts back the state it held before.
+4. **Handover.** Rank 0 sends each replacement a :class:`Handover`: its learners' state, the rule's and
+   the consensus weights (the rule's :meth:`~mpicrossbow.rules.base.Rule.eval_params` after ``sync_state``;
+   learner 0's for BSP). The replacement loads them and sets every learner's weights to the consensus, so its
+   replicas equal the survivors' consensus at its first step. Its optimizer state (momentum) is rank 0's:
+   a warm start, where zeros would take a few steps to build up again.
+5. Every member goes on at the same step, ``[elastic] commit_every`` windows and all.
+
+The lost rank's data shard is read by its replacement from the position the survivors are at (the batches
+the lost rank trained since the last commit are dropped with the window, as without replacements).
+Replacements cover synchronous rules: an asynchronous rule's server or gossip peers would have to admit a
+worker mid-protocol (:func:`replace_obstacle` refuses them in one line).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...config import Config
+from ...errors import ConfigError
+from ...launch.world import OVERSUBSCRIBED_SETTINGS
+from ...pool.base import LearnerPool
+from ...rules.base import Rule
+
+log = logging.getLogger(__name__)
+
+#: Set in a replacement's environment by the survivors that spawn it: the start rank it stands for.
+REPLACES = "CROSSBOW_REPLACES"
+
+#: The tag of the handover (rank 0 to each replacement, over the merged communicator).
+HANDOVER_TAG = 7405
+
+#: The tag of :func:`connect`'s messages.
+HELLO_TAG = 7406
+
+
+def replaced_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """The start rank this process replaces (survivors spawned it), or None for a rank of the start world."""
+    value = (os.environ if environ is None else environ).get(REPLACES, "")
+    return int(value) if value.isdigit() else None
+
+
+def replace_obstacle(config: Config, rule: Rule, elastic: bool) -> str | None:
+    """Why ``[elastic] replace = true`` cannot be honoured for this run (one line), or None."""
+    if not config.elastic.replace:
+        return None
+    if not elastic:
+        return (
+            "[elastic] replace = true needs elastic training ([elastic] enabled = true, or auto where it can)"
+        )
+    if not rule.synchronous:
+        return (
+            f"[elastic] replace = true covers the synchronous rules; RULE={config.rule} is asynchronous (its "
+            "servers or gossip peers would admit a worker mid-protocol): set elastic.replace=false"
+        )
+    if config.pool.learners == "auto":
+        return "[elastic] replace = true needs a fixed learner count: set [pool] learners to a number"
+    return None
+
+
+def check_replace(config: Config, rule: Rule, elastic: bool) -> None:
+    """ConfigError (exit 2 on every rank before training) when ``replace`` cannot be honoured."""
+    obstacle = replace_obstacle(config, rule, elastic)
+    if obstacle is not None:
+        raise ConfigError(obstacle)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What rank 0 tells every member first, over the merged communicator (step 2 above)."""
+
+    #: The start rank each member stands for, in rank order (survivors first, then the replacements).
+    ranks: tuple[int, ...]
+    #: The membership's version once the replacements are in.
+    version: int
+    #: The run folder every rank writes into.
+    run_dir: str
+    #: The loop's position at the step every member goes on from (what a checkpoint records).
+    position: dict[str, Any]
+    #: Torch threads per rank (the survivors' rank 0's).
+    threads: int
+    #: Each member's host, in rank order (the membership's).
+    hosts: tuple[str, ...] = ()
+
+
+@dataclass
+class Handover:
+    """What rank 0 sends each replacement (step 4): its state and the consensus weights."""
+
+    pool: dict[str, Any]
+    rule: dict[str, Any]
+    consensus: torch.Tensor
+
+    def install(self, pool: LearnerPool, rule: Rule) -> None:
+        """Load the survivor's state, then set every learner's weights to the consensus."""
+        pool.load_state_dict(self.pool)
+        rule.load_state_dict(self.rule)
+        for learner in pool.learners:
+            learner.params.copy_(self.consensus)
+
+
+def spawn_replacements(native: Any, start_ranks: tuple[int, ...], hosts: tuple[str, ...] = ()) -> Any:
+    """Collective over the survivors' mpi4py communicator ``native``: start one process per entry of
+    ``start_ranks`` (the job's command line, :data:`REPLACES` set to that entry) on the host of the same
+    entry of ``hosts`` where given — the lost rank's, whose slot its death freed; Open MPI's runtime still
+    counts that slot as taken, so the spawn asks for ``slot:OVERSUBSCRIBE`` — or, when that fails (a lost
+    node), wherever the runtime maps it; then merge with them. The merged communicator (survivors first),
+    its errors returned as exceptions; None when no process could be started (every survivor alike: the
+    spawn is collective)."""
+    from mpi4py import MPI
+
+    for where in (hosts, ()) if hosts else ((),):
+        try:
+            inter = _spawn(native, start_ranks, where)
+        except MPI.Exception as exc:
+            if native.Get_rank() == 0:
+                log.warning(
+                    "elastic: could not start replacement(s)%s: %s", f" on {list(where)}" * bool(where), exc
+                )
+            continue
+        merged = inter.Merge(high=False)
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        return merged
+    return None
+
+
+def _spawn(native: Any, start_ranks: tuple[int, ...], hosts: tuple[str, ...]) -> Any:
+    """``MPI_Comm_spawn_multiple`` of the replacements (on ``hosts`` where given); the intercommunicator."""
+    from mpi4py import MPI
+
+    passed = {key: os.environ[key] for key in OVERSUBSCRIBED_SETTINGS if key in os.environ}
+    infos = []
+    for i, rank in enumerate(start_ranks):
+        info = MPI.Info.Create()
+        info.Set("PMIX_ENVAR", "\n".join(f"{k}={v}" for k, v in {REPLACES: str(rank), **passed}.items()))
+        info.Set("map_by", "slot:OVERSUBSCRIBE")
+        if hosts:
+            info.Set("host", hosts[i])
+        infos.append(info)
+    n = len(start_ranks)
+    try:
+        return native.Spawn_multiple(
+            [sys.executable] * n, [list(sys.orig_argv[1:])] * n, [1] * n, infos, root=0
+        )
+    finally:
+        for info in infos:
+            info.Free()
+
+
+def connect(merged: Any, first_joiner: int) -> list[str]:
+    """Right after the merge, on every member: one message each way between every survivor and every
+    replacement (merged ranks from ``first_joiner`` on) — each replacement's host to the survivors, theirs
+    back. Open MPI 5.0.11's MPI_Finalize disconnects every pair of processes of two connected jobs and
+    segfaults, then hangs, on a pair that never exchanged a message (measured: a replacement that met one
+    survivor only in a barrier; every job passed once each pair had exchanged one). Returns the hosts of the
+    replacements on a survivor, of the survivors on a replacement, in rank order."""
+    mine, me = socket.gethostname(), merged.Get_rank()
+    joining = me >= first_joiner
+    peers = range(first_joiner) if joining else range(first_joiner, merged.Get_size())
+    sends = [merged.isend(mine, dest=p, tag=HELLO_TAG) for p in peers]
+    hosts = [merged.recv(source=p, tag=HELLO_TAG) for p in peers]
+    for request in sends:
+        request.wait()
+    return hosts
+
+
+def merge_with_survivors() -> Any:
+    """In a replacement, after MPI started: the communicator merged with the survivors that spawned it (they
+    come first), its errors returned as exceptions (then :func:`connect`)."""
+    from mpi4py import MPI
+
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        raise RuntimeError(f"{REPLACES} is set but no survivors spawned this process")
+    merged = parent.Merge(high=True)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    return merged
+
+
+def send_handover(merged: Any, joiners: range, handover: Handover) -> None:
+    """Rank 0: the handover to every replacement (merged ranks ``joiners``)."""
+    for rank in joiners:
+        merged.send(handover, dest=rank, tag=HANDOVER_TAG)
+
+
+def receive_handover(merged: Any) -> Handover:
+    """A replacement: rank 0's handover."""
+    handover = merged.recv(source=0, tag=HANDOVER_TAG)
+    assert isinstance(handover, Handover)
+    return handover

@@ -1,0 +1,42 @@
+"""RankParts: what the Session assembled for one rank, handed to the run mode and its loop as one value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...comm.base import Communicator
+from ...config import Config
+from ...launch.world import World
+from ...pool.base import LearnerPool
+from ...rules.base import Rule
+from ..checkpoints.checkpoint_manager import CheckpointManager
+from ..health.faults import FaultInjector, Straggler
+from ..health.watchdog import Watchdog
+from ..reporting.reporting import Reporter
+from ..reporting.timeline import Timeline
+from ..tuning.autotune import AutoTuner
+from .evaluation import Evaluator
+
+
+@dataclass
+class RankParts:
+    """One rank's assembled job: the plug-ins (pool, rule, communicator) and the loop's components."""
+
+    config: Config
+    world: World
+    pool: LearnerPool
+    rule: Rule
+    comm: Communicator
+    reporter: Reporter
+    evaluator: Evaluator
+    checkpoints: CheckpointManager
+    faults: FaultInjector
+    straggler: Straggler
+    #: Heartbeats, dead peers and stalls (``[watchdog]`` on), else None.
+    watchdog: Watchdog | None
+    #: Crossbow's learner auto-tuner (``[pool] learners = auto``), else None.
+    tuner: AutoTuner | None
+    #: Whether this rank trains (False: it serves, e.g. a parameter server).
+    trains: bool
+    #: The Chrome-trace timeline (``[session] timeline``), else None.
+    timeline: Timeline | None = None

@@ -1,0 +1,298 @@
+"""A training session on one rank: assemble (device, pool, communicator, rule and the loop's components)
+from a Config, then hand them to the run mode the rule calls for.
+
+Assembly is split in two so bad input can never hang a job: :meth:`Session.prepare_local` does everything
+that needs no other rank (device, model file, data, replicas, the checkpoint to resume) and may fail with a
+one-line UsageError; the ranks agree on success (:func:`~mpicrossbow.launch.failure.agree`) before
+:meth:`Session.prepare_collective` starts talking (communicator, run folder, initial broadcast). The loop
+itself lives in :mod:`.loop` and :mod:`.modes`; the Session only assembles and closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...comm import make_communicator
+from ...comm.base import Communicator
+from ...comm.elastic import ElasticCommunicator, elastic_over_mpi
+from ...config import Config
+from ...errors import CheckpointError, ConfigError
+from ...launch.binding import Binding
+from ...launch.devices import device_for_rank
+from ...launch.failure import abort_job
+from ...launch.world import World
+from ...model.consistency import check_same_shapes
+from ...pool.base import LearnerPool
+from ...rules.base import Rule
+from ...rules.patience import Patience
+from ...rules.registry import resolve
+from ..checkpoints.checkpoint_manager import CheckpointManager
+from ..checkpoints.storage import check_writable
+from ..elastic.elastic_setting import resolve_elastic
+from ..elastic.replacement import Handover, Offer
+from ..health.faults import FaultInjector, Straggler
+from ..health.watchdog import Watchdog
+from ..reporting.reporting import Reporter, make_run_dir
+from ..reporting.result import RunResult
+from ..reporting.timeline import Timeline
+from ..tuning.autotune import AutoTuner, start_count
+from .combinations import check_combinations
+from .evaluation import Evaluator
+from .modes import choose_mode
+from .parts import RankParts
+from .pool_builder import build_pool
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    """One rank's part of a training job: assembles the parts, runs the mode, closes what it opened."""
+
+    def __init__(self, config: Config, world: World, rule: Rule | None = None) -> None:
+        self.config, self.world, self.rule = config, world, rule
+        self.pool: LearnerPool | None = None
+        #: The whole validation set, for ranks that validate alone (asynchronous rules); else None.
+        self.full_val: Any = None
+        self.comm: Communicator | None = None
+        self.run_dir: Path | None = None
+        self.parts: RankParts | None = None
+        self.checkpoints: CheckpointManager | None = None
+        self.watchdog: Watchdog | None = None
+        self.reporter: Reporter | None = None
+        self.tuner: AutoTuner | None = None
+        self.binding: Binding | None = None  # set by the runner before prepare_local
+        self.device = torch.device("cpu")
+        #: Whether this run goes on after losing a rank (``[elastic] enabled``, resolved in prepare_local).
+        self.elastic = False
+
+    # --------------------------------------------------------------- local
+    def prepare_local(self, joining: bool = False) -> None:
+        """Everything that involves no other rank: device, threads, seeds, rule, model, data and replicas.
+        ``joining``: a replacement (:mod:`.replacement`), whose world is the start rank it stands for; the
+        checkpoint folder stays the survivors' rank 0's."""
+        cfg, world = self.config, self.world
+        if cfg.size is not None and cfg.size != world.size:
+            raise ConfigError(
+                f"SIZE={cfg.size} but the job has {world.size} rank(s); start it with -n {cfg.size}"
+            )
+        self.device = device_for_rank(cfg.devices, world.rank, world.size).torch_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        threads = cfg.session.threads or (
+            self.binding.threads
+            if self.binding is not None
+            else max(1, len(os.sched_getaffinity(0)) // max(1, world.local_size))
+        )
+        torch.set_num_threads(threads)
+        rule, cfg = resolve(cfg, self.rule)  # session.cfg records the resolved hyper-parameters
+        self.rule, self.config = rule, cfg
+        self.elastic = resolve_elastic(cfg, rule, world)
+        check_combinations(cfg, rule, world, self.elastic)
+        auto = cfg.pool.learners == "auto"
+        learners = self._tuner_start() if auto else int(cfg.pool.learners)
+        torch.manual_seed(cfg.session.seed)  # the same initial replicas everywhere (bind broadcasts anyway)
+        self.pool, self.full_val = build_pool(cfg, world, rule, self.device, learners)
+        torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
+        check_writable(Path(cfg.session.output), "[session] output")
+        self.checkpoints = CheckpointManager(cfg, world, self.pool, self.device)
+        if auto:
+            self.tuner = self._resumed_tuner(self.checkpoints)
+        steps = cfg.session.steps
+        rule.check_run(steps / self.pool.n_batch_train if steps else cfg.session.epochs)
+        rule.check_learners(world.size * len(self.pool.learners))
+        if not joining:
+            self.checkpoints.claim(rule.synchronous and (cfg.checkpoint.enabled or cfg.checkpoint.on_signal))
+        log.info(
+            "%s model %s from %s on %s, %d thread(s), %s learner(s) per rank (%s engine), %d step(s)/epoch",
+            "torch" if self.pool.has_gradients else "theano",
+            cfg.modelclass,
+            cfg.modelfile,
+            self.device,
+            threads,
+            f"auto: {learners}" if auto else learners,
+            cfg.pool.engine,
+            self.pool.n_batch_train,
+        )
+
+    def _trainers(self) -> int:
+        """How many ranks train (a parameter server's serving ranks do not)."""
+        assert self.rule is not None
+        return sum(self.rule.trains(rank, self.world.size) for rank in range(self.world.size))
+
+    def _tuner_start(self) -> int:
+        """The learners per rank ``learners = auto`` starts with (:func:`~.autotune.start_count`)."""
+        cfg, rule = self.config, self.rule
+        assert rule is not None
+        return start_count(cfg.pool.tune, rule.averages_gradients, self._trainers(), cfg.pool.max_learners)
+
+    def _resumed_tuner(self, checkpoints: CheckpointManager) -> AutoTuner:
+        """The auto-tuner (``[pool] learners = auto``), continued from a resumed checkpoint's state; the pool
+        is resized to its learner count before the checkpoint's state is loaded into it."""
+        cfg, pool = self.config, self.pool
+        assert pool is not None and self.rule is not None
+        tuner = AutoTuner(
+            cfg.pool.tune_threshold,
+            cfg.pool.max_learners,
+            start=self._tuner_start(),
+            tune=cfg.pool.tune,
+            unit_batch=max(1, self._trainers()) * cfg.data.batch_size,
+        )
+        if checkpoints.resume is None:
+            return tuner
+        path, meta, _ = checkpoints.resume
+        state = checkpoints.tuner_state()
+        if not state and meta.get("learners") != len(pool.learners):
+            raise CheckpointError(
+                f"checkpoint {path} was written with [pool] learners = {meta.get('learners')}, not auto: "
+                f"resume with pool.learners={meta.get('learners')}"
+            )
+        try:
+            tuner.load_state_dict(state)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: auto-tuner state: {exc}") from None
+        if tuner.learners != len(pool.learners):
+            pool.resize(tuner.learners)
+            if self.world.rank == 0:
+                log.info("auto-tune: resumed with the tuner's %d learner(s) per rank", tuner.learners)
+        return tuner
+
+    def check_consistency(self) -> None:
+        """Collective: every rank built the same model (parameter shapes), or a ContractError on all ranks."""
+        assert self.pool is not None
+        learner = self.pool.learners[0]
+        mine = [tuple(p.shape) for p in getattr(learner, "param_list", [learner.params])]
+        check_same_shapes(self.world, mine)
+
+    # ---------------------------------------------------------- collective
+    def prepare_collective(self) -> None:
+        """Communicator, run folder, rule binding (broadcast of rank 0's weights), checkpoints, watchdog,
+        reporting: the parts the run mode gets."""
+        assert self.pool is not None and self.rule is not None and self.checkpoints is not None
+        cfg, world, mpi = self.config, self.world, self.world.mpi
+        maker = elastic_over_mpi if self.elastic else make_communicator
+        self.comm = maker(cfg.comm, self.device, mpi)
+        if isinstance(self.comm, ElasticCommunicator):  # a parameter server forgets a lost worker, goes on
+            self.comm.isolate_peers = not self.rule.synchronous
+        run_dir = (self.checkpoints.resumed_run_dir() or make_run_dir(cfg)) if world.rank == 0 else None
+        self.run_dir = Path(world.bcast(str(run_dir.absolute()) if run_dir is not None else ""))
+        self.rule.patience = Patience.of(cfg.watchdog)
+        self.rule.bind(self.comm, self.pool)
+        self.checkpoints.restore(self.rule)
+        # Asynchronous rules checkpoint by coordinated snapshots (.snapshots); no step watchdog for them.
+        synchronous = self.rule.synchronous
+        if cfg.checkpoint.enabled or cfg.checkpoint.on_signal:
+            self.checkpoints.start(self.run_dir)
+        wd = cfg.watchdog
+        if wd.peer_timeout or (synchronous and (wd.warn_after or wd.abort_after)):
+            self.watchdog = self._start_watchdog(self.run_dir, synchronous)
+        self.reporter = Reporter(cfg, world, self.run_dir, self.checkpoints.resume_step)
+        self._assemble()
+
+    def prepare_joined(
+        self, comm: ElasticCommunicator, world: World, offer: Offer, receive: Callable[[], Handover]
+    ) -> None:
+        """A replacement's collective part (:mod:`.replacement`, steps 3-4), after ``prepare_local``: the
+        communicator ``comm`` over the grown ``world`` (built already, as the survivors built theirs), the
+        rule bound over it with the survivors, then the ``receive``d handover installed and the loop set to
+        go on from the offer's position. No step watchdog (its heartbeats are the start world's ranks'), no
+        timeline, no pid gather (rank 0 logged those at start)."""
+        assert self.pool is not None and self.rule is not None and self.checkpoints is not None
+        cfg = self.config
+        self.comm, self.world, self.run_dir, self.checkpoints.world = comm, world, Path(offer.run_dir), world
+        self.checkpoints.adopt(offer.position)
+        if cfg.checkpoint.enabled or cfg.checkpoint.on_signal:  # collective, as the survivors' new saver
+            self.checkpoints.start(self.run_dir)
+        self.rule.patience = Patience.of(cfg.watchdog)
+        self.rule.bind(comm, self.pool)
+        receive().install(self.pool, self.rule)
+        self.reporter = Reporter(cfg, dataclasses.replace(world, mpi=None), self.run_dir, None)
+        self.reporter.world = world
+        self._assemble(joined=True)
+
+    def _assemble(self, joined: bool = False) -> None:
+        """The reporting line, the evaluator and the run's parts (``joined``: a replacement's)."""
+        assert self.pool is not None and self.rule is not None and self.checkpoints is not None
+        assert self.comm is not None and self.run_dir is not None and self.reporter is not None
+        cfg, world = self.config, self.world
+        if world.rank == 0:
+            log.info(
+                "run folder %s; %d rank(s), rule %s, comm %s",
+                self.run_dir,
+                world.size,
+                cfg.rule,
+                self.comm.name,
+            )
+        trains = self.rule.trains(world.rank, world.size)
+        faults = dataclasses.replace(cfg.inject, rank=-1) if joined else cfg.inject  # start ranks only
+        evaluator = Evaluator(self.pool, self.rule, self.comm, world, self.reporter, self.full_val)
+        self.parts = RankParts(
+            config=cfg,
+            world=world,
+            pool=self.pool,
+            rule=self.rule,
+            comm=self.comm,
+            reporter=self.reporter,
+            evaluator=evaluator,
+            checkpoints=self.checkpoints,
+            faults=FaultInjector(faults, world.rank),
+            straggler=Straggler(
+                cfg.session.slow_ranks, cfg.session.slow_seconds, cfg.session.slow_factor, world.rank
+            ),
+            watchdog=self.watchdog,
+            tuner=self.tuner,
+            trains=trains,
+            timeline=(
+                Timeline(world, cfg.session.timeline, self.run_dir / "timeline.json")
+                if cfg.session.timeline and not joined
+                else None
+            ),
+        )
+
+    def _start_watchdog(self, run_dir: Path, synchronous: bool) -> Watchdog:
+        """Heartbeats in ``<run>/heartbeats``: a dead peer, or a stall past ``abort_after``, aborts the job.
+
+        Stalls are timed only for synchronous rules (asynchronous ranks have no common step)."""
+        wd, world = self.config.watchdog, self.world
+        job = world.bcast(secrets.token_hex(8))  # this job's heartbeats, not those a resumed folder holds
+        return Watchdog(
+            run_dir / "heartbeats",
+            world.rank,
+            world.size,
+            wd.warn_after,
+            wd.abort_after,
+            wd.interval,
+            # Recorded also for a dead peer (status 1, a failed rank): the sbatch templates stop waiting for
+            # srun once a status is written, and srun waits half a minute for a node that is gone.
+            lambda line, peer_gone: abort_job(world, line),
+            peer_timeout=0.0 if self.elastic else wd.peer_timeout,
+            peers=not self.elastic,  # elastic: ULFM reports a dead peer and the survivors go on
+            stalls=synchronous,
+            job=job,
+        ).start()
+
+    # ----------------------------------------------------------------- run
+    def run(self) -> RunResult:
+        """Train to the step or epoch budget (or serve); every rank returns the same RunResult."""
+        assert self.parts is not None, "prepare_collective() first"
+        return choose_mode(self.parts).run()
+
+    def close(self) -> None:
+        """Stop the watchdog; close the metrics file, the pool and the communicator."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self.comm is not None:
+            self.comm.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()

@@ -1,0 +1,1 @@
+"""Tuning while training: the learner auto-tuner and the gradient noise scale."""
