@@ -62,6 +62,7 @@ def test_nccl_on_cpu_is_a_config_error() -> None:
         make_communicator(CommSection(backend="nccl"), torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_import_does_not_start_mpi() -> None:
     """``import mpicrossbow.comm`` leaves mpi4py unimported, so plain processes never initialise MPI."""
     code = "import sys, mpicrossbow.comm; assert 'mpi4py' not in sys.modules; print('lazy')"

@@ -167,6 +167,7 @@ def run_gpu_sh(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
 def test_gpu_sh_without_cuda_skips_the_tests_and_writes_nothing() -> None:
     before = GPU_MD.read_bytes() if GPU_MD.exists() else None

@@ -119,6 +119,7 @@ def run_device_sh(tmp_path: Path, carry: Path, **extra: str) -> tuple[subprocess
     return proc, out
 
 
+@pytest.mark.slow
 @no_cuda
 def test_gpu_device_sh_installs_offline_and_writes_its_logs(tmp_path: Path) -> None:
     carry = tmp_path / "carry"
@@ -146,6 +147,7 @@ def test_gpu_device_sh_installs_offline_and_writes_its_logs(tmp_path: Path) -> N
     )
 
 
+@pytest.mark.slow
 @no_cuda
 def test_gpu_device_sh_goes_on_when_a_step_fails_and_keeps_to_its_budget(tmp_path: Path) -> None:
     carry = tmp_path / "carry"

@@ -23,6 +23,7 @@ from mpicrossbow.errors import ConfigError
 SMALL = {"num_samples": 500, "seed": 3}
 
 
+@pytest.mark.slow
 def test_splits_shapes_and_labels(tmp_path: Path) -> None:
     train = m1d.mnist1d("train", cache=str(tmp_path), **SMALL)
     val = m1d.mnist1d("val", cache=str(tmp_path), **SMALL)
@@ -80,6 +81,7 @@ def test_unreadable_cache_is_regenerated(tmp_path: Path) -> None:
     assert torch.equal(m1d.mnist1d("train", cache=str(tmp_path), **SMALL).data, good.data)
 
 
+@pytest.mark.slow
 def test_two_processes_generating_at_once_leave_one_good_file(tmp_path: Path) -> None:
     """Both start before either has a cache file (a barrier on a start file): both generate and rename."""
     script = textwrap.dedent(f"""

@@ -91,6 +91,7 @@ with open(sys.argv[1], "w") as out:
 """
 
 
+@pytest.mark.slow
 def test_a_process_whose_launcher_went_away_stops_waiting(tmp_path: Path) -> None:
     """The orphan: its parent exits while it polls; within seconds the poll ends in PeerGone."""
     said = tmp_path / "said"

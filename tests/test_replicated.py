@@ -162,6 +162,7 @@ def test_each_node_kind_fuses_and_equals_serial(name: str) -> None:
     assert serial.take_stats()[1] == fused.take_stats()[1]
 
 
+@pytest.mark.slow
 def test_resnet50_in_torchvision_layout_runs_fused_and_equals_each_replica() -> None:
     """ResNet-50's Bottleneck blocks (1×1 and strided 3×3 convolutions, downsampling shortcuts): the fused
     training forward of 2 replicas equals each replica's own, every operator fused. (Training is what the

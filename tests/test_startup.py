@@ -73,6 +73,7 @@ def test_clean_shm_imports_nothing_heavy(tmp_path: Path) -> None:
     assert json.loads(proc.stdout.splitlines()[-1]) == [0, []]
 
 
+@pytest.mark.slow
 def test_package_root_is_lazy_and_exports_every_public_name() -> None:
     proc = fresh(
         "import json, sys\n"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 PACKAGE = REPO / "mpicrossbow"
@@ -79,6 +81,7 @@ def test_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+@pytest.mark.slow
 def test_import_graph_has_no_cycle() -> None:
     known = modules()
     graph = {name: imported(path, known) for name, path in known.items()}
@@ -144,6 +147,7 @@ def sequence_writers(sources: dict[str, str]) -> list[str]:
     return sorted(set(writers))
 
 
+@pytest.mark.slow
 def test_train_step_is_the_only_place_the_step_sequence_is_written() -> None:
     """Whoever drives a pool and a rule (the loop, the embedded API's hooks, tests, MPI scripts, benchmarks)
     goes through training/run/step.py (``train_step``, or ``rule_gradients``/``rule_exchange`` around a

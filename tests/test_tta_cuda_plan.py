@@ -129,6 +129,7 @@ def test_the_one_device_path_runs_on_the_cpu_and_writes_its_section_where_told(t
     assert {p.name: p.read_bytes() for p in results.glob("*.md")} == before
 
 
+@pytest.mark.slow
 def test_without_cuda_the_gpu_showdown_is_one_skip_line(tmp_path: Path) -> None:
     import torch
 

@@ -77,6 +77,8 @@ log = logging.getLogger(__name__)
 
 #: How the embedded API's failure lines start.
 PREFIX = "mpicrossbow: error: "
+#: Where a gradient noise scale that cannot be estimated shows (the embedded API writes no metrics.h5).
+NOISE_UNKNOWN = "xb.noise_scale() returns NaN"
 
 
 @dataclass
@@ -354,9 +356,7 @@ def distribute(
     comm = make_communicator(_state.comm, world.device, world.mpi)
     chosen.bind(comm, own)
     forward = PrecisionForward(model, Precision(precision, world.device))
-    noise = NoiseScale(
-        noise_scale_every, SessionSection.noise_scale_smoothing, record="xb.noise_scale() returns NaN"
-    )
+    noise = NoiseScale(noise_scale_every, SessionSection.noise_scale_smoothing, NOISE_UNKNOWN)
     job = _state.job = EmbeddedJob(world, chosen, comm, own, built["trains"], forward, noise)
     if not job.trains:
         job.serve()
