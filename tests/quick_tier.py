@@ -20,7 +20,12 @@ import pytest
 OUTSIDE = ("mpi", "slow", "slurm", "cluster", "cuda")
 PACKAGE = Path(__file__).resolve().parent.parent / "mpicrossbow"
 #: Modules the quick tier need not import, each with the reason.
-REACHED_ELSEWHERE: dict[str, str] = {}
+REACHED_ELSEWHERE: dict[str, str] = {
+    "mpicrossbow.comm.torchdist": (
+        "torch.distributed's communicator needs a process group of real ranks: the communicator contract's "
+        "gloo and gloo-staged cases run it under mpiexec (tests/test_communicator_contract.py)"
+    ),
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
