@@ -681,7 +681,7 @@ def layout_costs(catalogue: dict[str, Any], m: int = 8, batch: int = 16) -> str:
 
     from mpicrossbow.config import OptimSection
     from mpicrossbow.pool import FusedPool, PoolSpec
-    from mpicrossbow.pool.fused_network import FusedConv2d
+    from mpicrossbow.pool.fused.fused_network import FusedConv2d
 
     lines = [
         f"Layout costs at m = {m}, batch {batch}/learner, 1 thread (median CPU time per step):",

@@ -1,4 +1,4 @@
-"""A one-chain fused network stepped by hand instead of by autograd (mpicrossbow/pool/chain_step.py).
+"""A one-chain fused network stepped by hand instead of by autograd (mpicrossbow/pool/fused/chain_step.py).
 
 The step by hand is an optimisation only: its losses, gradients and weights must be the autograd path's to
 the bit, the gradients it writes must not keep anything of the last step, and a rule that overlaps its
@@ -19,7 +19,7 @@ from torch import nn
 from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.errors import ContractError
 from mpicrossbow.pool import FusedPool
-from mpicrossbow.pool.chain_step import ChainStep
+from mpicrossbow.pool.fused.chain_step import ChainStep
 from mpicrossbow.pool.step_gradients import grad_rows
 
 STEPS = 4

@@ -1,5 +1,5 @@
-"""The fused engine's one chooser (mpicrossbow.pool.chooser): each path chosen and each pinned, the step-form
-trial's schedule and decision, and the record the run keeps of them."""
+"""The fused engine's one chooser (mpicrossbow.pool.fused.chooser): each path chosen and each pinned, the
+step-form trial's schedule and decision, and the record the run keeps of them."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from conftest import launcher, only_run, run_mpi
 from models.lenet import LeNet
 from models.mlp import MLP
 from mpicrossbow.errors import ContractError
-from mpicrossbow.pool.chooser import FUSED, UNFUSED, Chooser
-from mpicrossbow.pool.fused_network import FusedNetwork
-from mpicrossbow.pool.replicated_network import ReplicatedNetwork
-from mpicrossbow.pool.vmapped import VmappedNetwork
+from mpicrossbow.pool.fused.chooser import FUSED, UNFUSED, Chooser
+from mpicrossbow.pool.fused.fused_network import FusedNetwork
+from mpicrossbow.pool.fused.replicated_network import ReplicatedNetwork
+from mpicrossbow.pool.fused.vmapped import VmappedNetwork
 from mpicrossbow.report.run_data import load_run
 from mpicrossbow.report.summary import fused_line, summary
 from mpicrossbow.training.reporting.metrics import read_metrics

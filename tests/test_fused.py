@@ -33,9 +33,9 @@ from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.data.loader import LoaderOptions
 from mpicrossbow.model.contract import sgd_settings
 from mpicrossbow.pool import FusedPool, SerialPool
-from mpicrossbow.pool.fused_conv1d import FusedConv1d
-from mpicrossbow.pool.fused_pool import default_recipe
-from mpicrossbow.pool.replicated_network import ReplicatedNetwork
+from mpicrossbow.pool.fused.fused_conv1d import FusedConv1d
+from mpicrossbow.pool.fused.fused_pool import default_recipe
+from mpicrossbow.pool.fused.replicated_network import ReplicatedNetwork
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, SMA
 
@@ -324,7 +324,7 @@ def test_auto_times_both_forms_then_keeps_one(caplog: pytest.LogCaptureFixture) 
     serial.start_epoch(0)
     fused.start_epoch(0)
     warming, trial = [], fused.choice.steps_to_decide
-    with caplog.at_level("INFO", logger="mpicrossbow.pool.chooser"):
+    with caplog.at_level("INFO", logger="mpicrossbow.pool.fused.chooser"):
         for step in range(trial + 2):
             ran.append(fused.choice.form())
             warming.append(fused.warming_up)

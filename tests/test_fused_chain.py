@@ -1,4 +1,5 @@
-"""Runs of fused Linear layers and activations differentiated as one node (mpicrossbow/pool/fused_chain.py).
+"""Runs of fused Linear layers and activations differentiated as one node
+(mpicrossbow/pool/fused/fused_chain.py).
 
 A chain changes only how the run is differentiated, so the fused pool must still equal the serial engine
 step for step; its gradients must reach the parameters through autograd's accumulation (hooks fire,
@@ -16,8 +17,8 @@ from torch import nn
 
 from models.lenet import LeNet
 from mpicrossbow.data.dataset_model import DatasetModel
-from mpicrossbow.pool.batched_chain import ACTIVATIONS
-from mpicrossbow.pool.fused_chain import FusedChain, chain_runs
+from mpicrossbow.pool.fused.batched_chain import ACTIVATIONS
+from mpicrossbow.pool.fused.fused_chain import FusedChain, chain_runs
 
 
 def mlp(activation: type[nn.Module], bias: bool = True, kind: type[DatasetModel] = DatasetModel) -> Any:
@@ -123,7 +124,7 @@ def test_a_step_through_autograd_zeroes_only_what_no_chain_writes() -> None:
 
 def tied() -> nn.Module:
     """An MLP whose chain uses one Linear twice (a weight shared by two layers); the Dropout before it keeps
-    it off the step by hand (:mod:`mpicrossbow.pool.chain_step`): its step runs through autograd."""
+    it off the step by hand (:mod:`mpicrossbow.pool.fused.chain_step`): its step runs through autograd."""
     shared = nn.Linear(12, 12)
     return nn.Sequential(
         nn.Flatten(), nn.Dropout(0.0), shared, nn.ReLU(), shared, nn.Tanh(), nn.Linear(12, 3)
@@ -147,7 +148,7 @@ def tied_bare() -> nn.Module:
 def test_a_weight_used_twice_is_not_stepped_by_hand() -> None:
     """The step by hand writes a weight's gradient from one use: for a weight two layers share it would
     lose the other's part (0.10 off serial here before it refused them); the step goes through autograd."""
-    from mpicrossbow.pool.chain_step import ChainStep
+    from mpicrossbow.pool.fused.chain_step import ChainStep
 
     serial, fused = pools(plain(tied_bare, (12,), 3), 2)
     assert chains(fused.fused) and ChainStep.of(fused.fused) is None

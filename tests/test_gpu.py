@@ -29,9 +29,9 @@ from mpicrossbow.data.arrays import ArrayDataset
 from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.data.loader import LoaderOptions
 from mpicrossbow.pool import FusedPool, SerialPool
-from mpicrossbow.pool.replicated_network import ReplicatedNetwork
+from mpicrossbow.pool.fused.replicated_network import ReplicatedNetwork
+from mpicrossbow.pool.fused.staging import PinnedStaging
 from mpicrossbow.pool.spec import PoolSpec
-from mpicrossbow.pool.staging import PinnedStaging
 from mpicrossbow.pool.streams import StreamsPool
 
 GPU_SH = REPO / "benchmarks" / "gpu.sh"

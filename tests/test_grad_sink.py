@@ -13,7 +13,7 @@ import torch
 from test_fused import plain, pools, train_alongside
 from torch import nn
 
-from mpicrossbow.pool.fused_chain import FusedChain
+from mpicrossbow.pool.fused.fused_chain import FusedChain
 from mpicrossbow.pool.step_gradients import StepGradients
 
 

@@ -27,9 +27,9 @@ from mpicrossbow.errors import CheckpointError, DataError
 from mpicrossbow.model.shard import Shard
 from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.engines import ENGINES
-from mpicrossbow.pool.replicated_network import ReplicatedNetwork
+from mpicrossbow.pool.fused.replicated_network import ReplicatedNetwork
+from mpicrossbow.pool.fused.vmapped import VmappedNetwork
 from mpicrossbow.pool.spec import PoolSpec
-from mpicrossbow.pool.vmapped import VmappedNetwork
 from mpicrossbow.training.checkpoints.checkpoint_files import FORMAT_VERSION, atomic_save, safe_load
 
 #: Engines that run only on a CUDA device; every other engine runs on the CPU.

@@ -31,10 +31,10 @@ from mpicrossbow.embed.step_hooks import StepHooks
 from mpicrossbow.errors import ConfigError, UsageError
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.base import LearnerPool
-from mpicrossbow.pool.fused_pool import FusedPool
+from mpicrossbow.pool.fused.fused_pool import FusedPool
+from mpicrossbow.pool.fused.replica_loss import cross_entropy_and_grad
 from mpicrossbow.pool.loss_scale import INITIAL_SCALE, LossScale, LossScaleUnderflow
 from mpicrossbow.pool.precision import Precision
-from mpicrossbow.pool.replica_loss import cross_entropy_and_grad
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, SMA
 from mpicrossbow.testing import InProcessWorld

@@ -1,7 +1,7 @@
-"""A fused forward recorded and replayed (:mod:`mpicrossbow.pool.replay`): the same values and gradients as
-the template's run, bit for bit, and never a replay of a forward whose Python could take another path.
+"""A fused forward recorded and replayed (:mod:`mpicrossbow.pool.fused.replay`): the same values and gradients
+as the template's run, bit for bit, and never a replay of a forward whose Python could take another path.
 
-Every network here runs through :class:`~mpicrossbow.pool.replicated_network.ReplicatedNetwork` (its own
+Every network here runs through :class:`~mpicrossbow.pool.fused.replicated_network.ReplicatedNetwork` (its own
 ``forward()``); test_fused.py and test_replicated.py train each node kind and model through whole epochs,
 the last steps replayed, against the serial engine.
 """
@@ -18,8 +18,8 @@ from test_fused import plain, pools
 from torch import nn
 
 from mpicrossbow.pool import FusedPool
-from mpicrossbow.pool.replay import OperatorRecorder
-from mpicrossbow.pool.replicated_network import ReplicatedNetwork
+from mpicrossbow.pool.fused.replay import OperatorRecorder
+from mpicrossbow.pool.fused.replicated_network import ReplicatedNetwork
 
 M = 3
 

@@ -1,4 +1,4 @@
-"""Every replica's cross-entropy and its gradient without autograd (mpicrossbow/pool/replica_loss.py).
+"""Every replica's cross-entropy and its gradient without autograd (mpicrossbow/pool/fused/replica_loss.py).
 
 A step by hand stands in for the fused engine's autograd step, so its losses and the logits' gradient must
 be those of autograd through ``F.cross_entropy``, to the bit, ignored targets included.
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpicrossbow.pool.replica_loss import IGNORE_INDEX, cross_entropy_and_grad
+from mpicrossbow.pool.fused.replica_loss import IGNORE_INDEX, cross_entropy_and_grad
 
 
 def logits_and_targets(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

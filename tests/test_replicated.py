@@ -25,9 +25,9 @@ from mpicrossbow.config import OptimSection
 from mpicrossbow.data.dataset_model import DatasetModel
 from mpicrossbow.data.loader import LoaderOptions
 from mpicrossbow.pool import FusedPool
-from mpicrossbow.pool.replicated_network import ReplicatedNetwork
+from mpicrossbow.pool.fused.replicated_network import ReplicatedNetwork
+from mpicrossbow.pool.fused.vmapped import VmappedNetwork
 from mpicrossbow.pool.spec import PoolSpec
-from mpicrossbow.pool.vmapped import VmappedNetwork
 
 
 class Conv1dNet(nn.Module):

@@ -2,7 +2,7 @@
 
 A ResNet block written as a custom ``forward`` is opaque to the fused engine (it cannot know what the method
 computes). Written as ``Residual(body, shortcut)`` the block is data, not code: the engine fuses ``body`` and
-``shortcut`` like any other layers and adds their outputs (:mod:`mpicrossbow.pool.fused_network`).
+``shortcut`` like any other layers and adds their outputs (:mod:`mpicrossbow.pool.fused.fused_network`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Learner pools: the replicas one rank trains, built by an engine (serial, fused, streams) from a spec."""
 
 from .base import LearnerPool
-from .fused_pool import FusedLearner, FusedPool
+from .fused.fused_pool import FusedLearner, FusedPool
 from .learner import Learner
 from .serial import SerialPool
 from .spec import PoolSpec

@@ -69,7 +69,7 @@ from ..errors import ConfigError
 log = logging.getLogger(__name__)
 
 #: ``[pool] cuda_graphs``'s values.
-SETTINGS = ("auto", "on", "off")
+GRAPH_SETTINGS = ("auto", "on", "off")
 #: Forward, loss and backward of a learner (or of the fused network), with the step's statistics.
 LEARNER_STEP = "learner step"
 #: Every learner's optimizer step.
@@ -86,8 +86,8 @@ Action = Literal["replay", "eager", "probe", "capture"]
 def graphs_enabled(setting: str, device: torch.device) -> bool:
     """Whether ``[pool] cuda_graphs = setting`` captures on ``device``: ``off`` never, ``auto`` on CUDA
     devices only (off elsewhere without a word), ``on`` on CUDA devices and a ConfigError elsewhere."""
-    if setting not in SETTINGS:
-        raise ConfigError(f"[pool] cuda_graphs = {setting!r}: choose one of {', '.join(SETTINGS)}")
+    if setting not in GRAPH_SETTINGS:
+        raise ConfigError(f"[pool] cuda_graphs = {setting!r}: choose one of {', '.join(GRAPH_SETTINGS)}")
     if setting == "off":
         return False
     if device.type != "cuda":

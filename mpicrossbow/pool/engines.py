@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..registry import Registry
 from .base import LearnerPool
-from .fused_pool import FusedPool
+from .fused.fused_pool import FusedPool
 from .serial import SerialPool
 from .streams import StreamsPool
 

@@ -51,8 +51,8 @@ def summary(run: RunData) -> str:
 
 
 def fused_line(choice: dict[str, Any]) -> str:
-    """The fused engine's decisions in one line (metrics.h5's ``fused_choice``, pool/chooser.py): the path
-    that ran, the paths refused and why, and the step form with the timings that chose it."""
+    """The fused engine's decisions in one line (metrics.h5's ``fused_choice``, pool/fused/chooser.py): the
+    path that ran, the paths refused and why, and the step form with the timings that chose it."""
     text = f"  fused engine ([pool] fuse = {choice.get('setting')}): {choice.get('path')} path"
     refused = choice.get("refused") or {}
     if refused:

@@ -27,11 +27,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..step_gradients import StepGradients, grad_rows
 from .batched_chain import chain_backward, chain_forward
 from .fused_chain import FusedChain
 from .fused_network import FusedFlatten, FusedNetwork
 from .replica_loss import cross_entropy_and_grad
-from .step_gradients import StepGradients, grad_rows
 
 
 class ChainStep:

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..errors import ContractError
+from ...errors import ContractError
+from ..step_gradients import StepGradients
 from .batched_chain import Steps, activation_kernels, batched_chain
 from .fused_network import FusedLinear
-from .step_gradients import StepGradients
 
 
 def _steps(layers: Sequence[nn.Module]) -> Steps:

@@ -40,25 +40,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import OptimSection
-from ..data.joint_arrays import JointArrays
-from ..data.joint_batches import JointBatches
-from ..errors import CheckpointError, ContractError
-from ..model.contract import TorchModel, sgd_settings
-from .base import TimedBatches, next_batch, params_loaded, summed
+from ...config import OptimSection
+from ...data.joint_arrays import JointArrays
+from ...data.joint_batches import JointBatches
+from ...errors import CheckpointError, ContractError
+from ...model.contract import TorchModel, sgd_settings
+from ..base import TimedBatches, next_batch, params_loaded, summed
+from ..cuda_graphs import LEARNER_STEP, OPTIMIZER_STEP, WATCHED, GraphSwitch, optimizer_settings
+from ..flat import empty_flat, point_grads_into, point_into
+from ..learner import evaluate
+from ..precision import Precision
+from ..serial import ShardedPool
+from ..spec import PoolSpec
+from ..step_gradients import StepGradients
 from .chain_step import ChainStep
 from .chooser import FUSED, Chooser, synchronize
-from .cuda_graphs import LEARNER_STEP, OPTIMIZER_STEP, WATCHED, GraphSwitch, optimizer_settings
-from .flat import empty_flat, point_grads_into, point_into
 from .fused_chain import FusedChain, chain_runs
 from .fused_network import FlatSlots, FusedNetwork
-from .learner import evaluate
-from .precision import Precision
 from .replicated_network import ReplicatedNetwork
-from .serial import ShardedPool
-from .spec import PoolSpec
 from .staging import PinnedStaging
-from .step_gradients import StepGradients
 from .vmapped import VmappedNetwork
 
 log = logging.getLogger(__name__)

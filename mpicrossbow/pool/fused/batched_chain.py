@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .step_gradients import StepGradients, put_product, put_sum
+from ..step_gradients import StepGradients, put_product, put_sum
 
 _Forward = Callable[[torch.Tensor], torch.Tensor]
 #: ``backward(grad, saved)`` where ``saved`` is the activation's input or output (see :class:`Kernels`).

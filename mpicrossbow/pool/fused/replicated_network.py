@@ -22,7 +22,7 @@ import copy
 import torch
 from torch import nn
 
-from ..errors import ContractError
+from ...errors import ContractError
 from .fused_network import FlatSlots
 from .replay import ReplayCache, replay_key
 from .replicated import OperatorDispatcher, Replicated

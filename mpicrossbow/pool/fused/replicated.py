@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import ContractError
+from ...errors import ContractError
 
 log = logging.getLogger(__name__)
 

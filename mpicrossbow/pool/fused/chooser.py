@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ContractError
+from ...errors import ContractError
 
 log = logging.getLogger(__name__)
 

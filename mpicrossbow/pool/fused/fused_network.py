@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ContractError
-from ..model.residual import Residual
+from ...errors import ContractError
+from ...model.residual import Residual
 
 
 def grouped(x: torch.Tensor, m: int) -> torch.Tensor:
