@@ -39,7 +39,7 @@ LR_CAP = 0.2
 #: label → the rule and its learning-rate rule.
 CONFIGS = {
     "SMA (linear ≤ 0.2)": f"RULE=SMA,optim.lr_scaling=linear,optim.lr_cap={LR_CAP}",
-    "SMA (sqrt)": "RULE=SMA,optim.lr_scaling=sqrt",
+    "SMA (sqrt)": "RULE=SMA,optim.lr_scaling=sqrt,optim.lr_cap=100",  # uncapped, knowingly
     "EASGD (linear ≤ 0.2)": f"RULE=EASGD,optim.lr_scaling=linear,optim.lr_cap={LR_CAP}",
     "LOCALSGD (linear ≤ 0.2)": f"RULE=LOCALSGD,optim.lr_scaling=linear,optim.lr_cap={LR_CAP}",
     "BSP (linear ≤ 0.2)": f"RULE=BSP,optim.lr_scaling=linear,optim.lr_cap={LR_CAP}",

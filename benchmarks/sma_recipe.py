@@ -90,7 +90,8 @@ def alpha_grid(out: Path, ks: list[int], seeds: list[int], epochs: int) -> str:
     for k in ks:
         bound = alpha_bound(k, MOMENTUM)
         runs = {
-            f"{name}@{seed}": f"optim.lr_scaling=sqrt,rule.alpha={alpha_value(name, k)!r},session.seed={seed}"
+            f"{name}@{seed}": f"optim.lr_scaling=sqrt,optim.lr_cap=100,rule.alpha={alpha_value(name, k)!r},"
+            f"session.seed={seed}"
             for name in ALPHAS
             if alpha_value(name, k) < bound
             for seed in seeds
@@ -111,7 +112,8 @@ def scaling_grid(out: Path, ks: list[int], seeds: list[int], epochs: int) -> str
     rows = ["| k | default α | " + " | ".join(SCALINGS) + " |", "|---|---|" + "---|" * len(SCALINGS)]
     for k in ks:
         runs = {
-            f"{scaling}@{seed}": f"optim.lr_scaling={scaling},session.seed={seed}"
+            # uncapped, knowingly (lr_cap 100): this grid measures the trap a cap avoids
+            f"{scaling}@{seed}": f"optim.lr_scaling={scaling},optim.lr_cap=100,session.seed={seed}"
             for scaling in SCALINGS
             for seed in seeds
         }

@@ -54,6 +54,12 @@ def main() -> None:
     parser.add_argument("--test-batch-size", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--lr", type=float, default=0.05, help="one rank's rate (scaled by the ranks)")
+    parser.add_argument(
+        "--lr-cap",
+        type=float,
+        default=0.5,
+        help="the most the scaled rate may be (model averaging needs one)",
+    )
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--rule", default="BSP", help="the exchange rule (Horovod: always allreduce)")
@@ -73,7 +79,9 @@ def main() -> None:
     optimizer = optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     # hvd.broadcast_parameters + hvd.broadcast_optimizer_state + hvd.DistributedOptimizer, and
     # lr * hvd.size() (Horovod's lr_scaler for allreduce)
-    model, optimizer = xb.distribute(model, optimizer, rule=args.rule, lr_scaling="linear")
+    model, optimizer = xb.distribute(
+        model, optimizer, rule=args.rule, lr_scaling="linear", lr_cap=args.lr_cap
+    )
 
     for epoch in range(1, args.epochs + 1):
         model.train()

@@ -77,6 +77,11 @@ def test_resolved_config_round_trips() -> None:
             r"\[rule\] mode: 'sum' is not valid; choose one of auto, grad, avg",
         ),
         (BASE + "[rule]\nalpha=1\n", [], r"\[rule\] unknown key 'alpha'; valid keys: mode"),
+        (  # issue 51: k learners that each step on their own batch, the rate scaled without a cap
+            BASE.replace("RULE=BSP", "RULE=SMA"),
+            ["optim.lr_scaling=linear"],
+            r"\[optim\] lr_scaling = linear scales RULE=SMA's rate .* \[optim\] lr_cap = 0 sets no cap",
+        ),
         (BASE.replace("cpu0,cpu1", "gpu0"), [], r"DEVICES: unknown device 'gpu0'; valid forms: cudaN, cpu"),
         (BASE, ["optim.lr"], r"override 'optim.lr': expected section.key=value"),
         (BASE, ["optim.lr=x"], r"\[optim\] lr: expected a number"),

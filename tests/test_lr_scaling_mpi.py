@@ -19,6 +19,7 @@ COMMON = [
     "RULE=SMA",
     f"optim.lr={LR}",
     "optim.lr_scaling=linear",
+    "optim.lr_cap=1.0",  # far above LR x k: the rate is LR x k, which the test reads
     "optim.schedule=none",
     "optim.warmup_epochs=0",
     "session.epochs=3",

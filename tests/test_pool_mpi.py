@@ -81,6 +81,7 @@ MNIST1D_AUTO = (
     "data.batch_size=16",
     "optim.lr=0.025",
     "optim.lr_scaling=linear",
+    "optim.lr_cap=0.2",
     "pool.learners=auto",
     "pool.max_learners=4",
     "session.progress=off",

@@ -111,7 +111,9 @@ class OptimSection:
         0.0,
         "the most the scaled peak rate may be (0: no cap). Each learner still steps on its own batch, and "
         "past the rate one learner of that batch trains at it diverges however many average: MNIST-1D, "
-        "batch 16, diverged at 0.4 and trained at 0.2 (docs/rules.md, 'Learning rates for k learners')",
+        "batch 16, diverged at 0.4 and trained at 0.2 (docs/rules.md, 'Learning rates for k learners'). "
+        "With lr_scaling under any rule but BSP in gradient mode (each learner steps on its own batch) 0 is "
+        "refused: set the cap, or a large value to scale without a bound knowingly",
         ge=0,
     )
     precision: Literal["fp32", "bf16", "fp16"] = setting(

@@ -64,6 +64,7 @@ from ..model.consistency import check_same_shapes
 from ..pool.base import params_loaded
 from ..pool.precision import DTYPES, Precision
 from ..rules.base import Rule
+from ..rules.lr_recipe import uncapped_scaling
 from ..rules.registry import build_rule
 from ..training.run.schedule import lr_scale
 from ..training.tuning.noise_scale import NoiseScale
@@ -329,6 +330,7 @@ def distribute(
     def prepare() -> None:
         _check_settings(precision, noise_scale_every, lr_scaling, lr_cap)
         chosen = _make_rule(rule, hyper)
+        _check_lr(chosen, lr_scaling, lr_cap)
         if chosen.needs_mpi_threads and not mpi_threads_ok(world):
             raise UsageError(
                 f"xb.distribute: RULE={chosen.name} serves from a second thread and needs "
@@ -367,6 +369,13 @@ def distribute(
 
 #: ``lr_scaling``'s choices (``[optim] lr_scaling``'s).
 LR_SCALINGS = ("none", "sqrt", "linear")
+
+
+def _check_lr(rule: Rule, lr_scaling: str, lr_cap: float) -> None:
+    """A rate scaled with k learners that each step on their own batch needs a cap (rules/lr_recipe.py)."""
+    problem = uncapped_scaling(rule, lr_scaling, lr_cap, ("xb.distribute(lr_scaling=...)", "lr_cap"))
+    if problem:
+        raise UsageError(problem)
 
 
 def _check_settings(precision: str, noise_scale_every: int, lr_scaling: str, lr_cap: float) -> None:

@@ -7,8 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import Config
+from ..errors import ConfigError
 from ..registry import Registry
 from .base import Rule
+from .lr_recipe import uncapped_scaling
 
 #: Every built-in rule registers here; unknown names get an error listing these.
 RULES: Registry[Rule] = Registry("rule", Rule)
@@ -27,4 +29,11 @@ def resolve(config: Config, rule: Rule | None = None) -> tuple[Rule, Config]:
     """The rule ``config`` names (or ``rule``, already built), and ``config`` with that rule's
     hyper-parameters resolved, defaults included: what session.cfg records and ``--print-config`` shows."""
     rule = rule if rule is not None else build_rule(config.rule, config.rule_params)
+    problem = uncapped_scaling(rule, config.optim.lr_scaling, config.optim.lr_cap, LR_KEYS)
+    if problem:
+        raise ConfigError(problem)
     return rule, config.replace(rule_params=dataclasses.asdict(rule.hyper))
+
+
+#: How the cfg names the two settings :func:`~.lr_recipe.uncapped_scaling` weighs.
+LR_KEYS = ("[optim] lr_scaling", "[optim] lr_cap")

@@ -281,6 +281,8 @@ def check_distribute_broadcasts_the_optimizer_state_and_scales_lr() -> None:
     assert optimizer.param_groups[0]["lr"] == min(LR * WORLD.size, LR * 1.5)
     xb.finish()
     expect(SystemExit, "2", lambda: xb.distribute(*network(), rule="BSP", lr_scaling="cubic"))
+    # model averaging: every learner steps on its own batch, so a scaled rate needs its cap (issue 51)
+    expect(SystemExit, "2", lambda: xb.distribute(*network(), rule="SMA", lr_scaling="linear"))
 
 
 def expect(kind: type[BaseException], words: str, call: Callable[[], object]) -> None:
