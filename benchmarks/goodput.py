@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--target", type=float, default=0.94, help="[session] target_accuracy")
     parser.add_argument("--lr-scaling", default="linear", help="[optim] lr_scaling: none, sqrt, linear")
     parser.add_argument(
-        "--lr-cap", type=float, default=0.2, help="[optim] lr_cap: the most the scaled rate may be (0: none)"
+        "--lr-cap", type=float, default=0.2, help="[optim] lr_cap: the scaled rate's cap (SMA refuses 0)"
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one seed's job may take")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")

@@ -199,8 +199,10 @@ def session_settings(
             "milestones": task.milestones,
             "gamma": task.gamma,
             "warmup_epochs": task.warmup_epochs,
-            # the grid's rates are already scaled for k, except under a tuner that changes k
+            # the grid's rates are already scaled for k, except under a tuner that changes k (uncapped there,
+            # knowingly, as these runs were measured: lr_scaling without lr_cap is refused otherwise)
             "lr_scaling": "sqrt" if setup.tune else "none",
+            "lr_cap": 100.0 if setup.tune else 0.0,
         },
         "data": {"dataset": task.dataset, "batch_size": setup.batch},
     }
