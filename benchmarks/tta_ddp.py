@@ -29,6 +29,18 @@ from mpicrossbow.data.registry import build_dataset
 from mpicrossbow.training.run.schedule import lr_at
 
 
+def sgd_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, lr: float, x: torch.Tensor, y: torch.Tensor, rows: Any
+) -> None:
+    """One plain PyTorch step at rate ``lr`` on the samples ``rows`` of ``(x, y)``: both baselines' step."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss = F.cross_entropy(model(x[rows]), y[rows])
+    opt.zero_grad(set_to_none=False)
+    loss.backward()
+    opt.step()
+
+
 def module_of(task: Task) -> torch.nn.Module:
     """The task's network: MODELCLASS of MODELFILE, an ``nn.Module`` class or a function returning one."""
     return getattr(importlib.import_module(task.modelfile), task.modelclass)()
@@ -87,13 +99,9 @@ def ddp_run(world: Any, task: Task, setup: Setup, seed: int, every: float, data:
         mine = order[world.rank :: world.size][:shard]
         for i in range(steps):
             started = time.perf_counter()
-            for group in opt.param_groups:
-                group["lr"] = lr_at(recipe, epoch + i / steps)
-            rows = mine[i * per_rank : (i + 1) * per_rank]
-            loss = F.cross_entropy(model(x[rows]), y[rows])
-            opt.zero_grad(set_to_none=False)
-            loss.backward()
-            opt.step()
+            sgd_step(
+                model, opt, lr_at(recipe, epoch + i / steps), x, y, mine[i * per_rank : (i + 1) * per_rank]
+            )
             clock += time.perf_counter() - started
             samples += per_rank * world.size
             if (i + 1) % interval and i + 1 != steps:
@@ -148,13 +156,7 @@ def one_replica_run(
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         order = order.to(device)
         for i in range(steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(recipe, epoch + i / steps)
-            rows = order[i * batch : (i + 1) * batch]
-            loss = F.cross_entropy(net(x[rows]), y[rows])
-            opt.zero_grad(set_to_none=False)
-            loss.backward()
-            opt.step()
+            sgd_step(net, opt, lr_at(recipe, epoch + i / steps), x, y, order[i * batch : (i + 1) * batch])
             samples += batch
             if (i + 1) % interval and i + 1 != steps:
                 continue
