@@ -281,16 +281,19 @@ def test_a_server_forgets_a_killed_worker_and_the_others_finish(
     survivor's receive posted from it), rank 0 says so in one line and goes on with the others to the end;
     the ranks shrink once training is over and the job finishes on 3 ranks with status 0."""
     fault = ("elastic.enabled=true", "inject.rank=2", "inject.step=30", "inject.action=kill")
-    args = digits_args(tmp_path, *rule, "session.epochs=4", "checkpoint.on_signal=false", *fault)
+    # the rate drops tenfold for the last epoch, as a real job ends: at the constant 0.05 the asynchronous
+    # server's final model wandered (ASGD read 0.84-0.96 over seven runs); decayed, 0.93-0.97
+    decay = "optim.milestones=3"
+    args = digits_args(tmp_path, *rule, "session.epochs=4", decay, "checkpoint.on_signal=false", *fault)
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     forgot = [line for line in proc.stderr.splitlines() if "was lost" in line]
     assert len(forgot) == 1 and said in forgot[0], proc.stderr[-3000:]
     lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
     assert len(lost) == 1 and "lost rank(s) 2 (start numbering) at the end of training" in lost[0], lost
-    # GOSGD's gossip is asynchronous and random: its final model on this 4-epoch job read 0.82-0.91 over
-    # six runs with the loss here; the server rules' 0.85 and above
-    assert accuracy(proc.stderr) > (0.75 if "RULE=GOSGD" in rule else 0.85), proc.stderr[-2000:]
+    # with the decay, four runs each: ASGD 0.93-0.97, PSGD 0.91-0.92, EASGD 0.92-0.93, GOSGD (random
+    # gossip) 0.85-0.91
+    assert accuracy(proc.stderr) > (0.80 if "RULE=GOSGD" in rule else 0.85), proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
