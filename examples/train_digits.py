@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> nn.Module:
     parser.add_argument("--save-model", default="", help="file to save the trained weights to")
     parser.add_argument("--rule", default="SMA", help="exchange rule: BSP, SMA, EASGD, GOSGD, ASGD, ...")
     args = parser.parse_args(argv)
-    xb.init()
+    xb.init(elastic="auto")  # under mpiexec --with-ft ulfm: a lost rank is dropped, the rest go on
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

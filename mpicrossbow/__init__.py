@@ -57,6 +57,7 @@ _LAZY = {
     "trains": "mpicrossbow.embed",
     "noise_scale": "mpicrossbow.embed",
     "allreduce": "mpicrossbow.embed",
+    "keep": "mpicrossbow.embed",
     "GradScaler": "mpicrossbow.embed",
 }
 

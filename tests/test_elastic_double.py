@@ -21,7 +21,9 @@ from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules.gosgd import UNIT
 from mpicrossbow.rules.registry import RULES
 from mpicrossbow.testing import FaultyGroup, FaultyWorld
-from mpicrossbow.training.elastic.elastic_steps import ElasticSteps, cloned
+from mpicrossbow.training.elastic.fault_tolerance import cloned
+from mpicrossbow.training.elastic.run_tolerance import RunTolerance
+from mpicrossbow.training.health.drill import ExchangeTrap
 from mpicrossbow.training.run.step import train_step
 
 
@@ -72,7 +74,7 @@ def pools(size: int) -> list[SerialPool]:
 
 
 def parts(pool: SerialPool, rule: Any, rank: int, size: int) -> Any:
-    """What ElasticSteps reads of a rank's parts: pool, rule, the world and who follows it."""
+    """What RunTolerance reads of a rank's parts: pool, rule, the world and who follows it."""
     world = World(rank, size, rank, size, 0, 1, "h", None)
     follower = SimpleNamespace(world=world)
     checkpoints = SimpleNamespace(world=world, saver=None, position={})
@@ -95,14 +97,15 @@ def elastic_run(
     """``steps`` elastic steps of ``rule_name`` on ``size`` fault-double ranks; ``victim`` dies in step
     ``at``: right after its first exchange operation completed when ``exchanging`` (the others' too: a step
     that completed its collective on every rank and is still dropped), else at the step's start; a commit
-    every ``every`` steps. Per survivor: its parameters after every step, its membership, its ElasticSteps
+    every ``every`` steps. Per survivor: its parameters after every step, its membership, its RunTolerance
     and its rule."""
     world, built = FaultyWorld(size, timeout_s=20), pools(size)
 
-    def body(group: FaultyGroup) -> tuple[list[torch.Tensor], Any, ElasticSteps, Any]:
+    def body(group: FaultyGroup) -> tuple[list[torch.Tensor], Any, RunTolerance, Any]:
         comm, pool = ElasticCommunicator(group), built[group.me]
-        rule = RULES.get(rule_name)(**(hyper or {})).bind(comm, pool)
-        steps_ = ElasticSteps(parts(pool, rule, group.me, size), comm, min_ranks, every)
+        trapped = ExchangeTrap(comm)  # the drill's communicator, as the session binds it on a drilled rank
+        rule = RULES.get(rule_name)(**(hyper or {})).bind(trapped, pool)
+        steps_ = RunTolerance(parts(pool, rule, group.me, size), comm, min_ranks, every)
         pool.start_epoch(0)
         after = []
 
@@ -113,7 +116,7 @@ def elastic_run(
 
         for step in range(steps):
             if group.me == victim and step == at and exchanging:
-                comm.trap = lambda: world.die(victim)
+                trapped.arm(lambda: world.die(victim))
             steps_.step(lambda step=step: run(step), step)
             after.append(pool.learners[0].params.clone())
         return after, comm.membership, steps_, rule
@@ -168,7 +171,7 @@ def test_a_commit_window_commits_once_per_window() -> None:
     def body(group: FaultyGroup) -> list[int]:
         comm, pool = ElasticCommunicator(group), built[group.me]
         rule = RULES.get("BSP")().bind(comm, pool)
-        steps_ = ElasticSteps(parts(pool, rule, group.me, 2), comm, 1, every=4)
+        steps_ = RunTolerance(parts(pool, rule, group.me, 2), comm, 1, every=4)
         agreements = []
         commit = comm.commit
 
@@ -278,7 +281,7 @@ def test_a_parameter_server_forgets_a_lost_worker_and_serves_the_others_to_the_e
         else:
             train_losing_rank_2(world, group.me, pool, rule, steps)
         rule.finish()
-        ElasticSteps(parts(pool, rule, group.me, size), comm, 1).settle("the end of training")
+        RunTolerance(parts(pool, rule, group.me, size), comm, 1).settle("the end of training")
         rule.sync_state()
         final = rule.centre if rule_name == "EASGD" else rule.w
         return rule.server, comm.membership.ranks, final.clone()
@@ -311,7 +314,7 @@ def test_gossip_forgets_a_lost_peer_and_the_survivors_average_renormalises() -> 
         train_losing_rank_2(world, group.me, pool, rule, steps)
         rule.finish()
         lost, masses, x = set(rule.lost), list(rule.masses), rule.xs[0].clone()
-        ElasticSteps(parts(pool, rule, group.me, size), comm, 1).settle("the end of training")
+        RunTolerance(parts(pool, rule, group.me, size), comm, 1).settle("the end of training")
         rule.sync_state()
         return lost, masses, x, comm.membership.ranks, rule.average_params.clone()
 
@@ -348,13 +351,14 @@ def test_losses_in_two_steps_in_a_row_both_restore_the_last_committed_state() ->
 
     def body(group: FaultyGroup) -> list[list[torch.Tensor]]:
         comm, pool = ElasticCommunicator(group), built[group.me]
-        rule = RULES.get("BSP")().bind(comm, pool)
-        steps_ = ElasticSteps(parts(pool, rule, group.me, 4), comm, 1)
+        trapped = ExchangeTrap(comm)
+        rule = RULES.get("BSP")().bind(trapped, pool)
+        steps_ = RunTolerance(parts(pool, rule, group.me, 4), comm, 1)
         pool.start_epoch(0)
         after = []
         for step in range(6):
             if (group.me, step) in ((2, 3), (1, 4)):
-                comm.trap = lambda me=group.me: world.die(me)
+                trapped.arm(lambda me=group.me: world.die(me))
             steps_.step(lambda step=step: train_step(pool, rule, step), step)
             after.append([t.clone() for t in tensors(pool.state_dict())])
         return after
@@ -431,14 +435,16 @@ def test_gsp_a_group_shrinks_around_a_lost_worker_and_the_server_forgets_it(
                 if group.me == victim and step == 5:
                     if where == "start":
                         world.die(victim)
-                    rule.group.trap = lambda: world.die(victim)  # after its first broadcast of the pull
+                if group.me == victim and step == 5 and where == "inside":
+                    rule.group = trapped = ExchangeTrap(rule.group)  # the group's operations, trapped
+                    trapped.arm(lambda: world.die(victim))  # after its first broadcast of the pull
                 if where == "non-uniform" and group.me in (victim, 3) and step == 5:
                     rule.group.allreduce_mean = completed_then_lost(rule.group, world, group.me == victim)
                 train_step(pool, rule, step)
                 after.append(pool.learners[0].params.clone())
         rule.finish()
         members = None if rule.elastic_group is None else rule.elastic_group.membership.ranks
-        ElasticSteps(parts(pool, rule, group.me, size), comm, 1).settle("the end of training")
+        RunTolerance(parts(pool, rule, group.me, size), comm, 1).settle("the end of training")
         rule.sync_state()
         return rule.server, members, after, list(rule.lost_members), rule.w.clone()
 

@@ -331,3 +331,83 @@ def test_a_second_name_for_a_concept_fails_the_structure_test() -> None:
     assert not near_pairs([("mpicrossbow.pool", "fused_pool"), ("mpicrossbow.pool", "fused_network")])
     assert not suffixed_pairs([("mpicrossbow.rules", "sma"), ("mpicrossbow.rules", "sma_stability")])
     assert not shadowing([("mpicrossbow.pool.fused.fused_pool", "log"), ("mpicrossbow.rules.bsp", "log")])
+
+
+#: The modules that define what a lost rank is and how a run survives one: importing any of them is knowing
+#: that the communicator can fail.
+FAILURE_MODULES = ("mpicrossbow.comm.ulfm", "mpicrossbow.comm.elastic", "mpicrossbow.comm.committed")
+FAILURE_PACKAGES = ("mpicrossbow.training.elastic", "mpicrossbow.testing.fault_double")
+
+#: Every module that knows the communicator can fail (issue 50: one owner, the rest unaware), outside the
+#: rules' ``on_rebind`` methods. A new entry is a new place to change when fault tolerance changes: put the
+#: knowledge in the owner (FaultTolerance) or the communicator instead, or add it here with its reason.
+KNOWS_FAILURE = {
+    # the communicator's side: what a lost rank is, the elastic communicator, the one retry primitive
+    "mpicrossbow.comm.ulfm": "ULFM's errors as PeerLost and ElasticEnd",
+    "mpicrossbow.comm.elastic": "notices a loss, commits, recovers: swaps the communicator under the rules",
+    "mpicrossbow.comm.committed": "run, commit, redo over the survivors: written once",
+    # the owner and what it delegates to
+    "mpicrossbow.training.elastic": "the package: its modules are the training side of fault tolerance",
+    "mpicrossbow.training.elastic.fault_tolerance": "the one owner: windows, restore, membership changes",
+    "mpicrossbow.training.elastic.run_tolerance": "the owner in a crossbow-launch run: its parts follow",
+    "mpicrossbow.training.elastic.elastic_pause": "asynchronous snapshots met over the survivors",
+    "mpicrossbow.training.elastic.elastic_setting": "whether a run can be elastic, decided before training",
+    "mpicrossbow.training.elastic.replacement": "a replacement's spawn, merge and handover",
+    # who builds the owner, and who ends a rank of an elastic run alone
+    "mpicrossbow.training.run.session": "builds the elastic communicator and the owner, once",
+    "mpicrossbow.training.run.runner": "a failing elastic rank leaves alone; a replacement's life",
+    # asynchronous rules forget a lost peer where they meet it, between steps (no window to commit)
+    "mpicrossbow.rules.request_loop": "a server's receive or reply that meets a lost worker forgets it",
+    "mpicrossbow.rules.parameter_server": "a worker that loses its server ends the job (ElasticEnd)",
+    "mpicrossbow.rules.easgd_server": "a worker that loses the EASGD centre ends the job (ElasticEnd)",
+    "mpicrossbow.rules.gosgd": "a gossip peer's loss is met by a receive from it: forgotten",
+    "mpicrossbow.rules.gsp": "each worker group commits and recovers on its own (split_apart)",
+    # the embedded API's elastic mode: its checks, and the owner built around the user's optimizer step
+    "mpicrossbow.embed.elastic_mode": "xb.init(elastic=True): ULFM checked, the owner built over the model",
+    # the test double of a fault-tolerant group, shipped for users' own rule tests
+    "mpicrossbow.testing": "re-exports the fault double",
+    "mpicrossbow.testing.fault_double": "ranks as threads that die on demand (ULFM's semantics)",
+}
+
+
+def failure_names(path: Path) -> set[str]:
+    """The names ``path`` imports from the failure modules (what its code can mention)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and "ulfm" in node.module:
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def only_in_on_rebind(path: Path, names: set[str]) -> bool:
+    """Whether every mention of ``names`` in ``path`` is inside a method named ``on_rebind``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "on_rebind":
+            inside.update(id(n) for n in ast.walk(node))
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in names]
+    return bool(uses) and all(id(n) in inside for n in uses)
+
+
+def modules_that_know_failure() -> set[str]:
+    known = modules()
+    failure = {
+        name
+        for name in known
+        if name in FAILURE_MODULES or any(name == p or name.startswith(p + ".") for p in FAILURE_PACKAGES)
+    }
+    knowing = set(failure)
+    for name, path in known.items():
+        if not imported(path, known) & failure:
+            continue
+        if name.startswith("mpicrossbow.rules.") and only_in_on_rebind(path, failure_names(path)):
+            continue  # a rule's on_rebind: where it drops what it had in flight on the lost world
+        knowing.add(name)
+    return knowing
+
+
+def test_fault_tolerance_is_known_in_the_listed_modules_only() -> None:
+    """The modules that know the communicator can fail are exactly the list, each with its reason (SMA's
+    ``on_rebind`` is the rules' own place and is left out)."""
+    assert modules_that_know_failure() == set(KNOWS_FAILURE)

@@ -150,6 +150,14 @@ class Communicator(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot tell which ranks share a node")
 
+    def split_apart(self, color: int, key: int | None = None) -> Communicator | None:
+        """As :meth:`split`, but a group that survives apart: a lost rank inside it fails only its members'
+        operations, and they recover without the rest of the job (elastic training's communicator,
+        :meth:`~mpicrossbow.comm.elastic.ElasticCommunicator.split_apart`). None here: a communicator that
+        cannot lose a rank has no such split, and a rule that asks (GSP's groups) splits plainly instead.
+        Collective over the whole group when it returns one."""
+        return None
+
     def share(self, tensor: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Place ``tensor``'s memory where this group sums it fastest: collective, every rank passes a tensor
         of the same size, views of it keep working. A no-op here; the shared-memory communicator moves it

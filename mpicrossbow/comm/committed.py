@@ -1,8 +1,8 @@
 """``until_committed``: run collective work, commit it, redo it over the survivors after a loss — once.
 
 Elastic training does one thing in three places: the run's committed collectives (the window's agreement,
-validation, the epoch's statistics: :class:`~mpicrossbow.training.elastic.elastic_steps.ElasticSteps`), GSP's
-group steps (:mod:`mpicrossbow.rules.gsp`) and an asynchronous run's snapshot meeting
+validation, the epoch's statistics: :class:`~mpicrossbow.training.elastic.fault_tolerance.FaultTolerance`),
+GSP's group steps (:mod:`mpicrossbow.rules.gsp`) and an asynchronous run's snapshot meeting
 (:mod:`mpicrossbow.training.elastic.elastic_pause`). Each is the same protocol, written here once:
 
 1. every member runs the work; a member whose work met a lost rank (an exception ``is_failure`` accepts)

@@ -18,7 +18,7 @@ reconfiguration by swapping the process group under its Manager. It does three t
   :class:`~mpicrossbow.comm.membership.Membership` one version on.
 
 What to do with the work that was not committed, and what a rule must rebuild (its splits, its peers), is
-the training loop's business (:mod:`mpicrossbow.training.elastic.elastic_steps`) and the rule's
+the training loop's business (:mod:`mpicrossbow.training.elastic.fault_tolerance`) and the rule's
 (``on_rebind``). The fault-tolerant substrate is a :class:`FaultTolerantGroup`: :class:`MPIGroup` over mpi4py
 with ULFM, and :class:`~mpicrossbow.testing.fault_double.FaultyGroup`, ranks as threads with deaths injected
 on demand (torchft's FakeProcessGroupWrapper), which tests recovery in-process.
@@ -176,9 +176,6 @@ class GuardedCommunicator(Communicator):
         #: revoking the group, so the rank can forget that peer and go on with the others (a parameter
         #: server's receives from its live workers stay posted); collectives revoke as always.
         self.isolate_peers = False
-        #: Fault injection (``[inject] action = kill_in_exchange``): called once, right after the next
-        #: operation has started (a blocking one: completed here), then disarmed.
-        self.trap: Callable[[], None] | None = None
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -204,11 +201,7 @@ class GuardedCommunicator(Communicator):
 
     def _handle(self, fn: Callable[[], Handle], peer: bool = False) -> Handle:
         group, isolated = self._group(), peer and self.isolate_peers
-        handle = _GuardedHandle(self._call(fn, group, isolated), self, group, isolated)
-        trap, self.trap = self.trap, None
-        if trap is not None:
-            trap()
-        return handle
+        return _GuardedHandle(self._call(fn, group, isolated), self, group, isolated)
 
     @property
     def rank(self) -> int:
@@ -305,6 +298,12 @@ class ElasticCommunicator(GuardedCommunicator):
         """The fault-tolerant group of the current members."""
         return self._group_now
 
+    def split_apart(self, color: int, key: int | None = None) -> ElasticCommunicator:
+        """The members of ``color`` as an elastic communicator over a fault-tolerant group of their own
+        (:meth:`FaultTolerantGroup.split`): a loss inside it revokes it alone, and its members commit and
+        recover without the others (GSP's worker groups)."""
+        return ElasticCommunicator(self._group_now.split(color, key))
+
     def commit(self, ok: bool) -> bool:
         """Whether the work since the last commit completed on every member: ``ok`` from each (False where
         it met a lost rank; that member revokes first, so none stays blocked), agreed fault-tolerantly."""
@@ -345,19 +344,25 @@ class ElasticCommunicator(GuardedCommunicator):
 
 
 def elastic_over_mpi(
-    section: CommSection, device: torch.device | str, mpi_comm: Any, membership: Membership | None = None
+    section: CommSection,
+    device: torch.device | str,
+    mpi_comm: Any,
+    isolate_peers: bool = False,
+    membership: Membership | None = None,
 ) -> ElasticCommunicator:
     """The run's communicator for elastic training over ``mpi_comm`` (a duplicate is taken): what
     :func:`~mpicrossbow.comm.make_communicator` builds from ``section``, without node-shared memory (its
     polling would wait on a dead rank forever), rebuilt the same way over the survivors after a loss. A
     replacement joining (``membership`` given) takes the merged ``mpi_comm`` as it is, as the survivors
-    take it (:meth:`MPIGroup.merged`)."""
+    take it (:meth:`MPIGroup.merged`). ``isolate_peers``: an asynchronous run's (a parameter server forgets
+    a lost worker, :attr:`GuardedCommunicator.isolate_peers`)."""
     from . import make_communicator
 
     plain = dataclasses.replace(section, shared_memory="off")
     comm = mpi_comm if membership else mpi_comm.Dup()
     group = MPIGroup(comm, lambda c: make_communicator(plain, device, c))
     elastic = ElasticCommunicator(group, membership)
+    elastic.isolate_peers = isolate_peers
     if membership is None:  # at start, collective: where each rank runs, for its replacement
         hosts = tuple(comm.allgather(socket.gethostname()))
         elastic.membership = dataclasses.replace(elastic.membership, hosts=hosts)

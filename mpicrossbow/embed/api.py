@@ -48,14 +48,17 @@ import torch
 from torch import nn
 
 from ..comm import make_communicator
+from ..comm.base import Communicator
+from ..comm.membership import Membership
 from ..config.fields import build
-from ..config.sections import CommSection, NumaSection, SessionSection
+from ..config.sections import CommSection, ElasticSection, NumaSection, SessionSection
 from ..data.loader import LoaderOptions
 from ..errors import USAGE_EXIT_CODE, ConfigError, UsageError
 from ..launch.binding import bind as bind_cores
 from ..launch.binding import gather_facts
 from ..launch.devices import device_for_rank, parse_devices
 from ..launch.failure import abort, abort_job, agree, say
+from ..launch.finalize_fence import bound_finalize
 from ..launch.slurm import srun_tasks_without_pmi
 from ..launch.spawn import no_pmi_advice
 from ..launch.world import World, detect_world, launcher_rank, mpi_threads_ok
@@ -67,9 +70,11 @@ from ..rules.base import Rule
 from ..rules.lr_recipe import uncapped_scaling
 from ..rules.registry import build_rule
 from ..training.run.schedule import lr_scale
+from ..training.run.window import StepWindow, Unguarded
 from ..training.tuning.noise_scale import NoiseScale
+from .elastic_mode import ModelState, check_keepable, check_rule, elastic_section, tolerant
 from .embedded_job import EmbeddedJob
-from .metric_reduce import allreduce_value
+from .metric_reduce import allreduce_value, reduce_over
 from .own_model import OwnModel
 from .precision_forward import PrecisionForward
 from .sharded_loader import Part, ShardedLoader
@@ -100,6 +105,10 @@ class _Process:
     control: Any = None
     #: The ranks that train under the current job (None on a rank that serves): ``allreduce``'s group.
     trainers: Any = None
+    #: ``xb.init(elastic=...)``'s settings when the job goes on after a lost rank, else None.
+    elastic: ElasticSection | None = None
+    #: What ``xb.keep`` was given: restored with the model when a lost rank drops a window.
+    kept: list[Any] = field(default_factory=list)
 
 
 _state = _Process()
@@ -112,6 +121,7 @@ def init(
     comm: Mapping[str, Any] | None = None,
     log_level: str = "info",
     threads: bool = False,
+    elastic: bool | str | Mapping[str, Any] = False,
 ) -> World:
     """Join the MPI world (mpiexec, srun, or a plain single process) and pick this rank's device.
 
@@ -120,7 +130,11 @@ def init(
     ``torch.device("cuda")`` means it), else the CPU. ``bind`` pins the rank's threads as ``[numa] bind``
     does (``none``, ``core``, ``numa``, ``socket``, ``gpu``); ``comm`` holds ``[comm]`` keys (backend,
     compression, ...). ``threads`` starts MPI with ``MPI_THREAD_MULTIPLE``, which a rule that talks MPI from
-    a second thread needs (parameter servers with ``placement=colocated``). Bad arguments end every rank
+    a second thread needs (parameter servers with ``placement=colocated``). ``elastic=True`` (or a dict of
+    ``[elastic]`` keys: ``min_ranks``, ``commit_every``) makes the job go on when a rank is lost, under Open
+    MPI with ULFM (``mpiexec --with-ft ulfm``), or stops it in one line where that is missing;
+    ``elastic="auto"`` is elastic where it can be, else says why not and goes on without: see
+    :mod:`.elastic_mode`. Bad arguments end every rank
     with one line naming the argument (``xb.init(devices='gpu0'): unknown device ...``) and status 2.
     Collective.
 
@@ -136,6 +150,7 @@ def init(
     """
     asked = {"devices": devices, "bind": bind, "comm": dict(comm or {}), "log_level": log_level}
     asked["threads"] = threads
+    asked["elastic"] = dict(elastic) if isinstance(elastic, Mapping) else elastic
     if _state.world is not None:
         problem = _repeated_init_problem(asked)
         if problem:
@@ -161,6 +176,7 @@ def init(
         except ConfigError as exc:
             raise _as_argument(exc, "[numa] bind", "bind", bind) from None
         chosen["device"] = choose_device(devices, world)
+        chosen["elastic"] = elastic_section(elastic, world)
 
     _agree(world, prepare)
     device = chosen["device"]
@@ -173,6 +189,9 @@ def init(
     _state.world = replace(world, device=device)
     _state.init_args = asked
     _state.control = world.mpi.Dup() if world.mpi is not None else None
+    _state.elastic = chosen["elastic"]
+    if _state.elastic is not None:
+        atexit.register(bound_finalize)  # before mpi4py's MPI_Finalize, which runs after it
     log.info("%d rank(s); rank 0 on %s, %d thread(s)", world.size, device, torch.get_num_threads())
     return _state.world
 
@@ -330,7 +349,7 @@ def distribute(
     def prepare() -> None:
         _check_settings(precision, noise_scale_every, lr_scaling, lr_cap)
         chosen = _make_rule(rule, hyper)
-        _check_lr(chosen, lr_scaling, lr_cap)
+        _check_rule(chosen, lr_scaling, lr_cap, precision)
         if chosen.needs_mpi_threads and not mpi_threads_ok(world):
             raise UsageError(
                 f"xb.distribute: RULE={chosen.name} serves from a second thread and needs "
@@ -343,7 +362,7 @@ def distribute(
             part = Part(index, count, chosen.train_span(world.rank, world.size))
         for loader in _state.loaders:
             loader.check_part(part)
-        own = OwnModel(model, optimizer, _steps_per_epoch, scaled_gradients=precision == "fp16")
+        own = OwnModel(model, optimizer, _steps_per_epoch, precision == "fp16", _state.elastic is None)
         trainers = sum(chosen.trains(r, world.size) for r in range(world.size))
         built.update(rule=chosen, trains=trains, part=part, own=own, trainers=trainers)
 
@@ -355,11 +374,11 @@ def distribute(
     _agree(world, lambda: check_same_shapes(world, [tuple(p.shape) for p in own.learner.param_list]))
     chosen: Rule = built["rule"]
     _state.part = built["part"]
-    comm = make_communicator(_state.comm, world.device, world.mpi)
+    comm, window = _communicator(world, chosen, own)
     chosen.bind(comm, own)
     forward = PrecisionForward(model, Precision(precision, world.device))
     noise = NoiseScale(noise_scale_every, SessionSection.noise_scale_smoothing, NOISE_UNKNOWN)
-    job = _state.job = EmbeddedJob(world, chosen, comm, own, built["trains"], forward, noise)
+    job = _state.job = EmbeddedJob(world, chosen, comm, own, built["trains"], forward, noise, window)
     if not job.trains:
         job.serve()
         # This rank's optimizer never steps: a scheduler's "step() before optimizer.step()" is expected.
@@ -367,15 +386,53 @@ def distribute(
     return model, optimizer
 
 
+def _communicator(world: World, rule: Rule, own: OwnModel) -> tuple[Communicator, StepWindow]:
+    """The job's communicator and how its steps run: in elastic training over an elastic communicator,
+    under the one owner of fault tolerance (:func:`.elastic_mode.tolerant`), else as they are."""
+    section = _state.elastic
+    if section is None:
+        return make_communicator(_state.comm, world.device, world.mpi), Unguarded()
+    return tolerant(section, _state.comm, world, rule, [ModelState(own), rule, *_state.kept], _follow)
+
+
+def _follow(before: Membership, after: Membership) -> None:
+    """A rank was lost: the world ``xb.init()`` returns and the log lines' ``[rank r/size]`` are the
+    survivors' (rank 0 is the lowest survivor)."""
+    assert _state.world is not None
+    world = _state.world = replace(_state.world, rank=after.rank, size=after.size)
+    if _state.job is not None:
+        _state.job.world = world
+    setup_logging(
+        world.rank, world.size, _state.init_args.get("log_level", "info").upper() if world.rank == 0 else None
+    )
+
+
+def keep(*objects: Any) -> None:
+    """Restore ``objects`` with the model when elastic training drops the steps a lost rank interrupted:
+    anything with ``state_dict`` and ``load_state_dict`` that the training steps change — an lr scheduler
+    (whose rate the restored optimizer carries), a GradScaler, your own counters. Call it after
+    ``xb.distribute`` and before the loop; without ``xb.init(elastic=True)`` it only checks them. Local."""
+    _job("xb.keep")
+    for obj in objects:
+        check_keepable(obj)
+    _state.kept.extend(objects)
+    if _state.job is not None:
+        for obj in objects:
+            _state.job.window.add_state(obj)
+
+
 #: ``lr_scaling``'s choices (``[optim] lr_scaling``'s).
 LR_SCALINGS = ("none", "sqrt", "linear")
 
 
-def _check_lr(rule: Rule, lr_scaling: str, lr_cap: float) -> None:
-    """A rate scaled with k learners that each step on their own batch needs a cap (rules/lr_recipe.py)."""
+def _check_rule(rule: Rule, lr_scaling: str, lr_cap: float, precision: str) -> None:
+    """A rate scaled with k learners that each step on their own batch needs a cap (rules/lr_recipe.py);
+    elastic training takes the rules its embedded mode can drop a step of (``elastic_mode.check_rule``)."""
     problem = uncapped_scaling(rule, lr_scaling, lr_cap, ("xb.distribute(lr_scaling=...)", "lr_cap"))
     if problem:
         raise UsageError(problem)
+    if _state.elastic is not None:
+        check_rule(rule, precision)
 
 
 def _check_settings(precision: str, noise_scale_every: int, lr_scaling: str, lr_cap: float) -> None:
@@ -459,6 +516,8 @@ def allreduce(value: Any, op: str = "mean") -> Any:
     """
     _world("xb.allreduce")
     job = _state.job
+    if job is not None and _state.elastic is not None and not job.finished:  # over the survivors
+        return job.window.collective(lambda: reduce_over(job.comm, value, op), "xb.allreduce")()
     comm = _state.trainers if job is not None and not job.finished else _state.control
     if comm is None:  # a process without MPI reduces with itself
         from mpi4py import MPI
@@ -535,10 +594,12 @@ def finish() -> bool:
     Returns True on rank 0 only: every rank now holds the same model, and ``if xb.finish(): torch.save(...)``
     writes it once instead of once per rank into the same file.
     """
-    world = _world("xb.finish")
+    _world("xb.finish")
     if _state.job is not None:
         _state.job.finish()
     _state.part, _state.loaders = None, weakref.WeakSet()  # the next job cuts its own loaders' parts
+    _state.kept = []
+    world = _world("xb.finish")  # elastic training: the survivors' world, when a rank was lost
     return world.rank == 0
 
 

@@ -27,6 +27,7 @@ from ..errors import CheckpointError, UsageError
 from ..launch.world import World
 from ..rules.base import Rule
 from ..training.checkpoints.checkpoint_files import FORMAT_VERSION, META, atomic_save, rank_file, safe_load
+from ..training.run.window import StepWindow, Unguarded
 from ..training.tuning.noise_scale import NoiseScale
 from .own_model import OwnModel
 from .precision_forward import PrecisionForward
@@ -47,16 +48,20 @@ class EmbeddedJob:
         trains: bool,
         forward: PrecisionForward | None = None,
         noise: NoiseScale | None = None,
+        window: StepWindow | None = None,
     ) -> None:
         self.world, self.rule, self.comm, self.own, self.trains = world, rule, comm, own, trains
+        #: How the steps and the collectives between them run: elastic training's owner
+        #: (``xb.init(elastic=True)``), else :class:`Unguarded` (a lost rank ends the job).
+        self.window = window if window is not None else Unguarded()
         #: The model's forward under the job's autocast (None: fp32, the forward untouched).
         self.forward = forward
         #: The gradient noise scale measured around the rule's ``on_gradients`` (``xb.noise_scale()``).
         self.noise = noise if noise is not None else NoiseScale(0, 0.0)
         precision = forward.precision.name if forward is not None else "fp32"
-        self.hooks: StepHooks | None = (
-            StepHooks(own, rule, precision=precision, noise=self.noise) if trains else None
-        )
+        self.hooks: StepHooks | None = None
+        if trains:
+            self.hooks = StepHooks(own, rule, precision=precision, noise=self.noise, window=self.window)
         self.finished = False
         #: The folders :meth:`checkpoint` wrote, in order: what the job's last line names.
         self.written: list[Path] = []
@@ -82,7 +87,13 @@ class EmbeddedJob:
         self.finish()
 
     def consensus(self) -> torch.Tensor | None:
-        """The weights ``xb.consensus`` shows (None: this rank's own replica); see the module doc."""
+        """The weights ``xb.consensus`` shows (None: this rank's own replica); see the module doc. In
+        elastic training a committed collective, redone over the survivors after a loss."""
+        if self.finished:
+            return self._consensus()
+        return self.window.collective(self._consensus, "xb.consensus")()
+
+    def _consensus(self) -> torch.Tensor | None:
         if self.finished:
             return self.rule.eval_params()
         if self.rule.synchronous:
@@ -99,8 +110,7 @@ class EmbeddedJob:
         if self.forward is not None:
             self.forward.remove()
         self.own.learner.release()
-        self.rule.finish()
-        self.rule.sync_state()
+        self.window.collective(self._drain, "xb.finish")()  # elastic: redone over the survivors after a loss
         final = self.rule.eval_params()
         if final is not None:
             self.own.learner.params.copy_(final)
@@ -109,6 +119,11 @@ class EmbeddedJob:
         log.info(
             "RULE=%s finished after %d step(s) on this rank; %s", self.rule.name, self.steps, self.wrote()
         )
+
+    def _drain(self) -> None:
+        """Nothing left in flight; the consensus consistent on every rank (collective)."""
+        self.rule.finish()
+        self.rule.sync_state()
 
     def wrote(self) -> str:
         """What the job wrote, for its last line: the embedded API writes no run folder nor metrics.h5, only

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ..comm.base import Communicator, ReduceOp
 from ..errors import UsageError
 
 #: The reductions ``xb.allreduce`` knows.
@@ -67,3 +68,26 @@ def _wide(dtype: torch.dtype, op: str) -> torch.dtype:
     if dtype == torch.bool:
         raise UsageError("xb.allreduce: a bool tensor has no sum or mean; convert it to int first")
     return torch.int64
+
+
+def reduce_over(comm: Communicator, value: Any, op: str) -> Any:
+    """:func:`allreduce_value` over the job's own :class:`~mpicrossbow.comm.base.Communicator` (elastic
+    training: over the survivors, inside a committed collective); the same results, as the same kinds."""
+    if op not in OPS:
+        raise UsageError(f"xb.allreduce: op={op!r}: choose one of {', '.join(map(repr, OPS))}")
+    reduce_op = ReduceOp.SUM if op in ("mean", "sum") else ReduceOp(op)
+    if isinstance(value, torch.Tensor):
+        host = value.detach().to("cpu", _wide(value.dtype, op)).clone().contiguous()
+        comm.allreduce(host, reduce_op).wait()
+        if op == "mean":
+            host /= comm.size
+        dtype = value.dtype if value.dtype.is_floating_point or op != "mean" else torch.get_default_dtype()
+        return host.to(value.device, dtype)
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        raise UsageError(
+            f"xb.allreduce: value must be a Python number or a tensor, got {type(value).__name__}"
+        )
+    total = comm.allreduce_scalars([float(value)], reduce_op)[0]
+    if op == "mean":
+        return total / comm.size
+    return total if isinstance(value, float | np.floating) else int(total)

@@ -107,11 +107,15 @@ class OwnModel(ReplicaView):
         optimizer: torch.optim.Optimizer,
         steps_per_epoch: Callable[[], int | None],
         scaled_gradients: bool = False,
+        in_backward: bool = True,
     ) -> None:
         self.learners = [OwnLearner(module, optimizer)]
         self._steps_per_epoch = steps_per_epoch
         #: fp16: backward leaves the gradients scaled until the user's GradScaler unscales them.
         self.scaled = scaled_gradients
+        #: Whether a rule may exchange during the user's backward (BSP's buckets); not in elastic training,
+        #: where a lost rank met there would raise inside autograd, outside the fault tolerance's window.
+        self.in_backward = in_backward
 
     @property
     def learner(self) -> OwnLearner:
@@ -126,8 +130,8 @@ class OwnModel(ReplicaView):
     def grad_layout(self) -> list[tuple[int, int]] | None:
         """Each trainable parameter's (offset, numel) in the flat gradient, ``module.parameters()`` order;
         None while gradients are loss-scaled (fp16): a step the ranks agree to skip must leave no bucket
-        half-counted, so BSP waits for the agreed unscale."""
-        if self.scaled:
+        half-counted, so BSP waits for the agreed unscale; None in elastic training (:attr:`in_backward`)."""
+        if self.scaled or not self.in_backward:
             return None
         layout, offset = [], 0
         for p in self.learner.param_list:

@@ -19,6 +19,11 @@ is measured in the pre-hook as ``crossbow-launch``'s step measures it: the gradi
 Asynchronous rules need nothing more: their ``exchange`` never waits for a collective. :meth:`remove`
 takes every hook away again (``xb.finish``).
 
+**Elastic** (``xb.init(elastic=True)``, :mod:`.elastic_mode`): the rule's two calls run inside the fault
+tolerance's open window (:meth:`~mpicrossbow.training.elastic.fault_tolerance.FaultTolerance.guard`), and the
+post-hook ends the step there — committing the window when it ends, or, after a loss, restoring the state
+of the last commit (the optimizer's update of a step that met the loss is undone with the rest).
+
 **fp16.** torch's ``GradScaler`` calls ``optimizer.step()`` only on a rank whose gradients did not
 overflow, so on the one rank that overflowed the pre-hook, and BSP's allreduce in it, would not run while
 its peers wait in theirs. :class:`~.grad_scaler.GradScaler` asks :meth:`StepHooks.agree_overflow` after
@@ -38,6 +43,7 @@ from torch import nn
 from ..errors import UsageError
 from ..rules.base import Rule
 from ..training.run.step import overflow_anywhere, rule_exchange, rule_gradients
+from ..training.run.window import StepWindow, Unguarded
 from ..training.tuning.noise_scale import NoiseScale
 from .own_model import OwnModel
 
@@ -48,7 +54,8 @@ HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepHooks] = weakref.We
 class StepHooks:
     """Install the rule's hooks on the learner of ``own``; ``step`` counts the optimizer steps taken;
     ``precision`` is ``xb.distribute``'s (fp16: every step must come through an agreeing GradScaler);
-    ``noise`` measures the gradient noise scale (None: not measured)."""
+    ``noise`` measures the gradient noise scale (None: not measured); ``window``: elastic training's
+    owner, whose windows the steps run in (default :class:`Unguarded`: a lost rank ends the job)."""
 
     def __init__(
         self,
@@ -57,9 +64,11 @@ class StepHooks:
         step: int = 0,
         precision: str = "fp32",
         noise: NoiseScale | None = None,
+        window: StepWindow | None = None,
     ) -> None:
         self.own, self.rule, self.step, self.precision = own, rule, step, precision
         self.noise = noise
+        self.window = window if window is not None else Unguarded()
         learner = own.learner
         optimizer = learner.optimizer
         self.lr: float | None = None
@@ -86,10 +95,13 @@ class StepHooks:
             )
         self.own.learner.gather_grads()
         self.check_lr()
-        rule_gradients(self.rule, self.step, self.own, self.noise)
+        self.window.begin(self.step)
+        exchange = lambda: rule_gradients(self.rule, self.step, self.own, self.noise)  # noqa: E731
+        self.window.guard(exchange, f"step {self.step}")
 
     def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        rule_exchange(self.rule, self.step)
+        self.window.guard(lambda: rule_exchange(self.rule, self.step), f"step {self.step}")
+        self.window.end(self.step)
         self.step += 1
 
     def _forward(self, module: nn.Module, inputs: Any) -> None:

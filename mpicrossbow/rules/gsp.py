@@ -32,7 +32,7 @@ push had reached the servers, that progress counts twice, the second time with w
 that survived re-broadcasts the w it already adopted. Non-leaders adopt w only after the agreement. The
 servers forget a lost worker as for ASGD (:meth:`ParameterServer.forget`: done for good); a lost server ends
 the job (ElasticEnd). The lost rank's data shard is dropped; the run's end meets as for the other
-asynchronous rules (``ElasticSteps.settle``). ``groups = auto`` is not elastic: the speed probe runs all
+asynchronous rules (``FaultTolerance.settle``). ``groups = auto`` is not elastic: the speed probe runs all
 workers as one group and re-splits them from an agreement over all of them mid-run, which a loss would have
 to re-run (refused at start).
 """
@@ -45,7 +45,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -168,21 +168,11 @@ class GSP(ServerRule):
         assert self.comm is not None and self.pool is not None
         rank, size = self.comm.rank, self.comm.size
         color = 0 if self.server is not None else 1
-        if isinstance(self.comm, ElasticCommunicator):
-            # fault-tolerant groups of their own: a loss in one group revokes that group only
-            if self.hyper.groups == "auto":
-                raise ConfigError(self.elastic_refusal or "RULE=GSP with groups = auto is not elastic")
-            workers_group = self.comm.group.split(color)
-            if self.server is not None:
-                return
-            index = self._file_group(rank, size) if self.hyper.groups else 0
-            self.workers_comm = ElasticCommunicator(workers_group)
-            self.elastic_group = ElasticCommunicator(workers_group.split(index))
-            self.group, self._probing = self.elastic_group, False
-            self._seen = torch.zeros(self.shards, dtype=torch.float64)
-            self._check_batches()
-            return
-        workers = self.comm.split(color)
+        # elastic training: fault-tolerant groups of their own, a loss in one group revokes that group only
+        apart = self.comm.split_apart(color)
+        if apart is not None and self.hyper.groups == "auto":
+            raise ConfigError(self.elastic_refusal or "RULE=GSP with groups = auto is not elastic")
+        workers = apart if apart is not None else self.comm.split(color)
         if self.server is not None:
             return
         self.workers_comm = workers
@@ -192,7 +182,9 @@ class GSP(ServerRule):
             self._probing = True
         else:
             index = self._file_group(rank, size) if self.hyper.groups else 0
-            self.group = workers.split(index)
+            group = workers.split_apart(index) if apart is not None else None
+            self.elastic_group = cast("ElasticCommunicator | None", group)
+            self.group = group if group is not None else workers.split(index)
             self._probing = False
         self._check_batches()
 

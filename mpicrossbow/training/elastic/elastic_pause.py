@@ -11,7 +11,7 @@ of :mod:`.pause_orders` runs over a fault-tolerant group of its own, split from 
   (``MPI_Comm_agree``) that it completed everywhere. When it did not — a member was lost before or during
   it — the survivors revoke the group, shrink it to the live members and meet again (the orders sent over
   the old group are abandoned with it), as
-  :meth:`~mpicrossbow.training.elastic.elastic_steps.ElasticSteps.collective`
+  :meth:`~mpicrossbow.training.elastic.fault_tolerance.FaultTolerance.collective`
   retries a collective. The lowest survivor logs one line naming the lost start ranks.
 * **A lost worker**: the snapshot, and every one after it, holds the survivors' files, each named after its
   start rank (``rank-00003.pt`` stays rank 3's), with the lost start ranks in ``meta.pt`` (``lost``). Such a

@@ -16,6 +16,7 @@ from ...config import Config
 from ...errors import ConfigError
 from ...launch.world import World
 from ...rules.base import Rule
+from .replacement import check_replace
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,14 @@ def elastic_obstacle(config: Config, rule: Rule, world: World) -> str | None:
 
 def resolve_elastic(config: Config, rule: Rule, world: World) -> bool:
     """Whether this run is elastic; ConfigError (exit 2 on every rank, through ``agree``) when
-    ``elastic = true`` cannot be honoured."""
+    ``elastic = true``, or ``replace = true``, cannot be honoured."""
+    elastic = decide(config, rule, world)
+    check_replace(config, rule, elastic)
+    return elastic
+
+
+def decide(config: Config, rule: Rule, world: World) -> bool:
+    """``[elastic] enabled`` decided: true, false, or auto's choice (said in one line)."""
     wanted = config.elastic.enabled
     if wanted is False:
         return False

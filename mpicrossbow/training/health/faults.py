@@ -5,8 +5,8 @@ whole run): ``raise`` an exception, ``exit`` (``sys.exit(3)``, as user code migh
 with SIGKILL, ``hang`` forever, make its loss ``nan``, ``kill_in_save``: SIGKILL itself in the middle
 of writing the checkpoint taken once s steps are done (its file written, not yet renamed into place), or
 ``signal``: send itself SIGUSR1, as Slurm does before a time limit (a drill of the checkpoint-and-stop), or
-``kill_in_exchange``: SIGKILL itself inside step s's exchange, once its first operation started (elastic runs,
-whose communicator knows that moment; otherwise at the step's start, as ``kill``). A rank that serves instead
+``kill_in_exchange``: SIGKILL itself inside step s's exchange, once its first operation started (the rule's
+communicator on that rank springs it: :mod:`.drill`). A rank that serves instead
 of training (a parameter server, an EASGD centre) takes no steps: it fails once it has answered s requests.
 Every other rank is unaffected; what the job does next is what the tests check.
 """
@@ -39,6 +39,26 @@ class FaultInjector:
         self.active = section.rank == rank
         #: A serving rank's fault has fired (:meth:`at_served` is asked between every sweep).
         self.fired = False
+
+    @property
+    def drills_steps(self) -> bool:
+        """Whether this rank's drill fires as a step starts or inside its exchange (:class:`.drill.Drill`
+        then wraps the run's steps); the rest fire from the NaN guard, the checkpoint writer or a serving
+        loop."""
+        return self.active and self.section.action in (
+            "raise",
+            "exit",
+            "kill",
+            "hang",
+            "signal",
+            "kill_in_exchange",
+        )
+
+    @property
+    def drills_exchange(self) -> bool:
+        """Whether this rank's drill kills it inside a step's exchange (the rule's communicator is then an
+        :class:`.drill.ExchangeTrap`)."""
+        return self.active and self.section.action == "kill_in_exchange"
 
     def _due(self, step: int, *actions: str) -> bool:
         return self.active and step == self.section.step and self.section.action in actions
@@ -80,8 +100,8 @@ class FaultInjector:
             grads[0].fill_(float("nan"))
 
     def in_exchange(self, step: int) -> Callable[[], None] | None:
-        """``action = kill_in_exchange``: a hook that SIGKILLs this rank, for the elastic communicator to
-        spring right after the step's first exchange operation started (:mod:`mpicrossbow.comm.elastic`)."""
+        """``action = kill_in_exchange``: a hook that SIGKILLs this rank, for the rule's communicator to
+        spring right after the step's first exchange operation started (:class:`.drill.ExchangeTrap`)."""
         if not self._due(step, "kill_in_exchange"):
             return None
 

@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Literal
 
+from ...config import WatchdogSection
+from ...launch.failure import abort_job
+from ...launch.world import World
 from .heartbeat import PHASES, Beat, fault_file, read_heartbeats, write_heartbeat
 from .link_probe import LinkProbe
 from .liveness import PeerLiveness
@@ -213,3 +217,28 @@ class Watchdog:
         if behind:
             return f"stall: {where}; waiting for rank(s) {', '.join(behind)}{longest}"
         return f"stall: {where}; no other rank is behind: this rank is the one holding the job{longest}"
+
+
+def start_watchdog(
+    section: WatchdogSection, world: World, run_dir: Path, synchronous: bool, elastic: bool
+) -> Watchdog:
+    """The session's watchdog, started (collective: the job's token is broadcast): heartbeats in
+    ``<run>/heartbeats``; a dead peer, or a stall past ``abort_after``, aborts the job. Stalls are timed only
+    for ``synchronous`` rules (asynchronous ranks have no common step); an ``elastic`` run watches no peers
+    (ULFM reports a dead one, and the survivors go on)."""
+    job = world.bcast(secrets.token_hex(8))  # this job's heartbeats, not those a resumed folder holds
+    return Watchdog(
+        run_dir / "heartbeats",
+        world.rank,
+        world.size,
+        section.warn_after,
+        section.abort_after,
+        section.interval,
+        # Recorded also for a dead peer (status 1, a failed rank): the sbatch templates stop waiting for
+        # srun once a status is written, and srun waits half a minute for a node that is gone.
+        lambda line, peer_gone: abort_job(world, line),
+        peer_timeout=0.0 if elastic else section.peer_timeout,
+        peers=not elastic,
+        stalls=synchronous,
+        job=job,
+    ).start()

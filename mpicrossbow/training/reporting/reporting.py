@@ -23,7 +23,6 @@ from ...config import Config
 from ...launch.slurm import SlurmJob
 from ...launch.spawn import TERMINAL_VARIABLE
 from ...launch.world import World
-from ..elastic.replacement import replaced_rank
 from .metrics import MetricsWriter
 from .result import RunResult
 from .tensorboard_log import TensorBoardLog
@@ -71,7 +70,14 @@ def make_run_dir(config: Config) -> Path:
 class Reporter:
     """Rank 0 writes; every rank takes part in gathering per-rank attributes."""
 
-    def __init__(self, config: Config, world: World, run_dir: Path, resume_step: int | None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        world: World,
+        run_dir: Path,
+        resume_step: int | None,
+        start_rank: int | None = None,
+    ) -> None:
         self.start = time.perf_counter()
         #: Steps done so far (:meth:`step_done`): where a change of the world is placed.
         self.steps_done = resume_step or 0
@@ -79,9 +85,9 @@ class Reporter:
         #: size (elastic training: a loss, a replacement), kept on every rank (any may become rank 0).
         self.world_changes: list[tuple[int, int, int, float]] = []
         self.config, self.world, self.run_dir = config, world, run_dir
-        #: The rank this process had when the job started (a replacement: the rank it stands for).
-        replaced = replaced_rank()
-        self.start_rank = world.rank if replaced is None else replaced
+        #: The rank this process had when the job started (a replacement: ``start_rank``, the rank it stands
+        #: for).
+        self.start_rank = world.rank if start_rank is None else start_rank
         self.rss_start, self.rss_warm = resident_mb(), math.nan
         self.metrics: MetricsWriter | None = None
         self.tensorboard: TensorBoardLog | None = None
@@ -130,7 +136,7 @@ class Reporter:
     @property
     def world(self) -> World:
         """The run's world now: elastic training moves it on after a loss or a replacement
-        (:mod:`.elastic_steps`)."""
+        (:mod:`~mpicrossbow.training.elastic.fault_tolerance`)."""
         return self._world
 
     @world.setter

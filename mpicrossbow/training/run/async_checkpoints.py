@@ -21,8 +21,10 @@ A rank whose training has ended keeps meeting until no rank has training left; t
 run's end (and its final checkpoint, with ``final = true`` and periodic checkpoints on).
 
 In elastic training (``[elastic] enabled``) the control plane and the save run over a fault-tolerant group of
-their own (:mod:`.elastic_pause`): a lost worker is left out of the meeting and of the snapshots after it; a
-lost server or EASGD centre ends the job in one line with the last complete snapshot intact.
+their own (the run's window gives it, :meth:`~.window.StepWindow.pause_orders`;
+:mod:`mpicrossbow.training.elastic.elastic_pause`): a lost worker is left out of the meeting and of the
+snapshots after it; a lost server or EASGD centre ends the job in one line with the last complete snapshot
+intact.
 """
 
 from __future__ import annotations
@@ -31,9 +33,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ...comm.elastic import ElasticCommunicator
 from ..checkpoints.pause_orders import Meeting, PauseOrders
-from ..elastic.elastic_pause import ElasticPauseOrders
 from ..health.signals import SignalStop
 from .parts import RankParts
 
@@ -46,11 +46,7 @@ class AsyncCheckpoints:
     def __init__(self, parts: RankParts, signals: SignalStop | None) -> None:
         self.parts, self.signals = parts, signals
         #: The control plane: fault tolerant over the survivors in elastic training, else a plain one.
-        self.orders: PauseOrders = (
-            ElasticPauseOrders(parts, parts.comm)
-            if isinstance(parts.comm, ElasticCommunicator)
-            else PauseOrders(parts.world)
-        )
+        self.orders: PauseOrders = parts.window.pause_orders(parts.world)
         ckpt = parts.config.checkpoint
         #: This rank's own steps between snapshots (0: only signals take one).
         self.every = ckpt.every_steps or ckpt.every_epochs * parts.pool.n_batch_train

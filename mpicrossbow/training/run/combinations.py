@@ -1,8 +1,8 @@
 """Settings that do not go together with the chosen rule, checked once per rank before training.
 
 Each is one ConfigError naming both settings (exit status 2 on every rank, through ``agree``), so a job that
-could only fail later — an asynchronous rule asked to stop at a target accuracy, a replacement for a rank of
-a job that is not elastic — stops before it starts. Nothing here talks to another rank.
+could only fail later — an asynchronous rule asked to stop at a target accuracy, learners = auto with an
+asynchronous rule — stops before it starts. Nothing here talks to another rank.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from ...config import Config
 from ...errors import ConfigError
 from ...launch.world import World, mpi_threads_ok
 from ...rules.base import Rule
-from ..elastic.replacement import check_replace
 from ..reporting.tensorboard_log import check_available as check_tensorboard
 
 
-def check_combinations(config: Config, rule: Rule, world: World, elastic: bool) -> None:
-    """One ConfigError for the first setting that does not go with ``rule`` (``elastic``: whether this run
-    goes on after a lost rank, as resolved already)."""
+def check_combinations(config: Config, rule: Rule, world: World) -> None:
+    """One ConfigError for the first setting that does not go with ``rule`` (elastic training's own: its
+    :func:`~mpicrossbow.training.elastic.elastic_setting.resolve_elastic`)."""
     if config.pool.learners == "auto" and not rule.synchronous:
         raise ConfigError(
             f"[pool] learners = auto needs a synchronous rule (every rank must change its learner count "
@@ -34,6 +33,5 @@ def check_combinations(config: Config, rule: Rule, world: World, elastic: bool) 
             "MPI_THREAD_MULTIPLE, which this process's MPI was not started with (it starts once per "
             "process): run the job in a process of its own, or use placement = rank"
         )
-    check_replace(config, rule, elastic)
     if config.session.tensorboard:
         check_tensorboard()

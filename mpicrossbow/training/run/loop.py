@@ -1,8 +1,9 @@
 """The training loop of a rank that trains: epochs of :func:`~.step.train_step`, from a resumed position.
 
-Per step: the watchdog's heartbeat, fault injection, the learning-rate schedule (per step, with the rule's
+Per step: the watchdog's heartbeat, the learning-rate schedule (per step, with the rule's
 ``on_lr_change``), the step itself with the NaN guard, the straggler hook, step checkpoints and the signal
-stop. Per epoch: training statistics (reduced as the run mode says), validation as often as
+stop, each step run by the run's :class:`~.window.StepWindow` (which commits it in elastic training,
+fires a drill). Per epoch: training statistics (reduced as the run mode says), validation as often as
 ``validate_every`` asks, a report row, the auto-tuner, epoch checkpoints. The run mode
 (:mod:`.modes`) chooses how statistics are reduced, how validation is done and whether signals are agreed on.
 """
@@ -15,9 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...comm.elastic import ElasticCommunicator
 from ...trace import span
-from ..elastic.elastic_steps import ElasticSteps
 from ..health.signals import SIGNAL_CHECK_STEPS, SignalStop
 from ..tuning.noise_scale import NoiseScale
 from .async_checkpoints import AsyncCheckpoints
@@ -68,18 +67,13 @@ class TrainLoop:
     ) -> None:
         self.parts, self.validate, self.reduce = parts, validate, reduce
         self.signals: Callable[[int], bool] | None = signals
-        #: Elastic training's committed steps (``[elastic] enabled``), else None.
-        self.elastic: ElasticSteps | None = None
-        if isinstance(parts.comm, ElasticCommunicator) and parts.rule.synchronous:
-            tolerance = parts.config.elastic
-            self.elastic = ElasticSteps(
-                parts, parts.comm, tolerance.min_ranks, tolerance.commit_every, tolerance.replace
-            )
-            self.validate = self.elastic.collective(validate, "validation")
-            self.reduce = self.elastic.collective(reduce, "the epoch's statistics")
-            if signals is not None:
-                self.elastic.after_recovery.append(signals.forget_pending)
-                self.signals = self._committed_checks(signals)
+        #: How steps and the collectives between them run (committed, in elastic training).
+        self.window = window = parts.window
+        self.validate = window.collective(validate, "validation")
+        self.reduce = window.collective(reduce, "the epoch's statistics")
+        if signals is not None:
+            window.on_recovery(signals.forget_pending)
+            self.signals = self._committed_checks(signals)
         self.snapshots = snapshots
         cfg, pool = parts.config, parts.pool
         self.budget = cfg.session.steps
@@ -102,11 +96,10 @@ class TrainLoop:
         self.trainers = sum(parts.rule.trains(rank, size) for rank in range(size))
 
     def _committed_checks(self, signals: SignalStop) -> Callable[[int], bool]:
-        """Elastic training: the signal check as a committed collective at the steps it communicates
-        (every SIGNAL_CHECK_STEPS), a local call at the others (a commit there would end the open window
-        at every step)."""
-        assert self.elastic is not None
-        committed = self.elastic.collective(signals, "the signal check")
+        """The signal check as the window's collective at the steps it communicates (every
+        SIGNAL_CHECK_STEPS), a local call at the others (in elastic training a commit there would end the
+        open window at every step)."""
+        committed = self.window.collective(signals, "the signal check")
 
         def check(step: int) -> bool:
             return committed(step) if step % SIGNAL_CHECK_STEPS == 0 else signals(step)
@@ -177,19 +170,12 @@ class TrainLoop:
 
     def _step(self, count: int, per_epoch: int) -> None:
         parts = self.parts
-        if self.elastic is not None and self.elastic.vacancies:  # [elastic] replace: the world grows back
-            self.elastic.admit(self.position(count))
+        self.window.before_step(lambda: self.position(count))
         started, steady = time.perf_counter(), not parts.pool.warming_up
         self._beat("compute")
         timeline = parts.timeline
         if timeline is not None:
             timeline.before_step(self.step)
-        parts.faults.at_step(self.step)
-        trap = parts.faults.in_exchange(self.step)
-        if trap is not None:
-            if self.elastic is None:
-                trap()
-            self.elastic.comm.trap = trap  # type: ignore[union-attr]
         lr = self._lr_at(self.epoch + count / per_epoch)
         if lr != self.lr:
             if self.lr > 0:
@@ -200,7 +186,7 @@ class TrainLoop:
         def run() -> float:
             return train_step(parts.pool, parts.rule, self.step, count, self._guard, self.noise)
 
-        exchange_s = run() if self.elastic is None else self.elastic.step(run, self.step)
+        exchange_s = self.window.step(run, self.step)
         self.out.exchange_s += exchange_s
         if timeline is not None and timeline.recording:
             timeline.exchange_s += exchange_s
@@ -294,8 +280,7 @@ class TrainLoop:
         """A checkpoint after the current step (``count`` batches of the current epoch done)."""
         parts = self.parts
         self._beat("save")
-        if self.elastic is not None:
-            self.elastic.flush("the checkpoint")  # a checkpoint holds committed steps only
+        self.window.flush("the checkpoint")  # a checkpoint holds final steps only
         with span("checkpoint", "checkpoint"):
             parts.checkpoints.save(self.position(count), parts.rule, parts.faults)
         self.saved_at = self.step

@@ -20,8 +20,6 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from ...comm.elastic import ElasticCommunicator
-from ..elastic.elastic_steps import ElasticSteps
 from ..health.signals import SignalStop
 from ..reporting.result import RunResult
 from .async_checkpoints import AsyncCheckpoints
@@ -54,8 +52,7 @@ class RunMode(ABC):
         busy = reporter.wall
         if not self.finished:
             parts.rule.finish()
-        if isinstance(parts.comm, ElasticCommunicator) and not parts.rule.synchronous:
-            ElasticSteps(parts, parts.comm, parts.config.elastic.min_ranks).settle("the end of training")
+        parts.window.settle("the end of training")  # elastic training: the survivors are known
         if parts.timeline is not None:
             parts.timeline.finish(parts.world)
         if parts.trains and busy > 0:

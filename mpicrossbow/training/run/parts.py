@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...comm.base import Communicator
 from ...config import Config
@@ -16,6 +16,7 @@ from ..reporting.reporting import Reporter
 from ..reporting.timeline import Timeline
 from ..tuning.autotune import AutoTuner
 from .evaluation import Evaluator
+from .window import StepWindow, Unguarded
 
 
 @dataclass
@@ -40,3 +41,7 @@ class RankParts:
     trains: bool
     #: The Chrome-trace timeline (``[session] timeline``), else None.
     timeline: Timeline | None = None
+    #: How steps and the collectives between them run: the run's fault tolerance when it is elastic
+    #: (:class:`~mpicrossbow.training.elastic.fault_tolerance.FaultTolerance`), with this rank's drill
+    #: around it when it has one.
+    window: StepWindow = field(default_factory=Unguarded)

@@ -86,7 +86,8 @@ def train(world: World, session: Session) -> RunResult:
         result = session.run()
         session.close()
     except BaseException as exc:
-        if session.elastic and not isinstance(exc, (KeyboardInterrupt, UsageError, ElasticEnd)):
+        tolerant = session.fault_tolerance is not None
+        if tolerant and not isinstance(exc, (KeyboardInterrupt, UsageError, ElasticEnd)):
             leave_job(world, exc, session.run_dir)
         if isinstance(exc, ElasticEnd):
             time.sleep(exc.delay_s)  # a survivor before this one in line normally ends the job first
@@ -119,7 +120,7 @@ def join_rank(config: Config, replaces: int) -> int:
             config.comm,
             session.device,
             merged,
-            Membership(offer.version, offer.ranks, merged.rank, offer.hosts),
+            membership=Membership(offer.version, offer.ranks, merged.rank, offer.hosts),
         )
         local = merged.Split_type(MPI.COMM_TYPE_SHARED, key=merged.rank)
         world = dataclasses.replace(
@@ -155,10 +156,10 @@ def run_rank(config: Config, rule: Rule | None = None) -> int:
     result = train(world, session)
     if result.stopped:
         code = after_signal_stop(world, session.config, Path(result.run_dir))
-        if session.elastic:
+        if session.fault_tolerance is not None:
             bound_finalize()
         return code
-    if session.elastic:
+    if session.fault_tolerance is not None:
         bound_finalize()
     now = session.parts.world if session.parts is not None else world  # elastic: the survivors' world
     if now.rank == 0:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ from ...config import Config
 from ...errors import CheckpointError, ConfigError
 from ...launch.binding import Binding
 from ...launch.devices import device_for_rank
-from ...launch.failure import abort_job
 from ...launch.world import World
 from ...model.consistency import check_same_shapes
 from ...pool.base import LearnerPool
@@ -38,8 +36,10 @@ from ..checkpoints.checkpoint_manager import CheckpointManager
 from ..checkpoints.storage import check_writable
 from ..elastic.elastic_setting import resolve_elastic
 from ..elastic.replacement import Handover, Offer
+from ..elastic.run_tolerance import RunTolerance
+from ..health.drill import drilled, trapped
 from ..health.faults import FaultInjector, Straggler
-from ..health.watchdog import Watchdog
+from ..health.watchdog import Watchdog, start_watchdog
 from ..reporting.reporting import Reporter, make_run_dir
 from ..reporting.result import RunResult
 from ..reporting.timeline import Timeline
@@ -70,8 +70,13 @@ class Session:
         self.tuner: AutoTuner | None = None
         self.binding: Binding | None = None  # set by the runner before prepare_local
         self.device = torch.device("cpu")
-        #: Whether this run goes on after losing a rank (``[elastic] enabled``, resolved in prepare_local).
-        self.elastic = False
+        #: The run's fault tolerance, when it goes on after losing a rank (``[elastic] enabled``, resolved to
+        #: true or false in prepare_local), else None: built once, in ``prepare_collective``.
+        self.fault_tolerance: RunTolerance | None = None
+        #: The communicator that can lose a rank, when the run is elastic (the fault tolerance's).
+        self.elastic_comm: ElasticCommunicator | None = None
+        #: This rank's ``[inject]`` drill (every rank has one; it does nothing on the others).
+        self.faults: FaultInjector | None = None
 
     # --------------------------------------------------------------- local
     def prepare_local(self, joining: bool = False) -> None:
@@ -93,9 +98,10 @@ class Session:
         )
         torch.set_num_threads(threads)
         rule, cfg = resolve(cfg, self.rule)  # session.cfg records the resolved hyper-parameters
+        elastic = resolve_elastic(cfg, rule, world)
+        check_combinations(cfg, rule, world)
+        cfg = dataclasses.replace(cfg, elastic=dataclasses.replace(cfg.elastic, enabled=elastic))
         self.rule, self.config = rule, cfg
-        self.elastic = resolve_elastic(cfg, rule, world)
-        check_combinations(cfg, rule, world, self.elastic)
         auto = cfg.pool.learners == "auto"
         learners = self._tuner_start() if auto else int(cfg.pool.learners)
         torch.manual_seed(cfg.session.seed)  # the same initial replicas everywhere (bind broadcasts anyway)
@@ -177,14 +183,14 @@ class Session:
         reporting: the parts the run mode gets."""
         assert self.pool is not None and self.rule is not None and self.checkpoints is not None
         cfg, world, mpi = self.config, self.world, self.world.mpi
-        maker = elastic_over_mpi if self.elastic else make_communicator
-        self.comm = maker(cfg.comm, self.device, mpi)
-        if isinstance(self.comm, ElasticCommunicator):  # a parameter server forgets a lost worker, goes on
-            self.comm.isolate_peers = not self.rule.synchronous
+        if cfg.elastic.enabled is True:  # a parameter server forgets a lost worker and goes on
+            self.elastic_comm = elastic_over_mpi(cfg.comm, self.device, mpi, not self.rule.synchronous)
+        self.comm = self.elastic_comm or make_communicator(cfg.comm, self.device, mpi)
+        self.faults = FaultInjector(cfg.inject, world.rank)
         run_dir = (self.checkpoints.resumed_run_dir() or make_run_dir(cfg)) if world.rank == 0 else None
         self.run_dir = Path(world.bcast(str(run_dir.absolute()) if run_dir is not None else ""))
         self.rule.patience = Patience.of(cfg.watchdog)
-        self.rule.bind(self.comm, self.pool)
+        self.rule.bind(trapped(self.comm, self.faults), self.pool)
         self.checkpoints.restore(self.rule)
         # Asynchronous rules checkpoint by coordinated snapshots (.snapshots); no step watchdog for them.
         synchronous = self.rule.synchronous
@@ -192,7 +198,8 @@ class Session:
             self.checkpoints.start(self.run_dir)
         wd = cfg.watchdog
         if wd.peer_timeout or (synchronous and (wd.warn_after or wd.abort_after)):
-            self.watchdog = self._start_watchdog(self.run_dir, synchronous)
+            elastic = self.elastic_comm is not None
+            self.watchdog = start_watchdog(wd, world, self.run_dir, synchronous, elastic)
         self.reporter = Reporter(cfg, world, self.run_dir, self.checkpoints.resume_step)
         self._assemble()
 
@@ -205,15 +212,17 @@ class Session:
         go on from the offer's position. No step watchdog (its heartbeats are the start world's ranks'), no
         timeline, no pid gather (rank 0 logged those at start)."""
         assert self.pool is not None and self.rule is not None and self.checkpoints is not None
-        cfg = self.config
+        cfg, start_rank = self.config, self.world.rank
         self.comm, self.world, self.run_dir, self.checkpoints.world = comm, world, Path(offer.run_dir), world
+        self.elastic_comm = comm
+        self.faults = FaultInjector(dataclasses.replace(cfg.inject, rank=-1), world.rank)  # start ranks only
         self.checkpoints.adopt(offer.position)
         if cfg.checkpoint.enabled or cfg.checkpoint.on_signal:  # collective, as the survivors' new saver
             self.checkpoints.start(self.run_dir)
         self.rule.patience = Patience.of(cfg.watchdog)
         self.rule.bind(comm, self.pool)
         receive().install(self.pool, self.rule)
-        self.reporter = Reporter(cfg, dataclasses.replace(world, mpi=None), self.run_dir, None)
+        self.reporter = Reporter(cfg, dataclasses.replace(world, mpi=None), self.run_dir, None, start_rank)
         self.reporter.world = world
         self._assemble(joined=True)
 
@@ -231,7 +240,7 @@ class Session:
                 self.comm.name,
             )
         trains = self.rule.trains(world.rank, world.size)
-        faults = dataclasses.replace(cfg.inject, rank=-1) if joined else cfg.inject  # start ranks only
+        assert self.faults is not None
         evaluator = Evaluator(self.pool, self.rule, self.comm, world, self.reporter, self.full_val)
         self.parts = RankParts(
             config=cfg,
@@ -242,7 +251,7 @@ class Session:
             reporter=self.reporter,
             evaluator=evaluator,
             checkpoints=self.checkpoints,
-            faults=FaultInjector(faults, world.rank),
+            faults=self.faults,
             straggler=Straggler(
                 cfg.session.slow_ranks, cfg.session.slow_seconds, cfg.session.slow_factor, world.rank
             ),
@@ -255,28 +264,10 @@ class Session:
                 else None
             ),
         )
-
-    def _start_watchdog(self, run_dir: Path, synchronous: bool) -> Watchdog:
-        """Heartbeats in ``<run>/heartbeats``: a dead peer, or a stall past ``abort_after``, aborts the job.
-
-        Stalls are timed only for synchronous rules (asynchronous ranks have no common step)."""
-        wd, world = self.config.watchdog, self.world
-        job = world.bcast(secrets.token_hex(8))  # this job's heartbeats, not those a resumed folder holds
-        return Watchdog(
-            run_dir / "heartbeats",
-            world.rank,
-            world.size,
-            wd.warn_after,
-            wd.abort_after,
-            wd.interval,
-            # Recorded also for a dead peer (status 1, a failed rank): the sbatch templates stop waiting for
-            # srun once a status is written, and srun waits half a minute for a node that is gone.
-            lambda line, peer_gone: abort_job(world, line),
-            peer_timeout=0.0 if self.elastic else wd.peer_timeout,
-            peers=not self.elastic,  # elastic: ULFM reports a dead peer and the survivors go on
-            stalls=synchronous,
-            job=job,
-        ).start()
+        if self.elastic_comm is not None:
+            self.fault_tolerance = RunTolerance.configured(self.parts, self.elastic_comm, cfg.elastic)
+            self.parts.window = self.fault_tolerance
+        self.parts.window = drilled(self.parts.window, self.faults, self.rule.comm)
 
     # ----------------------------------------------------------------- run
     def run(self) -> RunResult:

@@ -1,0 +1,174 @@
+"""RunTolerance: a crossbow-launch run's fault tolerance — the one owner
+(:class:`~.fault_tolerance.FaultTolerance`) over the run's pool and rule, plus what such a run moves when its
+world changes: the parts that report, evaluate and checkpoint follow the new world, the lowest survivor of a
+lost rank 0 takes over its duties (metrics.h5, the checkpoint lock), ``[elastic] replace`` spawns
+replacements at the next step (the protocol: :mod:`.replacement`), and an asynchronous run's coordinated
+snapshots meet over the survivors (:mod:`.elastic_pause`). The session builds it once, when the run is
+elastic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...comm.elastic import ElasticCommunicator, MPIGroup
+from ...comm.membership import Membership
+from ...config import ElasticSection
+from ...launch.world import World
+from ...log import setup_logging
+from ..checkpoints.checkpoint_files import Checkpointer
+from ..checkpoints.pause_orders import PauseOrders
+from ..run.parts import RankParts
+from . import replacement
+from .elastic_pause import ElasticPauseOrders
+from .fault_tolerance import FaultTolerance
+from .replacement import Handover, Offer
+
+log = logging.getLogger(__name__)
+
+
+class RunTolerance(FaultTolerance):
+    """A crossbow-launch run's fault tolerance over ``parts`` (see the module doc)."""
+
+    def __init__(
+        self,
+        parts: RankParts,
+        comm: ElasticCommunicator,
+        min_ranks: int,
+        every: int = 1,
+        replace: bool = False,
+    ) -> None:
+        steps_done = int(parts.checkpoints.position.get("step", 0))
+        super().__init__(comm, parts.rule, [parts.pool, parts.rule], min_ranks, every, steps_done)
+        self.parts = parts
+        #: ``[elastic] replace``: a lost rank gets a replacement (:meth:`admit`).
+        self.replace = replace
+        #: ``[elastic] replace``: the start ranks lost and not yet replaced (:meth:`admit` at the next step).
+        self.vacancies: tuple[int, ...] = ()
+        #: Start rank -> host, as the membership knew them before a loss: where a replacement starts.
+        self.hosts: dict[int, str] = {}
+        self.followers += [self._vacate, self._move_world, self._take_over]
+
+    @classmethod
+    def configured(cls, parts: RankParts, comm: ElasticCommunicator, section: ElasticSection) -> RunTolerance:
+        """The run's fault tolerance as ``[elastic]`` (``section``) sets it."""
+        return cls(parts, comm, section.min_ranks, section.commit_every, section.replace)
+
+    def before_step(self, position: Callable[[], dict[str, Any]]) -> None:
+        """``[elastic] replace``: the world grows back at the first step after a recovery (:meth:`admit`)."""
+        if self.vacancies:
+            self.admit(position())
+
+    def pause_orders(self, world: World) -> PauseOrders:
+        """Snapshots that go on after a loss: the control plane over a fault-tolerant group of its own."""
+        return ElasticPauseOrders(self.parts, self.comm)
+
+    def _vacate(self, before: Membership, after: Membership) -> None:
+        """``[elastic] replace``: the lost start ranks become vacancies, filled at the next step."""
+        if self.replace and after.size < before.size:
+            lost = after.lost_since(before)
+            self.vacancies += tuple(before.ranks[r] for r in lost)
+            self.hosts.update(zip(before.ranks, before.hosts, strict=False))
+
+    def admit(self, position: dict[str, Any]) -> None:
+        """``[elastic] replace``, at the start of the first step after a recovery (every survivor holds the
+        committed state, no window is open): spawn a replacement for every vacancy and go on with them from
+        ``position`` (the protocol: :mod:`.replacement`). Collective over the survivors, then the grown
+        world."""
+        assert not self.pending, "replacements join at a window's start"
+        parts, comm = self.parts, self.comm
+        vacancies, self.vacancies = self.vacancies, ()
+        started = time.perf_counter()
+        parts.rule.sync_state()
+        held = parts.rule.eval_params()
+        consensus = (held if held is not None else parts.pool.learners[0].params).clone()
+        mine = self.capture()  # the binding below overwrites the learners: put back after it (pool, rule)
+        before = comm.membership
+        lost_hosts = tuple(self.hosts.get(r, "") for r in vacancies)
+        merged = replacement.spawn_replacements(
+            comm.group.native, vacancies, lost_hosts if all(lost_hosts) else ()
+        )
+        if merged is None:
+            if before.rank == 0:
+                log.warning("elastic: training goes on with %d rank(s), without replacements", before.size)
+            return
+        spawned = time.perf_counter()
+        hosts = before.hosts + tuple(replacement.connect(merged, before.size))
+        ranks = before.ranks + vacancies
+        offer = Offer(
+            ranks, before.version + 1, str(parts.reporter.run_dir), position, torch.get_num_threads(), hosts
+        )
+        merged.bcast(offer if before.rank == 0 else None, root=0)
+        group = comm.group
+        assert isinstance(group, MPIGroup), "replacements are spawned over MPI"
+        after = comm.grow(group.merged(merged), ranks, hosts)
+        self._move_world(before, after)
+        parts.rule.bind(comm, parts.pool)
+        if after.rank == 0:
+            handover = Handover(mine[0], mine[1], consensus)
+            replacement.send_handover(merged, range(before.size, after.size), handover)
+        parts.pool.load_state_dict(mine[0])
+        parts.rule.load_state_dict(mine[1])
+        self.saved = self.spare = None  # the loaded copies are live state now (as after a restore)
+        if after.rank == 0:
+            now = time.perf_counter()
+            log.warning(
+                "elastic: start rank(s) %s replaced at step %d; %d rank(s) again (%s); %.2fs after the "
+                "loss was met (spawn %.2fs, the replacements' set-up and handover %.2fs)",
+                ", ".join(map(str, vacancies)),
+                position["step"],
+                after.size,
+                after,
+                now - self.lost_at,
+                spawned - started,
+                now - spawned,
+            )
+
+    def _take_over(self, before: Membership, after: Membership) -> None:
+        """When this rank is rank 0 now, the lowest survivor of a lost rank 0: its duties pass here —
+        metrics.h5 (every epoch once), TensorBoard, the checkpoint folder's lock; the run folder is the one
+        every rank was given at start."""
+        if not (after.rank == 0 and before.rank != 0):
+            return
+        lost = ", ".join(str(before.ranks[r]) for r in after.lost_since(before))
+        parts = self.parts
+        rows = parts.reporter.take_over(self.committed)
+        locked = parts.checkpoints.take_over()
+        log.warning(
+            "elastic: rank 0 (start rank %s) was lost; start rank %d takes over its duties: metrics.h5 "
+            "(%d epoch row(s) kept)%s, run folder %s",
+            lost,
+            self.comm.membership.original_rank,
+            rows,
+            ", the checkpoint lock" if locked else "",
+            parts.reporter.run_dir,
+        )
+
+    def _move_world(self, before: Membership, after: Membership) -> None:
+        """Put the new world where the run's parts read it (reporting, evaluation, checkpoints) and in the
+        log lines' ``[rank r/size]``."""
+        parts, mpi = self.parts, self.comm.group.native
+        rank, size = after.rank, after.size
+        local_rank, local_size = rank, size  # the in-process fault double: one node, no MPI
+        if mpi is not None:
+            from mpi4py import MPI
+
+            local = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+            local_rank, local_size = local.rank, local.size
+            local.Free()
+        world = dataclasses.replace(
+            parts.world, rank=rank, size=size, local_rank=local_rank, local_size=local_size, mpi=mpi
+        )
+        parts.world = parts.reporter.world = parts.evaluator.world = parts.checkpoints.world = world
+        level = logging.INFO if rank == 0 else logging.WARNING
+        if mpi is not None:  # a process per rank (not the in-process fault double)
+            setup_logging(rank, size, level)
+        saver = parts.checkpoints.saver
+        if saver is not None:
+            parts.checkpoints.saver = Checkpointer(saver.directory, rank, size, saver.keep, mpi)

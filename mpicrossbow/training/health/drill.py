@@ -1,0 +1,188 @@
+"""Where an ``[inject]`` drill fires in training: around the step, and inside its exchange — only on the rank
+a drill targets, so every other run (and every other rank of a drilled one) has none of it in its hot path.
+
+* :class:`Drill` wraps the run's :class:`~mpicrossbow.training.run.window.StepWindow`: as a step starts,
+  the :class:`~.faults.FaultInjector` fires its step's action (raise, exit, kill, hang, signal), and for
+  ``kill_in_exchange`` arms the trap.
+* :class:`ExchangeTrap` is the communicator the rule is bound to on that rank: it forwards every operation,
+  and once armed, SIGKILLs the rank right after the next operation started — the step's first exchange
+  operation, so a collective dies half-done on the other ranks (what elastic training must undo).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ...comm.base import Communicator, Handle, ReduceOp
+from ...launch.world import World
+from ..checkpoints.pause_orders import PauseOrders
+from ..run.window import StepWindow
+from .faults import FaultInjector
+
+T = TypeVar("T")
+
+
+class ExchangeTrap(Communicator):
+    """``inner`` with a trap: once armed, the next operation started springs it, then it disarms."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.trap: Callable[[], None] | None = None
+
+    def arm(self, trap: Callable[[], None]) -> None:
+        """Spring ``trap`` right after the next operation has started (a blocking one: completed)."""
+        self.trap = trap
+
+    def _started(self, handle: Handle) -> Handle:
+        trap, self.trap = self.trap, None
+        if trap is not None:
+            trap()
+        return handle
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        """The inner communicator's name."""
+        return self.inner.name
+
+    @property
+    def rank(self) -> int:
+        """The inner rank."""
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        """The inner size."""
+        return self.inner.size
+
+    @property
+    def overlaps(self) -> bool:
+        """As the inner communicator."""
+        return self.inner.overlaps
+
+    @property
+    def exact(self) -> Communicator:
+        """The inner communicator's exact one (the trap stays with this one)."""
+        return self.inner.exact
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
+        """The inner allreduce, then the trap if armed."""
+        return self._started(self.inner.allreduce(tensor, op, async_op))
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, async_op: bool = False) -> Handle:
+        """The inner broadcast, then the trap if armed."""
+        return self._started(self.inner.broadcast(tensor, root, async_op))
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        """The inner isend, then the trap if armed."""
+        return self._started(self.inner.isend(tensor, dst, tag))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+        """The inner irecv, then the trap if armed."""
+        return self._started(self.inner.irecv(tensor, src, tag))
+
+    def barrier(self) -> None:
+        """The inner barrier."""
+        self.inner.barrier()
+
+    def split(self, color: int, key: int | None = None) -> Communicator:
+        """The inner split (untrapped: the drill is on the rule's own communicator)."""
+        return self.inner.split(color, key)
+
+    def split_node(self) -> Communicator:
+        """The inner node split."""
+        return self.inner.split_node()
+
+    def split_apart(self, color: int, key: int | None = None) -> Communicator | None:
+        """The inner split apart."""
+        return self.inner.split_apart(color, key)
+
+    def share(self, tensor: torch.Tensor) -> None:
+        """The inner share."""
+        self.inner.share(tensor)
+
+    def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
+        """The inner mean."""
+        self.inner.allreduce_mean(tensor, count)
+
+    def allreduce_scalars(self, values: list[float], op: ReduceOp = ReduceOp.SUM) -> list[float]:
+        """The inner scalar allreduce."""
+        return self.inner.allreduce_scalars(values, op)
+
+    def close(self) -> None:
+        """Nothing: the session closes the inner communicator."""
+
+
+def trapped(comm: Communicator, faults: FaultInjector) -> Communicator:
+    """The communicator the rule is bound to: ``comm``, or on the rank of a ``kill_in_exchange`` drill
+    ``comm`` with the trap that kills the rank inside a step's exchange."""
+    return ExchangeTrap(comm) if faults.drills_exchange else comm
+
+
+def drilled(window: StepWindow, faults: FaultInjector, rule_comm: Communicator | None) -> StepWindow:
+    """The run's ``window``, with this rank's drill around it when it has one that fires at a step
+    (``rule_comm``: the rule's communicator, an :class:`ExchangeTrap` on a ``kill_in_exchange`` drill's
+    rank)."""
+    if not faults.drills_steps:
+        return window
+    return Drill(window, faults, rule_comm if isinstance(rule_comm, ExchangeTrap) else None)
+
+
+class Drill(StepWindow):
+    """``inner`` with this rank's drill fired as its step starts (and its exchange trap armed)."""
+
+    def __init__(self, inner: StepWindow, faults: FaultInjector, trap: ExchangeTrap | None) -> None:
+        self.inner, self.faults, self.trap = inner, faults, trap
+
+    def step(self, run: Callable[[], float], step: int) -> float:
+        """The drill's action if due at ``step``, then the inner step."""
+        self.faults.at_step(step)
+        spring = self.faults.in_exchange(step)
+        if spring is not None:
+            if self.trap is None:  # no exchange on this rank: as ``kill``
+                spring()
+            else:
+                self.trap.arm(spring)
+        return self.inner.step(run, step)
+
+    def collective(self, fn: Callable[..., T], what: str) -> Callable[..., T]:
+        """As the inner window."""
+        return self.inner.collective(fn, what)
+
+    def flush(self, where: str) -> bool:
+        """As the inner window."""
+        return self.inner.flush(where)
+
+    def begin(self, step: int) -> None:
+        """As the inner window."""
+        self.inner.begin(step)
+
+    def guard(self, work: Callable[[], T], where: str) -> T | None:
+        """As the inner window."""
+        return self.inner.guard(work, where)
+
+    def end(self, step: int) -> bool:
+        """As the inner window."""
+        return self.inner.end(step)
+
+    def add_state(self, part: Any) -> None:
+        """As the inner window."""
+        self.inner.add_state(part)
+
+    def before_step(self, position: Callable[[], dict[str, Any]]) -> None:
+        """As the inner window."""
+        self.inner.before_step(position)
+
+    def on_recovery(self, hook: Callable[[], None]) -> None:
+        """As the inner window."""
+        self.inner.on_recovery(hook)
+
+    def settle(self, where: str) -> None:
+        """As the inner window."""
+        self.inner.settle(where)
+
+    def pause_orders(self, world: World) -> PauseOrders:
+        """As the inner window."""
+        return self.inner.pause_orders(world)

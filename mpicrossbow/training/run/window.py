@@ -1,0 +1,84 @@
+"""StepWindow: how the loop's steps, and the collectives between them, run — the loop's one seam for fault
+tolerance.
+
+The training loop never asks whether its run survives a lost rank. It hands every step, every collective
+between steps (validation, the epoch's statistics, the signal check) and its end to the window the session
+built: :class:`Unguarded` when a lost rank ends the job (the default: each call runs as it is, at no cost),
+or :class:`~mpicrossbow.training.elastic.fault_tolerance.FaultTolerance` (``[elastic] enabled``), which
+commits steps in windows and redoes a collective over the survivors. A drill (``[inject]``) wraps either one
+(:class:`~mpicrossbow.training.health.drill.Drill`), so drills stay out of every run that has none.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ...launch.world import World
+from ..checkpoints.pause_orders import PauseOrders
+
+T = TypeVar("T")
+
+
+class StepWindow(ABC):
+    """Runs a rank's steps and the collectives between them; what happens when a rank is lost is its own."""
+
+    @abstractmethod
+    def step(self, run: Callable[[], float], step: int) -> float:
+        """Run ``run`` (one train_step; returns its exchange seconds) as step ``step``; the exchange seconds
+        counted (0.0 when the step was dropped)."""
+
+    @abstractmethod
+    def collective(self, fn: Callable[..., T], what: str) -> Callable[..., T]:
+        """``fn`` (a collective between steps, named ``what`` in the log) as this window runs it."""
+
+    @abstractmethod
+    def flush(self, where: str) -> bool:
+        """Before ``where`` (a checkpoint): every step so far is final; False when some were dropped."""
+
+    def begin(self, step: int) -> None:  # noqa: B027 - optional hook
+        """Step ``step`` starts, its parts to follow in :meth:`guard` and :meth:`end` (the embedded API's
+        steps, split around the user's ``optimizer.step()``; :meth:`step` is all three)."""
+
+    def guard(self, work: Callable[[], T], where: str) -> T | None:
+        """``work()`` as a part of the open step (``where`` names it in the log); None when the window
+        drops it."""
+        return work()
+
+    def end(self, step: int) -> bool:
+        """Step ``step`` ended; False when it was dropped."""
+        return True
+
+    def add_state(self, part: Any) -> None:  # noqa: B027 - optional hook
+        """One more object (with ``state_dict``/``load_state_dict``) that a dropped step restores."""
+
+    def before_step(self, position: Callable[[], dict[str, Any]]) -> None:  # noqa: B027 - optional hook
+        """At the start of a step, before anything of it ran (``position``: where training stands, what a
+        rank joining now starts from)."""
+
+    def on_recovery(self, hook: Callable[[], None]) -> None:  # noqa: B027 - optional hook
+        """Call ``hook`` after every recovery from a lost rank (none without fault tolerance)."""
+
+    def settle(self, where: str) -> None:  # noqa: B027 - optional hook
+        """After the rule's ``finish``, before the run's last collectives: the ranks that go on are known."""
+
+    def pause_orders(self, world: World) -> PauseOrders:
+        """The control plane of an asynchronous run's coordinated snapshots over ``world``."""
+        return PauseOrders(world)
+
+
+class Unguarded(StepWindow):
+    """A run where a lost rank ends the job: each step and collective runs as it is."""
+
+    def step(self, run: Callable[[], float], step: int) -> float:
+        """``run()``."""
+        return run()
+
+    def collective(self, fn: Callable[..., T], what: str) -> Callable[..., T]:
+        """``fn`` itself."""
+        return fn
+
+    def flush(self, where: str) -> bool:
+        """Every step is final as it ends."""
+        return True

@@ -1,0 +1,64 @@
+"""examples/train_digits.py under ``mpiexec --with-ft ulfm``, one rank SIGKILLed mid-epoch on request.
+
+    mpiexec --with-ft ulfm -n 4 python tests/mpi_scripts/embedded_elastic.py OUT RULE KILL_RANK KILL_STEP
+
+``KILL_RANK`` (-1: none) SIGKILLs itself right after its optimizer step number ``KILL_STEP`` (1-based: the
+hook runs after the rule's own post-hook, so the step's exchange is done on that rank; the others meet
+the loss in their next collective). After ``main`` returns (``xb.finish`` left the consensus in the model),
+every survivor writes ``OUT/rank-<rank>.pt``: its flat weights, its validation accuracy, its rank and the
+world size it ended in.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import mpicrossbow as xb  # noqa: E402
+from examples import train_digits as example  # noqa: E402
+
+
+def killing(kill_rank: int, kill_step: int) -> Any:
+    """``xb.distribute``, with a hook on ``kill_rank``'s optimizer: SIGKILL after step ``kill_step``."""
+    distribute = xb.distribute
+
+    def wrapped(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        model, optimizer = distribute(model, optimizer, **kwargs)
+        if xb.init().rank == kill_rank:
+            steps = [0]
+
+            def hook(*_: Any) -> None:
+                steps[0] += 1
+                if steps[0] == kill_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            optimizer.register_step_post_hook(hook)
+        return model, optimizer
+
+    return wrapped
+
+
+def main() -> None:
+    out, rule, kill_rank, kill_step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    xb.distribute = killing(kill_rank, kill_step)
+    model = example.main(["--rule", rule, "--log-interval", "1000"])
+    _, test_set, _ = example.datasets_and_model("digits")
+    loader = torch.utils.data.DataLoader(test_set, batch_size=512)
+    accuracy = example.test(model, torch.device("cpu"), loader)
+    world = xb.init()
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    state = {"weights": weights, "accuracy": accuracy, "rank": world.rank, "size": world.size}
+    torch.save(state, out / f"rank-{world.rank}.pt")
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

