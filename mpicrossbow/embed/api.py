@@ -191,9 +191,21 @@ def init(
     _state.control = world.mpi.Dup() if world.mpi is not None else None
     _state.elastic = chosen["elastic"]
     if _state.elastic is not None:
-        atexit.register(bound_finalize)  # before mpi4py's MPI_Finalize, which runs after it
+        _start_elastic(_state.elastic)
     log.info("%d rank(s); rank 0 on %s, %d thread(s)", world.size, device, torch.get_num_threads())
     return _state.world
+
+
+def _start_elastic(section: ElasticSection) -> None:
+    """``xb.init(elastic=...)`` is on: MPI_Finalize bounded at exit (a dead rank must not hold it up), and
+    one line saying so."""
+    atexit.register(bound_finalize)  # before mpi4py's MPI_Finalize, which runs after it
+    log.info(
+        "elastic: a lost rank is dropped and the others go on (a commit every %d step(s), at least %d "
+        "rank(s))",
+        section.commit_every,
+        section.min_ranks,
+    )
 
 
 #: Seconds a rank whose second ``xb.init`` asks for something new waits for every rank to have done the same
