@@ -189,6 +189,38 @@ def test_a_commit_window_commits_once_per_window() -> None:
     assert world.run(body) == [[4, 8, 10]] * 2
 
 
+@pytest.mark.parametrize("keeps", ["amend", "refresh", "neither"])
+def test_a_rate_set_between_windows_survives_a_dropped_window(keeps: str) -> None:
+    """The rate drops tenfold between two windows (after step 3, commit every 4); rank 2 dies in step 5:
+    the survivors restore the state of the last commit — with the new rate when the loop said so
+    (``amend``: crossbow-launch's loop sets a scheduled rate) or the owner copies the state as every window
+    starts (``refresh``: the embedded API, where the user's scheduler steps between windows); without
+    either the old rate comes back, which is what both exist for."""
+    world, built = FaultyWorld(4, timeout_s=20), pools(4)
+
+    def body(group: FaultyGroup) -> float:
+        comm, pool = ElasticCommunicator(group), built[group.me]
+        rule = RULES.get("BSP")().bind(comm, pool)
+        steps_ = RunTolerance(parts(pool, rule, group.me, 4), comm, 1, every=4)
+        steps_.refresh = keeps == "refresh"
+        pool.start_epoch(0)
+        for step in range(8):
+            if step == 4:
+                pool.set_lr(OPTIM.lr / 10, 0)
+                if keeps == "amend":
+                    steps_.amend()
+            if group.me == 2 and step == 5:
+                world.die(2)
+            steps_.step(lambda step=step: train_step(pool, rule, step), step)
+        assert steps_.recoveries, "the loss was met"
+        return float(pool.learners[0].optimizer.param_groups[0]["lr"])
+
+    rates = [r for r in world.run(body) if r is not None]
+    assert len(rates) == 3
+    expected = OPTIM.lr if keeps == "neither" else OPTIM.lr / 10
+    assert rates == pytest.approx([expected] * 3)
+
+
 @pytest.mark.parametrize(("switch_epoch", "phase"), [(0.05, "SMA"), (0.5, "BSP"), (0.09, "the switch")])
 def test_post_local_sgd_recovers_in_either_phase(switch_epoch: float, phase: str) -> None:
     """POSTLOCALSGD (BSP, then SMA; 44 steps an epoch here): rank 2 dies inside step 3's exchange — after

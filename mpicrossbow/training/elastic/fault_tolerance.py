@@ -163,6 +163,14 @@ class FaultTolerance(StepWindow):
             self.saved = (*self.saved, cloned(part.state_dict()))
         self.spare = None
 
+    def amend(self) -> None:
+        """Between two windows the state changed (the loop's new learning rate, the rule told of it): the
+        copy to restore takes it, so a loss in the next window does not bring the old rate back (the
+        loop would not set it again before its next change). Inside a window a restore takes the change
+        back, and the loop sets the rate again at its next step where the schedule moves every step."""
+        if self.saved is not None and not self.pending and self.met is None:
+            self.saved = self.capture(self.saved)
+
     def step(self, run: Callable[[], float], step: int) -> float:
         """Run ``run`` (one train_step; returns its exchange seconds) inside the open window, and commit
         the window after it when it ends here; 0.0 when this rank met a lost rank in the window (it then

@@ -167,6 +167,10 @@ class Drill(StepWindow):
         """As the inner window."""
         return self.inner.end(step)
 
+    def amend(self) -> None:
+        """As the inner window."""
+        self.inner.amend()
+
     def add_state(self, part: Any) -> None:
         """As the inner window."""
         self.inner.add_state(part)

@@ -182,6 +182,7 @@ class TrainLoop:
                 parts.rule.on_lr_change(self.lr, lr)
             parts.pool.set_lr(lr, self.epoch)
             self.lr = lr
+            self.window.amend()  # elastic: a step dropped later keeps the new rate
 
         def run() -> float:
             return train_step(parts.pool, parts.rule, self.step, count, self._guard, self.noise)

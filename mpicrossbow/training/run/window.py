@@ -50,6 +50,10 @@ class StepWindow(ABC):
         """Step ``step`` ended; False when it was dropped."""
         return True
 
+    def amend(self) -> None:  # noqa: B027 - optional hook
+        """The state changed between steps (the loop set a new learning rate, and told the rule): a step
+        dropped later must not take the change back."""
+
     def add_state(self, part: Any) -> None:  # noqa: B027 - optional hook
         """One more object (with ``state_dict``/``load_state_dict``) that a dropped step restores."""
 
