@@ -49,7 +49,6 @@ from torch import nn
 
 from ..comm import make_communicator
 from ..comm.base import Communicator
-from ..comm.membership import Membership
 from ..config.fields import build
 from ..config.sections import CommSection, ElasticSection, NumaSection, SessionSection
 from ..data.loader import LoaderOptions
@@ -407,11 +406,14 @@ def _communicator(world: World, rule: Rule, own: OwnModel) -> tuple[Communicator
     return tolerant(section, _state.comm, world, rule, [ModelState(own), rule, *_state.kept], _follow)
 
 
-def _follow(before: Membership, after: Membership) -> None:
-    """A rank was lost: the world ``xb.init()`` returns and the log lines' ``[rank r/size]`` are the
-    survivors' (rank 0 is the lowest survivor)."""
+def _follow(rank: int, size: int, mpi: Any) -> None:
+    """A rank was lost: the world ``xb.init()`` returns, the log lines' ``[rank r/size]`` and the API's own
+    collectives (``xb.checkpoint``, ``xb.allreduce`` after ``xb.finish``) are the survivors' (rank 0 is the
+    lowest survivor; ``mpi`` their communicator). Collective over the survivors (inside the recovery)."""
     assert _state.world is not None
-    world = _state.world = replace(_state.world, rank=after.rank, size=after.size)
+    world = _state.world = replace(_state.world, rank=rank, size=size, mpi=mpi)
+    _state.control = mpi.Dup()  # the old one spans the lost rank: never freed (collective over the dead)
+    _state.trainers = None  # elastic jobs reduce over the rule's communicator while they run
     if _state.job is not None:
         _state.job.world = world
     setup_logging(

@@ -26,7 +26,6 @@ from typing import Any
 
 from ..comm.base import Communicator
 from ..comm.elastic import elastic_over_mpi
-from ..comm.membership import Membership
 from ..config.fields import build
 from ..config.sections import CommSection, ElasticSection
 from ..errors import ConfigError, UsageError
@@ -62,15 +61,16 @@ def tolerant(
     world: World,
     rule: Rule,
     state: Sequence[Stateful],
-    follow: Callable[[Membership, Membership], None],
+    follow: Callable[[int, int, Any], None],
 ) -> tuple[Communicator, FaultTolerance]:
     """The job's elastic communicator over ``world`` and the one owner of ``rule``'s fault tolerance:
     ``state`` is what a dropped window restores (the model and optimizer, the rule, what ``xb.keep`` was
-    given), ``follow`` moves the API's world on after a loss. The copy to restore is refreshed as each
+    given), ``follow(rank, size, mpi)`` moves the API's world on after a loss (``mpi``: the survivors'
+    mpi4py communicator, for the API's own collectives). The copy to restore is refreshed as each
     window starts (the user's code runs between windows)."""
     elastic = elastic_over_mpi(comm, world.device, world.mpi)
     tolerance = FaultTolerance(elastic, rule, state, section.min_ranks, section.commit_every, refresh=True)
-    tolerance.followers.append(follow)
+    tolerance.followers.append(lambda _, after: follow(after.rank, after.size, elastic.group.native))
     return elastic, tolerance
 
 

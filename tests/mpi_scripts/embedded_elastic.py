@@ -5,8 +5,8 @@
 ``KILL_RANK`` (-1: none) SIGKILLs itself right after its optimizer step number ``KILL_STEP`` (1-based: the
 hook runs after the rule's own post-hook, so the step's exchange is done on that rank; the others meet
 the loss in their next collective). After ``main`` returns (``xb.finish`` left the consensus in the model),
-every survivor writes ``OUT/rank-<rank>.pt``: its flat weights, its validation accuracy, its rank and the
-world size it ended in.
+every survivor writes ``OUT/rank-<rank>.pt``: its flat weights, its validation accuracy, its rank, the
+world size it ended in, and the ranks an ``xb.allreduce`` after the job counted.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def main() -> None:
     accuracy = example.test(model, torch.device("cpu"), loader)
     world = xb.init()
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    state = {"weights": weights, "accuracy": accuracy, "rank": world.rank, "size": world.size}
+    ranks = xb.allreduce(1, op="sum")  # the API's own collective after the job: over the survivors
+    state = {"weights": weights, "accuracy": accuracy, "rank": world.rank, "size": world.size, "ranks": ranks}
     torch.save(state, out / f"rank-{world.rank}.pt")
     print("DONE", flush=True)
 
