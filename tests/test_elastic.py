@@ -161,7 +161,8 @@ def test_a_rule_refuses_to_rebind_unless_it_says_how() -> None:
         def on_rebind(self, lost: tuple[int, ...]) -> None:
             """Nothing to rebuild."""
 
-    assert not Plain().elastic and Follows().elastic
+    assert "RULE=PLAIN does not support elastic" in str(Plain().elastic_obstacle())
+    assert Follows().elastic_obstacle() is None
     with pytest.raises(ConfigError, match="RULE=PLAIN does not support"):
         Plain().on_rebind((1,))
 

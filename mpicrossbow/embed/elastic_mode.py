@@ -124,11 +124,9 @@ def check_rule(rule: Rule, precision: str) -> None:
             "takes the synchronous rules (BSP, SMA, EASGD, LOCALSGD, ...); crossbow-launch's [elastic] runs "
             "the asynchronous ones"
         )
-    if not rule.elastic:
-        raise UsageError(
-            f"xb.distribute(rule={rule.name!r}) under xb.init(elastic=True): RULE={rule.name} cannot rebind "
-            "to the survivors of a lost rank"
-        )
+    obstacle = rule.elastic_obstacle()
+    if obstacle is not None:
+        raise UsageError(f"xb.distribute(rule={rule.name!r}) under xb.init(elastic=True): {obstacle}")
     if precision == "fp16":
         raise UsageError(
             "xb.distribute(precision='fp16') under xb.init(elastic=True): fp16's overflow agreement is not "

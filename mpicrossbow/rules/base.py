@@ -34,6 +34,15 @@ if TYPE_CHECKING:
     from ..pool.replica_view import ReplicaView
 
 
+def not_forgetting(name: str) -> str:
+    """The line refusing elastic training to an asynchronous rule that cannot forget a lost rank."""
+    return (
+        f"RULE={name} is asynchronous and cannot forget a lost rank; elastic training supports the "
+        "synchronous rules, the parameter-server rules with server ranks (ASGD, SSP, PSGD, WEEDOUT, GSP), "
+        "async EASGD and GOSGD"
+    )
+
+
 class Rule:
     """Base class of every exchange rule. Subclasses set ``Config`` and override the hooks they need."""
 
@@ -169,26 +178,28 @@ class Rule:
         """
         raise ConfigError(f"RULE={self.name} does not support [pool] learners = auto; set a number")
 
-    @property
-    def elastic(self) -> bool:
-        """Whether this rule can go on after a rank is lost (``[elastic] enabled``): it overrides
-        :meth:`on_rebind`. Asked before training, so a rule that cannot is refused at start, not at the
-        first loss."""
-        return type(self).on_rebind is not Rule.on_rebind
+    def elastic_obstacle(self, snapshots: bool = False) -> str | None:
+        """The one question elastic training asks a rule (``[elastic] enabled``, ``xb.init(elastic=True)``):
+        why this rule, configured as it is, cannot go on after a rank is lost — one line naming what to
+        change — or None when it can. ``snapshots``: the run takes coordinated snapshots (periodic
+        checkpoints, the signal stop). Asked before training, so a rule that cannot is refused at start, not
+        at its first loss.
 
-    @property
-    def elastic_refusal(self) -> str | None:
-        """Why this rule, configured as it is, cannot be elastic, in one line naming the setting (None: it
-        can, or the general reason — it does not override :meth:`on_rebind` — applies)."""
+        The default: a rule goes on when it overrides :meth:`on_rebind`; an asynchronous rule's snapshots
+        go on when each rank decides alone to pause (the default :meth:`agree_pause`: the fault-tolerant
+        meeting is then a pause's only collective), not when it agrees to pause inside groups, whose
+        agreement would meet the loss outside any recovery."""
+        if type(self).on_rebind is Rule.on_rebind:
+            if not self.synchronous:
+                return not_forgetting(self.name)
+            return f"RULE={self.name} does not support elastic training (it cannot rebind to the survivors)"
+        if snapshots and not self.synchronous and type(self).agree_pause is not Rule.agree_pause:
+            return (
+                f"RULE={self.name}'s coordinated snapshots (periodic checkpoints, the signal stop) agree to "
+                "pause inside groups that cannot go on without a lost member yet: set "
+                "checkpoint.on_signal=false and no checkpoint.every_steps / every_epochs"
+            )
         return None
-
-    @property
-    def snapshots_elastic(self) -> bool:
-        """Whether this rule's coordinated snapshots (asynchronous rules) go on after a lost rank in elastic
-        training: each rank decides alone to pause (the default :meth:`agree_pause`), so the fault-tolerant
-        meeting is the only collective of a pause. A rule that agrees to pause inside groups (GSP) is not:
-        its group's agreement would meet the loss outside any recovery."""
-        return type(self).agree_pause is Rule.agree_pause
 
     def on_rebind(self, lost: tuple[int, ...]) -> None:
         """Ranks were lost (``lost``: their ranks before the loss) and ``self.comm`` now spans the survivors,

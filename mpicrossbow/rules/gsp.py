@@ -126,22 +126,17 @@ class GSP(ServerRule):
         #: Elastic training: the group members lost so far (start ranks), in the order they were met.
         self.lost_members: list[int] = []
 
-    @property
-    def elastic(self) -> bool:
-        """As the other server rules (server ranks), and with a groups file or one group: ``groups = auto``
-        is not elastic (:attr:`elastic_refusal`)."""
-        return super().elastic and self.hyper.groups != "auto"
-
-    @property
-    def elastic_refusal(self) -> str | None:
-        """Why this GSP cannot be elastic, in one line (None: it can, or the general reason applies)."""
-        if self.hyper.groups != "auto":
-            return None
-        return (
-            "RULE=GSP with [rule] groups = auto is not elastic: its speed probe trains every worker as one "
-            "group and re-splits them mid-run from an agreement over all of them, which a lost worker would "
-            "break; give a groups file or leave groups empty (one group)"
-        )
+    def elastic_obstacle(self, snapshots: bool = False) -> str | None:
+        """As the other server rules (server ranks), with a groups file or one group: ``groups = auto`` is
+        not elastic. Its snapshots go on after a loss: the group's pause agreement is a committed group
+        step."""
+        if self.hyper.groups == "auto":
+            return (
+                "RULE=GSP with [rule] groups = auto is not elastic: its speed probe trains every worker as "
+                "one group and re-splits them mid-run from an agreement over all of them, which a lost "
+                "worker would break; give a groups file or leave groups empty (one group)"
+            )
+        return super().elastic_obstacle(snapshots=False)
 
     # ------------------------------------------------------------------ set-up (no communication)
     def _file_group(self, rank: int, size: int) -> int:
@@ -171,7 +166,7 @@ class GSP(ServerRule):
         # elastic training: fault-tolerant groups of their own, a loss in one group revokes that group only
         apart = self.comm.split_apart(color)
         if apart is not None and self.hyper.groups == "auto":
-            raise ConfigError(self.elastic_refusal or "RULE=GSP with groups = auto is not elastic")
+            raise ConfigError(self.elastic_obstacle() or "RULE=GSP with groups = auto is not elastic")
         workers = apart if apart is not None else self.comm.split(color)
         if self.server is not None:
             return
@@ -360,11 +355,6 @@ class GSP(ServerRule):
 
         self._group_step(agree, self._steps, "its pause agreement")
         return agreed[0]
-
-    @property
-    def snapshots_elastic(self) -> bool:
-        """Elastic snapshots go on after a loss: the group's pause agreement is a committed group step."""
-        return True
 
     def state_dict(self) -> dict[str, Any]:
         """The parameter-server state, and a worker's group once formed by speed (None while probing)."""

@@ -51,7 +51,7 @@ from ..comm.ulfm import ElasticEnd, PeerLost
 from ..config.fields import setting
 from ..errors import ConfigError
 from ..trace import instant, span
-from .base import Rule
+from .base import Rule, not_forgetting
 from .patience import Patience, Silence, wait_for
 from .request_loop import DONE, UPDATE, Order, Report, serve_requests
 from .served_stats import ServedStats, learners_mean_buffers
@@ -350,11 +350,17 @@ class ServerRule(Rule):
                 f"serve the model, at least one more rank trains); this job has {size}"
             )
 
-    @property
-    def elastic(self) -> bool:
+    def elastic_obstacle(self, snapshots: bool = False) -> str | None:
         """``[elastic] enabled``: a rule whose servers forget lost workers, with server ranks (placement =
         rank). Colocated shards are not: a lost rank takes its shard of the model with it."""
-        return self.forgets_workers and not self.colocated
+        if not self.forgets_workers:
+            return not_forgetting(self.name)
+        if self.colocated:
+            return (
+                f"RULE={self.name} with [rule] placement = colocated cannot forget a lost rank: its shard of "
+                "the model goes with it; use placement = rank"
+            )
+        return super().elastic_obstacle(snapshots)
 
     def on_rebind(self, lost: tuple[int, ...]) -> None:
         """After the serving ended (asynchronous ranks meet only then): nothing to rebuild — the servers

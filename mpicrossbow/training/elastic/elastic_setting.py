@@ -36,24 +36,7 @@ def elastic_obstacle(config: Config, rule: Rule, world: World) -> str | None:
             "[comm] shared_memory = on polls node-shared memory, where a dead rank is waited for forever; "
             "elastic training needs shared_memory = off or auto (auto is off when elastic)"
         )
-    if not rule.elastic:
-        if rule.elastic_refusal:  # a rule's own reason (GSP with groups = auto)
-            return rule.elastic_refusal
-        if not rule.synchronous:
-            return (
-                f"RULE={config.rule} is asynchronous and cannot forget a lost rank; elastic training "
-                "supports the synchronous rules, the parameter-server rules with server ranks (ASGD, SSP, "
-                "PSGD, WEEDOUT, GSP), async EASGD and GOSGD"
-            )
-        return f"RULE={config.rule} does not support elastic training (it cannot rebind to the survivors)"
-    snapshots = config.checkpoint.enabled or config.checkpoint.on_signal
-    if not rule.synchronous and not rule.snapshots_elastic and snapshots:
-        return (
-            f"RULE={config.rule}'s coordinated snapshots (periodic checkpoints, the signal stop) agree to "
-            "pause inside groups that cannot go on without a lost member yet: set checkpoint.on_signal=false "
-            "and no checkpoint.every_steps / every_epochs"
-        )
-    return None
+    return rule.elastic_obstacle(snapshots=config.checkpoint.enabled or config.checkpoint.on_signal)
 
 
 def resolve_elastic(config: Config, rule: Rule, world: World) -> bool:
