@@ -104,6 +104,36 @@ class World:
         return self.mpi.bcast(value, root=root) if self.mpi is not None else value
 
 
+class WorldView:
+    """The run's world as it is now: one object every part that gathers or reports reads (the loop's parts,
+    reporting, evaluation, checkpoints), so elastic training moves the world on in one place when a rank is
+    lost or a replacement joins, instead of pushing a copy into each part."""
+
+    def __init__(self, world: World) -> None:
+        #: The world now (rank, size and communicator of the current members).
+        self.now = world
+
+
+class FollowsWorld:
+    """A part that reads the world from the run's shared :class:`WorldView` (given one, or a World of its
+    own); setting ``world`` moves the shared view on."""
+
+    view: WorldView
+
+    def follow(self, world: World | WorldView) -> None:
+        """Read the world from ``world`` (a shared view), or from a view of its own over a World."""
+        self.view = world if isinstance(world, WorldView) else WorldView(world)
+
+    @property
+    def world(self) -> World:
+        """The world now."""
+        return self.view.now
+
+    @world.setter
+    def world(self, world: World) -> None:
+        self.view.now = world
+
+
 def mpi_threads_ok(world: World) -> bool:
     """Whether MPI was started with ``MPI_THREAD_MULTIPLE`` (True in a single process without MPI)."""
     if world.mpi is None:

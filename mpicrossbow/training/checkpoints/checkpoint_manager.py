@@ -14,7 +14,7 @@ import torch
 from ...config import Config
 from ...errors import CheckpointError, ConfigError
 from ...launch.slurm import SlurmJob
-from ...launch.world import World
+from ...launch.world import FollowsWorld, World, WorldView
 from ...pool.base import LearnerPool
 from ...rules.base import Rule
 from ..health.faults import FaultInjector
@@ -35,11 +35,14 @@ from .storage import check_room, check_writable, tensor_bytes
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager:
+class CheckpointManager(FollowsWorld):
     """This rank's checkpoints: the resume point read at set-up, and saves during training."""
 
-    def __init__(self, config: Config, world: World, pool: LearnerPool, device: torch.device) -> None:
-        self.config, self.world, self.pool, self.device = config, world, pool, device
+    def __init__(
+        self, config: Config, world: World | WorldView, pool: LearnerPool, device: torch.device
+    ) -> None:
+        self.follow(world)  # the run's shared view: elastic training moves it on
+        self.config, self.pool, self.device = config, pool, device
         #: (checkpoint folder, its metadata, this rank's state) when resuming.
         self.resume: tuple[Path, dict[str, Any], dict[str, Any]] | None = None
         self.saver: Checkpointer | None = None
@@ -49,7 +52,7 @@ class CheckpointManager:
         #: Where a replacement goes on from (:meth:`adopt`), else None.
         self.adopted: dict[str, Any] | None = None
         #: The world size this run started with (an elastic run's checkpoints record it after a loss).
-        self.start_size = world.size
+        self.start_size = self.world.size
         #: Resuming the checkpoint of a smaller world (:meth:`_grown_from`): this rank starts as a copy of
         #: rank 0's state.
         self.copied = False

@@ -294,6 +294,12 @@ class FaultTolerance(StepWindow):
             self.recover(where, started)
             self.rule.on_rebind(self.lost)
 
+    def moved(self, before: Membership, after: Membership) -> None:
+        """The one membership change: a loss (:meth:`recover`) and a replacement alike tell every follower
+        of the world, in order."""
+        for follow in self.followers:
+            follow(before, after)
+
     def recover(self, where: str, started: float) -> None:
         """Shrink to the survivors and move the world on (:attr:`followers`); ElasticEnd below
         ``min_ranks``."""
@@ -308,8 +314,7 @@ class FaultTolerance(StepWindow):
                 place=after.rank,
             )
         self.lost_at = started
-        for follow in self.followers:
-            follow(before, after)
+        self.moved(before, after)
         for hook in self.after_recovery:
             hook()
         seconds = time.perf_counter() - started

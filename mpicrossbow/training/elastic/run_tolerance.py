@@ -108,7 +108,7 @@ class RunTolerance(FaultTolerance):
         group = comm.group
         assert isinstance(group, MPIGroup), "replacements are spawned over MPI"
         after = comm.grow(group.merged(merged), ranks, hosts)
-        self._move_world(before, after)
+        self.moved(before, after)  # the same path as a loss's
         parts.rule.bind(comm, parts.pool)
         if after.rank == 0:
             handover = Handover(mine[0], mine[1], consensus)
@@ -165,7 +165,8 @@ class RunTolerance(FaultTolerance):
         world = dataclasses.replace(
             parts.world, rank=rank, size=size, local_rank=local_rank, local_size=local_size, mpi=mpi
         )
-        parts.world = parts.reporter.world = parts.evaluator.world = parts.checkpoints.world = world
+        parts.reporter.world = world  # the run's one view (the reporter records a change of size)
+        parts.world = world  # the same view in a run; a test double's own
         level = logging.INFO if rank == 0 else logging.WARNING
         if mpi is not None:  # a process per rank (not the in-process fault double)
             setup_logging(rank, size, level)

@@ -22,7 +22,7 @@ from typing import Any
 from ...config import Config
 from ...launch.slurm import SlurmJob
 from ...launch.spawn import TERMINAL_VARIABLE
-from ...launch.world import World
+from ...launch.world import FollowsWorld, World, WorldView
 from .metrics import MetricsWriter
 from .result import RunResult
 from .tensorboard_log import TensorBoardLog
@@ -67,13 +67,13 @@ def make_run_dir(config: Config) -> Path:
             path = base.with_name(f"{base.name}-{n}")
 
 
-class Reporter:
+class Reporter(FollowsWorld):
     """Rank 0 writes; every rank takes part in gathering per-rank attributes."""
 
     def __init__(
         self,
         config: Config,
-        world: World,
+        world: World | WorldView,
         run_dir: Path,
         resume_step: int | None,
         start_rank: int | None = None,
@@ -84,7 +84,9 @@ class Reporter:
         #: ``(steps done, ranks before, ranks after, seconds of training)`` of every change of the world's
         #: size (elastic training: a loss, a replacement), kept on every rank (any may become rank 0).
         self.world_changes: list[tuple[int, int, int, float]] = []
-        self.config, self.world, self.run_dir = config, world, run_dir
+        self.follow(world)  # the run's shared view: elastic training moves it on (the setter below)
+        self.config, self.run_dir = config, run_dir
+        world = self.world
         #: The rank this process had when the job started (a replacement: ``start_rank``, the rank it stands
         #: for).
         self.start_rank = world.rank if start_rank is None else start_rank
@@ -135,18 +137,18 @@ class Reporter:
 
     @property
     def world(self) -> World:
-        """The run's world now: elastic training moves it on after a loss or a replacement
-        (:mod:`~mpicrossbow.training.elastic.fault_tolerance`)."""
-        return self._world
+        """The run's world now, from the shared view: elastic training moves it on after a loss or a
+        replacement (:mod:`~mpicrossbow.training.elastic.run_tolerance`)."""
+        return self.view.now
 
     @world.setter
     def world(self, world: World) -> None:
-        """Move on to ``world``, recording a change of its size in :attr:`world_changes` (so the report can
-        mark a loss on its time axes, and the global batch can follow the world)."""
-        before = getattr(self, "_world", None)
-        if before is not None and before.size != world.size:
+        """Move the shared view on to ``world``, recording a change of its size in :attr:`world_changes`
+        (so the report can mark a loss on its time axes, and the global batch can follow the world)."""
+        before = self.view.now
+        if before.size != world.size:
             self.world_changes.append((self.steps_done, before.size, world.size, self.wall))
-        self._world = world
+        self.view.now = world
 
     @property
     def wall(self) -> float:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ...comm.base import Communicator
-from ...launch.world import World
+from ...launch.world import FollowsWorld, World, WorldView
 from ...pool.base import LearnerPool
 from ...rules.base import Rule
 from ..reporting.reporting import Reporter
@@ -28,7 +28,7 @@ def per_sample(loss_sum: float, hits: float, n: float) -> tuple[float, float]:
     return loss_sum / n, hits / n
 
 
-class Evaluator:
+class Evaluator(FollowsWorld):
     """Validation of this rank's pool, with the rule's model; ``full_val`` is the whole validation set for
     ranks that validate alone (None: the pool's own shard)."""
 
@@ -37,11 +37,12 @@ class Evaluator:
         pool: LearnerPool,
         rule: Rule,
         comm: Communicator,
-        world: World,
+        world: World | WorldView,
         reporter: Reporter,
         full_val: Any = None,
     ) -> None:
-        self.pool, self.rule, self.comm, self.world = pool, rule, comm, world
+        self.follow(world)  # the run's shared view: elastic training moves it on
+        self.pool, self.rule, self.comm = pool, rule, comm
         self.reporter, self.full_val = reporter, full_val
 
     def collective(self) -> tuple[float, float]:

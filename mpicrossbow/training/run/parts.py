@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ...comm.base import Communicator
 from ...config import Config
-from ...launch.world import World
+from ...launch.world import FollowsWorld, WorldView
 from ...pool.base import LearnerPool
 from ...rules.base import Rule
 from ..checkpoints.checkpoint_manager import CheckpointManager
@@ -20,11 +20,13 @@ from .window import StepWindow, Unguarded
 
 
 @dataclass
-class RankParts:
-    """One rank's assembled job: the plug-ins (pool, rule, communicator) and the loop's components."""
+class RankParts(FollowsWorld):
+    """One rank's assembled job: the plug-ins (pool, rule, communicator) and the loop's components. Its
+    ``world`` is the run's shared view's (:class:`~mpicrossbow.launch.world.WorldView`), as the reporter's,
+    the evaluator's and the checkpoints' are."""
 
     config: Config
-    world: World
+    view: WorldView
     pool: LearnerPool
     rule: Rule
     comm: Communicator

@@ -26,7 +26,7 @@ from ...config import Config
 from ...errors import CheckpointError, ConfigError
 from ...launch.binding import Binding
 from ...launch.devices import device_for_rank
-from ...launch.world import World
+from ...launch.world import World, WorldView
 from ...model.consistency import check_same_shapes
 from ...pool.base import LearnerPool
 from ...rules.base import Rule
@@ -58,6 +58,9 @@ class Session:
 
     def __init__(self, config: Config, world: World, rule: Rule | None = None) -> None:
         self.config, self.world, self.rule = config, world, rule
+        #: The run's world as it is now, shared by the parts that gather or report (elastic training moves
+        #: it on in one place).
+        self.view = WorldView(world)
         self.pool: LearnerPool | None = None
         #: The whole validation set, for ranks that validate alone (asynchronous rules); else None.
         self.full_val: Any = None
@@ -108,7 +111,7 @@ class Session:
         self.pool, self.full_val = build_pool(cfg, world, rule, self.device, learners)
         torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
         check_writable(Path(cfg.session.output), "[session] output")
-        self.checkpoints = CheckpointManager(cfg, world, self.pool, self.device)
+        self.checkpoints = CheckpointManager(cfg, self.view, self.pool, self.device)
         if auto:
             self.tuner = self._resumed_tuner(self.checkpoints)
         steps = cfg.session.steps
@@ -200,7 +203,7 @@ class Session:
         if wd.peer_timeout or (synchronous and (wd.warn_after or wd.abort_after)):
             elastic = self.elastic_comm is not None
             self.watchdog = start_watchdog(wd, world, self.run_dir, synchronous, elastic)
-        self.reporter = Reporter(cfg, world, self.run_dir, self.checkpoints.resume_step)
+        self.reporter = Reporter(cfg, self.view, self.run_dir, self.checkpoints.resume_step)
         self._assemble()
 
     def prepare_joined(
@@ -213,7 +216,7 @@ class Session:
         timeline, no pid gather (rank 0 logged those at start)."""
         assert self.pool is not None and self.rule is not None and self.checkpoints is not None
         cfg, start_rank = self.config, self.world.rank
-        self.comm, self.world, self.run_dir, self.checkpoints.world = comm, world, Path(offer.run_dir), world
+        self.comm, self.world, self.run_dir, self.view.now = comm, world, Path(offer.run_dir), world
         self.elastic_comm = comm
         self.faults = FaultInjector(dataclasses.replace(cfg.inject, rank=-1), world.rank)  # start ranks only
         self.checkpoints.adopt(offer.position)
@@ -223,7 +226,7 @@ class Session:
         self.rule.bind(comm, self.pool)
         receive().install(self.pool, self.rule)
         self.reporter = Reporter(cfg, dataclasses.replace(world, mpi=None), self.run_dir, None, start_rank)
-        self.reporter.world = world
+        self.reporter.view = self.view
         self._assemble(joined=True)
 
     def _assemble(self, joined: bool = False) -> None:
@@ -241,10 +244,10 @@ class Session:
             )
         trains = self.rule.trains(world.rank, world.size)
         assert self.faults is not None
-        evaluator = Evaluator(self.pool, self.rule, self.comm, world, self.reporter, self.full_val)
+        evaluator = Evaluator(self.pool, self.rule, self.comm, self.view, self.reporter, self.full_val)
         self.parts = RankParts(
             config=cfg,
-            world=world,
+            view=self.view,
             pool=self.pool,
             rule=self.rule,
             comm=self.comm,
