@@ -34,7 +34,8 @@ def job(openmpi: OpenMPIEnv, out: Path, *overrides: str) -> subprocess.Completed
 
 def error_lines(stderr: str) -> list[str]:
     """The failure lines of a job (what a user reads)."""
-    return [line for line in stderr.splitlines() if line.startswith(ERROR_PREFIX)]
+    lines = (line.replace("\0", "").lstrip() for line in stderr.splitlines())
+    return [line for line in lines if line.startswith(ERROR_PREFIX)]
 
 
 def killed_at(stderr: str, run: Path) -> float:
