@@ -326,6 +326,55 @@ def test_the_elastic_template_under_mpich_or_without_mpiexec_is_one_line_and_exi
     assert not (tmp_path / "runs").exists()
 
 
+#: Open MPI's stand-in for the elastic template's teardown test: it says it is Open MPI 5, trains with one
+#: process when FAKE_TRAIN is set (what mpiexec runs, made not elastic: no ULFM here), then reports a lost
+#: daemon and exits 0, as Open MPI's runtime did once in a fresh-clone CI when node2's daemon went down after
+#: the run had finished.
+LOSES_A_DAEMON = """#!/bin/bash
+if [[ "$1" == --version ]]; then echo "mpiexec (Open MPI) 5.0.11"; exit 0; fi
+while [[ $# -gt 0 && "$1" != crossbow-launch ]]; do shift; done
+if [[ -n "${FAKE_TRAIN:-}" ]]; then "$@" elastic.enabled=false session.epochs=1 || exit $?; fi
+printf '%s\\n' '-----' 'PRTE has lost communication with a remote daemon.' '' \\
+    '  HNP daemon   : [prterun-node1-180@0,0] on node node1' \\
+    '  Remote daemon: [prterun-node1-180@0,1] on node node2' '' >&2
+exit 0
+"""
+
+
+@pytest.mark.parametrize("finished", [True, False], ids=["after-the-run", "during-the-run"])
+def test_the_elastic_template_tells_a_daemon_lost_after_the_run_from_one_that_ended_it(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+    finished: bool,
+) -> None:
+    """Open MPI 5.0 ends every rank when it loses a node's daemon, and its mpiexec still exits 0: the
+    elastic template fails such a job (status 1, resume from the checkpoint). When rank 0 had written that
+    training finished ($CROSSBOW_FINISHED_FILE) before the loss, the results are whole: the job completes
+    with status 0 and a warning naming the node and the run folder, and is not requeued to train again."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text(LOSES_A_DAEMON)
+    fake.chmod(0o755)
+    env = {"MPIEXEC": str(fake), **({"FAKE_TRAIN": "1"} if finished else {})}
+    job = submit(slurm_cluster, tmp_path, "elastic.sbatch", options=("--nodes=1",), env=env)
+    record = slurm_cluster.wait_job(job, timeout=120)
+    out = output(tmp_path, job)
+    if finished:
+        run = the_run(tmp_path, job)
+        assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out[-3000:]
+        assert (
+            "crossbow-launch: warning: Open MPI lost its daemon on node node2 after training had finished; "
+            f"the results are complete in {run}"
+        ) in out, out[-3000:]
+        assert "error" not in out and read_metrics(run / "metrics.h5")["val"]["accuracy"].size == 1
+    else:
+        assert record["JobState"] == "FAILED" and record["ExitCode"] == "1:0", out[-3000:]
+        assert out.rstrip().endswith(
+            "crossbow-launch: error: Open MPI lost its daemon on node node2 and ended every rank (Open MPI "
+            "5.0 survives lost ranks, not a lost node): resume with checkpoint.resume=<the run folder>"
+        ), out[-3000:]
+    assert sorted(p.name for p in (tmp_path / "runs" / str(job)).glob(".*")) == []  # nothing left behind
+
+
 @pytest.mark.parametrize("gpus", ["--gres=gpu:2", "--gpus-per-node=2"])
 def test_the_gpu_template_gives_one_rank_per_gpu_whichever_way_gpus_are_asked_for(
     slurm_cluster: SlurmCluster,  # noqa: F811

@@ -26,6 +26,11 @@ from .world import World
 #: The variable naming a file where the first rank that aborts the job writes the job's exit status.
 STATUS_FILE_VARIABLE = "CROSSBOW_STATUS_FILE"
 
+#: The variable naming a file where rank 0 writes the run folder once training has finished and its results
+#: are saved: the elastic template tells a runtime that fails after that point (Open MPI losing a daemon in
+#: its teardown) from one that ended the job.
+FINISHED_FILE_VARIABLE = "CROSSBOW_FINISHED_FILE"
+
 #: How every failure line starts; ``rule.wait()`` collects these lines from a job it started.
 ERROR_PREFIX = "crossbow-launch: error: "
 
@@ -198,6 +203,17 @@ def _exit_after(seconds: float, code: int) -> None:
         os._exit(code)
 
     threading.Thread(target=_exit, name="abort-deadline", daemon=True).start()
+
+
+def record_finished(run_dir: Path) -> None:
+    """Write ``run_dir`` to ``$CROSSBOW_FINISHED_FILE`` if set: the run finished, its results are saved."""
+    path = os.environ.get(FINISHED_FILE_VARIABLE)
+    if not path:
+        return
+    try:
+        Path(path).write_text(f"{run_dir}\n", encoding="utf-8")
+    except OSError:
+        pass  # the folder is gone: the launcher's status stands
 
 
 def record_status(code: int) -> None:

@@ -18,7 +18,7 @@ from ...errors import UsageError
 from ...launch.binding import bind, device_label, gather_facts, report
 from ...launch.collector import collector_off_then_frozen
 from ...launch.devices import device_for_rank
-from ...launch.failure import abort, agree, leave_job
+from ...launch.failure import abort, agree, leave_job, record_finished
 from ...launch.finalize_fence import bound_finalize
 from ...launch.world import World, detect_world
 from ...log import setup_logging
@@ -172,4 +172,5 @@ def run_rank(config: Config, rule: Rule | None = None) -> int:
             result.exchange_seconds,
             result.run_dir,
         )
+        record_finished(Path(result.run_dir))
     return 0
