@@ -1,4 +1,4 @@
-"""How each rule scales past one machine: the cost model (benchmarks/scaling_model.py) fitted to this
+"""How each rule scales past one machine: the cost model (mpicrossbow/rules/cost_model.py) fitted to this
 machine's links, checked against measured steps at 2 and 4 ranks, and run on cluster files to 1,024 GPUs.
 
     python -m benchmarks.scaling                              # validate here, then both example clusters
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.report import REPO, append_result, relaunch
-from benchmarks.scaling_model import Cluster, Link, efficiency, step_time
+from mpicrossbow.rules.cost_model import Cluster, Link, efficiency, step_time
 
 CLUSTERS = REPO / "benchmarks" / "clusters"
 RULES = ("BSP", "SMA", "EASGD", "LOCALSGD", "DILOCO", "GOSGD", "ASGD", "SSP", "PSGD", "WEEDOUT", "GSP")

@@ -1,4 +1,4 @@
-"""The scaling cost model (benchmarks/scaling_model.py) on real links: nodes that talk over rate-limited
+"""The scaling cost model (mpicrossbow/rules/cost_model.py) on real links: nodes that talk over rate-limited
 network links instead of one machine's shared memory.
 
     python -m benchmarks.scaling_links                 # fit at 30 and 100 mbit, validate at 50 mbit
@@ -45,7 +45,7 @@ import numpy as np
 
 from benchmarks.report import REPO, append_result
 from benchmarks.scaling import HYPER, RULES, model_bytes, time_comm, time_pass, time_rules
-from benchmarks.scaling_model import Cluster, Link, allreduce, step_time
+from mpicrossbow.rules.cost_model import Cluster, Link, allreduce, step_time
 
 sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster is the test suite's own fixture
 from netns_cluster import NetnsCluster, missing_reason

@@ -1,4 +1,4 @@
-"""The scaling cost model's formulas against cases computed by hand (benchmarks/scaling_model.py)."""
+"""The scaling cost model's formulas against cases computed by hand (mpicrossbow/rules/cost_model.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.scaling import load_cluster
-from benchmarks.scaling_model import (
+from conftest import REPO
+from mpicrossbow.rules.cost_model import (
     Cluster,
     Link,
     allreduce,
@@ -20,7 +21,6 @@ from benchmarks.scaling_model import (
     step_time,
     tree_allreduce,
 )
-from conftest import REPO
 
 #: 1 µs latency, 1 GB/s: 1 ns a byte.
 LINK = Link(1e-6, 1e-9)

@@ -37,9 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
-from ..comm.base import Communicator, ReduceOp
+from ..comm.base import Communicator
 from ..config.fields import setting
 from ..errors import ConfigError
 from .base import Rule
@@ -48,6 +46,7 @@ from .easgd import EASGD
 from .localsgd import LocalSGD
 from .registry import RULES
 from .sma import SMA
+from .switching import SwitchingRule
 
 if TYPE_CHECKING:
     from ..pool.replica_view import ReplicaView
@@ -61,7 +60,7 @@ BEFORE, AFTER = "bsp_", "then_"
 
 
 @RULES.register("POSTLOCALSGD")
-class PostLocalSGD(Rule):
+class PostLocalSGD(SwitchingRule):
     """Post-local SGD: BSP until an epoch or the first learning-rate drop, then SMA, LOCALSGD or EASGD."""
 
     @dataclass(frozen=True)
@@ -110,7 +109,6 @@ class PostLocalSGD(Rule):
         theirs = {AFTER + k: v for k, v in dataclasses.asdict(self.later.hyper).items()}
         #: Every key, resolved: what session.cfg records and ``Rule(**hyper)`` builds this rule again from.
         self.hyper: Any = resolved_config(later)(**own, **mine, **theirs)
-        #: The first step the later rule ran (None: BSP is still active).
         self.switched_at: int | None = None
         self._dropped = False  # switch = lr_drop: the rate went down; switch after this step
         self._next = 0  # the step after the last exchange
@@ -120,19 +118,9 @@ class PostLocalSGD(Rule):
 
     # ------------------------------------------------------------ the whole
     @property
-    def active(self) -> Rule:
-        """The rule that exchanges now: BSP before the switch, the later rule from it on."""
-        return self.bsp if self.switched_at is None else self.later
-
-    @property
     def needs_gradients(self) -> bool:
         """True when either phase exchanges gradients (``bsp_mode = grad``): the model must expose them."""
         return self.bsp.needs_gradients or self.later.needs_gradients
-
-    @property
-    def averages_gradients(self) -> bool:
-        """What the active rule says: BSP's grad mode before the switch, False after it."""
-        return self.active.averages_gradients
 
     @property
     def needs_mpi_threads(self) -> bool:
@@ -158,10 +146,7 @@ class PostLocalSGD(Rule):
 
     def bind(self, comm: Communicator, pool: ReplicaView) -> Rule:
         """Bind BSP (every learner starts from rank 0's learner 0); the later rule waits for the switch."""
-        self.comm, self.pool = comm, pool
-        for rule in (self.bsp, self.later):
-            rule.patience, rule.tick = self.patience, self.tick
-        self.bsp.bind(comm, pool)
+        super().bind(comm, pool)
         self._per_epoch = pool.n_batch_train
         log.info(
             "%s: BSP, then %s %s",
@@ -185,10 +170,6 @@ class PostLocalSGD(Rule):
         return epochs + (step - origin) / self._per_epoch
 
     # ------------------------------------------------------------------ hooks
-    def on_gradients(self, step: int) -> None:
-        """The active rule's (BSP: the gradient allreduce; SMA: the corrections)."""
-        self.active.on_gradients(step)
-
     def exchange(self, step: int) -> None:
         """The active rule's exchange; after BSP's last step, the switch."""
         self.active.exchange(step)
@@ -196,47 +177,15 @@ class PostLocalSGD(Rule):
         if self.switched_at is None:
             due = self._dropped if self.hyper.switch == "lr_drop" else self._next >= self.switch_step()
             if due:
-                self._switch(self._next)
-
-    def _switch(self, step: int) -> None:
-        """Every rank at once: check the step and the replicas, stop BSP, bind the later rule at ``step``."""
-        assert self.comm is not None and self.pool is not None
-        self._agree(step)
-        self.bsp.finish()  # no more gradient buckets during backward
-        self.bsp.sync_state()  # BatchNorm statistics: the mean over every learner, exactly
-        self.later.bind(self.comm, self.pool)
-        self.switched_at = step
-        if self.comm.rank == 0:
-            log.info(
-                "%s: switched from BSP to %s at step %d (epoch %.4g)",
-                self.name,
-                self.later.name,
-                step,
-                self._epochs_at(step),
-            )
-
-    def _agree(self, step: int) -> None:
-        """One allreduce (MAX) of (step, −step, checksum, −checksum) over every rank: a rank at another step
-        is a RuntimeError; replicas that differ (they should not under BSP) are logged once by rank 0."""
-        assert self.comm is not None and self.pool is not None
-        sums = [float(learner.params.double().sum()) for learner in self.pool.learners]
-        high, low, most, least = self.comm.exact.allreduce_scalars(
-            [float(step), -float(step), max(sums), -min(sums)], op=ReduceOp.MAX
-        )
-        if high != -low:
-            raise RuntimeError(
-                f"{self.name}: the ranks switch at different steps ({-low:g} to {high:g}); the switch must "
-                "be a function of the step count alone"
-            )
-        if most != -least and self.comm.rank == 0:
-            log.warning(
-                "%s: the replicas differ at the switch (weight sums %r to %r); %s starts every learner from "
-                "rank 0's learner 0",
-                self.name,
-                -least,
-                most,
-                self.later.name,
-            )
+                self.switch(self._next)
+                if self.comm is not None and self.comm.rank == 0:
+                    log.info(
+                        "%s: switched from BSP to %s at step %d (epoch %.4g)",
+                        self.name,
+                        self.later.name,
+                        self._next,
+                        self._epochs_at(self._next),
+                    )
 
     def on_lr_change(self, old: float, new: float) -> None:
         """The active rule's; with ``switch = lr_drop`` the first drop makes this step BSP's last."""
@@ -253,25 +202,6 @@ class PostLocalSGD(Rule):
             self._per_epoch = self.pool.n_batch_train
         self.active.on_resize()
 
-    def on_rebind(self, lost: tuple[int, ...]) -> None:
-        """Elastic training lost ranks: the active rule's (BSP before the switch, the later rule after it;
-        each follows the survivors). The later rule is bound at the switch over whoever is there then; when
-        the dropped step was the switch, restoring the state before it goes back to BSP, every survivor
-        alike (:meth:`load_state_dict`)."""
-        self.active.on_rebind(lost)
-
-    def sync_state(self) -> None:
-        """The active rule's (BSP: BatchNorm statistics averaged; SMA: the step in flight completed)."""
-        self.active.sync_state()
-
-    def eval_params(self) -> torch.Tensor | None:
-        """The active rule's model to validate (BSP: learner 0's own; SMA: z; EASGD: the centre)."""
-        return self.active.eval_params()
-
-    def local_consensus(self) -> torch.Tensor | None:
-        """The active rule's."""
-        return self.active.local_consensus()
-
     def finish(self) -> None:
         """The active rule's; rank 0 warns once when ``switch = lr_drop`` never came."""
         self.active.finish()
@@ -280,62 +210,17 @@ class PostLocalSGD(Rule):
             log.warning("%s: the learning rate never stepped down, so the whole run was BSP", self.name)
             self._warned = True
 
-    def rearm(self) -> None:
-        """The active rule's."""
-        self.active.rearm()
-
-    def agree_pause(self, wanted: bool) -> bool:
-        """The active rule's."""
-        return self.active.agree_pause(wanted)
-
-    @property
-    def in_flight(self) -> int:
-        """The active rule's."""
-        return self.active.in_flight
-
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The phase (the switch step, or None), a pending lr drop, the step reached and the active rule's
         state."""
-        state = {
-            **super().state_dict(),
-            "switched_at": self.switched_at,
-            "dropped": self._dropped,
-            "next": self._next,
-        }
-        if self.switched_at is None:
-            return {**state, "bsp": self.bsp.state_dict()}
-        return {**state, "then": self.later.state_dict()}
+        return {**super().state_dict(), "dropped": self._dropped, "next": self._next, **self.phase_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the phase and the active rule's state; collective when the phase changes (every rank
-        restores the same checkpoint at once), which binds that phase's rule and keeps the replicas the pool
-        restored."""
+        """Restore the phase and the active rule's state (:meth:`~.switching.SwitchingRule.load_phase`)."""
         self._dropped = bool(state.get("dropped", False))
         self._next = int(state.get("next", self._next))
-        at = state.get("switched_at")
-        if at is None:
-            if self.switched_at is not None:
-                self.later.finish()
-                self._adopt(self.bsp)
-                self.switched_at = None
-            self.bsp.load_state_dict(state.get("bsp", {}))
-            return
-        if self.switched_at is None:
-            self.bsp.finish()
-            self._adopt(self.later)
-        self.switched_at = int(at)
-        self.later.load_state_dict(state["then"])
-
-    def _adopt(self, rule: Rule) -> None:
-        """Bind ``rule`` (collective) and give every learner back the weights and buffers it had: a restored
-        checkpoint's replicas, which bind's broadcast would replace."""
-        assert self.comm is not None and self.pool is not None
-        kept = [(learner.params.clone(), learner.buffers.clone()) for learner in self.pool.learners]
-        rule.bind(self.comm, self.pool)
-        for learner, (params, buffers) in zip(self.pool.learners, kept, strict=True):
-            learner.params.copy_(params)
-            learner.buffers.copy_(buffers)
+        self.load_phase(state)
 
 
 def later_rule(name: str) -> type[Rule]:
