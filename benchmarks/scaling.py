@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.report import REPO, append_result, relaunch
-from mpicrossbow.rules.cost_model import Cluster, Link, efficiency, step_time
+from mpicrossbow.rules.cost_model import Cluster, Link, scaling_efficiency, step_time
 
 CLUSTERS = REPO / "benchmarks" / "clusters"
 RULES = ("BSP", "SMA", "EASGD", "LOCALSGD", "DILOCO", "GOSGD", "ASGD", "SSP", "PSGD", "WEEDOUT", "GSP")
@@ -94,7 +94,7 @@ def prediction_rows(cluster: Cluster, model: str, nbytes: float, batch: int) -> 
                 continue
             step = step_time(rule, p, compute, nbytes, cluster, **HYPER.get(rule, {}))
             rate = step.training_ranks * batch / step.seconds
-            eff = efficiency(rule, p, compute, nbytes, cluster, **HYPER.get(rule, {}))
+            eff = scaling_efficiency(rule, p, compute, nbytes, cluster, **HYPER.get(rule, {}))
             cells.append(f"{step.seconds * 1e3:.0f} ms, {rate:,.0f}/s, {eff:.0%}")
         rows.append(f"| {rule} | " + " | ".join(cells) + " |")
     return rows
@@ -114,7 +114,7 @@ def plot(cluster: Cluster, model: str, nbytes: float, path: Path) -> None:
         ax.plot(
             gpus,
             [
-                efficiency(rule, p, cluster.compute[model], nbytes, cluster, **HYPER.get(rule, {}))
+                scaling_efficiency(rule, p, cluster.compute[model], nbytes, cluster, **HYPER.get(rule, {}))
                 for p in gpus
             ],
             marker=".",

@@ -45,7 +45,7 @@ import numpy as np
 
 from benchmarks.report import REPO, append_result
 from benchmarks.scaling import HYPER, RULES, model_bytes, time_comm, time_pass, time_rules
-from mpicrossbow.rules.cost_model import Cluster, Link, allreduce, step_time
+from mpicrossbow.rules.cost_model import Cluster, Link, cluster_allreduce, step_time
 
 sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster is the test suite's own fixture
 from netns_cluster import NetnsCluster, missing_reason
@@ -188,8 +188,8 @@ def link_rows(measured: list[dict[str, object]], cluster: Cluster, nbytes: int) 
         p = int(m["size"])  # type: ignore[call-overload]
         links = m["links"]  # type: ignore[index]
         for kind, predicted in (
-            ("allreduce", allreduce(nbytes, p, cluster)),
-            ("iallreduce", allreduce(nbytes, p, cluster)),
+            ("allreduce", cluster_allreduce(nbytes, p, cluster)),
+            ("iallreduce", cluster_allreduce(nbytes, p, cluster)),
             ("p2p", cluster.inter.message(nbytes)),
         ):
             ((_, got),) = links[kind]  # type: ignore[index]

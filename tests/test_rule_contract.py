@@ -58,6 +58,8 @@ class Case:
 
 CASES = [
     Case("ASGD", {"servers": 2}, 3),
+    Case("AUTO", {"measure_steps": 2, "candidates": "SMA"}, 2),
+    Case("AUTO", {"measure_steps": 3}, 2),
     Case("BSP", {}, 2),
     Case("DILOCO", {"period": 2}, 2),
     Case("EASGD", {"tau": 2}, 2),

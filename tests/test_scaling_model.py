@@ -13,11 +13,11 @@ from conftest import REPO
 from mpicrossbow.rules.cost_model import (
     Cluster,
     Link,
-    allreduce,
     allreduce_on,
-    efficiency,
+    cluster_allreduce,
     halving_doubling_allreduce,
     ring_allreduce,
+    scaling_efficiency,
     step_time,
     tree_allreduce,
 )
@@ -35,13 +35,13 @@ def test_ring_and_tree_allreduce_by_hand() -> None:
     assert tree_allreduce(MB, 4, LINK) == pytest.approx(4e-6 + 2e-3)
     assert ring_allreduce(MB, 1, LINK) == tree_allreduce(MB, 1, LINK) == 0.0
     # 1,024 ranks, 1 kB: the tree's 20 latencies beat the ring's 2,046
-    assert allreduce(1e3, 1024, Cluster("x", 1024, LINK, LINK)) == pytest.approx(20e-6 + 2e-6)
+    assert cluster_allreduce(1e3, 1024, Cluster("x", 1024, LINK, LINK)) == pytest.approx(20e-6 + 2e-6)
 
 
 def test_the_network_prices_collectives_beyond_one_node() -> None:
-    assert allreduce(MB, 4, NODE) == pytest.approx(6e-6 + 1.5e-3)  # one node: the intra link
+    assert cluster_allreduce(MB, 4, NODE) == pytest.approx(6e-6 + 1.5e-3)  # one node: the intra link
     # 8 ranks on two nodes: ring over the network, 2·7·10 µs + 2·(7/8)·1e6·1e-8 = 140 µs + 17.5 ms
-    assert allreduce(MB, 8, NODE) == pytest.approx(140e-6 + 17.5e-3)
+    assert cluster_allreduce(MB, 8, NODE) == pytest.approx(140e-6 + 17.5e-3)
 
 
 def test_rule_steps_by_hand() -> None:
@@ -66,7 +66,7 @@ def test_a_parameter_server_queues_and_then_bounds_the_step() -> None:
     heavy = step_time("ASGD", 4, 0.001, MB, NODE, period=1)  # 2 other pushes of 2 ms per 3 ms step: ρ > 1
     assert heavy.seconds == pytest.approx(3 * 2e-3)
     # efficiency counts the server's GPU: at best 3 of 4
-    assert efficiency("ASGD", 4, 10.0, 1.0, NODE, period=1) == pytest.approx(0.75, rel=1e-3)
+    assert scaling_efficiency("ASGD", 4, 10.0, 1.0, NODE, period=1) == pytest.approx(0.75, rel=1e-3)
 
 
 def test_ranks_sharing_cores_stretch_exchange_and_lose_overlap() -> None:
@@ -90,9 +90,9 @@ def test_the_horovod_paper_cluster_scales_inception_and_resnet101_near_90_percen
     """The paper's ~90 % at 512 GPUs (ring-allreduce BSP), within 10 points, from its hardware alone."""
     cluster, params, _ = load_cluster(REPO / "benchmarks" / "clusters" / "horovod_pascal.ini")
     for model in ("inception3", "resnet101"):
-        got = efficiency("BSP", 512, cluster.compute[model], 4 * params[model], cluster)
+        got = scaling_efficiency("BSP", 512, cluster.compute[model], 4 * params[model], cluster)
         assert abs(got - 0.90) <= 0.10, (model, got)
-    assert not math.isnan(efficiency("GOSGD", 1024, 0.5, 4 * params["vgg16"], cluster))
+    assert not math.isnan(scaling_efficiency("GOSGD", 1024, 0.5, 4 * params["vgg16"], cluster))
 
 
 def test_cluster_files_load(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ def test_mpich_allreduce_halves_and_doubles_and_folds_odd_rank_counts() -> None:
     assert halving_doubling_allreduce(MB, 1, LINK) == 0.0
     assert allreduce_on(MB, 3, LINK) == pytest.approx(ring_allreduce(MB, 3, LINK))  # nccl: the ring here
     mpich = dataclasses.replace(NODE, collectives="mpich")
-    assert allreduce(MB, 8, mpich) == pytest.approx(halving_doubling_allreduce(MB, 8, NODE.inter))
+    assert cluster_allreduce(MB, 8, mpich) == pytest.approx(halving_doubling_allreduce(MB, 8, NODE.inter))
     with pytest.raises(ValueError, match="collectives"):
         allreduce_on(MB, 3, LINK, "gloo")
 

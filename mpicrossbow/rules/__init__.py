@@ -1,6 +1,7 @@
 """Exchange rules: look one up by name in :data:`RULES`, or import one (``from mpicrossbow import BSP``)."""
 
 from .asgd import ASGD
+from .auto import Auto
 from .base import Rule
 from .bsp import BSP
 from .diloco import DiLoCo
@@ -25,6 +26,7 @@ __all__ = [
     "RULES",
     "SMA",
     "SSP",
+    "Auto",
     "DiLoCo",
     "LocalSGD",
     "PostLocalSGD",

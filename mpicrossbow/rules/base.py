@@ -72,6 +72,12 @@ class Rule:
         return False
 
     @property
+    def averages_gradients_throughout(self) -> bool:
+        """Whether every phase of the run averages gradients (a rule that switches rules mid-run asks each):
+        what the check of an uncapped learning-rate scaling reads (:mod:`.lr_recipe`)."""
+        return self.averages_gradients
+
+    @property
     def needs_mpi_threads(self) -> bool:
         """True when the rule talks MPI from a second thread (``MPI_THREAD_MULTIPLE``), e.g. a parameter
         server shard colocated with training."""
@@ -249,6 +255,11 @@ class Rule:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+    def run_record(self) -> dict[str, Any]:
+        """What the rule decided during the run (``RULE=AUTO``'s choice and the figures behind it), as
+        attributes for the run's metrics.h5; nothing by default."""
+        return {}
 
     # ---------------------------------------------------------------- helpers
     @property

@@ -160,7 +160,7 @@ def allreduce_on(nbytes: float, p: int, link: Link, collectives: str = "nccl") -
     return min(ring_allreduce(nbytes, p, link), tree_allreduce(nbytes, p, link))
 
 
-def allreduce(nbytes: float, p: int, cluster: Cluster) -> float:
+def cluster_allreduce(nbytes: float, p: int, cluster: Cluster) -> float:
     """The allreduce of p ranks over the link that they need, by the cluster's algorithms."""
     return allreduce_on(nbytes, p, cluster.link(p), cluster.collectives)
 
@@ -227,7 +227,7 @@ def step_time(
     rule = rule.upper()
     if p == 1 and rule not in ("ASGD", "SSP", "PSGD", "WEEDOUT", "GSP"):
         return Step(compute, 0.0, 1)
-    c = allreduce(nbytes, p, cluster)
+    c = cluster_allreduce(nbytes, p, cluster)
     share, stretch = cluster.share(p), cluster.stretch(p)
     passes = PASSES.get(rule, 0) * nbytes * cluster.gamma * share
     overlaps = cluster.overlaps and share == 1  # no free core, nothing overlaps
@@ -254,7 +254,9 @@ def step_time(
     return Step(compute + comm, comm, p)
 
 
-def efficiency(rule: str, p: int, compute: float, nbytes: float, cluster: Cluster, **hyper: float) -> float:
+def scaling_efficiency(
+    rule: str, p: int, compute: float, nbytes: float, cluster: Cluster, **hyper: float
+) -> float:
     """Samples/s at p ranks over (training ranks × one rank alone): 1.0 is perfect scaling."""
     step = step_time(rule, p, compute, nbytes, cluster, **hyper)  # type: ignore[arg-type]
     return compute / step.seconds * step.training_ranks / p

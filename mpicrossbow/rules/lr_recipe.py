@@ -21,7 +21,7 @@ def uncapped_scaling(rule: Rule, scaling: str, cap: float, keys: tuple[str, str]
 
     ``keys`` names the two settings as the user wrote them (``[optim] lr_scaling``/``[optim] lr_cap`` or
     ``xb.distribute(lr_scaling=...)``/``lr_cap=...``)."""
-    if scaling == "none" or cap or rule.averages_gradients:
+    if scaling == "none" or cap or rule.averages_gradients_throughout:
         return None
     return (
         f"{keys[0]} = {scaling} scales RULE={rule.name}'s rate with its k learners and {keys[1]} = 0 sets no "

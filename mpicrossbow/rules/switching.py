@@ -51,6 +51,11 @@ class SwitchingRule(Rule):
         """What the active rule says: BSP's grad mode before the switch, the later rule's after it."""
         return self.active.averages_gradients
 
+    @property
+    def averages_gradients_throughout(self) -> bool:
+        """Whether BSP and the later rule both average gradients."""
+        return self.bsp.averages_gradients and self.later.averages_gradients
+
     def bind(self, comm: Communicator, pool: ReplicaView) -> Rule:
         """Bind BSP (every learner starts from rank 0's learner 0); the later rule waits for the switch."""
         self.comm, self.pool = comm, pool

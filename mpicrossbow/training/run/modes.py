@@ -80,7 +80,9 @@ class RunMode(ABC):
             target_epochs=outcome.target[1] if outcome.target else math.nan,
             curve=tuple(outcome.curve),
         )
-        reporter.close(result, len(parts.pool.learners), parts.pool.run_record())
+        reporter.close(
+            result, len(parts.pool.learners), {**parts.pool.run_record(), **parts.rule.run_record()}
+        )
         return result
 
 

@@ -1,0 +1,172 @@
+"""``RULE = AUTO``'s decision: which synchronous rule reaches the target soonest on this cluster, predicted as
+the seconds of a step (the cost model, :mod:`.cost_model`) times the epochs it needs (the statistical side).
+
+**Inputs**, measured by :class:`~.auto.Auto` on every rank while it runs BSP (:class:`Measured`): BSP's wall
+seconds per step and the part of it spent in the rule's hooks; the α and β of the link, fitted from two
+timed allreduces (a short one and one of the model's bytes) over every rank; γ, the seconds per byte of one
+elementwise pass over the parameters; whether the communicator overlaps a collective with compute; the
+learners in all (k); and the gradient noise scale where known.
+
+**Throughput.** A step's compute is BSP's measured step less its communication (:attr:`Measured.compute_s`);
+the cost model prices each candidate's step from it and the fitted link (:func:`~.cost_model.step_time`);
+BSP keeps its measured step.
+
+**Statistical side.** Each candidate's epochs to a target, relative to BSP's at the same k
+(:data:`EPOCHS_VS_BSP`), are read from the measured table of benchmarks/results/epochs_to_target.md
+(MNIST-1D CNN, 2 ranks, k = 4, 8 and 16, medians of 3 seeds), interpolated in log2 k, and 1 at k = 1 (one
+learner: every rule is plain SGD). Past k = 16, the k = 16 figure. The noise scale is shown beside the
+decision but does not move it: the only measured link between it and model averaging's epochs is the table,
+whose B_noise was not recorded. LOCALSGD is priced at its default period only (8): the other periods have no
+measured epochs yet.
+
+**Where it is wrong** (docs/rules.md, "AUTO"): models whose averaging rules need other epochs than MNIST-1D's
+CNN did; a link that changes after the decision (the decision is made once); stragglers, which the model
+prices as the average rank; links of two speeds (one α and β for every rank).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .cost_model import Cluster, Link, step_time
+
+#: Epochs to the target relative to BSP's, per k (learners in all): benchmarks/results/epochs_to_target.md,
+#: "Epochs to 94 % against k — 2026-11-26 23:39" (SMA 29.3/27.8, 62.8/30.8, 61.5/31.8; LOCALSGD 33.3/27.8,
+#: 72.5/30.8, 68.9/31.8).
+EPOCHS_VS_BSP: dict[str, dict[int, float]] = {
+    "SMA": {1: 1.0, 4: 1.05, 8: 2.04, 16: 1.93},
+    "LOCALSGD": {1: 1.0, 4: 1.20, 8: 2.35, 16: 2.17},
+}
+#: The candidates, in the order they are shown: label → (rule, its hyper-parameters).
+CANDIDATES: dict[str, tuple[str, dict[str, int]]] = {
+    "BSP": ("BSP", {}),
+    "SMA": ("SMA", {}),
+    "LOCALSGD (period 8)": ("LOCALSGD", {"period": 8}),
+}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the decision reads (module docstring); times in seconds, the largest over the ranks."""
+
+    ranks: int
+    learners: int
+    step_s: float
+    hooks_s: float
+    link: Link
+    nbytes: int
+    gamma: float
+    overlaps: bool
+    noise_scale: float = math.nan
+
+    #: Seconds of one allreduce of the model's bytes, timed with every rank lined up.
+    allreduce_s: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        """One step's compute: BSP's step less its communication, which is the seconds in its hooks or the
+        allreduce alone, whichever is less (never below a tenth of the step). The hooks also hold the wait
+        for the slowest rank of each step: that wait stays in the compute, which every rule that meets each
+        step pays too."""
+        return max(self.step_s - min(self.hooks_s, self.allreduce_s), 0.1 * self.step_s)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate's predicted step, epochs relative to BSP's, and their product (BSP = 1)."""
+
+    label: str
+    rule: str
+    hyper: dict[str, int]
+    step_s: float
+    epochs: float
+    time: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The candidates, soonest first; :attr:`chosen` is the first."""
+
+    candidates: tuple[Candidate, ...]
+    measured: Measured
+
+    @property
+    def chosen(self) -> Candidate:
+        """The candidate predicted to reach the target soonest."""
+        return self.candidates[0]
+
+    def line(self) -> str:
+        """The decision in one line: each candidate's predicted time to target (BSP = 1), step and epochs,
+        then the figures behind them."""
+        m = self.measured
+        rows = ", ".join(
+            f"{c.label} {c.time:.2f} ({c.step_s * 1e3:.3g} ms/step × {c.epochs:.2f} epochs)"
+            for c in self.candidates
+        )
+        noise = f"{m.noise_scale:.4g}" if math.isfinite(m.noise_scale) else "not measured"
+        return (
+            f"chose {self.chosen.label}; time to target relative to BSP: {rows}; from compute "
+            f"{m.compute_s * 1e3:.3g} ms/step, allreduce of {m.nbytes / 1e3:.4g} KB over {m.ranks} rank(s) "
+            f"α {m.link.alpha * 1e6:.3g} µs β {m.link.beta * 1e9:.3g} ns/B, k = {m.learners}, "
+            f"B_noise {noise}"
+        )
+
+
+def epochs_vs_bsp(rule: str, k: int) -> float:
+    """``rule``'s epochs to the target relative to BSP's at ``k`` learners in all (:data:`EPOCHS_VS_BSP`),
+    interpolated in log2 k; BSP's own is 1."""
+    table = EPOCHS_VS_BSP.get(rule)
+    if table is None:
+        return 1.0
+    ks = sorted(table)
+    if k <= ks[0]:
+        return table[ks[0]]
+    if k >= ks[-1]:
+        return table[ks[-1]]
+    high = next(i for i, at in enumerate(ks) if at >= k)
+    a, b = ks[high - 1], ks[high]
+    share = (math.log2(k) - math.log2(a)) / (math.log2(b) - math.log2(a))
+    return table[a] + share * (table[b] - table[a])
+
+
+def fit_link(ranks: int, short: tuple[float, float], long: tuple[float, float]) -> Link:
+    """α and β from two timed allreduces (``(bytes, seconds)`` each) over ``ranks`` ranks, read as the ring's
+    ``2(p−1) α + 2 (p−1)/p · n β``; neither is below 0."""
+    if ranks < 2:
+        return Link(0.0, 0.0)
+    (n_s, t_s), (n_l, t_l) = short, long
+    hops, share = 2 * (ranks - 1), 2 * (ranks - 1) / ranks
+    beta = max((t_l - t_s) / (share * (n_l - n_s)), 0.0) if n_l > n_s else 0.0
+    alpha = max((t_s - share * n_s * beta) / hops, 0.0)
+    return Link(alpha, beta)
+
+
+def choose_rule(measured: Measured) -> Decision:
+    """Price every candidate (module docstring) and order them, soonest first (ties: the listed order)."""
+    cluster = Cluster(
+        "measured",
+        gpus_per_node=measured.ranks,
+        intra=measured.link,
+        inter=measured.link,
+        gamma=measured.gamma,
+        overlaps=measured.overlaps,
+    )
+    found = []
+    for label, (rule, hyper) in CANDIDATES.items():
+        if rule == "BSP":
+            seconds = measured.step_s
+        else:
+            step = step_time(
+                rule,
+                measured.ranks,
+                measured.compute_s,
+                measured.nbytes,
+                cluster,
+                period=hyper.get("period", 1),
+            )
+            seconds = step.seconds
+        epochs = epochs_vs_bsp(rule, measured.learners)
+        found.append(Candidate(label, rule, hyper, seconds, epochs, seconds * epochs / measured.step_s))
+    order = sorted(range(len(found)), key=lambda i: (found[i].time, i))
+    return Decision(tuple(found[i] for i in order), measured)

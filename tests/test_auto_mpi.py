@@ -1,0 +1,86 @@
+"""RULE=AUTO through ``crossbow-launch``'s real path: the decision in one line and in metrics.h5, and a run
+killed after the switch, resumed from a checkpoint on either side of the decision, ends bitwise equal to an
+uninterrupted run.
+
+The digits job on 2 ranks for 2 epochs of 44 steps. With every candidate the choice depends on this
+machine's timings, so the first test checks only that the line and the attributes agree and hold every
+candidate. With ``candidates = SMA`` the choice is forced: BSP for 30 measured steps, SMA from step 30;
+checkpoints every 20 steps, rank 1 fails at step 70. Resumed from step 20 the run measures and decides again;
+resumed from step 60 it restores SMA's phase and state.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_postlocalsgd_mpi import assert_same, final_state
+
+from conftest import launcher, only_run, run_mpi
+from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
+from mpicrossbow.training.reporting.metrics import read_metrics
+
+pytestmark = [pytest.mark.mpi]
+
+DECISION = 30
+
+
+def job(mpiexec: str, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """The digits job under AUTO on 2 ranks (2 epochs, checkpoints every 20 steps), with ``overrides``."""
+    args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={out}", "session.epochs=2",
+            "checkpoint.every_steps=20", "RULE=AUTO", f"rule.measure_steps={DECISION}",
+            *overrides]  # fmt: skip
+    return run_mpi(mpiexec, 2, args, timeout=90)
+
+
+def test_the_decision_is_one_line_and_the_same_in_metrics(mpiexec: str, tmp_path: Path) -> None:
+    done = job(mpiexec, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if f"AUTO at step {DECISION}: chose " in line]
+    assert len(lines) == 1, done.stderr[-3000:]
+    chosen = re.search(r"chose (.+?); time to target relative to BSP: ", lines[0])
+    assert chosen is not None
+    for label in ("BSP 1.00 (", "SMA ", "LOCALSGD (period 8) "):
+        assert label in lines[0], lines[0]
+    attrs = read_metrics(only_run(tmp_path) / "metrics.h5")["attrs"]
+    assert attrs["rule_auto_choice"] == chosen[1] and attrs["rule_auto_line"] in lines[0]
+    assert attrs["rule_auto_candidates"].split("; ")[0] == chosen[1]
+    assert sorted(attrs["rule_auto_candidates"].split("; ")) == ["BSP", "LOCALSGD (period 8)", "SMA"]
+    predicted = attrs["rule_auto_predicted"]
+    assert len(predicted) == 3 and predicted[0][2] == min(row[2] for row in predicted)
+    state = final_state(tmp_path, 0)["rule"]  # the choice runs from the decision on (BSP: no switch)
+    assert state["decided"] == chosen[1]
+    assert state["switched_at"] == (None if chosen[1] == "BSP" else DECISION)
+    assert attrs["val_accuracy"] >= 0.7  # it trains on (BSP, SMA and LOCALSGD read 0.80-0.86 after 2 epochs)
+
+
+def test_a_run_killed_after_the_switch_resumes_bitwise_equal_from_either_side(
+    mpiexec: str, tmp_path: Path
+) -> None:
+    forced = ("rule.candidates=SMA",)
+    whole, before, after = tmp_path / "whole", tmp_path / "before", tmp_path / "after"
+    done = job(mpiexec, whole, *forced)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"AUTO at step {DECISION}: chose SMA; time to target relative to BSP: SMA " in done.stderr
+    crashed = job(mpiexec, before, *forced, "inject.rank=1", "inject.step=70")
+    assert crashed.returncode != 0 and "rank 1 of 2" in crashed.stderr
+    shutil.copytree(before, after)
+    checkpoints = only_run(before) / "checkpoints"
+    assert [p.name for p in complete_checkpoints(checkpoints)] == [f"step-{s:09d}" for s in (20, 40, 60)]
+    crossing = job(mpiexec, before, *forced, f"checkpoint.resume={checkpoints / 'step-000000020'}")
+    assert crossing.returncode == 0, crossing.stderr[-3000:]
+    assert f"AUTO at step {DECISION}: chose SMA" in crossing.stderr
+    restored = job(mpiexec, after, *forced, "--resume")
+    assert restored.returncode == 0, restored.stderr[-3000:]
+    assert "step-000000060 (step 60)" in restored.stderr and "AUTO at step" not in restored.stderr
+    for rank in (0, 1):
+        reference = final_state(whole, rank)
+        assert reference["rule"]["switched_at"] == DECISION and reference["rule"]["decided"] == "SMA"
+        assert "z" in reference["rule"]["then"]
+        for resumed in (before, after):
+            state = final_state(resumed, rank)
+            assert_same(reference["pool"], state["pool"], f"{resumed.name} rank {rank} pool")
+            assert_same(reference["rule"], state["rule"], f"{resumed.name} rank {rank} rule")

@@ -1,0 +1,106 @@
+"""RULE=AUTO's decision (mpicrossbow/rules/rule_choice.py) on figures given by hand: which rule it picks where
+the allreduce is negligible, where it dominates, and where a communicator hides it behind compute; the link
+fit and the epochs table it reads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mpicrossbow.errors import ConfigError
+from mpicrossbow.rules import RULES
+from mpicrossbow.rules.cost_model import Link, ring_allreduce
+from mpicrossbow.rules.rule_choice import EPOCHS_VS_BSP, Measured, choose_rule, epochs_vs_bsp, fit_link
+
+pytestmark = pytest.mark.quick
+
+#: 1 µs, 1 GB/s; a model of 1 MB.
+LINK, NBYTES = Link(1e-6, 1e-9), 1_000_000
+
+
+def measured(compute: float, allreduce: float, overlaps: bool = False, k: int = 2) -> Measured:
+    """Figures of a 2-rank BSP whose step is ``compute`` plus an exposed ``allreduce``."""
+    return Measured(
+        ranks=2,
+        learners=k,
+        step_s=compute + allreduce,
+        hooks_s=allreduce,
+        link=Link(0.0, allreduce / NBYTES),  # the ring over 2 ranks: n β
+        nbytes=NBYTES,
+        gamma=0.0,
+        overlaps=overlaps,
+        allreduce_s=allreduce,
+    )
+
+
+def test_a_negligible_allreduce_keeps_bsp_which_needs_the_fewest_epochs() -> None:
+    decision = choose_rule(measured(compute=0.010, allreduce=0.0001))
+    assert decision.chosen.label == "BSP" and decision.chosen.time == 1.0
+    assert [c.label for c in decision.candidates] == ["BSP", "SMA", "LOCALSGD (period 8)"]
+
+
+def test_an_allreduce_that_dominates_the_step_picks_local_sgd() -> None:
+    """Allreduce 4× the compute: LOCALSGD pays it every 8th step and wins despite 1.1× BSP's epochs."""
+    decision = choose_rule(measured(compute=0.005, allreduce=0.020))
+    chosen = decision.chosen
+    assert chosen.label == "LOCALSGD (period 8)" and chosen.hyper == {"period": 8}
+    assert chosen.step_s == pytest.approx(0.005 + 0.020 / 8)
+    assert chosen.time == pytest.approx(0.0075 * epochs_vs_bsp("LOCALSGD", 2) / 0.025)
+
+
+def test_a_communicator_that_overlaps_makes_sma_hide_an_allreduce_as_long_as_compute() -> None:
+    """SMA's allreduce runs beside the next step's compute: its step is the compute alone, BSP's twice it."""
+    decision = choose_rule(measured(compute=0.010, allreduce=0.010, overlaps=True))
+    assert decision.chosen.label == "SMA"
+    assert decision.chosen.step_s == pytest.approx(0.010)
+    blocking = choose_rule(measured(compute=0.010, allreduce=0.010, overlaps=False))
+    assert blocking.chosen.label == "LOCALSGD (period 8)"  # nothing hidden: the period pays
+
+
+def test_compute_is_the_step_less_the_allreduce_when_the_hooks_also_waited_for_a_slow_rank() -> None:
+    """BSP's hooks hold the wait for the slowest rank too: only the allreduce's own time is taken off."""
+    waited = Measured(2, 2, 0.010, 0.006, LINK, NBYTES, 0.0, False, allreduce_s=0.002)
+    assert waited.compute_s == pytest.approx(0.008)
+    overlapped = Measured(2, 2, 0.010, 0.001, LINK, NBYTES, 0.0, False, allreduce_s=0.002)
+    assert overlapped.compute_s == pytest.approx(0.009)
+
+
+def test_the_epochs_table_is_one_at_one_learner_and_interpolates_in_log_k() -> None:
+    for rule, table in EPOCHS_VS_BSP.items():
+        assert epochs_vs_bsp(rule, 1) == 1.0
+        for k, ratio in table.items():
+            assert epochs_vs_bsp(rule, k) == ratio
+        assert epochs_vs_bsp(rule, 64) == table[16]
+    assert epochs_vs_bsp("SMA", 2) == pytest.approx((1.0 + 1.05) / 2)
+    assert epochs_vs_bsp("BSP", 12) == 1.0
+
+
+def test_the_link_fit_recovers_alpha_and_beta_from_two_ring_allreduces() -> None:
+    for ranks in (2, 3, 8):
+        short, long = 256, 4_000_000
+        fit = fit_link(
+            ranks, (short, ring_allreduce(short, ranks, LINK)), (long, ring_allreduce(long, ranks, LINK))
+        )
+        assert fit.alpha == pytest.approx(LINK.alpha) and fit.beta == pytest.approx(LINK.beta)
+    assert fit_link(2, (256, 1e-3), (1_000_000, 5e-4)) == Link(5e-4, 0.0)  # noise: β not below 0
+    assert fit_link(1, (256, 1.0), (1_000, 2.0)) == Link(0.0, 0.0)
+
+
+def test_the_decision_line_names_every_candidate_and_the_figures_behind_it() -> None:
+    line = choose_rule(measured(compute=0.005, allreduce=0.020)).line()
+    assert line.startswith("chose LOCALSGD (period 8); time to target relative to BSP: LOCALSGD (period 8) ")
+    for text in ("SMA ", "BSP 1.00 (25 ms/step × 1.00 epochs)", "compute 5 ms/step", "allreduce of 1000 KB",
+                 "over 2 rank(s)", "k = 2", "B_noise not measured"):  # fmt: skip
+        assert text in line, (text, line)
+    assert math.isnan(measured(0.01, 0.01).noise_scale)
+
+
+def test_auto_refuses_a_candidate_it_does_not_price_and_names_those_it_does() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^\[rule\] candidates = BSP,EASGD: AUTO chooses among BSP, SMA, LOCALSGD$"
+    ):
+        RULES.get("AUTO")(candidates="BSP,EASGD")
+    rule = RULES.get("auto")(candidates=" sma , localsgd,SMA")
+    assert rule.hyper.candidates == "SMA,LOCALSGD" and list(rule.options) == ["SMA", "LOCALSGD (period 8)"]
+    assert not rule.averages_gradients_throughout  # an uncapped lr scaling is refused, as for SMA itself
