@@ -10,7 +10,8 @@ validation after each epoch, under
 * BSP (every step waits for the slow node),
 * GSP with one group per node (a group's leader pushes to the servers asynchronously),
 * ASGD and SSP (staleness 2) with the parameter server colocated on every rank,
-* LOCALSGD and SMA.
+* LOCALSGD and SMA,
+* AUTO, the framework's own pick (its line says how its time compares with the best rule picked by hand).
 
 Each rate setting is one mpiexec job across the nodes (tests/mpi_scripts/cfg_runs.py), each seed one job;
 the table gives each rule's median wall seconds to the first validation at 97 % (metrics.h5's ``val``
@@ -31,6 +32,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from benchmarks.report import REPO, append_result, cfg_runs
 from mpicrossbow.training.reporting.metrics import read_metrics
@@ -56,7 +58,10 @@ RULES = {
     "SSP (colocated)": "RULE=SSP,rule.staleness=2,rule.placement=colocated",
     "LOCALSGD": "RULE=LOCALSGD",
     "SMA": "RULE=SMA",
+    "AUTO": "RULE=AUTO",
 }
+#: The label of the rule the framework picks (RULE=AUTO); the others are picked by hand.
+AUTO = "AUTO"
 
 
 def common(epochs: int) -> list[str]:
@@ -65,9 +70,7 @@ def common(epochs: int) -> list[str]:
     return ["session.epochs=" + str(epochs), "session.log_level=warning", "session.threads=1"]
 
 
-def measure(
-    cluster: NetnsCluster, out: Path, task: str, seed: int, epochs: int
-) -> dict[str, dict[str, float]]:
+def measure(cluster: NetnsCluster, out: Path, task: str, seed: int, epochs: int) -> dict[str, dict[str, Any]]:
     """Every rule at ``seed`` in one job across the cluster's nodes; label → seconds, samples/s, accuracy."""
     cfg, extra, target, _ = TASKS[task]
     out.mkdir(parents=True, exist_ok=True)
@@ -99,6 +102,8 @@ def measure(
             "samples": float(attrs["samples_per_second"]),
             "accuracy": float(attrs["val_accuracy"]),
         }
+        if "rule_auto_choice" in attrs:
+            found[label]["choice"] = str(attrs["rule_auto_choice"])
     return found
 
 
@@ -107,7 +112,7 @@ def median(values: list[float]) -> float:
     return statistics.median([math.inf if math.isnan(v) else v for v in values])
 
 
-def table(setting: str, target: float, results: list[dict[str, dict[str, float]]]) -> str:
+def table(setting: str, target: float, results: list[dict[str, dict[str, Any]]]) -> str:
     """One rate setting's rows."""
     times = {label: median([r[label]["seconds"] for r in results]) for label in RULES}
     lines = [
@@ -126,6 +131,11 @@ def table(setting: str, target: float, results: list[dict[str, dict[str, float]]
             f"{statistics.median(r[label]['samples'] for r in results):,.0f} | "
             f"{statistics.median(r[label]['accuracy'] for r in results):.4f} |"
         )
+    by_hand = {label: t for label, t in times.items() if label != AUTO}
+    best = min(by_hand, key=lambda label: by_hand[label])
+    ratio = times[AUTO] / by_hand[best] if math.isfinite(by_hand[best]) else math.nan
+    choices = sorted({r[AUTO].get("choice", "?") for r in results})
+    lines += ["", f"auto ÷ best hand-picked: {ratio:.2f} (best: {best}; auto chose {', '.join(choices)})"]
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 #: Rule classes exported with the Theano-MPI facade: exported name → name in ``mpicrossbow.rules``.
 _RULES = (
     "ASGD",
+    "Auto",
     "BSP",
     "DiLoCo",
     "EASGD",

@@ -4,6 +4,7 @@ fit and the epochs table it reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -104,3 +105,17 @@ def test_auto_refuses_a_candidate_it_does_not_price_and_names_those_it_does() ->
     rule = RULES.get("auto")(candidates=" sma , localsgd,SMA")
     assert rule.hyper.candidates == "SMA,LOCALSGD" and list(rule.options) == ["SMA", "LOCALSGD (period 8)"]
     assert not rule.averages_gradients_throughout  # an uncapped lr scaling is refused, as for SMA itself
+
+
+def test_a_decision_taken_under_local_sgd_keeps_its_measured_step_and_prices_bsp_by_the_model() -> None:
+    """Decided again while LOCALSGD runs: its step is the measured one, its hooks hold one allreduce in 8."""
+    running = dataclasses.replace(measured(compute=0.005, allreduce=0.020), active="LOCALSGD (period 8)")
+    running = dataclasses.replace(running, step_s=0.0075, hooks_s=0.0025)
+    assert running.compute_s == pytest.approx(0.005)
+    decision = choose_rule(running)
+    steps = {c.label: c.step_s for c in decision.candidates}
+    assert steps["LOCALSGD (period 8)"] == 0.0075
+    assert steps["BSP"] == pytest.approx(
+        0.005 + 0.020
+    )  # compute plus the whole allreduce, nothing overlapped
+    assert decision.chosen.label == "LOCALSGD (period 8)"

@@ -1,22 +1,30 @@
 """AUTO — the framework picks the exchange rule: BSP while it measures the cluster, then the synchronous rule
 predicted to reach the target soonest (:mod:`.rule_choice`: the cost model's step times × the epochs each
-rule needs), switched to through post-local SGD's path (:mod:`.switching`).
+rule needs), switched to through post-local SGD's path (:mod:`.switching`); measured again, and chosen
+again, when the cluster changes.
 
 Who sends what to whom, and when:
 
-* **Steps 0 … measure_steps − 1** are BSP's (its default settings: every hook goes to BSP). From step
-  :data:`UNTIMED_STEPS` on, each rank times its steps (from one exchange's end to the
-  next) and the part spent in the rule's hooks.
-* **After the exchange of step measure_steps − 1**, every rank at once: a short allreduce (256 bytes) and
-  one of the model's flat parameters, each once untimed and :data:`REPEATS` times timed (the fastest), and
-  a local elementwise pass timed for γ; one allreduce (MAX) of the five figures, so every rank decides from
-  the same numbers and alike; :func:`~.rule_choice.choose_rule`. Rank 0 logs the decision in one line (every
-  candidate's predicted time and the figures behind it). If the choice is not BSP, the switch
+* **Windows of measure_steps steps.** Each rank times its steps (from one exchange's end to the next) and
+  the part spent in the rule's hooks, from the :data:`UNTIMED_STEPS`-th step of each window on.
+* **The first window** is BSP's (its default settings). After its last exchange, every rank at once: a
+  short allreduce (256 bytes) and one of the model's flat parameters, each once untimed and
+  :data:`REPEATS` times timed (the fastest), and a local elementwise pass timed for γ; one allreduce (MAX)
+  of the five figures, so every rank decides from the same numbers and alike;
+  :func:`~.rule_choice.choose_rule`. Rank 0 logs the decision in one line (every candidate's predicted
+  time and the figures behind it). If the choice is not BSP, the switch
   (:class:`~.switching.SwitchingRule`) binds the chosen rule from the next step on.
-* **After the decision** the chosen rule runs as it does on its own. The decision is taken once.
+* **Every later window** ends with one allreduce (MAX) of three numbers: the window's step and hook
+  seconds and whether the world or the learner count changed (an elastic loss or replacement,
+  ``learners = auto``). With ``recheck`` on, a step :data:`DRIFT`× slower or faster than predicted for
+  :data:`SUSTAINED` windows in a row (a link that slowed, another job's traffic), or such a change,
+  measures the link again and decides again from the running rule's figures. A new choice is switched to
+  at once on every rank: the running rule finishes, every learner takes the mean model and buffers of all
+  k learners (model averaging leaves the replicas apart), and the new rule is bound.
 
-Checkpoints hold the decision and the phase: a run resumed after the decision runs the rule it chose,
-exactly; one resumed before it measures again. ``candidates`` restricts the choice (``BSP,SMA``).
+Checkpoints hold the choice, the phase and the window's position: a run resumed after a decision runs the
+rule it chose, exactly; one resumed before the first decision measures again. ``candidates`` restricts the
+choice (``BSP,SMA``).
 """
 
 from __future__ import annotations
@@ -52,11 +60,16 @@ UNTIMED_STEPS = 3
 REPEATS = 10
 #: Bytes of the short allreduce that prices the link's latency.
 SHORT_BYTES = 256
+#: How far a window's step may stray from the prediction (either way) before it counts as drift.
+DRIFT = 2.0
+#: Windows in a row that must drift before AUTO measures and decides again.
+SUSTAINED = 2
 
 
 @RULES.register("AUTO")
 class Auto(SwitchingRule):
-    """BSP while measuring, then the rule the cost model and the epochs table predict soonest."""
+    """BSP while measuring, then the rule the cost model and the epochs table predict soonest; chosen again
+    when the cluster changes."""
 
     @dataclass(frozen=True)
     class Config:
@@ -64,11 +77,17 @@ class Auto(SwitchingRule):
 
         measure_steps: int = setting(
             20,
-            "BSP steps before the decision (the first 3 are not timed); a run that ends sooner stays BSP",
+            "steps of a measuring window: BSP's before the first decision (the first 3 of each window are "
+            "not timed); a run that ends sooner stays BSP",
             ge=2,
         )
         candidates: str = setting(
             "BSP,SMA,LOCALSGD", "the rules to choose from, comma-separated: any of BSP, SMA, LOCALSGD"
+        )
+        recheck: bool = setting(
+            True,
+            "decide again when a window's step strays 2x from the prediction two windows in a row, after an "
+            "elastic loss or replacement, and when learners = auto changes k",
         )
 
     name = "AUTO"
@@ -91,14 +110,16 @@ class Auto(SwitchingRule):
         }
         self.later = next(iter(self.options.values()))
         self.switched_at = None
-        #: The chosen candidate's label once decided (None: still measuring).
+        #: The running choice's label (None: measuring for the first decision).
         self.decided: str | None = None
+        #: The last decision, and every decision's (step, label, predicted seconds a step).
         self.decision: Decision | None = None
-        self._steps = 0  # timed steps
-        self._step_s = 0.0
-        self._hooks_s = 0.0
+        self.decisions: list[tuple[int, str, float]] = []
+        self._window = 0  # the step the current window started at
+        self._drifted = 0  # windows in a row that drifted
+        self._changed = False  # the world or k changed since the last decision
+        self._steps, self._step_s, self._hooks_s, self._in_hooks = 0, 0.0, 0.0, 0.0
         self._mark: float | None = None  # the end of the last exchange
-        self._in_hooks = 0.0
         self._warned = False
 
     @property
@@ -130,35 +151,64 @@ class Auto(SwitchingRule):
 
     # ------------------------------------------------------------------ hooks
     def on_gradients(self, step: int) -> None:
-        """The active rule's, timed while measuring."""
+        """The active rule's, timed."""
         before = time.perf_counter()
         self.active.on_gradients(step)
         self._in_hooks += time.perf_counter() - before
 
     def exchange(self, step: int) -> None:
-        """The active rule's exchange; while measuring, time the step; after the last one measured, decide."""
+        """The active rule's exchange, timed; after a window's last step, decide (first) or check."""
         before = time.perf_counter()
         self.active.exchange(step)
         end = time.perf_counter()
-        if self.decided is not None:
-            return
-        if step >= min(UNTIMED_STEPS, self.hyper.measure_steps - 1) and self._mark is not None:
+        into = step - self._window
+        if into >= min(UNTIMED_STEPS, self.hyper.measure_steps - 1) and self._mark is not None:
             self._steps += 1
             self._step_s += end - self._mark
             self._hooks_s += self._in_hooks + end - before
         self._mark, self._in_hooks = end, 0.0
-        if step + 1 >= self.hyper.measure_steps:
-            self._decide(step + 1)
+        if into + 1 >= self.hyper.measure_steps:
+            self._window_ends(step + 1)
 
-    def _decide(self, step: int) -> None:
-        """Every rank at once: measure the link and γ, agree on the figures, choose, switch if not BSP."""
+    def on_rebind(self, lost: tuple[int, ...]) -> None:
+        """The active rule's; the next window's end decides again (the world changed)."""
+        self.active.on_rebind(lost)
+        self._changed = True
+
+    def on_resize(self) -> None:
+        """The active rule's; the next window's end decides again (k changed)."""
+        self.active.on_resize()
+        self._changed = True
+
+    def _window_ends(self, step: int) -> None:
+        """The first window: decide. A later one: agree on its figures and decide again if they drifted or
+        the world changed (module docstring). Then a new window starts at ``step``."""
+        assert self.comm is not None
+        steps = max(1, self._steps)
+        step_s, hooks_s = self._step_s / steps, self._hooks_s / steps
+        if self.decided is None:
+            self._decide(step, step_s, hooks_s)
+        elif self.hyper.recheck:
+            step_s, hooks_s, changed = self.comm.exact.allreduce_scalars(
+                [step_s, hooks_s, float(self._changed)], op=ReduceOp.MAX
+            )
+            expected = self.decisions[-1][2]
+            drift = step_s / expected if expected > 0 and step_s > 0 else 1.0
+            self._drifted = self._drifted + 1 if max(drift, 1 / drift) > DRIFT else 0
+            if changed or self._drifted >= SUSTAINED:
+                why = f"steps {drift:.2g}x as predicted" if not changed else "the world or k changed"
+                self._decide(step, step_s, hooks_s, why)
+        self._window, self._steps, self._step_s, self._hooks_s = step, 0, 0.0, 0.0
+
+    def _decide(self, step: int, step_s: float, hooks_s: float, reason: str = "") -> None:
+        """Every rank at once: measure the link and γ, agree on the figures, choose, switch if the choice is
+        not the running rule."""
         assert self.comm is not None and self.pool is not None
         params = self.pool.learners[0].params
         short = _timed_allreduce(self.comm, torch.zeros(SHORT_BYTES // 4, device=params.device))
         long = _timed_allreduce(self.comm, torch.zeros_like(params))
         gamma = _pass_seconds(params) / max(1, params.numel() * params.element_size())
-        steps = max(1, self._steps)
-        figures = [self._step_s / steps, self._hooks_s / steps, short, long, gamma]
+        figures = [step_s, hooks_s, short, long, gamma]
         step_s, hooks_s, short, long, gamma = self.comm.exact.allreduce_scalars(figures, op=ReduceOp.MAX)
         nbytes = params.numel() * params.element_size()
         measured = Measured(
@@ -171,21 +221,40 @@ class Auto(SwitchingRule):
             gamma=gamma,
             overlaps=self.comm.overlaps,
             allreduce_s=long,
+            active=self.decided or "BSP",
         )
-        self._choose(decide_among(measured, self.options), step)
-
-    def _choose(self, decision: Decision, step: int) -> None:
-        """Record ``decision`` and switch to its choice at ``step`` (nothing to switch for BSP)."""
-        assert self.comm is not None
+        decision = decide_among(measured, self.options)
+        running = self.decided or "BSP"
         self.decision, self.decided = decision, decision.chosen.label
+        self.decisions.append((step, decision.chosen.label, decision.chosen.step_s))
+        self._drifted, self._changed = 0, False
         if self.comm.rank == 0:
-            log.info("%s at step %d: %s", self.name, step, decision.line())
-        if self.options[self.decided] is not self.bsp:
-            self.later = self.options[self.decided]
+            again = f" (again: {reason})" if reason else ""
+            log.info("%s at step %d%s: %s", self.name, step, again, decision.line())
+        if decision.chosen.label != running:
+            self._move(step, self.options[decision.chosen.label])
+
+    def _move(self, step: int, target: Rule) -> None:
+        """Every rank at once, from the running rule to ``target`` at ``step``: from BSP's first phase the
+        switching path; from another rule, the same step check, then every learner takes the mean model and
+        buffers of all k (exact) and ``target`` is bound."""
+        assert self.comm is not None and self.pool is not None
+        if self.switched_at is None:
+            self.later = target
             self.switch(step)
+            return
+        running = self.active
+        self._agree(step, equal=running is self.bsp)
+        running.finish()
+        running.sync_state()
+        self.average("params")
+        self.average("buffers")
+        target.patience, target.tick = self.patience, self.tick
+        target.bind(self.comm, self.pool)
+        self.later, self.switched_at = target, step
 
     def finish(self) -> None:
-        """The active rule's; rank 0 warns once when the run ended before the decision."""
+        """The active rule's; rank 0 warns once when the run ended before the first decision."""
         self.active.finish()
         if self.decided is None and not self._warned and self.comm is not None and self.comm.rank == 0:
             log.warning(
@@ -198,13 +267,16 @@ class Auto(SwitchingRule):
 
     # ---------------------------------------------------------------- records
     def run_record(self) -> dict[str, Any]:
-        """The decision for metrics.h5: the chosen label, its step, and each candidate's predicted row
-        (label, seconds a step, epochs relative to BSP, time relative to BSP)."""
+        """The decisions for metrics.h5: the running choice; one row per decision (step, index of its
+        label in ``rule_auto_labels``, predicted seconds a step); the last decision's candidates with their
+        predicted rows (seconds a step, epochs and time relative to BSP) and its line."""
         if self.decision is None:
             return {}
+        labels = list(CANDIDATES)
         return {
             "rule_auto_choice": self.decided,
-            "rule_auto_step": self.switched_at if self.switched_at is not None else self.hyper.measure_steps,
+            "rule_auto_labels": "; ".join(labels),
+            "rule_auto_decisions": [[step, labels.index(label), s] for step, label, s in self.decisions],
             "rule_auto_candidates": "; ".join(c.label for c in self.decision.candidates),
             "rule_auto_predicted": [[c.step_s, c.epochs, c.time] for c in self.decision.candidates],
             "rule_auto_line": self.decision.line(),
@@ -212,12 +284,20 @@ class Auto(SwitchingRule):
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The decision (None while measuring) and the phase with the active rule's state."""
-        return {**super().state_dict(), "decided": self.decided, **self.phase_state()}
+        """The choice (None while measuring first), the decisions so far, the window's start and drift,
+        and the phase with the active rule's state."""
+        return {
+            **super().state_dict(),
+            "decided": self.decided,
+            "decisions": [list(row) for row in self.decisions],
+            "window": self._window,
+            "drifted": self._drifted,
+            **self.phase_state(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the decision and the phase (collective when the phase changes); a checkpoint taken while
-        measuring measures again from the resumed step."""
+        """Restore the choice and the phase (collective when the running rule changes); a checkpoint taken
+        while measuring first measures again from the resumed step."""
         decided = state.get("decided")
         if decided is not None and decided not in self.options:
             raise ConfigError(
@@ -225,10 +305,10 @@ class Auto(SwitchingRule):
                 "leaves out: resume with the candidates it was saved with"
             )
         self.decided = decided
-        if decided is not None and self.options[decided] is not self.bsp:
-            self.later = self.options[decided]
+        self.decisions = [(int(a), str(b), float(c)) for a, b, c in state.get("decisions", [])]
+        self._window, self._drifted = int(state.get("window", 0)), int(state.get("drifted", 0))
         self._steps, self._step_s, self._hooks_s, self._mark = 0, 0.0, 0.0, None
-        self.load_phase(state)
+        self.load_phase(state, self.options[decided] if decided is not None else None)
 
 
 def decide_among(measured: Measured, options: Mapping[str, Rule]) -> Decision:

@@ -7,9 +7,9 @@ timed allreduces (a short one and one of the model's bytes) over every rank; γ,
 elementwise pass over the parameters; whether the communicator overlaps a collective with compute; the
 learners in all (k); and the gradient noise scale where known.
 
-**Throughput.** A step's compute is BSP's measured step less its communication (:attr:`Measured.compute_s`);
-the cost model prices each candidate's step from it and the fitted link (:func:`~.cost_model.step_time`);
-BSP keeps its measured step.
+**Throughput.** A step's compute is the running rule's measured step less its communication
+(:attr:`Measured.compute_s`); the cost model prices each other candidate's step from it and the fitted link
+(:func:`~.cost_model.step_time`); the running rule keeps its measured step.
 
 **Statistical side.** Each candidate's epochs to a target, relative to BSP's at the same k
 (:data:`EPOCHS_VS_BSP`), are read from the measured table of benchmarks/results/epochs_to_target.md
@@ -48,7 +48,8 @@ CANDIDATES: dict[str, tuple[str, dict[str, int]]] = {
 
 @dataclass(frozen=True)
 class Measured:
-    """What the decision reads (module docstring); times in seconds, the largest over the ranks."""
+    """What the decision reads (module docstring); times in seconds, the largest over the ranks.
+    ``step_s`` and ``hooks_s`` are the ``active`` candidate's (BSP at the first decision)."""
 
     ranks: int
     learners: int
@@ -59,17 +60,20 @@ class Measured:
     gamma: float
     overlaps: bool
     noise_scale: float = math.nan
-
     #: Seconds of one allreduce of the model's bytes, timed with every rank lined up.
     allreduce_s: float = 0.0
+    #: The label of the candidate that ran while ``step_s`` was measured.
+    active: str = "BSP"
 
     @property
     def compute_s(self) -> float:
-        """One step's compute: BSP's step less its communication, which is the seconds in its hooks or the
-        allreduce alone, whichever is less (never below a tenth of the step). The hooks also hold the wait
-        for the slowest rank of each step: that wait stays in the compute, which every rule that meets each
-        step pays too."""
-        return max(self.step_s - min(self.hooks_s, self.allreduce_s), 0.1 * self.step_s)
+        """One step's compute: the active rule's step less its communication, which is the seconds in its
+        hooks or its share of allreduces per step (every step for BSP and SMA, every H-th for LOCALSGD),
+        whichever is less (never below a tenth of the step). The hooks also hold the wait for the slowest
+        rank of each step: that wait stays in the compute, which every rule that meets each step pays too."""
+        _, hyper = CANDIDATES[self.active]
+        share = self.allreduce_s / hyper.get("period", 1)
+        return max(self.step_s - min(self.hooks_s, share), 0.1 * self.step_s)
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,9 @@ def fit_link(ranks: int, short: tuple[float, float], long: tuple[float, float]) 
 
 
 def choose_rule(measured: Measured) -> Decision:
-    """Price every candidate (module docstring) and order them, soonest first (ties: the listed order)."""
+    """Price every candidate (module docstring) and order them, soonest first (ties: the listed order). The
+    active candidate keeps its measured step; the others are priced by the cost model. Times are relative
+    to BSP's."""
     cluster = Cluster(
         "measured",
         gpus_per_node=measured.ranks,
@@ -152,21 +158,20 @@ def choose_rule(measured: Measured) -> Decision:
         gamma=measured.gamma,
         overlaps=measured.overlaps,
     )
+    steps = {}
+    for label, (rule, hyper) in CANDIDATES.items():
+        if label == measured.active:
+            steps[label] = measured.step_s
+        else:
+            period = hyper.get("period", 1)
+            steps[label] = step_time(
+                rule, measured.ranks, measured.compute_s, measured.nbytes, cluster, period=period
+            ).seconds
     found = []
     for label, (rule, hyper) in CANDIDATES.items():
-        if rule == "BSP":
-            seconds = measured.step_s
-        else:
-            step = step_time(
-                rule,
-                measured.ranks,
-                measured.compute_s,
-                measured.nbytes,
-                cluster,
-                period=hyper.get("period", 1),
-            )
-            seconds = step.seconds
         epochs = epochs_vs_bsp(rule, measured.learners)
-        found.append(Candidate(label, rule, hyper, seconds, epochs, seconds * epochs / measured.step_s))
+        found.append(
+            Candidate(label, rule, hyper, steps[label], epochs, steps[label] * epochs / steps["BSP"])
+        )
     order = sorted(range(len(found)), key=lambda i: (found[i].time, i))
     return Decision(tuple(found[i] for i in order), measured)

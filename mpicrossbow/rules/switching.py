@@ -73,8 +73,9 @@ class SwitchingRule(Rule):
         self.later.bind(self.comm, self.pool)
         self.switched_at = step
 
-    def _agree(self, step: int) -> None:
-        """One allreduce (MAX) of (step, −step, checksum, −checksum) over every rank (module docstring)."""
+    def _agree(self, step: int, equal: bool = True) -> None:
+        """One allreduce (MAX) of (step, −step, checksum, −checksum) over every rank (module docstring);
+        ``equal``: the replicas should be equal now (BSP's), so a difference is logged."""
         assert self.comm is not None and self.pool is not None
         sums = [float(learner.params.double().sum()) for learner in self.pool.learners]
         high, low, most, least = self.comm.exact.allreduce_scalars(
@@ -85,7 +86,7 @@ class SwitchingRule(Rule):
                 f"{self.name}: the ranks switch at different steps ({-low:g} to {high:g}); the switch must "
                 "be a function of the step count alone"
             )
-        if most != -least and self.comm.rank == 0:
+        if equal and most != -least and self.comm.rank == 0:
             log.warning(
                 "%s: the replicas differ at the switch (weight sums %r to %r); %s starts every learner from "
                 "rank 0's learner 0",
@@ -150,24 +151,22 @@ class SwitchingRule(Rule):
             return {"switched_at": None, "bsp": self.bsp.state_dict()}
         return {"switched_at": self.switched_at, "then": self.later.state_dict()}
 
-    def load_phase(self, state: Mapping[str, Any]) -> None:
-        """Restore the phase and the active rule's state; collective when the phase changes (every rank
-        restores the same checkpoint at once), which binds that phase's rule and keeps the replicas the pool
-        restored. A subclass whose later rule is chosen at run time sets :attr:`later` first."""
+    def load_phase(self, state: Mapping[str, Any], later: Rule | None = None) -> None:
+        """Restore the phase and the active rule's state: the state's rule is BSP before its switch, else
+        ``later`` (default :attr:`later`; a subclass whose later rule is chosen at run time names it).
+        Collective when that is not the rule running now (every rank restores the same checkpoint at once):
+        the running rule finishes and the state's rule is bound, keeping the replicas the pool restored."""
         at = state.get("switched_at")
-        if at is None:
-            if self.switched_at is not None:
-                self.later.finish()
-                self._adopt(self.bsp)
-                self.switched_at = None
-            self.bsp.load_state_dict(state.get("bsp", {}))
-            return
-        if self.switched_at is None:
-            self.bsp.finish()
-            self.later.patience, self.later.tick = self.patience, self.tick
-            self._adopt(self.later)
-        self.switched_at = int(at)
-        self.later.load_state_dict(state["then"])
+        target = self.bsp if at is None else (later or self.later)
+        live = self.active
+        if live is not target:
+            live.finish()
+            target.patience, target.tick = self.patience, self.tick
+            self._adopt(target)
+        if at is not None:
+            self.later = target
+        self.switched_at = None if at is None else int(at)
+        target.load_state_dict(state.get("bsp", {}) if at is None else state["then"])
 
     def _adopt(self, rule: Rule) -> None:
         """Bind ``rule`` (collective) and give every learner back the weights and buffers it had: a restored

@@ -1,0 +1,87 @@
+"""RULE=AUTO on in-process ranks whose link slows down mid-run: the choice made on the fast link (BSP, whose
+allreduce is microseconds here) is measured again and changed once the steps have been slower than predicted
+for two windows, on every rank at the same step, from replicas made equal; with ``recheck = false`` it is
+kept.
+
+The slow link is a communicator whose allreduce sleeps 30 ms from step 12 on (a 2-rank MLP step takes a few
+ms here): BSP's step grows about tenfold, past the 2× the check allows.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import OPTIM, NormedMLP, stacked
+from mpicrossbow.comm.base import Communicator, Handle, ReduceOp
+from mpicrossbow.pool import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
+from mpicrossbow.rules import RULES, LocalSGD
+from mpicrossbow.testing import InProcessWorld
+from mpicrossbow.training.health.drill import ExchangeTrap
+from mpicrossbow.training.run.step import train_step
+
+pytestmark = pytest.mark.quick
+
+SIZE, WINDOW, STEPS, SLOW_FROM, DELAY_S = 2, 6, 36, 12, 0.03
+
+
+class SlowLink(ExchangeTrap):
+    """``inner`` whose allreduce takes :data:`DELAY_S` more once :attr:`slow` is set."""
+
+    slow = False
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
+        """Sleep when slow, then the inner allreduce."""
+        if self.slow:
+            time.sleep(DELAY_S)
+        return self.inner.allreduce(tensor, op, async_op)
+
+
+def run(recheck: bool) -> list[dict[str, Any]]:
+    """AUTO (windows of 6 steps) for 36 steps on 2 in-process ranks, the link slow from step 12; per rank
+    its decisions, the rule running at the end, and every learner's weights right after each decision."""
+    pools = []
+    for rank in range(SIZE):
+        torch.manual_seed(rank)
+        spec = PoolSpec(rank, SIZE, 8, OPTIM, torch.device("cpu"), seed=1, learners=2)
+        pools.append(SerialPool(NormedMLP(hidden=8), spec))
+
+    def body(comm: Communicator) -> dict[str, Any]:
+        link, pool = SlowLink(comm), pools[comm.rank]
+        rule = RULES.get("AUTO")(measure_steps=WINDOW, recheck=recheck)
+        rule.bind(link, pool)
+        pool.start_epoch(0)
+        after: dict[int, np.ndarray] = {}
+        for step in range(STEPS):
+            link.slow = step >= SLOW_FROM
+            decided = len(rule.decisions)
+            train_step(pool, rule, step)
+            if len(rule.decisions) > decided:
+                after[step + 1] = stacked(pool)
+        rule.finish()
+        return {"decisions": [row[:2] for row in rule.decisions], "active": rule.active, "after": after}
+
+    return InProcessWorld(SIZE, timeout_s=60).run(body)
+
+
+def test_a_link_that_slows_mid_run_is_measured_again_and_the_rule_changed_on_every_rank() -> None:
+    ranks = run(recheck=True)
+    first, again = ranks[0]["decisions"]
+    assert first == (WINDOW, "BSP")  # the fast link: BSP, which needs the fewest epochs
+    assert again == (4 * WINDOW, "LOCALSGD (period 8)")  # drifted in the windows ending at 18 and 24
+    for rank in ranks:
+        assert rank["decisions"] == ranks[0]["decisions"] and isinstance(rank["active"], LocalSGD)
+        moved = rank["after"][4 * WINDOW]
+        np.testing.assert_array_equal(moved, ranks[0]["after"][4 * WINDOW])  # every learner, every rank
+        assert (moved == moved[0]).all()
+
+
+def test_with_recheck_off_the_first_choice_stays() -> None:
+    ranks = run(recheck=False)
+    for rank in ranks:
+        assert rank["decisions"] == [(WINDOW, "BSP")]
