@@ -20,6 +20,7 @@ import pytest
 from test_postlocalsgd_mpi import assert_same, final_state
 
 from conftest import launcher, only_run, run_mpi
+from mpicrossbow.report.summary import auto_line
 from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
 from mpicrossbow.training.reporting.metrics import read_metrics
 
@@ -51,6 +52,9 @@ def test_the_decision_is_one_line_and_the_same_in_metrics(mpiexec: str, tmp_path
     assert sorted(attrs["rule_auto_candidates"].split("; ")) == ["BSP", "LOCALSGD (period 8)", "SMA"]
     predicted = attrs["rule_auto_predicted"]
     assert len(predicted) == 3 and predicted[0][2] == min(row[2] for row in predicted)
+    assert auto_line(attrs) == (  # crossbow-report's summary line
+        f"  rule = AUTO: {chosen[1]} from step {DECISION}; last decision: {attrs['rule_auto_line']}"
+    )
     state = final_state(tmp_path, 0)["rule"]  # the choice runs from the decision on (BSP: no switch)
     assert state["decided"] == chosen[1]
     assert state["switched_at"] == (None if chosen[1] == "BSP" else DECISION)

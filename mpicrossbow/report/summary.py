@@ -1,5 +1,5 @@
 """The text summary ``crossbow-report`` prints for each run: accuracy, time to the best, speed, exchange,
-B_noise, an elastic run's changes of world, and what the fused engine chose.
+B_noise, an elastic run's changes of world, what the fused engine chose and what RULE=AUTO chose.
 
 Every figure that also has a panel is the panel's statistic, taken from the same :class:`RunData` property
 and named as the panel names it: the best accuracy is the accuracy panel's star, the exchange share the
@@ -39,6 +39,8 @@ def summary(run: RunData) -> str:
         lines.append(f"  elastic: {change.text} ranks {where}, global batch {batch:,.0f}")
     if "fused_choice" in attrs:
         lines.append(fused_line(json.loads(str(attrs["fused_choice"]))))
+    if "rule_auto_choice" in attrs:
+        lines.append(auto_line(attrs))
     rates = [(r, rank) for r, rank in zip(run.rank_samples_per_second, run.start_ranks, strict=True)]
     rates = [(r, rank) for r, rank in rates if not math.isnan(r)]
     if len(rates) > 1:
@@ -62,3 +64,12 @@ def fused_line(choice: dict[str, Any]) -> str:
         timed = ", ".join(f"{form} {ms:.3f} ms" for form, ms in times.items())
         text += f"; step form {choice.get('form')} (fastest step: {timed})"
     return text
+
+
+def auto_line(attrs: dict[str, Any]) -> str:
+    """RULE=AUTO's decisions in one line (metrics.h5's ``rule_auto_*``, rules/auto.py): each choice with
+    the step it was made at, then the last decision's line (every candidate's prediction and the figures)."""
+    labels = str(attrs.get("rule_auto_labels", "")).split("; ")
+    rows = [row for row in attrs.get("rule_auto_decisions", []) if len(row) == 3]
+    steps = ", ".join(f"{labels[int(index)]} from step {int(step)}" for step, index, _ in rows)
+    return f"  rule = AUTO: {steps}; last decision: {attrs.get('rule_auto_line', '?')}"
