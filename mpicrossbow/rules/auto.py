@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 UNTIMED_STEPS = 3
 #: Timed repetitions of each allreduce and pass at the decision; the fastest counts (what the link and the
 #: memory can do: a slower repetition met a rank descheduled or another job's traffic, one-sided noise).
-REPEATS = 10
+REPEATS = 5
 #: Bytes of the short allreduce that prices the link's latency.
 SHORT_BYTES = 256
 #: How far a window's step may stray from the prediction (either way) before it counts as drift.
@@ -76,7 +76,7 @@ class Auto(SwitchingRule):
         """AUTO hyper-parameters."""
 
         measure_steps: int = setting(
-            20,
+            10,
             "steps of a measuring window: BSP's before the first decision (the first 3 of each window are "
             "not timed); a run that ends sooner stays BSP",
             ge=2,
