@@ -161,14 +161,24 @@ class Auto(SwitchingRule):
         before = time.perf_counter()
         self.active.exchange(step)
         end = time.perf_counter()
-        into = step - self._window
-        if into >= min(UNTIMED_STEPS, self.hyper.measure_steps - 1) and self._mark is not None:
+        into, length = step - self._window, self.window_length()
+        if into >= min(UNTIMED_STEPS, length - 1) and self._mark is not None:
             self._steps += 1
             self._step_s += end - self._mark
             self._hooks_s += self._in_hooks + end - before
         self._mark, self._in_hooks = end, 0.0
-        if into + 1 >= self.hyper.measure_steps:
+        if into + 1 >= length:
             self._window_ends(step + 1)
+
+    def window_length(self) -> int:
+        """Steps of the current window: ``measure_steps``, or under a rule that exchanges every H-th step
+        enough for its timed steps to hold two of its exchanges or more, a whole number of them (a window
+        between two of LOCALSGD's averages would time none and read as drift)."""
+        period = CANDIDATES[self.decided][1].get("period", 1) if self.decided is not None else 1
+        if period == 1:
+            return self.hyper.measure_steps
+        timed = max(self.hyper.measure_steps - UNTIMED_STEPS, 2 * period)
+        return UNTIMED_STEPS + -(-timed // period) * period
 
     def on_rebind(self, lost: tuple[int, ...]) -> None:
         """The active rule's; the next window's end decides again (the world changed)."""
