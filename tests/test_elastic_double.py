@@ -498,3 +498,19 @@ def test_gsp_a_group_shrinks_around_a_lost_worker_and_the_server_forgets_it(
     assert server.updates == 4 + pushed_by_1 + server.clock[2]
     finals = [r[4] for r in results if r is not None]
     assert all(torch.equal(final, finals[0]) for final in finals)
+
+
+def test_auto_decides_again_over_the_survivors_after_a_loss() -> None:
+    """AUTO (windows of 3 steps, the first decision after step 2): rank 2 of 4 dies inside step 4's
+    exchange. The survivors drop step 4; the window that ends after step 5 has no step timed since the
+    restore, so the next one, ending after step 8, measures and decides again over 3 ranks — the world
+    changed — on every survivor alike; the replicas stay bitwise equal."""
+    hyper = {"measure_steps": 3, "candidates": "BSP"}
+    results = elastic_run("AUTO", 4, victim=2, at=4, steps=10, hyper=hyper)
+    assert results[2] is None
+    survivors = [r for r in results if r is not None]
+    for _, membership, steps, rule in survivors:
+        assert membership.ranks == (0, 1, 3) and len(steps.recoveries) == 1
+        assert [row[:2] for row in rule.decisions] == [(3, "BSP"), (9, "BSP")]
+        assert rule.decision.measured.ranks == 3
+    assert all(torch.equal(survivors[0][0][-1], other[0][-1]) for other in survivors[1:])

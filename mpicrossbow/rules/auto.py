@@ -194,8 +194,10 @@ class Auto(SwitchingRule):
         """The first window: decide. A later one: agree on its figures and decide again if they drifted or
         the world changed (module docstring). Then a new window starts at ``step``."""
         assert self.comm is not None
-        steps = max(1, self._steps)
-        step_s, hooks_s = self._step_s / steps, self._hooks_s / steps
+        if self._steps == 0:  # a restore (elastic recovery) left nothing timed: the next window decides
+            self._window = step
+            return
+        step_s, hooks_s = self._step_s / self._steps, self._hooks_s / self._steps
         if self.decided is None:
             self._decide(step, step_s, hooks_s)
         elif self.hyper.recheck:

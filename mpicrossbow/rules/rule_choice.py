@@ -171,7 +171,9 @@ def choose_rule(measured: Measured) -> Decision:
     for label, (rule, hyper) in CANDIDATES.items():
         epochs = epochs_vs_bsp(rule, measured.learners)
         found.append(
-            Candidate(label, rule, hyper, steps[label], epochs, steps[label] * epochs / steps["BSP"])
+            Candidate(
+                label, rule, hyper, steps[label], epochs, steps[label] * epochs / max(steps["BSP"], 1e-12)
+            )
         )
     order = sorted(range(len(found)), key=lambda i: (found[i].time, i))
     return Decision(tuple(found[i] for i in order), measured)
