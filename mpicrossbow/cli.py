@@ -121,10 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_EXIT_CODE
     if args.print_config:
         try:
-            sys.stdout.write(resolved(config).to_ini())
+            text = resolved(config).to_ini()
         except UsageError as exc:
             say(str(exc))
             return USAGE_EXIT_CODE
+        if config.rule.strip().upper() == "AUTO":
+            return print_auto_config(config, text)
+        sys.stdout.write(text)
         return 0
     if detect_launcher() is None and srun_tasks_without_pmi():
         return no_pmi()
@@ -176,6 +179,24 @@ def no_pmi() -> int:
 
         say(no_pmi_advice(srun_tasks_without_pmi()))
     return USAGE_EXIT_CODE
+
+
+def print_auto_config(config: Config, text: str) -> int:
+    """``--print-config`` with ``RULE=AUTO``: the cfg, then as a comment what AUTO would choose. Under MPI
+    every rank measures as a run's first window does (:func:`~.training.run.runner.preview_rank`) and rank 0
+    prints; started alone, the comment says how to see the choice on N ranks."""
+    if detect_launcher() is None:
+        sys.stdout.write(
+            text + "# RULE = AUTO chooses from the job's own step time and link: start --print-config under "
+            "mpiexec -n N to see its choice on N ranks (docs/rules.md, AUTO)\n"
+        )
+        return 0
+    from .training.run.runner import preview_rank
+
+    code, line = preview_rank(config)
+    if code == 0 and launcher_rank() in (0, None):
+        sys.stdout.write(f"{text}# RULE = AUTO here: {line}\n")
+    return code
 
 
 def resolved(config: Config) -> Config:

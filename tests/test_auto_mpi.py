@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from test_postlocalsgd_mpi import assert_same, final_state
 
-from conftest import launcher, only_run, run_mpi
+from conftest import REPO, launcher, only_run, run_mpi
 from mpicrossbow.report.summary import auto_line
 from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
 from mpicrossbow.training.reporting.metrics import read_metrics
@@ -93,3 +93,29 @@ def test_a_run_killed_after_the_switch_resumes_bitwise_equal_from_either_side(
             assert timed == [row[:2] for row in reference["rule"]["decisions"]] == [[DECISION, "SMA"]]
             expected = {k: v for k, v in reference["rule"].items() if k not in ("decisions", "drifted")}
             assert_same(expected, state["rule"], f"{resumed.name} rank {rank} rule")
+
+
+def test_print_config_under_mpiexec_shows_what_auto_would_choose_here_and_runs_nothing(
+    mpiexec: str, tmp_path: Path
+) -> None:
+    """``mpiexec -n 2 crossbow-launch ... RULE=AUTO --print-config``: the resolved cfg once, then rank 0's
+    decision line as a comment, from a measuring window taken on these ranks; no run folder. Started alone
+    it says how to see the choice."""
+    args = [
+        *launcher(),
+        "-cfg",
+        "launch/digits.cfg",
+        f"session.output={tmp_path}",
+        "RULE=AUTO",
+        "--print-config",
+    ]
+    shown = run_mpi(mpiexec, 2, args, timeout=90)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert shown.stdout.count("[rule]\n") == 1 and "measure_steps = 10\n" in shown.stdout
+    last = shown.stdout.splitlines()[-1]
+    assert last.startswith("# RULE = AUTO here: chose ") and "over 2 rank(s)" in last, shown.stdout[-2000:]
+    assert [p for p in tmp_path.iterdir() if p.is_dir()] == []
+    alone = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 0 and alone.stdout.splitlines()[-1].startswith(
+        "# RULE = AUTO chooses from the job's own step time and link: start --print-config under mpiexec"
+    )

@@ -10,6 +10,7 @@ import os
 import time
 from pathlib import Path
 
+from ...comm import make_communicator
 from ...comm.elastic import elastic_over_mpi
 from ...comm.membership import Membership
 from ...comm.ulfm import ElasticEnd
@@ -28,6 +29,7 @@ from ..health.preemption import after_signal_stop
 from ..reporting.reporting import shown
 from ..reporting.result import RunResult
 from .session import Session
+from .step import train_step
 
 log = logging.getLogger(__name__)
 
@@ -174,3 +176,31 @@ def run_rank(config: Config, rule: Rule | None = None) -> int:
         )
         record_finished(Path(result.run_dir))
     return 0
+
+
+def preview_rank(config: Config) -> tuple[int, str]:
+    """``--print-config`` under MPI with ``RULE=AUTO``: what it would choose on this job's ranks, without a
+    run. Prepare as a run would (binding, model, data, agreement), bind the rule over a communicator and
+    take its measuring window of BSP steps; nothing is saved (no run folder, no checkpoint). Returns the exit
+    status (non-zero: bad input, rank 0 said why) and rank 0's decision line ("" elsewhere)."""
+    world, session, code = prepare_session(config)
+    if code:
+        return code, ""
+    pool, rule = session.pool, session.rule
+    assert pool is not None and rule is not None
+    try:
+        comm = make_communicator(session.config.comm, session.device, world.mpi)
+        rule.bind(comm, pool)
+        decision = None
+        for step in range(10_000):
+            if step % pool.n_batch_train == 0:
+                pool.start_epoch(step // pool.n_batch_train)
+            train_step(pool, rule, step)
+            decision = getattr(rule, "decision", None)
+            if decision is not None:
+                break
+        rule.finish()
+        session.close()
+    except BaseException as exc:
+        abort(world, exc, None)
+    return 0, decision.line() if decision is not None and world.rank == 0 else ""
