@@ -19,11 +19,11 @@ import torch
 
 from conftest import OPTIM, NormedMLP, stacked
 from mpicrossbow.comm.base import Communicator, Handle, ReduceOp
+from mpicrossbow.comm.forwarding import ForwardingCommunicator
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import RULES, LocalSGD
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.health.drill import ExchangeTrap
 from mpicrossbow.training.run.step import train_step
 
 pytestmark = pytest.mark.quick
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.quick
 SIZE, WINDOW, STEPS, SLOW_FROM, DELAY_S = 2, 6, 48, 12, 0.1
 
 
-class SlowLink(ExchangeTrap):
+class SlowLink(ForwardingCommunicator):
     """``inner`` whose allreduce takes :data:`DELAY_S` more once :attr:`slow` is set."""
 
     slow = False

@@ -8,7 +8,8 @@ them, in the manner of mpi4py's test mixins (one class of tests, subclasses that
 communicator):
 
 * **in process**, as pytest tests: :class:`~mpicrossbow.testing.InProcessWorld` at 1, 2, 3 and 4 ranks, bare
-  and wrapped in :class:`~mpicrossbow.comm.CompressedCommunicator` (bf16 and fp16);
+  and wrapped in :class:`~mpicrossbow.comm.CompressedCommunicator` (bf16 and fp16) and in the plain
+  :class:`~mpicrossbow.comm.forwarding.ForwardingCommunicator` the wrappers build on;
 * **under mpiexec**: this file is also the script every rank runs (``python
   tests/test_communicator_contract.py [IMPL ...] [--also MODULE ...] [--cuda]``); it runs the same functions
   on MPICommunicator, SharedMemoryCommunicator, TorchDistCommunicator (Gloo) and the compressed wrapper over
@@ -50,6 +51,7 @@ from conftest import COMM_JOB_SIZES, CommJob, run_mpi, verdicts
 from mpicrossbow.comm import CompressedCommunicator, ReduceOp
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.comm.compressed import EXACT_TAIL
+from mpicrossbow.comm.forwarding import ForwardingCommunicator
 from mpicrossbow.testing import InProcessWorld
 
 N = 100_003  # a rendezvous-size message for MPI, not a multiple of any world size
@@ -549,6 +551,7 @@ IN_PROCESS: dict[str, Callable[[Communicator], Subject]] = {
     "inprocess+fp16": lambda comm: Subject(
         CompressedCommunicator(comm, torch.float16), takes_non_contiguous=True
     ),
+    "inprocess+forwarding": lambda comm: Subject(ForwardingCommunicator(comm), takes_non_contiguous=True),
 }
 
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from ...comm.base import Communicator, Handle, ReduceOp
+from ...comm.forwarding import ForwardingCommunicator
 from ...launch.world import World
 from ..checkpoints.pause_orders import PauseOrders
 from ..run.window import StepWindow
@@ -25,11 +26,12 @@ from .faults import FaultInjector
 T = TypeVar("T")
 
 
-class ExchangeTrap(Communicator):
-    """``inner`` with a trap: once armed, the next operation started springs it, then it disarms."""
+class ExchangeTrap(ForwardingCommunicator):
+    """``inner`` with a trap: once armed, the next operation started springs it, then it disarms. Splits are
+    the inner ones, untrapped (the drill is on the rule's own communicator)."""
 
     def __init__(self, inner: Communicator) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.trap: Callable[[], None] | None = None
 
     def arm(self, trap: Callable[[], None]) -> None:
@@ -41,31 +43,6 @@ class ExchangeTrap(Communicator):
         if trap is not None:
             trap()
         return handle
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        """The inner communicator's name."""
-        return self.inner.name
-
-    @property
-    def rank(self) -> int:
-        """The inner rank."""
-        return self.inner.rank
-
-    @property
-    def size(self) -> int:
-        """The inner size."""
-        return self.inner.size
-
-    @property
-    def overlaps(self) -> bool:
-        """As the inner communicator."""
-        return self.inner.overlaps
-
-    @property
-    def exact(self) -> Communicator:
-        """The inner communicator's exact one (the trap stays with this one)."""
-        return self.inner.exact
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
         """The inner allreduce, then the trap if armed."""
@@ -83,33 +60,10 @@ class ExchangeTrap(Communicator):
         """The inner irecv, then the trap if armed."""
         return self._started(self.inner.irecv(tensor, src, tag))
 
-    def barrier(self) -> None:
-        """The inner barrier."""
-        self.inner.barrier()
-
-    def split(self, color: int, key: int | None = None) -> Communicator:
-        """The inner split (untrapped: the drill is on the rule's own communicator)."""
-        return self.inner.split(color, key)
-
-    def split_node(self) -> Communicator:
-        """The inner node split."""
-        return self.inner.split_node()
-
-    def split_apart(self, color: int, key: int | None = None) -> Communicator | None:
-        """The inner split apart."""
-        return self.inner.split_apart(color, key)
-
-    def share(self, tensor: torch.Tensor) -> None:
-        """The inner share."""
-        self.inner.share(tensor)
-
-    def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
-        """The inner mean."""
-        self.inner.allreduce_mean(tensor, count)
-
-    def allreduce_scalars(self, values: list[float], op: ReduceOp = ReduceOp.SUM) -> list[float]:
-        """The inner scalar allreduce."""
-        return self.inner.allreduce_scalars(values, op)
+    @property
+    def exact(self) -> Communicator:
+        """The inner communicator's exact one: the trap stays with this one."""
+        return self.inner.exact
 
     def close(self) -> None:
         """Nothing: the session closes the inner communicator."""
