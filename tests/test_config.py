@@ -69,7 +69,7 @@ def test_resolved_config_round_trips() -> None:
         (
             BASE.replace("RULE=BSP", "RULE=BPS"),
             [],
-            r"unknown rule 'BPS'; valid: ASGD, BSP, \S.*, or module:Class for your own",
+            r"unknown rule 'BPS'; valid: ASGD, AUTO, BSP, \S.*, or module:Class for your own",
         ),
         (
             BASE + "[rule]\nmode=sum\n",

@@ -82,7 +82,7 @@ def test_the_facade_exports_every_rule_and_the_rule_list_reads() -> None:
         for cls in (BSP, EASGD, GOSGD, SMA)
     )
     assert list(RULES) == sorted(RULES.names()) and "GOSGD" in RULES and "gosgd" in RULES and len(RULES) >= 11
-    assert repr(RULES).startswith("Registry('rule': ASGD, BSP,")
+    assert repr(RULES).startswith("Registry('rule': ASGD, AUTO, BSP,")
     helped = subprocess.run(
         [sys.executable, "-m", "mpicrossbow.cli", "--help"],
         cwd=REPO,
@@ -91,8 +91,8 @@ def test_the_facade_exports_every_rule_and_the_rule_list_reads() -> None:
         timeout=60,
     )
     assert (
-        "RULE= one of ASGD, BSP, DILOCO, EASGD, GOSGD, GSP, LOCALSGD, POSTLOCALSGD, PSGD, SMA, SSP, WEEDOUT"
-        in helped.stdout
+        "RULE= one of ASGD, AUTO, BSP, DILOCO, EASGD, GOSGD, GSP, LOCALSGD, POSTLOCALSGD, PSGD, SMA, SSP, "
+        "WEEDOUT" in helped.stdout
     )
 
 
