@@ -1,10 +1,11 @@
 """A link that slows mid-run: does RULE=AUTO notice, switch, and reach the target sooner than staying with
 its first choice?
 
-Two namespace nodes, one rank each (tests/netns_cluster.py, as root), both links at a fast rate; the digits
-job (launch/digits.cfg, to 97 %, a validation each epoch). When rank 0 logs the end of epoch ``--after``
-(3), node2's link drops to a slow rate (tc tbf, both ways). Each seed runs, side by side in
-one session:
+Two namespace nodes, one rank each (tests/netns_cluster.py, as root), both links at a fast rate (by
+default the virtual links' own, where the digits MLP's allreduce should be a few per cent of a step, so
+AUTO keeps BSP); the digits job (launch/digits.cfg, to 97 %, a validation each epoch). When rank 0 logs the
+end of epoch ``--after`` (3), node2's link drops to a slow rate (tc tbf, both ways). Each seed runs, side by
+side in one session:
 
 * AUTO, deciding again when the steps drift (``recheck``, its default);
 * AUTO with ``recheck = false`` — staying with the first choice;
@@ -13,7 +14,7 @@ one session:
 The table gives each one's median wall seconds to 97 % (metrics.h5's ``val`` rows), AUTO's decisions (rule
 and epoch of each) and how many epochs after the slowdown it switched.
 
-    python -m benchmarks.link_slowdown                         # 1gbit, node2 to 10mbit after epoch 3
+    python -m benchmarks.link_slowdown                         # line rate, node2 to 10mbit after epoch 3
     python -m benchmarks.link_slowdown --fast 300mbit --slow 10mbit --seeds 0 --after 2
 """
 
@@ -51,7 +52,10 @@ def run(
     """One job across both nodes: node2 at ``--fast`` until rank 0 logs epoch ``--after``, then ``--slow``;
     the seconds to the target, and AUTO's decisions as (rule, epoch) pairs."""
     for name in cluster.hosts:
-        cluster.set_rate(name, args.fast, QUEUE)
+        if args.fast == "line":
+            cluster.clear_rate(name)
+        else:
+            cluster.set_rate(name, args.fast, QUEUE)
     argv = [str(Path(sys.executable).parent / "crossbow-launch"), "-cfg", "launch/digits.cfg",
             f"session.output={out}", f"session.epochs={EPOCHS}",
             f"session.seed={seed}", "session.threads=1", "session.progress=log", *rule]  # fmt: skip
@@ -125,7 +129,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--fast", default="1gbit", help="both links' rate at the start")
+    parser.add_argument(
+        "--fast", default="line", help="both links' rate at the start (line: no limit, the veth's own)"
+    )
     parser.add_argument("--slow", default="10mbit", help="node2's rate after the slowdown")
     parser.add_argument("--after", type=int, default=3, help="the epoch after which node2's link slows")
     parser.add_argument("--seeds", default="0,1,2")
