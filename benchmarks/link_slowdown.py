@@ -153,8 +153,9 @@ def main() -> int:
     finally:
         cluster.stop()
     text = table(results, args.after) + (
-        f"\n\n2 namespace nodes × 1 rank (one thread each), both links at {args.fast} (tc tbf, queue "
-        f"{QUEUE}), node2's at {args.slow} once rank 0 logged epoch {args.after}; digits, {EPOCHS} epochs, "
+        f"\n\n2 namespace nodes × 1 rank (one thread each), both links at {args.fast} ("
+        f"line: unlimited; else tc tbf, queue {QUEUE}), node2's at {args.slow} once rank 0 logged epoch "
+        f"{args.after}; digits, {EPOCHS} epochs, "
         f"seeds {args.seeds}: wall seconds to the first validation at {TARGET:.0%}, medians (a miss counts "
         "last)."
     )
