@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.links import median
 from benchmarks.report import REPO, append_result
 from mpicrossbow.training.reporting.metrics import read_metrics
 
@@ -89,11 +89,6 @@ def run(
         for step, index, _ in attrs.get("rule_auto_decisions", [])
     ]
     return {"seconds": float(hits[0]) if hits else math.nan, "decisions": decisions}
-
-
-def median(values: list[float]) -> float:
-    """The median, a missed target (NaN) counting as the slowest."""
-    return statistics.median([math.inf if math.isnan(v) else v for v in values])
 
 
 def table(results: dict[str, list[dict[str, Any]]], after: int) -> str:
