@@ -22,6 +22,7 @@ time in the same setting, measured side by side in one run.
     python -m benchmarks.links                       # 2 nodes: both at 30 mbit, then node2 at 10 mbit
     python -m benchmarks.links --tasks digits --rates 300mbit,100mbit --seeds 0
     python -m benchmarks.links --seeds "digits=0,1,2;mnist1d=0"
+    python -m benchmarks.links --tasks mnist1d --seeds 0 --rules LOCALSGD --no-write   # AUTO against one
 """
 
 from __future__ import annotations
@@ -70,13 +71,16 @@ def common(epochs: int) -> list[str]:
     return ["session.epochs=" + str(epochs), "session.log_level=warning", "session.threads=1"]
 
 
-def measure(cluster: NetnsCluster, out: Path, task: str, seed: int, epochs: int) -> dict[str, dict[str, Any]]:
-    """Every rule at ``seed`` in one job across the cluster's nodes; label → seconds, samples/s, accuracy."""
+def measure(
+    cluster: NetnsCluster, out: Path, task: str, seed: int, epochs: int, rules: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Each of ``rules`` at ``seed`` in one job across the cluster's nodes; label → seconds, samples/s,
+    accuracy."""
     cfg, extra, target, _ = TASKS[task]
     out.mkdir(parents=True, exist_ok=True)
     groups = out / "groups"
     groups.write_text("".join(f"{h}\n" for h in cluster.hosts), encoding="utf-8")
-    labels = {f"r{i}": label for i, label in enumerate(RULES)}
+    labels = {f"r{i}": label for i, label in enumerate(rules)}
     specs = [
         f"{key}={cfg},{RULES[label].format(groups=groups)},session.seed={seed}"
         + (f",{extra}" if extra else "")
@@ -114,14 +118,14 @@ def median(values: list[float]) -> float:
 
 def table(setting: str, target: float, results: list[dict[str, dict[str, Any]]]) -> str:
     """One rate setting's rows."""
-    times = {label: median([r[label]["seconds"] for r in results]) for label in RULES}
+    times = {label: median([r[label]["seconds"] for r in results]) for label in results[0]}
     lines = [
         f"**{setting}**",
         "",
         f"| rule | s to {target:.0%} (median) | ÷ BSP | reached | samples/s | final accuracy |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for label in RULES:
+    for label in results[0]:
         reached = sum(not math.isnan(r[label]["seconds"]) for r in results)
         t = times[label]
         ratio = t / times["BSP"] if math.isfinite(t) and math.isfinite(times["BSP"]) else math.nan
@@ -148,8 +152,15 @@ def main() -> int:
     parser.add_argument("--tasks", default="digits,mnist1d", help=f"of {', '.join(TASKS)}")
     parser.add_argument("--seeds", default="0,1,2", help="per task: TASK=SEEDS;... or the same for all")
     parser.add_argument("--epochs", type=int, default=0, help="0: each task's default")
+    parser.add_argument(
+        "--rules", default="", help="a subset by first word, comma-separated (BSP and AUTO always run)"
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    wanted = {"BSP", AUTO, *(w.strip().upper() for w in args.rules.split(",") if w.strip())}
+    rules = [label for label in RULES if not args.rules or label.split()[0] in wanted]
+    if args.rules and len(rules) < len(wanted):
+        parser.error(f"--rules {args.rules}: known are {', '.join(label.split()[0] for label in RULES)}")
     reason = missing_reason()
     if reason:
         print(f"links: {reason}", file=sys.stderr)
@@ -176,7 +187,7 @@ def main() -> int:
                 ):
                     cluster.set_rate("node2", rate, QUEUE)
                     folder = Path(tmp) / f"{task}-node2-{rate}"
-                    results = [measure(cluster, folder, task, s, epochs) for s in seeds]
+                    results = [measure(cluster, folder, task, s, epochs, rules) for s in seeds]
                     sections.append(table(f"{task}, {epochs} epochs, {setting}", target, results))
                     print(sections[-1], flush=True)
     finally:

@@ -1,11 +1,12 @@
 """RULE=AUTO on in-process ranks whose link slows down mid-run: the choice made on the fast link (BSP, whose
-allreduce is microseconds here) is measured again and changed once the steps have been slower than predicted
-for two windows, on every rank at the same step, from replicas made equal; with ``recheck = false`` it is
-kept.
+allreduce is microseconds here) after measuring under LOCALSGD is measured again and changed once the steps
+have been slower than predicted for two windows, on every rank at the same step, from replicas made equal;
+with ``recheck = false`` it is kept.
 
-The slow link is a communicator whose allreduce sleeps 100 ms from step 12 on (a 2-rank MLP step takes a few
-ms here, tens on a loaded machine): BSP's step grows tenfold or more, past the 2× the check allows. Under
-LOCALSGD a window is 3 untimed steps and 16 timed ones (two of its averages), so it reads no drift.
+The first window is LOCALSGD's: 3 untimed steps and 16 timed ones (two of its averages), so the first
+decision comes after step 18; BSP's windows are 6 steps. The slow link is a communicator whose allreduce
+sleeps 100 ms from step 25 on (a 2-rank MLP step takes a few ms here, tens on a loaded machine): BSP's step
+grows tenfold or more, past the 2× the check allows, in the windows ending after steps 30 and 36.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from mpicrossbow.comm.base import Communicator, Handle, ReduceOp
 from mpicrossbow.comm.forwarding import ForwardingCommunicator
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
-from mpicrossbow.rules import RULES, LocalSGD
+from mpicrossbow.rules import BSP, RULES, LocalSGD
 from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.run.step import train_step
 
 pytestmark = pytest.mark.quick
 
-SIZE, WINDOW, STEPS, SLOW_FROM, DELAY_S = 2, 6, 48, 12, 0.1
+SIZE, WINDOW, FIRST, STEPS, DELAY_S = 2, 6, 19, 48, 0.1
+SLOW_FROM = FIRST + WINDOW
 
 
 class SlowLink(ForwardingCommunicator):
@@ -44,7 +46,7 @@ class SlowLink(ForwardingCommunicator):
 
 
 def run(recheck: bool) -> list[dict[str, Any]]:
-    """AUTO (windows of 6 steps) for 48 steps on 2 in-process ranks, the link slow from step 12; per rank
+    """AUTO (windows of 6 steps) for 48 steps on 2 in-process ranks, the link slow from step 25; per rank
     its decisions, the rule running at the end, and every learner's weights right after each decision."""
     pools = []
     for rank in range(SIZE):
@@ -54,7 +56,7 @@ def run(recheck: bool) -> list[dict[str, Any]]:
 
     def body(comm: Communicator) -> dict[str, Any]:
         link, pool = SlowLink(comm), pools[comm.rank]
-        rule = RULES.get("AUTO")(measure_steps=WINDOW, recheck=recheck)
+        rule = RULES.get("AUTO")(measure_steps=WINDOW, candidates="BSP,LOCALSGD", recheck=recheck)
         rule.bind(link, pool)
         after: dict[int, np.ndarray] = {}
         for step in range(STEPS):
@@ -63,7 +65,7 @@ def run(recheck: bool) -> list[dict[str, Any]]:
             link.slow = step >= SLOW_FROM
             decided = len(rule.decisions)
             train_step(pool, rule, step)
-            if len(rule.decisions) > decided:
+            if len(rule.decisions) > decided or step + 1 == SLOW_FROM:
                 after[step + 1] = stacked(pool)
         rule.finish()
         return {"decisions": [row[:2] for row in rule.decisions], "active": rule.active, "after": after}
@@ -74,16 +76,20 @@ def run(recheck: bool) -> list[dict[str, Any]]:
 def test_a_link_that_slows_mid_run_is_measured_again_and_the_rule_changed_on_every_rank() -> None:
     ranks = run(recheck=True)
     first, again = ranks[0]["decisions"]
-    assert first == (WINDOW, "BSP")  # the fast link: BSP, which needs the fewest epochs
-    assert again == (4 * WINDOW, "LOCALSGD (period 8)")  # drifted in the windows ending at 18 and 24
+    assert first == (FIRST, "BSP")  # the fast link: BSP, which needs the fewest epochs
+    switch = FIRST + 3 * WINDOW
+    assert again == (switch, "LOCALSGD (period 8)")  # drifted in the windows ending at 31 and 37
     for rank in ranks:
         assert rank["decisions"] == ranks[0]["decisions"] and isinstance(rank["active"], LocalSGD)
-        moved = rank["after"][4 * WINDOW]
-        np.testing.assert_array_equal(moved, ranks[0]["after"][4 * WINDOW])  # every learner, every rank
-        assert (moved == moved[0]).all()
+        # LOCALSGD to BSP, BSP's steps (from equal optimizer state), back to LOCALSGD: every learner of every
+        # rank holds the same model
+        for at in (FIRST, SLOW_FROM, switch):
+            moved = rank["after"][at]
+            np.testing.assert_array_equal(moved, ranks[0]["after"][at])
+            assert (moved == moved[0]).all()
 
 
 def test_with_recheck_off_the_first_choice_stays() -> None:
     ranks = run(recheck=False)
     for rank in ranks:
-        assert rank["decisions"] == [(WINDOW, "BSP")]
+        assert rank["decisions"] == [(FIRST, "BSP")] and isinstance(rank["active"], BSP)

@@ -91,7 +91,7 @@ def test_the_link_fit_recovers_alpha_and_beta_from_two_ring_allreduces() -> None
 def test_the_decision_line_names_every_candidate_and_the_figures_behind_it() -> None:
     line = choose_rule(measured(compute=0.005, allreduce=0.020)).line()
     assert line.startswith("chose LOCALSGD (period 8); time to target relative to BSP: LOCALSGD (period 8) ")
-    for text in ("SMA ", "BSP 1.00 (25 ms/step × 1.00 epochs)", "compute 5 ms/step", "allreduce of 1000 KB",
+    for text in ("SMA ", "BSP 1.00 (25 ms/step measured × 1.00 epochs)", "compute 5 ms/step", "allreduce of 1000 KB",
                  "over 2 rank(s)", "k = 2", "B_noise not measured"):  # fmt: skip
         assert text in line, (text, line)
     assert math.isnan(measured(0.01, 0.01).noise_scale)
@@ -119,3 +119,23 @@ def test_a_decision_taken_under_local_sgd_keeps_its_measured_step_and_prices_bsp
         0.005 + 0.020
     )  # compute plus the whole allreduce, nothing overlapped
     assert decision.chosen.label == "LOCALSGD (period 8)"
+
+
+def test_a_step_measured_while_a_candidate_ran_beats_the_models_price() -> None:
+    """A token-bucket link: measured under LOCALSGD, a lone allreduce went at the burst rate (0.2 ms), so
+    the model priced BSP at 5.2 ms and BSP was chosen; BSP's own window then ran at 17.7 ms, the sustained
+    rate. Decided again under BSP, LOCALSGD keeps the 6 ms it measured while it ran, not the model's price
+    from the now slow allreduce, and wins: BSP is not tried twice."""
+    first = dataclasses.replace(
+        measured(compute=0.005, allreduce=0.0002), active="LOCALSGD (period 8)", step_s=0.006, hooks_s=0.001
+    )
+    assert choose_rule(first).chosen.label == "BSP"
+    again = dataclasses.replace(
+        measured(compute=0.005, allreduce=0.0127), step_s=0.0177, known=(("LOCALSGD (period 8)", 0.006),)
+    )
+    decision = choose_rule(again)
+    steps = {c.label: c.step_s for c in decision.candidates}
+    assert steps == {"BSP": 0.0177, "LOCALSGD (period 8)": 0.006, "SMA": pytest.approx(0.0177)}
+    assert decision.chosen.label == "LOCALSGD (period 8)"
+    line = decision.line()
+    assert "LOCALSGD (period 8) 0.37 (6 ms/step measured × " in line and "SMA 1.02 (17.7 ms/step × " in line

@@ -1,19 +1,25 @@
-"""AUTO — the framework picks the exchange rule: BSP while it measures the cluster, then the synchronous rule
-predicted to reach the target soonest (:mod:`.rule_choice`: the cost model's step times × the epochs each
-rule needs), switched to through post-local SGD's path (:mod:`.switching`); measured again, and chosen
-again, when the cluster changes.
+"""AUTO — the framework picks the exchange rule: it measures the cluster under the candidate that exchanges
+least (LOCALSGD), then runs the synchronous rule predicted to reach the target soonest
+(:mod:`.rule_choice`: the cost model's step times × the epochs each rule needs), moved to through post-local
+SGD's path (:mod:`.switching`) or by averaging the replicas; measured again, and chosen again, when the
+cluster changes.
 
 Who sends what to whom, and when:
 
 * **Windows of measure_steps steps.** Each rank times its steps (from one exchange's end to the next) and
   the part spent in the rule's hooks, from the :data:`UNTIMED_STEPS`-th step of each window on.
-* **The first window** is BSP's (its default settings). After its last exchange, every rank at once: a
-  short allreduce (256 bytes) and one of the model's flat parameters, each once untimed and
-  :data:`REPEATS` times timed (the fastest), and a local elementwise pass timed for γ; one allreduce (MAX)
-  of the five figures, so every rank decides from the same numbers and alike;
-  :func:`~.rule_choice.choose_rule`. Rank 0 logs the decision in one line (every candidate's predicted
-  time and the figures behind it). If the choice is not BSP, the switch
-  (:class:`~.switching.SwitchingRule`) binds the chosen rule from the next step on.
+* **The first window** runs the measuring rule: LOCALSGD when it is a candidate, whose window holds two of
+  its averages and whose other steps exchange nothing, so measuring costs what the cheapest candidate
+  costs (BSP's steps over a slow link made the measuring a fifth of a short run: benchmarks/results/
+  links.md); else BSP. After its last exchange, every rank at once: a short allreduce (256 bytes) once
+  untimed and :data:`REPEATS` times timed, which lines the ranks up, then :data:`LONG_REPEATS` timed
+  allreduces of the model's flat parameters (the fastest of each counts), and a local elementwise pass
+  timed for γ; one allreduce (MAX) of the five figures, so every rank decides from the same numbers and
+  alike; :func:`~.rule_choice.choose_rule`, the measuring rule keeping its measured step and the others
+  priced from its compute. Rank 0 logs the decision in one line (every candidate's predicted time and the
+  figures behind it). If the choice is not the measuring rule, every rank moves to it from the next step
+  on: from BSP through the switch (:class:`~.switching.SwitchingRule`), from LOCALSGD by taking the mean
+  model and buffers first (below).
 * **Every later window** ends with one allreduce (MAX) of three numbers: the window's step and hook
   seconds and whether the world or the learner count changed (an elastic loss or replacement,
   ``learners = auto``). With ``recheck`` on, a step :data:`DRIFT`× slower or faster than predicted for
@@ -23,7 +29,8 @@ Who sends what to whom, and when:
   k learners (model averaging leaves the replicas apart), and the new rule is bound.
 
 Checkpoints hold the choice, the phase and the window's position: a run resumed after a decision runs the
-rule it chose, exactly; one resumed before the first decision measures again. ``candidates`` restricts the
+rule it chose, exactly; one resumed before the first decision measures again under the rule it measured
+with. ``candidates`` restricts the
 choice (``BSP,SMA``).
 """
 
@@ -55,21 +62,30 @@ log = logging.getLogger(__name__)
 #: Steps at the start that are not timed (first steps pay for allocation and caches); fewer when
 #: ``measure_steps`` leaves no more than that.
 UNTIMED_STEPS = 3
-#: Timed repetitions of each allreduce and pass at the decision; the fastest counts (what the link and the
-#: memory can do: a slower repetition met a rank descheduled or another job's traffic, one-sided noise).
+#: Timed repetitions of the short allreduce and the pass at the decision; the fastest counts (what the link
+#: and the memory can do: a slower repetition met a rank descheduled or another job's traffic, one-sided
+#: noise).
 REPEATS = 5
+#: Timed allreduces of the model's bytes at the decision (the fastest counts): each costs one BSP exchange,
+#: and the window's own exchanges have already opened the connections, so none goes untimed.
+LONG_REPEATS = 2
+#: The candidate measured under when it is offered: it exchanges every 8th step, the others every step.
+MEASURING = "LOCALSGD (period 8)"
 #: Bytes of the short allreduce that prices the link's latency.
 SHORT_BYTES = 256
 #: How far a window's step may stray from the prediction (either way) before it counts as drift.
 DRIFT = 2.0
-#: Windows in a row that must drift before AUTO measures and decides again.
+#: Windows in a row that must drift before AUTO measures and decides again; the first window after a
+#: decision needs only one: a prediction missed at once was measured wrong (a link that shapes traffic, such
+#: as a token bucket, carries a lone allreduce at its burst rate and a step's every one at its sustained
+#: rate), not met by a passing load.
 SUSTAINED = 2
 
 
 @RULES.register("AUTO")
 class Auto(SwitchingRule):
-    """BSP while measuring, then the rule the cost model and the epochs table predict soonest; chosen again
-    when the cluster changes."""
+    """LOCALSGD (else BSP) while measuring, then the rule the cost model and the epochs table predict
+    soonest; chosen again when the cluster changes."""
 
     @dataclass(frozen=True)
     class Config:
@@ -77,8 +93,8 @@ class Auto(SwitchingRule):
 
         measure_steps: int = setting(
             10,
-            "steps of a measuring window: BSP's before the first decision (the first 3 of each window are "
-            "not timed); a run that ends sooner stays BSP",
+            "steps of a measuring window (the first 3 are not timed; under LOCALSGD a window holds two of "
+            "its averages or more); a run that ends before the first decision stays on the measuring rule",
             ge=2,
         )
         candidates: str = setting(
@@ -108,7 +124,9 @@ class Auto(SwitchingRule):
             offered[name]: self.bsp if name == "BSP" else RULES.get(name)(**CANDIDATES[offered[name]][1])
             for name in dict.fromkeys(wanted)
         }
-        self.later = next(iter(self.options.values()))
+        #: The rule measured under before the first decision (module docstring).
+        self.measuring = MEASURING if MEASURING in self.options else "BSP"
+        self.later = self.options.get(self.measuring, next(iter(self.options.values())))
         self.switched_at = None
         #: The running choice's label (None: measuring for the first decision).
         self.decided: str | None = None
@@ -120,6 +138,9 @@ class Auto(SwitchingRule):
         self._changed = False  # the world or k changed since the last decision
         self._steps, self._step_s, self._hooks_s, self._in_hooks = 0, 0.0, 0.0, 0.0
         self._mark: float | None = None  # the end of the last exchange
+        #: label → seconds a step, agreed over the ranks, of each candidate's last window run in this world
+        #: and at this k (not checkpointed: a resumed run measures afresh).
+        self.measured: dict[str, float] = {}
         self._warned = False
 
     @property
@@ -138,16 +159,32 @@ class Auto(SwitchingRule):
             rule.check_learners(k)
 
     def bind(self, comm: Communicator, pool: ReplicaView) -> Rule:
-        """Bind BSP; say when the decision comes."""
-        super().bind(comm, pool)
+        """Bind the measuring rule (BSP's phase, or LOCALSGD's from step 0: every learner starts from rank
+        0's learner 0 either way); say when the decision comes."""
+        if self.measuring == "BSP":
+            super().bind(comm, pool)
+        else:
+            self.comm, self.pool = comm, pool
+            self.later = self.options[self.measuring]
+            self.later.patience, self.later.tick = self.patience, self.tick
+            self.later.bind(comm, pool)
+            self.switched_at = 0
         if comm.rank == 0 and self.decided is None:
             log.info(
-                "%s: BSP for %d step(s) while measuring, then the soonest of %s",
+                "%s: %s for %d step(s) while measuring, then the soonest of %s",
                 self.name,
-                self.hyper.measure_steps,
+                self.measuring,
+                self.window_length(),
                 ", ".join(self.options),
             )
         return self
+
+    @property
+    def running(self) -> str:
+        """The label of the candidate exchanging now (BSP's phase is "BSP")."""
+        if self.active is self.bsp:
+            return "BSP"
+        return next(label for label, rule in self.options.items() if rule is self.active)
 
     # ------------------------------------------------------------------ hooks
     def on_gradients(self, step: int) -> None:
@@ -174,7 +211,7 @@ class Auto(SwitchingRule):
         """Steps of the current window: ``measure_steps``, or under a rule that exchanges every H-th step
         enough for its timed steps to hold two of its exchanges or more, a whole number of them (a window
         between two of LOCALSGD's averages would time none and read as drift)."""
-        period = CANDIDATES[self.decided][1].get("period", 1) if self.decided is not None else 1
+        period = CANDIDATES[self.running][1].get("period", 1)
         if period == 1:
             return self.hyper.measure_steps
         timed = max(self.hyper.measure_steps - UNTIMED_STEPS, 2 * period)
@@ -207,9 +244,24 @@ class Auto(SwitchingRule):
             expected = self.decisions[-1][2]
             drift = step_s / expected if expected > 0 and step_s > 0 else 1.0
             self._drifted = self._drifted + 1 if max(drift, 1 / drift) > DRIFT else 0
-            if changed or self._drifted >= SUSTAINED:
+            fresh = self._window == self.decisions[-1][0]  # the first window of the last decision
+            if self.comm.rank == 0:
+                log.debug(
+                    "%s: steps %d-%d took %.3g ms/step, %.2gx the %.3g predicted",
+                    self.name,
+                    self._window,
+                    step - 1,
+                    step_s * 1e3,
+                    drift,
+                    expected * 1e3,
+                )
+            if changed:
+                self.measured.clear()  # measured in another world, or at another k
+            if changed or self._drifted >= (1 if fresh else SUSTAINED):
                 why = f"steps {drift:.2g}x as predicted" if not changed else "the world or k changed"
                 self._decide(step, step_s, hooks_s, why)
+            else:
+                self.measured[self.running] = step_s
         self._window, self._steps, self._step_s, self._hooks_s = step, 0, 0.0, 0.0
 
     def _decide(self, step: int, step_s: float, hooks_s: float, reason: str = "") -> None:
@@ -217,12 +269,13 @@ class Auto(SwitchingRule):
         not the running rule."""
         assert self.comm is not None and self.pool is not None
         params = self.pool.learners[0].params
-        short = _timed_allreduce(self.comm, torch.zeros(SHORT_BYTES // 4, device=params.device))
-        long = _timed_allreduce(self.comm, torch.zeros_like(params))
+        short = _timed_allreduce(self.comm, torch.zeros(SHORT_BYTES // 4, device=params.device), REPEATS)
+        long = _timed_allreduce(self.comm, torch.zeros_like(params), LONG_REPEATS, untimed=False)
         gamma = _pass_seconds(params) / max(1, params.numel() * params.element_size())
         figures = [step_s, hooks_s, short, long, gamma]
         step_s, hooks_s, short, long, gamma = self.comm.exact.allreduce_scalars(figures, op=ReduceOp.MAX)
         nbytes = params.numel() * params.element_size()
+        self.measured[self.running] = step_s
         measured = Measured(
             ranks=self.comm.size,
             learners=self.world_learners,
@@ -233,10 +286,11 @@ class Auto(SwitchingRule):
             gamma=gamma,
             overlaps=self.comm.overlaps,
             allreduce_s=long,
-            active=self.decided or "BSP",
+            active=self.running,
+            known=tuple((label, s) for label, s in self.measured.items() if label != self.running),
         )
         decision = decide_among(measured, self.options)
-        running = self.decided or "BSP"
+        running = self.running
         self.decision, self.decided = decision, decision.chosen.label
         self.decisions.append((step, decision.chosen.label, decision.chosen.step_s))
         self._drifted, self._changed = 0, False
@@ -248,8 +302,10 @@ class Auto(SwitchingRule):
 
     def _move(self, step: int, target: Rule) -> None:
         """Every rank at once, from the running rule to ``target`` at ``step``: from BSP's first phase the
-        switching path; from another rule, the same step check, then every learner takes the mean model and
-        buffers of all k (exact) and ``target`` is bound."""
+        switching path; from another rule (LOCALSGD measuring, or a later choice), the same step check, then
+        every learner takes the mean model and buffers of all k and ``target`` is bound. A target that
+        averages gradients (BSP) keeps its replicas equal only from equal optimizer state, which model
+        averaging left apart on each learner: every learner's momentum starts again from zero."""
         assert self.comm is not None and self.pool is not None
         if self.switched_at is None:
             self.later = target
@@ -261,6 +317,8 @@ class Auto(SwitchingRule):
         running.sync_state()
         self.average("params")
         self.average("buffers")
+        if target.averages_gradients:
+            _zero_optimizer_state(self.pool)
         target.patience, target.tick = self.patience, self.tick
         target.bind(self.comm, self.pool)
         self.later, self.switched_at = target, step
@@ -270,10 +328,11 @@ class Auto(SwitchingRule):
         self.active.finish()
         if self.decided is None and not self._warned and self.comm is not None and self.comm.rank == 0:
             log.warning(
-                "%s: the run ended before the decision at step %d, so it was BSP throughout; lower [rule] "
+                "%s: the run ended before the decision at step %d, so it was %s throughout; lower [rule] "
                 "measure_steps or train longer",
                 self.name,
-                self.hyper.measure_steps,
+                self.window_length(),
+                self.measuring,
             )
             self._warned = True
 
@@ -316,10 +375,16 @@ class Auto(SwitchingRule):
                 f"the checkpoint's AUTO chose {decided}, which [rule] candidates = {self.hyper.candidates} "
                 "leaves out: resume with the candidates it was saved with"
             )
+        if decided is None and state.get("switched_at") is not None and self.measuring == "BSP":
+            raise ConfigError(
+                f"the checkpoint's AUTO was measuring under {MEASURING}, which [rule] candidates = "
+                f"{self.hyper.candidates} leaves out: resume with the candidates it was saved with"
+            )
         self.decided = decided
         self.decisions = [(int(a), str(b), float(c)) for a, b, c in state.get("decisions", [])]
         self._window, self._drifted = int(state.get("window", 0)), int(state.get("drifted", 0))
         self._steps, self._step_s, self._hooks_s, self._mark = 0, 0.0, 0.0, None
+        self.measured = {}
         self.load_phase(state, self.options[decided] if decided is not None else None)
 
 
@@ -329,11 +394,13 @@ def decide_among(measured: Measured, options: Mapping[str, Rule]) -> Decision:
     return Decision(tuple(c for c in full.candidates if c.label in options), measured)
 
 
-def _timed_allreduce(comm: Communicator, buffer: torch.Tensor) -> float:
-    """The fastest of :data:`REPEATS` blocking allreduces of ``buffer`` (after one untimed), in seconds."""
-    comm.allreduce(buffer).wait()
+def _timed_allreduce(comm: Communicator, buffer: torch.Tensor, repeats: int, untimed: bool = True) -> float:
+    """The fastest of ``repeats`` blocking allreduces of ``buffer`` (after one untimed, with ``untimed``), in
+    seconds."""
+    if untimed:
+        comm.allreduce(buffer).wait()
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         if buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)
         before = time.perf_counter()
@@ -342,6 +409,16 @@ def _timed_allreduce(comm: Communicator, buffer: torch.Tensor) -> float:
             torch.cuda.synchronize(buffer.device)
         times.append(time.perf_counter() - before)
     return min(times)
+
+
+def _zero_optimizer_state(pool: ReplicaView) -> None:
+    """Every floating state tensor of every optimizer of ``pool`` (momentum, Adam's moments) set to zero in
+    place (the storage a captured CUDA graph reads stays); step counts, equal on every learner, are kept."""
+    for optimizer in pool.optimizers:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    value.zero_()
 
 
 def _pass_seconds(params: torch.Tensor) -> float:

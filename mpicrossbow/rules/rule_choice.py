@@ -9,7 +9,10 @@ learners in all (k); and the gradient noise scale where known.
 
 **Throughput.** A step's compute is the running rule's measured step less its communication
 (:attr:`Measured.compute_s`); the cost model prices each other candidate's step from it and the fitted link
-(:func:`~.cost_model.step_time`); the running rule keeps its measured step.
+(:func:`~.cost_model.step_time`); the running rule keeps its measured step, and so does each candidate that
+ran earlier in this world (:attr:`Measured.known`): a measured step beats a price, most of all where the link
+is not α–β (a token bucket carries a lone allreduce at its burst rate and a step's every one at its
+sustained rate).
 
 **Statistical side.** Each candidate's epochs to a target, relative to BSP's at the same k
 (:data:`EPOCHS_VS_BSP`), are read from the measured table of benchmarks/results/epochs_to_target.md
@@ -64,6 +67,13 @@ class Measured:
     allreduce_s: float = 0.0
     #: The label of the candidate that ran while ``step_s`` was measured.
     active: str = "BSP"
+    #: (label, seconds a step) of other candidates, measured while each ran earlier in this world and at
+    #: this k: they keep their measured step instead of the model's price.
+    known: tuple[tuple[str, float], ...] = ()
+
+    def ran(self, label: str) -> bool:
+        """Whether ``label``'s step was measured (it runs now, or ran earlier in this world)."""
+        return label == self.active or label in dict(self.known)
 
     @property
     def compute_s(self) -> float:
@@ -105,7 +115,8 @@ class Decision:
         then the figures behind them."""
         m = self.measured
         rows = ", ".join(
-            f"{c.label} {c.time:.2f} ({c.step_s * 1e3:.3g} ms/step × {c.epochs:.2f} epochs)"
+            f"{c.label} {c.time:.2f} ({c.step_s * 1e3:.3g} ms/step{' measured' if m.ran(c.label) else ''} × "
+            f"{c.epochs:.2f} epochs)"
             for c in self.candidates
         )
         noise = f"{m.noise_scale:.4g}" if math.isfinite(m.noise_scale) else "not measured"
@@ -148,8 +159,8 @@ def fit_link(ranks: int, short: tuple[float, float], long: tuple[float, float]) 
 
 def choose_rule(measured: Measured) -> Decision:
     """Price every candidate (module docstring) and order them, soonest first (ties: the listed order). The
-    active candidate keeps its measured step; the others are priced by the cost model. Times are relative
-    to BSP's."""
+    active candidate and those in ``known`` keep their measured steps; the others are priced by the cost
+    model. Times are relative to BSP's."""
     cluster = Cluster(
         "measured",
         gpus_per_node=measured.ranks,
@@ -158,10 +169,12 @@ def choose_rule(measured: Measured) -> Decision:
         gamma=measured.gamma,
         overlaps=measured.overlaps,
     )
-    steps = {}
+    steps, known = {}, dict(measured.known)
     for label, (rule, hyper) in CANDIDATES.items():
         if label == measured.active:
             steps[label] = measured.step_s
+        elif label in known:
+            steps[label] = known[label]
         else:
             period = hyper.get("period", 1)
             steps[label] = step_time(
