@@ -91,8 +91,8 @@ def test_the_link_fit_recovers_alpha_and_beta_from_two_ring_allreduces() -> None
 def test_the_decision_line_names_every_candidate_and_the_figures_behind_it() -> None:
     line = choose_rule(measured(compute=0.005, allreduce=0.020)).line()
     assert line.startswith("chose LOCALSGD (period 8); time to target relative to BSP: LOCALSGD (period 8) ")
-    for text in ("SMA ", "BSP 1.00 (25 ms/step measured × 1.00 epochs)", "compute 5 ms/step", "allreduce of 1000 KB",
-                 "over 2 rank(s)", "k = 2", "B_noise not measured"):  # fmt: skip
+    for text in ("SMA ", "BSP 1.00 (25 ms/step measured × 1.00 epochs)", "compute 5 ms/step",
+                 "allreduce of 1000 KB", "over 2 rank(s)", "k = 2", "B_noise not measured"):  # fmt: skip
         assert text in line, (text, line)
     assert math.isnan(measured(0.01, 0.01).noise_scale)
 
