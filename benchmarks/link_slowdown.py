@@ -34,7 +34,7 @@ from benchmarks.report import REPO, append_result
 from mpicrossbow.training.reporting.metrics import read_metrics
 
 sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster is the test suite's own fixture
-from netns_cluster import NetnsCluster, missing_reason
+from netns_cluster import NetnsCluster, missing_reason, started
 
 #: label → the rule's overrides.
 RULES = {
@@ -137,16 +137,12 @@ def main() -> int:
         print(f"link_slowdown: {reason}", file=sys.stderr)
         return 2
     results: dict[str, list[dict[str, Any]]] = {label: [] for label in RULES}
-    cluster = NetnsCluster(2)
-    cluster.start()
-    try:
+    with started(NetnsCluster(2)) as cluster:
         with tempfile.TemporaryDirectory() as tmp:
             for seed in [int(s) for s in args.seeds.split(",")]:
                 for i, (label, rule) in enumerate(RULES.items()):
                     results[label].append(run(cluster, Path(tmp) / f"s{seed}r{i}", rule, seed, args))
                     print(label, seed, results[label][-1], flush=True)
-    finally:
-        cluster.stop()
     text = table(results, args.after) + (
         f"\n\n2 namespace nodes × 1 rank (one thread each), both links at {args.fast} ("
         f"line: unlimited; else tc tbf, queue {QUEUE}), node2's at {args.slow} once rank 0 logged epoch "

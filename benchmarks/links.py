@@ -39,7 +39,7 @@ from benchmarks.report import REPO, append_result, cfg_runs
 from mpicrossbow.training.reporting.metrics import read_metrics
 
 sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster is the test suite's own fixture
-from netns_cluster import NetnsCluster, missing_reason
+from netns_cluster import NetnsCluster, missing_reason, started
 
 #: one rank per node: two ranks on the 2-core machine, so that no rank waits for a core
 NODES = 2
@@ -171,9 +171,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(TASKS)}")
     sections = []
-    cluster = NetnsCluster(NODES)
-    cluster.start()
-    try:
+    with started(NetnsCluster(NODES)) as cluster:
         for name in cluster.hosts:
             cluster.set_rate(name, fast, QUEUE)
         with tempfile.TemporaryDirectory() as tmp:
@@ -190,8 +188,6 @@ def main() -> int:
                     results = [measure(cluster, folder, task, s, epochs, rules) for s in seeds]
                     sections.append(table(f"{task}, {epochs} epochs, {setting}", target, results))
                     print(sections[-1], flush=True)
-    finally:
-        cluster.stop()
     text = "\n\n".join(sections) + (
         f"\n\n{NODES} namespace nodes × 1 rank (one thread each), links limited by tc tbf both ways (queue "
         f"{QUEUE}): wall seconds to the first validation (one per epoch) at the task's target, seeds "

@@ -31,6 +31,7 @@ inherits SIGINT ignored, where Python's KeyboardInterrupt never comes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -534,6 +536,31 @@ def _stop_signals() -> list[signal.Signals]:
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         wanted.append(signal.SIGHUP)
     return wanted
+
+
+@contextlib.contextmanager
+def started(cluster: NetnsCluster) -> Iterator[NetnsCluster]:
+    """Start ``cluster`` for the ``with`` block and remove it when the block ends, also when the process is
+    sent SIGINT, SIGTERM or SIGHUP (a benchmark stopped by hand or by ``timeout``): without this a SIGTERM
+    ended the process before any ``finally`` ran and left the namespaces and node holders behind. After a
+    signal, one line names what was removed and the process exits with 128 + the signal's number."""
+    signals = _stop_signals()
+    previous = {s: signal.signal(s, _on_signal) for s in signals}
+    try:
+        cluster.start()
+        yield cluster
+    except Signalled as sig:
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        cluster.stop()
+        print(removal_line(cluster.removed, sig.name), file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.Signals[sig.name].value) from None
+    finally:
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        cluster.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def removal_line(removed: list[str], why: str) -> str:

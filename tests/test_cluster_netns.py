@@ -196,6 +196,49 @@ def test_the_cluster_started_by_hand_in_the_background_removes_itself_and_says_w
     assert not any(Path(f"/proc/{pid}").exists() for pid in holders)
 
 
+#: A program that holds a cluster the way the benchmarks do (``with started(...)``) until it is signalled.
+HELD = (
+    "import sys, time; sys.path.insert(0, 'tests')\n"
+    "from netns_cluster import NetnsCluster, started\n"
+    "with started(NetnsCluster(2)) as cluster:\n"
+    "    print(cluster.ident, cluster.root, 'up', flush=True)\n"
+    "    time.sleep(120)\n"
+)
+
+
+def test_a_benchmarks_cluster_is_removed_when_the_benchmark_is_sent_sigterm() -> None:
+    """benchmarks/links.py and link_slowdown.py hold their cluster in ``started``: SIGTERM (``timeout``, a
+    kill by hand) removes it, names what it removed in one line, and exits with 143. A plain
+    ``try/finally`` left the namespaces and node holders behind: SIGTERM ends Python before any finally."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    job = subprocess.Popen(
+        [sys.executable, "-c", HELD], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=_read_lines, args=(job.stdout, lines), daemon=True)
+    reader.start()
+    ident = root = ""
+    try:
+        ident, root, _ = _wait_for(lines, " up", job, timeout=30).split()[-3:]
+        job.send_signal(signal.SIGTERM)
+        status = job.wait(timeout=20)
+        reader.join(timeout=5)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=10)
+        if ident:
+            NetnsCluster(ident=ident, root=Path(root)).stop()  # what the program left, if anything
+    out = "".join(lines)
+    assert status == 143, out[-2000:]
+    line = REMOVED.search(out)
+    assert line is not None and line["why"] == "SIGTERM", out[-2000:]
+    assert _mine(ident, root) == [] and not Path(root).exists(), out[-2000:]
+
+
 def test_each_node_has_its_own_dev_shm_that_goes_with_the_node() -> None:
     """A segment written to /dev/shm in node1 is there in node1 only: not in node2, not on the host. It
     goes with its node: node1 booted again has an empty /dev/shm, and once the cluster stops no process

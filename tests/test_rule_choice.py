@@ -121,21 +121,31 @@ def test_a_decision_taken_under_local_sgd_keeps_its_measured_step_and_prices_bsp
     assert decision.chosen.label == "LOCALSGD (period 8)"
 
 
-def test_a_step_measured_while_a_candidate_ran_beats_the_models_price() -> None:
+def test_a_move_needs_a_prediction_clearly_sooner_than_the_running_rules_measured_time() -> None:
     """A token-bucket link: measured under LOCALSGD, a lone allreduce went at the burst rate (0.2 ms), so
-    the model priced BSP at 5.2 ms and BSP was chosen; BSP's own window then ran at 17.7 ms, the sustained
-    rate. Decided again under BSP, LOCALSGD keeps the 6 ms it measured while it ran, not the model's price
-    from the now slow allreduce, and wins: BSP is not tried twice."""
+    the model prices BSP's step at 6.2 ms: 0.94× LOCALSGD's measured time to target, within the model's
+    error, so LOCALSGD is kept (a move needs 0.8× or less) and the line says why."""
     first = dataclasses.replace(
         measured(compute=0.005, allreduce=0.0002), active="LOCALSGD (period 8)", step_s=0.006, hooks_s=0.001
     )
-    assert choose_rule(first).chosen.label == "BSP"
+    decision = choose_rule(first)
+    assert decision.chosen.label == "LOCALSGD (period 8)" and decision.kept == "BSP"
+    assert [c.label for c in decision.candidates] == ["LOCALSGD (period 8)", "BSP", "SMA"]
+    assert "chose LOCALSGD (period 8) (kept: BSP predicted 0.94x its time, a move needs 0.8x or less)" in (
+        decision.line()
+    )
+    assert choose_rule(first, labels=("BSP", "SMA")).chosen.label == "BSP"  # LOCALSGD not offered: moves
+
+
+def test_a_step_measured_while_a_candidate_ran_beats_the_models_price() -> None:
+    """BSP ran (chosen at a larger k, say) at 17.7 ms a step, the sustained rate. Decided again, LOCALSGD
+    keeps the 6 ms it measured while it ran, not the model's price from the slow allreduce, and wins."""
     again = dataclasses.replace(
         measured(compute=0.005, allreduce=0.0127), step_s=0.0177, known=(("LOCALSGD (period 8)", 0.006),)
     )
     decision = choose_rule(again)
     steps = {c.label: c.step_s for c in decision.candidates}
     assert steps == {"BSP": 0.0177, "LOCALSGD (period 8)": 0.006, "SMA": pytest.approx(0.0177)}
-    assert decision.chosen.label == "LOCALSGD (period 8)"
+    assert decision.chosen.label == "LOCALSGD (period 8)" and not decision.kept
     line = decision.line()
     assert "LOCALSGD (period 8) 0.37 (6 ms/step measured × " in line and "SMA 1.02 (17.7 ms/step × " in line

@@ -289,7 +289,7 @@ class Auto(SwitchingRule):
             active=self.running,
             known=tuple((label, s) for label, s in self.measured.items() if label != self.running),
         )
-        decision = decide_among(measured, self.options)
+        decision = choose_rule(measured, self.options)
         running = self.running
         self.decision, self.decided = decision, decision.chosen.label
         self.decisions.append((step, decision.chosen.label, decision.chosen.step_s))
@@ -386,12 +386,6 @@ class Auto(SwitchingRule):
         self._steps, self._step_s, self._hooks_s, self._mark = 0, 0.0, 0.0, None
         self.measured = {}
         self.load_phase(state, self.options[decided] if decided is not None else None)
-
-
-def decide_among(measured: Measured, options: Mapping[str, Rule]) -> Decision:
-    """:func:`~.rule_choice.choose_rule`, keeping the candidates in ``options``."""
-    full = choose_rule(measured)
-    return Decision(tuple(c for c in full.candidates if c.label in options), measured)
 
 
 def _timed_allreduce(comm: Communicator, buffer: torch.Tensor, repeats: int, untimed: bool = True) -> float:

@@ -30,6 +30,7 @@ prices as the average rank; links of two speeds (one α and β for every rank).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .cost_model import Cluster, Link, step_time
@@ -41,6 +42,11 @@ EPOCHS_VS_BSP: dict[str, dict[int, float]] = {
     "SMA": {1: 1.0, 4: 1.05, 8: 2.04, 16: 1.93},
     "LOCALSGD": {1: 1.0, 4: 1.20, 8: 2.35, 16: 2.17},
 }
+#: A move away from the running rule needs a predicted time to target at most this fraction of the running
+#: rule's: the cost model's predictions were 0.80-1.20 of the measured steps (benchmarks/scaling_links.py),
+#: a link that shapes traffic errs further, and a move costs (the mean model, BSP's optimizer state started
+#: again, a window to confirm it).
+MARGIN = 0.8
 #: The candidates, in the order they are shown: label → (rule, its hyper-parameters).
 CANDIDATES: dict[str, tuple[str, dict[str, int]]] = {
     "BSP": ("BSP", {}),
@@ -100,10 +106,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Decision:
-    """The candidates, soonest first; :attr:`chosen` is the first."""
+    """The candidates, the chosen one first, then soonest first; :attr:`chosen` is the first. ``kept``: the
+    soonest candidate, when it was not :data:`MARGIN` × the running rule's time or less and the running
+    rule was kept (else empty)."""
 
     candidates: tuple[Candidate, ...]
     measured: Measured
+    kept: str = ""
 
     @property
     def chosen(self) -> Candidate:
@@ -120,8 +129,12 @@ class Decision:
             for c in self.candidates
         )
         noise = f"{m.noise_scale:.4g}" if math.isfinite(m.noise_scale) else "not measured"
+        kept = ""
+        if self.kept:
+            ratio = next(c.time for c in self.candidates if c.label == self.kept) / self.chosen.time
+            kept = f" (kept: {self.kept} predicted {ratio:.2f}x its time, a move needs {MARGIN:g}x or less)"
         return (
-            f"chose {self.chosen.label}; time to target relative to BSP: {rows}; from compute "
+            f"chose {self.chosen.label}{kept}; time to target relative to BSP: {rows}; from compute "
             f"{m.compute_s * 1e3:.3g} ms/step, allreduce of {m.nbytes / 1e3:.4g} KB over {m.ranks} rank(s) "
             f"α {m.link.alpha * 1e6:.3g} µs β {m.link.beta * 1e9:.3g} ns/B, k = {m.learners}, "
             f"B_noise {noise}"
@@ -157,10 +170,11 @@ def fit_link(ranks: int, short: tuple[float, float], long: tuple[float, float]) 
     return Link(alpha, beta)
 
 
-def choose_rule(measured: Measured) -> Decision:
-    """Price every candidate (module docstring) and order them, soonest first (ties: the listed order). The
-    active candidate and those in ``known`` keep their measured steps; the others are priced by the cost
-    model. Times are relative to BSP's."""
+def choose_rule(measured: Measured, labels: Collection[str] | None = None) -> Decision:
+    """Price every candidate of ``labels`` (default: all; module docstring) and order them, soonest first
+    (ties: the listed order). The active candidate and those in ``known`` keep their measured steps; the
+    others are priced by the cost model. Times are relative to BSP's. The active candidate, where it is one
+    of ``labels``, is kept unless the soonest is :data:`MARGIN` × its time or less."""
     cluster = Cluster(
         "measured",
         gpus_per_node=measured.ranks,
@@ -188,5 +202,13 @@ def choose_rule(measured: Measured) -> Decision:
                 label, rule, hyper, steps[label], epochs, steps[label] * epochs / max(steps["BSP"], 1e-12)
             )
         )
-    order = sorted(range(len(found)), key=lambda i: (found[i].time, i))
-    return Decision(tuple(found[i] for i in order), measured)
+    order = sorted(
+        (i for i in range(len(found)) if labels is None or found[i].label in labels),
+        key=lambda i: (found[i].time, i),
+    )
+    ranked = [found[i] for i in order]
+    running = next((c for c in ranked if c.label == measured.active), None)
+    if running is None or ranked[0] is running or ranked[0].time <= MARGIN * running.time:
+        return Decision(tuple(ranked), measured)
+    rest = tuple(c for c in ranked if c is not running)
+    return Decision((running, *rest), measured, kept=ranked[0].label)
