@@ -2,8 +2,11 @@
 its first choice?
 
 Two namespace nodes, one rank each (tests/netns_cluster.py, as root), both links at a fast rate (by
-default the virtual links' own, where the digits MLP's allreduce should be a few per cent of a step, so
-AUTO keeps BSP); the digits job (launch/digits.cfg, to 97 %, a validation each epoch). When rank 0 logs the
+default the virtual links' own, where the digits MLP's allreduce should be a few per cent of a step);
+the digits job (launch/digits.cfg, to 97 %, a validation each epoch) with ``--learners`` learners a rank
+(4: k = 8, where LOCALSGD needs 2.35× BSP's epochs, so on the fast links AUTO moves from LOCALSGD, which it
+measures under, to BSP or SMA; at k = 2 LOCALSGD is within the model's error of BSP and AUTO keeps it from
+the start, so no slowdown would call for a switch). When rank 0 logs the
 end of epoch ``--after`` (3), node2's link drops to a slow rate (tc tbf, both ways). Each seed runs, side by
 side in one session:
 
@@ -15,7 +18,7 @@ The table gives each one's median wall seconds to 97 % (metrics.h5's ``val`` row
 and epoch of each) and how many epochs after the slowdown it switched.
 
     python -m benchmarks.link_slowdown                         # line rate, node2 to 10mbit after epoch 3
-    python -m benchmarks.link_slowdown --fast 300mbit --slow 10mbit --seeds 0 --after 2
+    python -m benchmarks.link_slowdown --fast 300mbit --slow 10mbit --seeds 0 --after 2 --learners 1
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ RULES = {
     "BSP": ["RULE=BSP"],
     "LOCALSGD": ["RULE=LOCALSGD"],
 }
-TARGET, EPOCHS, QUEUE = 0.97, 15, "200ms"
+TARGET, EPOCHS, QUEUE = 0.97, 30, "200ms"  # 30 epochs: at k = 8 LOCALSGD reached 97 % at epoch 17 (one machine)
 
 
 def run(
@@ -58,7 +61,8 @@ def run(
             cluster.set_rate(name, args.fast, QUEUE)
     argv = [str(Path(sys.executable).parent / "crossbow-launch"), "-cfg", "launch/digits.cfg",
             f"session.output={out}", f"session.epochs={EPOCHS}",
-            f"session.seed={seed}", "session.threads=1", "session.progress=log", *rule]  # fmt: skip
+            f"session.seed={seed}", "session.threads=1", "session.progress=log",
+            f"pool.learners={args.learners}", *rule]  # fmt: skip
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     proc = subprocess.Popen(
         cluster.mpiexec(mpiexec, 1, argv), cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -130,6 +134,7 @@ def main() -> int:
     parser.add_argument("--slow", default="10mbit", help="node2's rate after the slowdown")
     parser.add_argument("--after", type=int, default=3, help="the epoch after which node2's link slows")
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--learners", type=int, default=4, help="learners a rank (k = 2 × this)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     reason = missing_reason()
@@ -144,7 +149,8 @@ def main() -> int:
                     results[label].append(run(cluster, Path(tmp) / f"s{seed}r{i}", rule, seed, args))
                     print(label, seed, results[label][-1], flush=True)
     text = table(results, args.after) + (
-        f"\n\n2 namespace nodes × 1 rank (one thread each), both links at {args.fast} ("
+        f"\n\n2 namespace nodes × 1 rank (one thread, {args.learners} learner(s) each), both links at "
+        f"{args.fast} ("
         f"line: unlimited; else tc tbf, queue {QUEUE}), node2's at {args.slow} once rank 0 logged epoch "
         f"{args.after}; digits, {EPOCHS} epochs, "
         f"seeds {args.seeds}: wall seconds to the first validation at {TARGET:.0%}, medians (a miss counts "

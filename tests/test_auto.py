@@ -3,12 +3,12 @@ allreduce is microseconds here) after measuring under LOCALSGD is measured again
 have been slower than predicted for two windows, on every rank at the same step, from replicas made equal;
 with ``recheck = false`` it is kept.
 
-The first window is LOCALSGD's: 3 untimed steps and 16 timed ones (two of its averages), so the first
-decision comes after step 18; BSP's windows are 6 steps. Four learners a rank (k = 8): there LOCALSGD needs
-2.35× BSP's epochs, so BSP on the fast link beats the 0.8× a move away from the running rule needs. The
-slow link is a communicator whose allreduce sleeps 100 ms from step 25 on (a 2-rank MLP step takes a few ms
-here, tens on a loaded machine): BSP's step grows tenfold or more, past the 2× the check allows, in the
-windows ending after steps 30 and 36; LOCALSGD keeps the step it measured in the first window.
+The first window is LOCALSGD's: 3 untimed steps and 16 timed ones or more (two of its averages), ending on an
+average, so the first decision comes after step 23; BSP's windows are 6 steps. Four learners a rank (k = 8):
+there LOCALSGD needs 2.35× BSP's epochs, so BSP on the fast link beats the 0.8× a move away from the running
+rule needs. The slow link is a communicator whose allreduce sleeps 100 ms from step 30 on (a 2-rank MLP step
+takes a few ms here, tens on a loaded machine): BSP's step grows tenfold or more, past the 2× the check
+allows, in the windows ending after steps 35 and 41; LOCALSGD keeps the step it measured in the first window.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mpicrossbow.training.run.step import train_step
 
 pytestmark = pytest.mark.quick
 
-SIZE, WINDOW, FIRST, STEPS, DELAY_S = 2, 6, 19, 48, 0.1
+SIZE, WINDOW, FIRST, STEPS, DELAY_S = 2, 6, 24, 54, 0.1
 SLOW_FROM = FIRST + WINDOW
 
 
@@ -48,7 +48,7 @@ class SlowLink(ForwardingCommunicator):
 
 
 def run(recheck: bool) -> list[dict[str, Any]]:
-    """AUTO (windows of 6 steps) for 48 steps on 2 in-process ranks, the link slow from step 25; per rank
+    """AUTO (windows of 6 steps) for 54 steps on 2 in-process ranks, the link slow from step 30; per rank
     its decisions, the rule running at the end, and every learner's weights right after each decision."""
     pools = []
     for rank in range(SIZE):
@@ -80,7 +80,7 @@ def test_a_link_that_slows_mid_run_is_measured_again_and_the_rule_changed_on_eve
     first, again = ranks[0]["decisions"]
     assert first == (FIRST, "BSP")  # the fast link: BSP, which needs the fewest epochs
     switch = FIRST + 3 * WINDOW
-    assert again == (switch, "LOCALSGD (period 8)")  # drifted in the windows ending at 31 and 37
+    assert again == (switch, "LOCALSGD (period 8)")  # drifted in the windows ending at 36 and 42
     for rank in ranks:
         assert rank["decisions"] == ranks[0]["decisions"] and isinstance(rank["active"], LocalSGD)
         # LOCALSGD to BSP, BSP's steps (from equal optimizer state), back to LOCALSGD: every learner of every

@@ -2,12 +2,12 @@
 killed after the switch, resumed from a checkpoint on either side of the decision, ends bitwise equal to an
 uninterrupted run.
 
-The digits job on 2 ranks for 2 epochs of 44 steps, measuring windows of 27 steps (3 untimed, then 24:
-three of LOCALSGD's averages). With every candidate AUTO measures under LOCALSGD and the choice depends on
-this machine's timings, so the first test checks only that the line and the attributes agree and hold every
-candidate. With ``candidates = SMA`` the choice is forced: BSP for 27 measured steps, SMA from step 27;
-checkpoints every 20 steps, rank 1 fails at step 70. Resumed from step 20 the run measures and decides again;
-resumed from step 60 it restores SMA's phase and state.
+The digits job on 2 ranks for 2 epochs of 44 steps, measuring windows of 27 steps. With every candidate AUTO
+measures under LOCALSGD, whose window ends on its first average from step 26 on (after step 31, so the
+decision is at step 32), and the choice depends on this machine's timings, so the first test checks only that
+the line and the attributes agree and hold every candidate. With ``candidates = SMA`` the choice is forced:
+BSP for 27 measured steps, SMA from step 27; checkpoints every 20 steps, rank 1 fails at step 70. Resumed from
+step 20 the run measures and decides again; resumed from step 60 it restores SMA's phase and state.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from mpicrossbow.training.reporting.metrics import read_metrics
 pytestmark = [pytest.mark.mpi]
 
 DECISION = 27
+#: The first decision under LOCALSGD: after the first of its averages (every 8th step) from step 26 on.
+UNDER_LOCALSGD = 32
 
 
 def job(mpiexec: str, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -41,7 +43,7 @@ def job(mpiexec: str, out: Path, *overrides: str) -> subprocess.CompletedProcess
 def test_the_decision_is_one_line_and_the_same_in_metrics(mpiexec: str, tmp_path: Path) -> None:
     done = job(mpiexec, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stderr.splitlines() if f"AUTO at step {DECISION}: chose " in line]
+    lines = [line for line in done.stderr.splitlines() if f"AUTO at step {UNDER_LOCALSGD}: chose " in line]
     assert len(lines) == 1, done.stderr[-3000:]
     chosen = re.search(r"chose (.+?); time to target relative to BSP: ", lines[0])
     assert chosen is not None
@@ -54,11 +56,11 @@ def test_the_decision_is_one_line_and_the_same_in_metrics(mpiexec: str, tmp_path
     predicted = attrs["rule_auto_predicted"]
     assert len(predicted) == 3 and predicted[0][2] == min(row[2] for row in predicted)
     assert auto_line(attrs) == (  # crossbow-report's summary line
-        f"  rule = AUTO: {chosen[1]} from step {DECISION}; last decision: {attrs['rule_auto_line']}"
+        f"  rule = AUTO: {chosen[1]} from step {UNDER_LOCALSGD}; last decision: {attrs['rule_auto_line']}"
     )
     state = final_state(tmp_path, 0)["rule"]  # the choice runs from the decision on (LOCALSGD: from 0)
     assert state["decided"] == chosen[1]
-    assert state["switched_at"] == (0 if chosen[1] == "LOCALSGD (period 8)" else DECISION)
+    assert state["switched_at"] == (0 if chosen[1] == "LOCALSGD (period 8)" else UNDER_LOCALSGD)
     assert attrs["val_accuracy"] >= 0.7  # it trains on (BSP, SMA and LOCALSGD read 0.80-0.86 after 2 epochs)
 
 

@@ -174,7 +174,7 @@ class Auto(SwitchingRule):
                 "%s: %s for %d step(s) while measuring, then the soonest of %s",
                 self.name,
                 self.measuring,
-                self.window_length(),
+                -(-self.window_length() // self._period()) * self._period(),
                 ", ".join(self.options),
             )
         return self
@@ -204,18 +204,22 @@ class Auto(SwitchingRule):
             self._step_s += end - self._mark
             self._hooks_s += self._in_hooks + end - before
         self._mark, self._in_hooks = end, 0.0
-        if into + 1 >= length:
+        if into + 1 >= length and (step + 1) % self._period() == 0:
             self._window_ends(step + 1)
 
     def window_length(self) -> int:
-        """Steps of the current window: ``measure_steps``, or under a rule that exchanges every H-th step
-        enough for its timed steps to hold two of its exchanges or more, a whole number of them (a window
-        between two of LOCALSGD's averages would time none and read as drift)."""
-        period = CANDIDATES[self.running][1].get("period", 1)
-        if period == 1:
+        """The fewest steps of the current window: ``measure_steps``, or under a rule that exchanges every
+        H-th step enough for its timed steps to hold two of its exchanges or more (a window between two of
+        LOCALSGD's averages would time none and read as drift). Such a window ends on one of the rule's
+        exchanges, when the ranks have just met: its closing allreduce then waits for no straggler (one in
+        the middle of a period would make every rank wait for the slowest, a meeting LOCALSGD skips)."""
+        if self._period() == 1:
             return self.hyper.measure_steps
-        timed = max(self.hyper.measure_steps - UNTIMED_STEPS, 2 * period)
-        return UNTIMED_STEPS + -(-timed // period) * period
+        return UNTIMED_STEPS + max(self.hyper.measure_steps - UNTIMED_STEPS, 2 * self._period())
+
+    def _period(self) -> int:
+        """Steps between two exchanges of the running candidate (1: every step)."""
+        return CANDIDATES[self.running][1].get("period", 1)
 
     def on_rebind(self, lost: tuple[int, ...]) -> None:
         """The active rule's; the next window's end decides again (the world changed)."""

@@ -181,7 +181,7 @@ def run_rank(config: Config, rule: Rule | None = None) -> int:
 def preview_rank(config: Config) -> tuple[int, str]:
     """``--print-config`` under MPI with ``RULE=AUTO``: what it would choose on this job's ranks, without a
     run. Prepare as a run would (binding, model, data, agreement), bind the rule over a communicator and
-    take its measuring window of BSP steps; nothing is saved (no run folder, no checkpoint). Returns the exit
+    take its measuring window; nothing is saved (no run folder, no checkpoint). Returns the exit
     status (non-zero: bad input, rank 0 said why) and rank 0's decision line ("" elsewhere)."""
     world, session, code = prepare_session(config)
     if code:
