@@ -3,7 +3,7 @@ its first choice?
 
 Two namespace nodes, one rank each (tests/netns_cluster.py, as root), both links at a fast rate (by
 default the virtual links' own, where the digits MLP's allreduce should be a few per cent of a step);
-the digits job (launch/digits.cfg, to 97 %, a validation each epoch) with ``--learners`` learners a rank
+the digits job (launch/digits.cfg, to 96 %, a validation each epoch) with ``--learners`` learners a rank
 (4: k = 8, where LOCALSGD needs 2.35× BSP's epochs, so on the fast links AUTO moves from LOCALSGD, which it
 measures under, to BSP or SMA; at k = 2 LOCALSGD is within the model's error of BSP and AUTO keeps it from
 the start, so no slowdown would call for a switch). When rank 0 logs the
@@ -46,8 +46,10 @@ RULES = {
     "BSP": ["RULE=BSP"],
     "LOCALSGD": ["RULE=LOCALSGD"],
 }
-#: 30 epochs: at k = 8 LOCALSGD reached 97 % at epoch 17 on one machine, BSP at epoch 14.
-TARGET, EPOCHS, QUEUE = 0.97, 30, "200ms"
+#: 96 % in 30 epochs: at k = 8 the digits MLP levels off at 97-97.5 % (LOCALSGD reached 97 % at epoch 17
+#: on one machine, BSP at 14), where one validation sample (0.28 %) decides whether a run reaches 97 %; a
+#: first AUTO run here at 97 % did not reach it in 30 epochs.
+TARGET, EPOCHS, QUEUE = 0.96, 30, "200ms"
 
 
 def run(
