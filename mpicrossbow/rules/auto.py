@@ -166,8 +166,7 @@ class Auto(SwitchingRule):
         else:
             self.comm, self.pool = comm, pool
             self.later = self.options[self.measuring]
-            self.later.patience, self.later.tick = self.patience, self.tick
-            self.later.bind(comm, pool)
+            self._bind(self.later)
             self.switched_at = 0
         if comm.rank == 0 and self.decided is None:
             log.info(
@@ -323,8 +322,7 @@ class Auto(SwitchingRule):
         self.average("buffers")
         if target.averages_gradients:
             _zero_optimizer_state(self.pool)
-        target.patience, target.tick = self.patience, self.tick
-        target.bind(self.comm, self.pool)
+        self._bind(target)
         self.later, self.switched_at = target, step
 
     def finish(self) -> None:

@@ -59,9 +59,14 @@ class SwitchingRule(Rule):
     def bind(self, comm: Communicator, pool: ReplicaView) -> Rule:
         """Bind BSP (every learner starts from rank 0's learner 0); the later rule waits for the switch."""
         self.comm, self.pool = comm, pool
-        self.bsp.patience, self.bsp.tick = self.patience, self.tick
-        self.bsp.bind(comm, pool)
+        self._bind(self.bsp)
         return self
+
+    def _bind(self, rule: Rule) -> None:
+        """Bind ``rule`` over this rule's communicator and pool with its patience and tick (collective)."""
+        assert self.comm is not None and self.pool is not None
+        rule.patience, rule.tick = self.patience, self.tick
+        rule.bind(self.comm, self.pool)
 
     def switch(self, step: int) -> None:
         """Every rank at once: check the step and the replicas, stop BSP, bind :attr:`later` at ``step``."""
@@ -69,8 +74,7 @@ class SwitchingRule(Rule):
         self._agree(step)
         self.bsp.finish()  # no more gradient buckets during backward
         self.bsp.sync_state()  # BatchNorm statistics: the mean over every learner, exactly
-        self.later.patience, self.later.tick = self.patience, self.tick
-        self.later.bind(self.comm, self.pool)
+        self._bind(self.later)
         self.switched_at = step
 
     def _agree(self, step: int, equal: bool = True) -> None:
@@ -161,7 +165,6 @@ class SwitchingRule(Rule):
         live = self.active
         if live is not target:
             live.finish()
-            target.patience, target.tick = self.patience, self.tick
             self._adopt(target)
         if at is not None:
             self.later = target
@@ -173,7 +176,7 @@ class SwitchingRule(Rule):
         checkpoint's replicas, which bind's broadcast would replace."""
         assert self.comm is not None and self.pool is not None
         kept = [(learner.params.clone(), learner.buffers.clone()) for learner in self.pool.learners]
-        rule.bind(self.comm, self.pool)
+        self._bind(rule)
         for learner, (params, buffers) in zip(self.pool.learners, kept, strict=True):
             learner.params.copy_(params)
             learner.buffers.copy_(buffers)
