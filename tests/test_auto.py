@@ -95,3 +95,53 @@ def test_with_recheck_off_the_first_choice_stays() -> None:
     ranks = run(recheck=False)
     for rank in ranks:
         assert rank["decisions"] == [(FIRST, "BSP")] and isinstance(rank["active"], BSP)
+
+
+class Sizes(ForwardingCommunicator):
+    """``inner`` that records the element count of every allreduce (plain or a mean)."""
+
+    def __init__(self, inner: Communicator) -> None:
+        super().__init__(inner)
+        self.sizes: list[int] = []
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
+        """Record, then the inner allreduce."""
+        self.sizes.append(tensor.numel())
+        return self.inner.allreduce(tensor, op, async_op)
+
+    def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
+        """Record, then the inner mean."""
+        self.sizes.append(tensor.numel())
+        self.inner.allreduce_mean(tensor, count)
+
+
+def model_sized_allreduces(rule_name: str, **hyper: Any) -> list[int]:
+    """Sizes of the allreduces larger than AUTO's 256-byte probe that rank 0 made in the first
+    :data:`FIRST` steps of ``rule_name`` on 2 in-process ranks."""
+    pools = []
+    for rank in range(SIZE):
+        spec = PoolSpec(rank, SIZE, 8, OPTIM, torch.device("cpu"), seed=1, learners=4)
+        pools.append(SerialPool(NormedMLP(hidden=8), spec))
+
+    def body(comm: Communicator) -> list[int]:
+        link, pool = Sizes(comm), pools[comm.rank]
+        rule = RULES.get(rule_name)(**hyper)
+        rule.bind(link, pool)
+        for step in range(FIRST):
+            if step % pool.n_batch_train == 0:
+                pool.start_epoch(step // pool.n_batch_train)
+            train_step(pool, rule, step)
+        if rule_name == "AUTO":
+            assert [row[0] for row in rule.decisions] == [FIRST]
+        return [n for n in link.sizes if n > 64]
+
+    return InProcessWorld(SIZE, timeout_s=60).run(body)[0]
+
+
+def test_measuring_under_localsgd_moves_no_more_model_bytes_than_localsgd() -> None:
+    """The first decision prices the model's bytes from LOCALSGD's own averages in the window: AUTO's first
+    window and its decision (which keeps LOCALSGD, the only candidate here) allreduce exactly what LOCALSGD's
+    same steps do (it added two allreduces of the model, a seventh of the digits job's time to target over a
+    30 mbit link)."""
+    auto = model_sized_allreduces("AUTO", measure_steps=WINDOW, candidates="LOCALSGD")
+    assert auto and auto == model_sized_allreduces("LOCALSGD", period=8)

@@ -9,17 +9,18 @@ Who sends what to whom, and when:
 * **Windows of measure_steps steps.** Each rank times its steps (from one exchange's end to the next) and
   the part spent in the rule's hooks, from the :data:`UNTIMED_STEPS`-th step of each window on.
 * **The first window** runs the measuring rule: LOCALSGD when it is a candidate, whose window holds two of
-  its averages and whose other steps exchange nothing, so measuring costs what the cheapest candidate
-  costs (BSP's steps over a slow link made the measuring a fifth of a short run: benchmarks/results/
-  links.md); else BSP. After its last exchange, every rank at once: a short allreduce (256 bytes) once
-  untimed and :data:`REPEATS` times timed, which lines the ranks up, then :data:`LONG_REPEATS` timed
-  allreduces of the model's flat parameters (the fastest of each counts), and a local elementwise pass
-  timed for γ; one allreduce (MAX) of the five figures, so every rank decides from the same numbers and
-  alike; :func:`~.rule_choice.choose_rule`, the measuring rule keeping its measured step and the others
-  priced from its compute. Rank 0 logs the decision in one line (every candidate's predicted time and the
-  figures behind it). If the choice is not the measuring rule, every rank moves to it from the next step
-  on: from BSP through the switch (:class:`~.switching.SwitchingRule`), from LOCALSGD by taking the mean
-  model and buffers first (below).
+  its averages and whose other steps exchange nothing, so measuring costs what the cheapest candidate costs
+  (BSP's steps over a slow link made the measuring a fifth of a short run: benchmarks/results/links.md);
+  else BSP. After its last exchange, every rank at once: a short allreduce (256 bytes) once untimed and
+  :data:`REPEATS` times timed, which lines the ranks up; the model's bytes priced by the fastest of the
+  window's own averages under LOCALSGD (the smallest over the ranks), else by :data:`LONG_REPEATS` timed
+  allreduces of the model's flat parameters (the fastest counts); a local elementwise pass timed for γ; one
+  allreduce (MAX) of the five figures, so every rank decides from the same numbers and alike;
+  :func:`~.rule_choice.choose_rule`, the measuring rule keeping its measured step and the others priced from
+  its compute. Rank 0 logs the decision in one line (every candidate's predicted time and the figures behind
+  it). If the choice is not the measuring rule, every rank moves to it from the next step on: from BSP
+  through the switch (:class:`~.switching.SwitchingRule`), from LOCALSGD by taking the mean model and
+  buffers first (below).
 * **Every later window** ends with one allreduce (MAX) of three numbers: the window's step and hook
   seconds and whether the world or the learner count changed (an elastic loss or replacement,
   ``learners = auto``). With ``recheck`` on, a step :data:`DRIFT`× slower or faster than predicted for
@@ -66,8 +67,9 @@ UNTIMED_STEPS = 3
 #: and the memory can do: a slower repetition met a rank descheduled or another job's traffic, one-sided
 #: noise).
 REPEATS = 5
-#: Timed allreduces of the model's bytes at the decision (the fastest counts): each costs one BSP exchange,
-#: and the window's own exchanges have already opened the connections, so none goes untimed.
+#: Timed allreduces of the model's bytes at a decision under BSP (the fastest counts): each costs one BSP
+#: exchange, and the window's own exchanges have already opened the connections, so none goes untimed.
+#: Under LOCALSGD the window's own averages price them instead.
 LONG_REPEATS = 2
 #: The candidate measured under when it is offered: it exchanges every 8th step, the others every step.
 MEASURING = "LOCALSGD (period 8)"
@@ -138,6 +140,8 @@ class Auto(SwitchingRule):
         self._changed = False  # the world or k changed since the last decision
         self._steps, self._step_s, self._hooks_s, self._in_hooks = 0, 0.0, 0.0, 0.0
         self._mark: float | None = None  # the end of the last exchange
+        #: The fastest exchange of the window that averaged the model (inf: none timed; rules with a period).
+        self._average_s = float("inf")
         #: label → seconds a step, agreed over the ranks, of each candidate's last window run in this world
         #: and at this k (not checkpointed: a resumed run measures afresh).
         self.measured: dict[str, float] = {}
@@ -202,6 +206,8 @@ class Auto(SwitchingRule):
             self._steps += 1
             self._step_s += end - self._mark
             self._hooks_s += self._in_hooks + end - before
+            if self._period() > 1 and (step + 1) % self._period() == 0:
+                self._average_s = min(self._average_s, end - before)
         self._mark, self._in_hooks = end, 0.0
         if into + 1 >= length and (step + 1) % self._period() == 0:
             self._window_ends(step + 1)
@@ -266,17 +272,30 @@ class Auto(SwitchingRule):
             else:
                 self.measured[self.running] = step_s
         self._window, self._steps, self._step_s, self._hooks_s = step, 0, 0.0, 0.0
+        self._average_s = float("inf")
 
     def _decide(self, step: int, step_s: float, hooks_s: float, reason: str = "") -> None:
         """Every rank at once: measure the link and γ, agree on the figures, choose, switch if the choice is
-        not the running rule."""
+        not the running rule.
+
+        Under a rule that averages the model every H-th step (LOCALSGD) the window's averages were
+        model-sized allreduces already: the fastest of them, on the rank that waited least for the others
+        (the smallest over the ranks), prices the model's bytes, and no allreduce of them is added (two cost
+        a seventh of the digits job's time to target over a 30 mbit link: benchmarks/results/links.md). It
+        holds the learners' local mean and copy too, so it errs slow, towards the running rule."""
         assert self.comm is not None and self.pool is not None
         params = self.pool.learners[0].params
         short = _timed_allreduce(self.comm, torch.zeros(SHORT_BYTES // 4, device=params.device), REPEATS)
-        long = _timed_allreduce(self.comm, torch.zeros_like(params), LONG_REPEATS, untimed=False)
+        # every rank ran the same steps of the same rule: all timed averages, or none did
+        averaged = self._average_s < float("inf")
+        if averaged:
+            long = self._average_s
+        else:
+            long = _timed_allreduce(self.comm, torch.zeros_like(params), LONG_REPEATS, untimed=False)
         gamma = _pass_seconds(params) / max(1, params.numel() * params.element_size())
-        figures = [step_s, hooks_s, short, long, gamma]
+        figures = [step_s, hooks_s, short, -long if averaged else long, gamma]
         step_s, hooks_s, short, long, gamma = self.comm.exact.allreduce_scalars(figures, op=ReduceOp.MAX)
+        long = -long if averaged else long  # the MAX of the negated averages: the smallest
         nbytes = params.numel() * params.element_size()
         self.measured[self.running] = step_s
         measured = Measured(
@@ -386,6 +405,7 @@ class Auto(SwitchingRule):
         self.decisions = [(int(a), str(b), float(c)) for a, b, c in state.get("decisions", [])]
         self._window, self._drifted = int(state.get("window", 0)), int(state.get("drifted", 0))
         self._steps, self._step_s, self._hooks_s, self._mark = 0, 0.0, 0.0, None
+        self._average_s = float("inf")
         self.measured = {}
         self.load_phase(state, self.options[decided] if decided is not None else None)
 
