@@ -145,9 +145,11 @@ def test_the_watchdog_ends_a_job_with_a_dead_rank_that_srun_does_not_end(
     slurm_cluster: SlurmCluster,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    """srun without --kill-on-bad-exit leaves the other ranks waiting: the watchdog sees the dead pid."""
+    """srun without --kill-on-bad-exit leaves the other ranks waiting: the watchdog sees the dead pid. The
+    exchange goes through MPI (``comm.shared_memory=off``), which waits on a dead peer for ever: the
+    shared-memory allreduce watches its peers itself and, on a loaded machine, named the dead rank first."""
     runs = tmp_path / "runs"
-    job = rank_1_killed_under_plain_srun(slurm_cluster, tmp_path)
+    job = rank_1_killed_under_plain_srun(slurm_cluster, tmp_path, "comm.shared_memory=off")
     record = slurm_cluster.wait_job(job, timeout=120)
     out = output(tmp_path, job)
     assert record["JobState"] == "FAILED", out[-3000:]
