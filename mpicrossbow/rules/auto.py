@@ -15,7 +15,7 @@ Who sends what to whom, and when:
   :data:`REPEATS` times timed, which lines the ranks up; the model's bytes priced by the fastest of the
   window's own averages under LOCALSGD (the smallest over the ranks), else by :data:`LONG_REPEATS` timed
   allreduces of the model's flat parameters (the fastest counts); a local elementwise pass timed for γ; one
-  allreduce (MAX) of the five figures, so every rank decides from the same numbers and alike;
+  allreduce (MAX) of the figures (MIN of the averages), so every rank decides from the same numbers, alike;
   :func:`~.rule_choice.choose_rule`, the measuring rule keeping its measured step and the others priced from
   its compute. Rank 0 logs the decision in one line (every candidate's predicted time and the figures behind
   it). If the choice is not the measuring rule, every rank moves to it from the next step on: from BSP
@@ -293,9 +293,9 @@ class Auto(SwitchingRule):
         else:
             long = _timed_allreduce(self.comm, torch.zeros_like(params), LONG_REPEATS, untimed=False)
         gamma = _pass_seconds(params) / max(1, params.numel() * params.element_size())
-        figures = [step_s, hooks_s, short, -long if averaged else long, gamma]
-        step_s, hooks_s, short, long, gamma = self.comm.exact.allreduce_scalars(figures, op=ReduceOp.MAX)
-        long = -long if averaged else long  # the MAX of the negated averages: the smallest
+        figures = [step_s, hooks_s, short, gamma]
+        step_s, hooks_s, short, gamma = self.comm.exact.allreduce_scalars(figures, op=ReduceOp.MAX)
+        (long,) = self.comm.exact.allreduce_scalars([long], op=ReduceOp.MIN if averaged else ReduceOp.MAX)
         nbytes = params.numel() * params.element_size()
         self.measured[self.running] = step_s
         measured = Measured(
