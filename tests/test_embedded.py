@@ -23,6 +23,7 @@ from mpicrossbow.errors import ContractError, DataError, UsageError
 from mpicrossbow.launch.world import World
 from mpicrossbow.model.shard import Shard
 from mpicrossbow.rules.base import Rule
+from mpicrossbow.training.run.window import Unguarded
 
 
 def test_the_example_adds_at_most_eight_lines_to_the_plain_script() -> None:
@@ -159,6 +160,46 @@ def test_hooks_run_the_rule_around_the_users_step_in_crossbow_launchs_order() ->
     assert len(rule.calls) == 5, "a hook outlived remove()"
     own.learner.release()
     assert "zero_grad" not in vars(optimizer)
+
+
+class SkipsStep(Unguarded):
+    """A window whose step ``idle`` does not train (elastic healing: it met the loss, or a rank behind
+    skips it)."""
+
+    def __init__(self, idle: int) -> None:
+        self.idle, self.now = idle, -1
+
+    def begin(self, step: int) -> None:
+        self.now = step
+
+    def trains(self) -> bool:
+        return self.now != self.idle
+
+
+def test_a_step_the_window_does_not_train_leaves_the_users_model_and_optimizer_as_they_were() -> None:
+    """The user's own ``optimizer.step()`` in a step that does not train (SGD with momentum and weight
+    decay, which would move every weight even at a zero gradient) changes neither the weights nor the
+    momentum, and hands the gradients back as they were (the same tensors, views of the flat buffer); the
+    next step trains as usual."""
+    model, _ = model_and_optimizer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    own = OwnModel(model, optimizer, lambda: None)
+    hooks = StepHooks(own, Recorder(own), window=SkipsStep(idle=1))
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    seen = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        grads = [p.grad for p in model.parameters()]
+        optimizer.step()
+        assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+        momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+        seen.append((own.learner.params.clone(), momentum))
+    (w0, m0), (w1, m1), (w2, _) = seen
+    assert torch.equal(w1, w0) and all(torch.equal(a, b) for a, b in zip(m1, m0, strict=True))
+    assert not torch.equal(w2, w1)
+    hooks.remove()
+    own.learner.release()
 
 
 def test_the_users_tensors_live_in_the_flat_buffers() -> None:

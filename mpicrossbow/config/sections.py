@@ -278,7 +278,8 @@ class ElasticSection:
         10,
         "synchronous rules: steps between two commits (a fault-tolerant agreement and a copy of the state, "
         "about 9 % of a 3 ms step when made every step); a lost rank drops the steps since the last commit, "
-        "at most this many, on every survivor",
+        "at most this many, on every survivor. BSP's grad mode makes no commits: its survivors heal from a "
+        "peer and drop one step",
         ge=1,
     )
     replace: bool = setting(

@@ -22,7 +22,10 @@ takes every hook away again (``xb.finish``).
 **Elastic** (``xb.init(elastic=True)``, :mod:`.elastic_mode`): the rule's two calls run inside the fault
 tolerance's open window (:meth:`~mpicrossbow.training.elastic.fault_tolerance.FaultTolerance.guard`), and the
 post-hook ends the step there — committing the window when it ends, or, after a loss, restoring the state
-of the last commit (the optimizer's update of a step that met the loss is undone with the rest).
+of the last commit (the optimizer's update of a step that met the loss is undone with the rest). Under a
+rule that heals from a peer instead (BSP), a step that met the loss, or that a rank behind skips, hands the
+optimizer no gradient (each parameter's ``grad`` is None during its ``step()``, put back after it), so the
+user's ``optimizer.step()`` changes nothing there.
 
 **fp16.** torch's ``GradScaler`` calls ``optimizer.step()`` only on a rank whose gradients did not
 overflow, so on the one rank that overflowed the pre-hook, and BSP's allreduce in it, would not run while
@@ -74,6 +77,8 @@ class StepHooks:
         self.lr: float | None = None
         #: The step whose overflow the ranks last agreed on (-1: none yet).
         self.agreed = -1
+        #: Gradients held back from the optimizer during a step that does not train (elastic healing).
+        self.held: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         HOOKED[optimizer] = self
         self._handles = [
             optimizer.register_step_pre_hook(self._before),
@@ -98,8 +103,15 @@ class StepHooks:
         self.window.begin(self.step)
         exchange = lambda: rule_gradients(self.rule, self.step, self.own, self.noise)  # noqa: E731
         self.window.guard(exchange, f"step {self.step}")
+        if not self.window.trains():  # torch's optimizers pass over a parameter without a gradient
+            self.held = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+            for param, _ in self.held:
+                param.grad = None
 
     def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for param, grad in self.held:  # the user's own zero_grad() finds them as it left them
+            param.grad = grad
+        self.held = []
         self.window.guard(lambda: rule_exchange(self.rule, self.step), f"step {self.step}")
         self.window.end(self.step)
         self.step += 1

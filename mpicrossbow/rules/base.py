@@ -72,6 +72,15 @@ class Rule:
         return False
 
     @property
+    def exchanges_before_update(self) -> bool:
+        """True when every collective of a step runs before the optimizer (in ``on_gradients``) and leaves
+        every rank the same update (BSP's grad mode): a step then either completed on a rank, with the same
+        state everywhere it did, or changed nothing there. Elastic training heals such a rule's survivors
+        from a peer instead of copying its state every commit window
+        (:mod:`mpicrossbow.training.elastic.fault_tolerance`)."""
+        return False
+
+    @property
     def averages_gradients_throughout(self) -> bool:
         """Whether every phase of the run averages gradients (a rule that switches rules mid-run asks each):
         what the check of an uncapped learning-rate scaling reads (:mod:`.lr_recipe`)."""

@@ -72,6 +72,11 @@ class BSP(Rule):
         learner tuner (which asks before bind) runs."""
         return getattr(self, "mode", self.hyper.mode) in ("grad", "auto")
 
+    @property
+    def exchanges_before_update(self) -> bool:
+        """Grad mode, once bound: its one exchange is the gradient allreduce before the optimizer step."""
+        return getattr(self, "mode", None) == "grad"
+
     def on_bind(self) -> None:
         """Resolve ``auto`` and reject gradient mode for models that update themselves."""
         assert self.pool is not None

@@ -38,6 +38,27 @@ says the window did not complete. Then every survivor
 So ``commit_every`` trades the agreement and the copy per step (about 9 % of a 3 ms digits step here,
 benchmarks/elastic_cost.py) for up to that many steps of the survivors' work lost with a rank.
 
+**Healing from a peer, without windows** (rules whose step exchanges only before the optimizer:
+``Rule.exchanges_before_update``, BSP's grad mode). Such a step changes the state only after its exchange
+completed (the optimizer applies the mean gradient), and a completed step leaves every rank the same
+state. A rank lost in step s therefore leaves each survivor holding either the state after step s - 1
+(its exchange of step s failed) or after step s (it completed step s — on ULFM a collective that returns
+success is correct where it returned — and met the loss in its next operation): never a partial step, and
+never two apart, since no rank can complete a collective that a rank which failed the one before never
+entered. So nothing is copied and nothing agreed per step. A rank that meets the loss (in a step, or in a
+collective between steps) agrees with the others that it happened, recovers, and then the survivors
+
+1. find the latest step any of them holds and where each of their loops stands (one allreduce);
+2. take the state from the lowest survivor that holds that step, when some survivor lags
+   (:func:`~mpicrossbow.comm.state_broadcast.broadcast_state`; each keeps its own running loss sums,
+   :data:`OWN_ENTRIES`);
+3. skip, on a rank whose loop is behind, the steps up to the furthest survivor's position without training,
+   so every loop goes on at the same step.
+
+At most one step is lost for the survivors' shared model (the one in which a survivor met the loss after
+the others completed the step before; none when the loss was met between steps), a rank's own batches for
+at most two; and elastic training costs no per-step work beyond the elastic communicator's forwarding.
+
 The lowest survivor is rank 0 afterwards: the run folder, ``metrics.h5`` and validation lines are its. The
 collectives between steps (the epoch's statistics, validation) are retried over the survivors until they
 commit, so an epoch is reported once. The lost rank's data shard is dropped for the rest of the run: each
@@ -54,9 +75,11 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from ...comm.base import ReduceOp
 from ...comm.committed import until_committed
 from ...comm.elastic import ElasticCommunicator
 from ...comm.membership import Membership
+from ...comm.state_broadcast import broadcast_state
 from ...comm.ulfm import ElasticEnd, PeerLost
 from ...rules.base import Rule
 from ..run.window import StepWindow
@@ -69,6 +92,10 @@ LIBNBC_NOTE = (
     " (Open MPI's 'NBC_Progress: an error 75 was found during schedule ... aborting the schedule' lines just "
     "before this one are its non-blocking collectives giving up on the lost rank: expected after a loss)"
 )
+
+#: Entries of a ``state_dict`` that are a rank's own, not its replica's (the running loss sums a pool
+#: reports at the epoch's end): a rank that heals from a peer keeps its own.
+OWN_ENTRIES = frozenset({"stats", "samples"})
 
 T = TypeVar("T")
 
@@ -104,6 +131,19 @@ def cloned(value: Any, into: Any = None) -> Any:
     return value
 
 
+def keeping_own(theirs: Any, mine: Any) -> Any:
+    """``theirs`` (a peer's ``state_dict``) with every entry named in :data:`OWN_ENTRIES` taken from ``mine``
+    (this rank's own ``state_dict``) where ``mine`` has it: dicts, lists and tuples walked."""
+    if isinstance(theirs, dict) and isinstance(mine, dict):
+        return {
+            k: mine[k] if k in OWN_ENTRIES and k in mine else keeping_own(v, mine.get(k))
+            for k, v in theirs.items()
+        }
+    if isinstance(theirs, (list, tuple)) and isinstance(mine, (list, tuple)) and len(theirs) == len(mine):
+        return type(theirs)(keeping_own(t, m) for t, m in zip(theirs, mine, strict=True))
+    return theirs
+
+
 class FaultTolerance(StepWindow):
     """One rank's fault tolerance: commits its steps (synchronous rules), restores ``state`` when a window
     is dropped, recovers with the other survivors, settles the end (see the module doc)."""
@@ -117,6 +157,7 @@ class FaultTolerance(StepWindow):
         every: int = 1,
         steps_done: int = 0,
         refresh: bool = False,
+        heals: bool | None = None,
     ) -> None:
         if every < 1:
             raise ValueError(f"commit every {every} steps: at least 1")
@@ -135,8 +176,9 @@ class FaultTolerance(StepWindow):
         self.saved: tuple[Any, ...] | None = None
         #: The copy before ``saved``: the next capture is copied into its tensors (two alternate).
         self.spare: tuple[Any, ...] | None = None
-        #: The ranks (numbered as before it) the last recovery lost.
+        #: The ranks (numbered as before it) the last recovery lost, and their start ranks in words.
         self.lost: tuple[int, ...] = ()
+        self.lost_names = ""
         #: Called after every recovery, before the rule's ``on_rebind`` (parts with work in flight on the
         #: lost world's communicator drop it here).
         self.after_recovery: list[Callable[[], None]] = []
@@ -155,6 +197,27 @@ class FaultTolerance(StepWindow):
         self.met: tuple[str, float] | None = None
         #: When the latest recovery's loss was met (``time.perf_counter``): what a replacement is timed from.
         self.lost_at = 0.0
+        #: Heal from a peer instead of committing windows (see the module doc); None: the rule says, when
+        #: first asked (after its binding resolved its mode).
+        self._heals = heals
+        #: Healing: the steps before this one are skipped without training (a rank whose loop was behind
+        #: the furthest survivor's after a loss).
+        self.skip_until = 0
+        #: Healing: the step running now does not train (skipped, or it met a loss).
+        self.idle = False
+
+    @property
+    def heals(self) -> bool:
+        """Whether a loss heals the survivors from a peer (no windows): a synchronous rule whose step
+        exchanges only before the optimizer (``exchanges_before_update``, asked once)."""
+        if self._heals is None:
+            self._heals = self.windows and self.rule.exchanges_before_update
+        return self._heals
+
+    def trains(self) -> bool:
+        """Whether the step running now still trains: False on a healing rank that skips it or met a loss in
+        it (the embedded API then keeps the user's optimizer step from applying its gradient)."""
+        return not (self.heals and self.idle)
 
     def add_state(self, part: Stateful) -> None:
         """One more object a dropped window restores (``xb.keep``); its state now counts as committed."""
@@ -191,6 +254,9 @@ class FaultTolerance(StepWindow):
         of every window copies the state again into the same tensors: nothing is in flight there, the last
         commit's copy completed it)."""
         self.steps_done = step
+        if self.heals:
+            self.idle = step < self.skip_until
+            return
         if self.saved is None:
             self.saved = self.capture()
         elif self.refresh and not self.pending and self.met is None:
@@ -199,18 +265,27 @@ class FaultTolerance(StepWindow):
     def guard(self, work: Callable[[], T], where: str) -> T | None:
         """``work()`` inside the open window, unless this rank met a lost rank in it already (then, or when
         ``work`` meets one now, None: the window's end drops it)."""
-        if self.met is not None:
+        if self.met is not None or (self.heals and self.idle):
             return None
         try:
             return work()
         except PeerLost:
             self.met = (where, time.perf_counter())
+            if self.heals:  # recover and heal now: the others meet it within one step (module doc)
+                self.idle = True
+                self.comm.commit(False)  # as a committed collective's member that met it: revoke, agree
+                self._healed(self.steps_done + 1)
             return None
 
     def end(self, step: int) -> bool:
         """Step ``step`` ended: commit the window when it ends here; False when the commit dropped it."""
-        self.pending += 1
         self.steps_done = step + 1
+        if self.heals:
+            trained, self.idle = not self.idle, False
+            if trained:
+                self.committed = self.steps_done
+            return trained
+        self.pending += 1
         if (step + 1) % self.every:
             return True  # the window goes on (on a rank that met a loss: without training)
         return self.flush(f"step {step}")
@@ -263,6 +338,10 @@ class FaultTolerance(StepWindow):
             return fn
 
         def recovered(started: float) -> None:
+            if self.heals:  # between steps: this rank's loop stands at steps_done, its state holds committed
+                self.met = (what, started)
+                self._healed(self.steps_done)
+                return
             self.recover(what, started)
             self.rule.on_rebind(self.lost)
 
@@ -273,6 +352,49 @@ class FaultTolerance(StepWindow):
             )
 
         return run
+
+    def _healed(self, position: int) -> None:
+        """Healing, after the agreement that a rank was lost: recover, rebind the rule and heal every
+        survivor from a peer (:meth:`heal`, redone over the survivors should a rank die during it); this
+        rank's loop goes on at step ``position`` (behind: it skips up to the furthest survivor's)."""
+        where, started = self.met or ("a collective", time.perf_counter())
+        self.met = None
+
+        def recovered(began: float) -> None:
+            self.recover(where, began, report=False)
+            self.rule.on_rebind(self.lost)
+
+        recovered(started)
+        healed = until_committed(
+            lambda _redo: self.heal(position), self.comm.commit, recovered, clock=time.perf_counter
+        )
+        self.recoveries[-1] = time.perf_counter() - started
+        self.report(f"{where}, {healed}")
+
+    def heal(self, position: int) -> str:
+        """Every survivor takes the latest state any survivor holds (``committed`` steps), from the lowest
+        one holding it, and its loop skips to the furthest survivor's ``position``; what the survivors lost,
+        in words. Collective over the survivors; a rank that dies during it fails it on every rank before any
+        state is loaded (every part is received first)."""
+        comm, me = self.comm.exact, self.comm.rank
+        latest, furthest, least = (
+            int(v)
+            for v in comm.allreduce_scalars(
+                [float(self.committed), float(position), float(-self.committed)], op=ReduceOp.MAX
+            )
+        )
+        holder = me if self.committed == latest else self.comm.size
+        source = int(comm.allreduce_scalars([float(holder)], op=ReduceOp.MIN)[0])
+        if -least < latest:  # some survivor lags a step: every part from the source, then loaded
+            given = [part.state_dict() if me == source else None for part in self.state]
+            theirs = [broadcast_state(comm, state, source) for state in given]
+            if self.committed < latest:
+                for part, state in zip(self.state, theirs, strict=True):
+                    part.load_state_dict(keeping_own(state, part.state_dict()))
+        self.committed, self.skip_until = latest, furthest
+        lost = f"step {latest}" if furthest == latest + 1 else f"steps {latest}-{furthest - 1}"
+        moved = f"; rank {source} healed the survivors behind it" if -least < latest else ""
+        return f"{lost if furthest > latest else 'no step'} dropped{moved}"
 
     def on_recovery(self, hook: Callable[[], None]) -> None:
         """``hook`` runs after every recovery, before the rule's ``on_rebind`` (a part with work in flight on
@@ -300,13 +422,13 @@ class FaultTolerance(StepWindow):
         for follow in self.followers:
             follow(before, after)
 
-    def recover(self, where: str, started: float) -> None:
+    def recover(self, where: str, started: float, report: bool = True) -> None:
         """Shrink to the survivors and move the world on (:attr:`followers`); ElasticEnd below
-        ``min_ranks``."""
+        ``min_ranks``. ``report``: log the loss now (healing logs it once healed)."""
         before = self.comm.membership
         after = self.comm.recover()
         self.lost = after.lost_since(before)
-        names = ", ".join(str(before.ranks[r]) for r in self.lost)
+        self.lost_names = names = ", ".join(str(before.ranks[r]) for r in self.lost)
         if after.size < self.min_ranks:
             raise ElasticEnd(
                 f"lost rank(s) {names} at {where}: {after.size} rank(s) left, fewer than "
@@ -317,16 +439,21 @@ class FaultTolerance(StepWindow):
         self.moved(before, after)
         for hook in self.after_recovery:
             hook()
-        seconds = time.perf_counter() - started
-        self.recoveries.append(seconds)
+        self.recoveries.append(time.perf_counter() - started)
+        if report:
+            self.report(where)
+
+    def report(self, where: str) -> None:
+        """Rank 0's one line about the latest recovery: the lost ranks, where, who goes on, how long."""
+        after = self.comm.membership
         if after.rank == 0:
             log.warning(
                 "elastic: lost rank(s) %s (start numbering) at %s; %d rank(s) go on (%s); "
                 "recovered in %.3fs%s",
-                names,
+                self.lost_names,
                 where,
                 after.size,
                 after,
-                seconds,
+                self.recoveries[-1],
                 LIBNBC_NOTE if len(self.recoveries) == 1 else "",
             )

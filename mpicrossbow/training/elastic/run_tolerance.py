@@ -43,9 +43,11 @@ class RunTolerance(FaultTolerance):
         min_ranks: int,
         every: int = 1,
         replace: bool = False,
+        heals: bool | None = None,
     ) -> None:
         steps_done = int(parts.checkpoints.position.get("step", 0))
-        super().__init__(comm, parts.rule, [parts.pool, parts.rule], min_ranks, every, steps_done)
+        state = [parts.pool, parts.rule]
+        super().__init__(comm, parts.rule, state, min_ranks, every, steps_done, heals=heals)
         self.parts = parts
         #: ``[elastic] replace``: a lost rank gets a replacement (:meth:`admit`).
         self.replace = replace
@@ -61,8 +63,9 @@ class RunTolerance(FaultTolerance):
         return cls(parts, comm, section.min_ranks, section.commit_every, section.replace)
 
     def before_step(self, position: Callable[[], dict[str, Any]]) -> None:
-        """``[elastic] replace``: the world grows back at the first step after a recovery (:meth:`admit`)."""
-        if self.vacancies:
+        """``[elastic] replace``: the world grows back at the first step after a recovery (:meth:`admit`)
+        that every survivor trains (after healing, a rank whose loop was behind skips steps first)."""
+        if self.vacancies and int(position()["step"]) >= self.skip_until:
             self.admit(position())
 
     def pause_orders(self, world: World) -> PauseOrders:

@@ -121,6 +121,10 @@ class Drill(StepWindow):
         """As the inner window."""
         return self.inner.end(step)
 
+    def trains(self) -> bool:
+        """The inner window's."""
+        return self.inner.trains()
+
     def amend(self) -> None:
         """As the inner window."""
         self.inner.amend()

@@ -50,6 +50,12 @@ class StepWindow(ABC):
         """Step ``step`` ended; False when it was dropped."""
         return True
 
+    def trains(self) -> bool:
+        """Whether the open step's update still counts: False when it will be dropped whatever it applies,
+        so the embedded API keeps the user's ``optimizer.step()`` from applying a gradient that was never
+        exchanged (a rank healing from a peer keeps no copy to undo it with)."""
+        return True
+
     def amend(self) -> None:  # noqa: B027 - optional hook
         """The state changed between steps (the loop set a new learning rate, and told the rule): a step
         dropped later must not take the change back."""
