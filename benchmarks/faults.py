@@ -15,6 +15,8 @@ instead (``[elastic] enabled``, issue 40), on the digits job with 4 ranks under 
   LOCALSGD), the seconds from the survivors meeting the loss to training again and the steps dropped (the
   job's loss line), ``--repeats`` runs each; the same for BSP in your own loop
   (:mod:`benchmarks.embedded_steps`, ``xb.init(elastic=True)``, rank 2 SIGKILLed after its step 40);
+* a replacement (``[elastic] replace``, BSP, rank 2 SIGKILLed at step 40): seconds until 4 ranks again, the
+  spawn, the steps the survivors trained while it started, the set-up and handover they waited for;
 * the per-step cost of being elastic, BSP (which heals from a peer: nothing per step) — crossbow-launch's
   job with ``elastic = true`` against ``false`` (8 epochs, seconds per step from metrics.h5's training
   time), and your own loop with ``xb.init(elastic=True)`` against ``False`` (epochs 2-6 of 6), each under
@@ -154,6 +156,26 @@ def recovery(rule: str) -> tuple[float, int]:
     return loss_line(proc.stderr)
 
 
+#: The replacement's line: when the world was whole again, how long the spawn took, the survivors' steps
+#: meanwhile, and the set-up and handover they waited for.
+REPLACED = re.compile(
+    r"replaced at step \d+; .*; ([0-9.]+)s after the loss was met \(spawn ([0-9.]+)s, the survivors training "
+    r"(\d+) step\(s\) meanwhile; the replacements' set-up and handover ([0-9.]+)s\)"
+)
+
+
+def replacement_run() -> tuple[float, float, int, float]:
+    """One crossbow-launch BSP run (the cfg's 20 epochs) with rank 2 SIGKILLed at step 40 and replaced:
+    (4 ranks again s after the loss, spawn s, the survivors' steps during it, set-up and handover s)."""
+    with tempfile.TemporaryDirectory(prefix="elastic-replace-") as out:
+        fault = ("elastic.enabled=true", "elastic.replace=true", "inject.rank=2", "inject.step=40")
+        proc = elastic_job(Path(out), "RULE=BSP", *fault, "inject.action=kill")
+    found = REPLACED.search(proc.stderr)
+    if found is None:
+        raise RuntimeError(f"no replacement line: {proc.stderr[-2000:]}")
+    return float(found[1]), float(found[2]), int(found[3]), float(found[4])
+
+
 def embedded_recovery(rule: str) -> tuple[float, int]:
     """The same for your own loop: rank 2 SIGKILLed after its optimizer step 40."""
     with tempfile.TemporaryDirectory(prefix="elastic-embedded-") as out:
@@ -208,6 +230,19 @@ def elastic_main(args: argparse.Namespace) -> None:
             f"{max(times):.3f} | {statistics.median(dropped):g} / {max(dropped)} |"
         )
         print(rows[-1], flush=True)
+    replaced = [replacement_run() for _ in range(args.repeats)]
+    rows += [
+        "",
+        "| crossbow-launch, BSP, rank 2 killed at step 40 and replaced | runs | 4 ranks again, s after the "
+        "loss: median / max | spawn s: median | survivors' steps during the spawn: median / min | set-up "
+        "and handover they wait for, s: median |",
+        "|---|---:|---|---:|---|---:|",
+        f"| replace = true | {len(replaced)} | {statistics.median(r[0] for r in replaced):.2f} / "
+        f"{max(r[0] for r in replaced):.2f} | {statistics.median(r[1] for r in replaced):.2f} | "
+        f"{statistics.median(r[2] for r in replaced):g} / {min(r[2] for r in replaced)} | "
+        f"{statistics.median(r[3] for r in replaced):.2f} |",
+    ]
+    print(rows[-1], flush=True)
     runs_ = [[measure() for measure in COST_SETTINGS.values()] for _ in range(args.repeats)]  # interleaved
     medians = [statistics.median(r[i] for r in runs_) for i in range(len(COST_SETTINGS))]
     rows += ["", "| digits, BSP, 4 ranks, no fault | runs | ms per step: median | cost | runs (ms) |",

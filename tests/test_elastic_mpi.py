@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -108,6 +109,13 @@ ELASTIC = ("session.epochs=4", "elastic.enabled=true", "checkpoint.every_epochs=
 
 #: Rank 2 SIGKILLed at step 40 (``inject.action`` given beside it) and replaced.
 RANK_2_REPLACED = ("elastic.replace=true", "inject.rank=2", "inject.step=40")
+
+
+def slowed(rank: int, seconds: float = 0.2) -> tuple[str, str]:
+    """The overrides that slow rank ``rank``'s every step by ``seconds`` (every rank waits for it): the
+    survivors of a loss at step 40 are still training when its replacement has started (they train on while
+    it starts: 2 s here, more on a loaded machine)."""
+    return (f"session.slow_ranks={rank}", f"session.slow_seconds={seconds}")
 
 
 def elastic_job(openmpi: OpenMPIEnv, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -384,23 +392,28 @@ def test_a_killed_rank_is_replaced_and_the_world_grows_back(
     joined: int,
 ) -> None:
     """``[elastic] replace``: rank 2 of 4 SIGKILLed at step 40 (at its start, or inside SMA's exchange). The
-    survivors drop SMA's steps 40-43 and spawn a replacement at step 44 (the next window's start), or BSP's
-    step 40 (healed from a peer: no windows) and spawn it at step 41; they are 4 ranks
-    again, saying how long it took (2.7 s on a quiet machine, 13-23 s on this 2-core host under a parallel
-    test run: how fast belongs to benchmarks/faults.py, not to a test); the job finishes with status 0 and
-    its last checkpoint holds 4 ranks' files. BSP's replicas are bitwise equal on
-    all 4 at the end — which they can only be if the replacement started from the survivors' consensus, since
-    every rank applies the same averaged gradient to its own copy — and SMA's z is the same on all 4."""
-    args = digits_args(tmp_path, *ELASTIC, *RANK_2_REPLACED, f"RULE={rule}", f"inject.action={action}")
+    survivors drop SMA's steps 40-43 and start a replacement at step 44 (the next window's start), or BSP's
+    step 40 (healed from a peer: no windows) and start it at step 41, and train on while it starts: it joins
+    at a later step (a window's start for SMA), the line saying how many steps they trained meanwhile. They
+    are 4 ranks again, saying how long it took (how fast belongs to benchmarks/faults.py, not to a test);
+    the job finishes with status 0 and its last checkpoint holds 4 ranks' files. BSP's replicas are bitwise
+    equal on all 4 at the end — which they can only be if the replacement started from the survivors'
+    consensus, since every rank applies the same averaged gradient to its own copy — and SMA's z is the same
+    on all 4."""
+    args = digits_args(
+        tmp_path, *ELASTIC, *RANK_2_REPLACED, *slowed(0), f"RULE={rule}", f"inject.action={action}"
+    )
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
     assert len(lost) == 1 and dropped in lost[0], lost
     line = replaced_line(proc.stderr)
-    said = rf"start rank\(s\) 2 replaced at step {joined}; 4 rank\(s\) again .*\[0, 1, 3, 2\]\); "
-    said += r"([0-9.]+)s after"
-    found = re.search(said, line)
-    assert found and float(found.group(1)) > 0, line
+    said = r"start rank\(s\) 2 replaced at step (\d+); 4 rank\(s\) again .*\[0, 1, 3, 2\]\); ([0-9.]+)s after"
+    found = re.search(said + r".*, the survivors training (\d+) step\(s\) meanwhile", line)
+    assert found and float(found.group(2)) > 0, line
+    at, meanwhile = int(found.group(1)), int(found.group(3))
+    assert at > joined and meanwhile == at - joined, line  # trained through the replacement's start
+    assert f"replaces start rank 2 on {socket.gethostname()} from step {at}" in proc.stderr
     final = only_run(tmp_path) / "checkpoints" / "step-000000088"
     states = [torch.load(final / f"rank-{r:05d}.pt", weights_only=True) for r in range(4)]
     values = [functools.reduce(lambda d, k: d[k], held, s) for s in states]
@@ -419,9 +432,8 @@ def test_rank_0_replaced_after_its_duties_passed_on(openmpi: OpenMPIEnv, tmp_pat
     """Rank 0 SIGKILLed at step 44 with ``[elastic] replace``: start rank 1 takes over rank 0's duties, the
     replacement joins as the last rank (standing for start rank 0: its data shard and seed), metrics.h5 holds
     every epoch once, the last checkpoint 4 ranks' files, and no lock is left."""
-    proc = elastic_job(
-        openmpi, tmp_path, "elastic.replace=true", "inject.rank=0", "inject.step=44", "inject.action=kill"
-    )
+    kill = ("elastic.replace=true", "inject.rank=0", "inject.step=44", "inject.action=kill")
+    proc = elastic_job(openmpi, tmp_path, *kill, *slowed(1))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "start rank 1 takes over its duties" in proc.stderr, proc.stderr[-3000:]
     assert "start ranks [1, 2, 3, 0]" in replaced_line(proc.stderr)
@@ -438,15 +450,14 @@ def test_rank_0_replaced_after_its_duties_passed_on(openmpi: OpenMPIEnv, tmp_pat
 def test_a_replacement_that_dies_is_replaced_in_turn(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
     """The membership follows start ranks through a grown world: rank 2 SIGKILLed at step 40 is replaced at
     step 44; this test then SIGKILLs the replacement (its pid from its own line) while rank 0's steps are
-    slowed to 50 ms, so the job is still running. The survivors name the loss as start rank 2 again, spawn a
+    slowed by 250 ms, so the job is still running. The survivors name the loss as start rank 2 again, spawn a
     second replacement and finish on 4 ranks with status 0, every member's file in the last checkpoint."""
     args = digits_args(
         tmp_path,
         *ELASTIC,
         *RANK_2_REPLACED,
         "inject.action=kill",
-        "session.slow_ranks=0",
-        "session.slow_seconds=0.05",
+        *slowed(0, 0.25),  # two replacements start, one after the other, before the run ends
     )
     # As docs/reliability.md says to start a job with replacements: their spawned jobs recoverable too.
     cmd = openmpi.ft_command(4, "--prtemca", "state_base_recoverable", "1", openmpi.launch, *args)

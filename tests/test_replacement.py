@@ -3,6 +3,7 @@ The replacements themselves are spawned in real Open MPI jobs (tests/test_elasti
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import REPO
 from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.rules.registry import resolve
+from mpicrossbow.training.elastic import replacement
 from mpicrossbow.training.elastic.replacement import (
     REPLACES,
     Handover,
@@ -146,3 +148,57 @@ def test_a_replacement_goes_to_the_lost_hosts_else_anywhere_else_nowhere(
     assert (merged is not None) is started
     assert survivors.tried[:tries] == [["node2", "node3"], [None, None]][:tries]
     assert len(survivors.tried) == tries
+
+
+class _Duplicate:
+    def Get_size(self) -> int:
+        return 3
+
+
+class _Duplicable:
+    """A survivors' communicator stand-in whose Dup() is what the background spawn runs over."""
+
+    def __init__(self) -> None:
+        self.duplicate = _Duplicate()
+
+    def Dup(self) -> _Duplicate:
+        return self.duplicate
+
+
+def test_replacements_start_on_a_thread_while_the_survivors_train_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BackgroundSpawn runs the spawn and the greeting over the communicator's duplicate on a thread of its
+    own: it is not done while the spawn waits for the new process (the survivors' steps go on meanwhile),
+    then gives the merged communicator and the replacements' hosts; an error in the thread is raised where
+    the result is asked for; without MPI_THREAD_MULTIPLE it runs at once."""
+    started, release = threading.Event(), threading.Event()
+    calls: list[tuple[Any, ...]] = []
+
+    def spawn(native: Any, ranks: tuple[int, ...], hosts: tuple[str, ...]) -> Any:
+        calls.append((native, ranks, hosts))
+        started.set()
+        if not release.wait(10):
+            raise RuntimeError("never released")
+        return "merged"
+
+    monkeypatch.setattr(replacement, "spawn_replacements", spawn)
+    monkeypatch.setattr(replacement, "connect", lambda merged, first: ["node2"])
+    survivors = _Duplicable()
+    spawning = replacement.BackgroundSpawn(survivors, (2,), ("node2",))
+    assert started.wait(10)
+    steps = 0
+    for _ in range(5):  # the survivors' steps while the new process starts
+        assert not spawning.done
+        steps += 1
+    release.set()
+    assert spawning.result() == ("merged", ["node2"]) and spawning.done and steps == 5
+    assert calls == [(survivors.duplicate, (2,), ("node2",))]
+
+    def failing(native: Any, ranks: tuple[int, ...], hosts: tuple[str, ...]) -> Any:
+        raise ValueError("the spawn failed")
+
+    monkeypatch.setattr(replacement, "spawn_replacements", failing)
+    with pytest.raises(ValueError, match="the spawn failed"):
+        replacement.BackgroundSpawn(_Duplicable(), (2,), ()).result()
+    monkeypatch.setattr(replacement, "spawn_replacements", lambda native, ranks, hosts: None)
+    at_once = replacement.BackgroundSpawn(_Duplicable(), (2,), (), threaded=False)
+    assert at_once.done and at_once.result() == (None, [])

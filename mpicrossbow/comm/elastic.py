@@ -137,6 +137,21 @@ class MPIGroup(FaultTolerantGroup):
         whose run's communicator is built as this group's."""
         return MPIGroup(comm, self._build)
 
+    def is_failure(self, exc: BaseException) -> bool:
+        """Also any MPI error once the communicator is revoked: Open MPI's libnbc aborts a non-blocking
+        collective's schedule when another member revokes, and its request completes with MPI_ERR_OTHER
+        (seen with SMA's allreduce on a rank slower than the others when a rank died in that exchange)."""
+        if super().is_failure(exc):
+            return True
+        from mpi4py import MPI
+
+        if not isinstance(exc, MPI.Exception):
+            return False
+        try:
+            return bool(self._comm.Is_revoked())
+        except MPI.Exception:
+            return False
+
     def revoke(self) -> None:
         """``MPI_Comm_revoke`` (a second revoke, or one of a broken communicator, is harmless)."""
         from mpi4py import MPI

@@ -3,11 +3,15 @@ process for each, hand it the consensus state from a live peer (no disk), and th
 
 Who sends what to whom, in order (S: every survivor, J: every replacement, M: the merged communicator):
 
-1. **Spawn.** At the first step after a recovery — a commit window's start, where every survivor holds the
-   last committed state — S call ``MPI_Comm_spawn`` over their communicator: one process per lost rank, the
-   job's own command line (``sys.orig_argv``), with :data:`REPLACES` in its environment naming the start
-   rank it stands for. J starts as any rank does, finds :data:`REPLACES` and merges; S merge too, first, so
-   every survivor keeps its rank and rank 0 its duties.
+1. **Spawn.** At the first step after a recovery that every survivor trains, S call ``MPI_Comm_spawn``
+   over a duplicate of their communicator, **on a thread of their own** (:class:`BackgroundSpawn`; MPI runs
+   with ``MPI_THREAD_MULTIPLE`` when ``[elastic] replace`` is on): one process per lost rank, the job's own
+   command line (``sys.orig_argv``), with :data:`REPLACES` in its environment naming the start rank it
+   stands for. J starts as any rank does (Python, ``import torch``: about 2 s here), finds :data:`REPLACES`
+   and merges; S's thread merges too, first, so every survivor keeps its rank and rank 0 its duties, and
+   greets each replacement (:func:`connect`). Meanwhile S **train on**: at the start of every step they agree
+   (one allreduce of a flag) whether every survivor's thread is done, and go on to step 2 at the first step
+   where it is — a commit window's start, every survivor holding the committed state.
 2. **Offer.** Rank 0 broadcasts an :class:`Offer` over M: the start ranks every member stands for, the
    run folder, the loop position and the thread count. J prepares locally as the lost start rank would
    have: its device, its data shard, its seed (S wait meanwhile, in the next collective).
@@ -33,6 +37,8 @@ import logging
 import os
 import socket
 import sys
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -168,6 +174,55 @@ def _spawn(native: Any, start_ranks: tuple[int, ...], hosts: tuple[str, ...]) ->
     finally:
         for info in infos:
             info.Free()
+
+
+class BackgroundSpawn:
+    """:func:`spawn_replacements` and :func:`connect` on a thread of their own, over a duplicate of the
+    survivors' communicator (collective: every survivor builds one at the same step), so the survivors train
+    on while the new processes start. Without ``MPI_THREAD_MULTIPLE`` (``threaded`` False) it runs at once,
+    and the survivors wait for it as they did before."""
+
+    def __init__(
+        self, native: Any, start_ranks: tuple[int, ...], hosts: tuple[str, ...], threaded: bool = True
+    ) -> None:
+        self.comm = native.Dup()
+        self.start_ranks = start_ranks
+        #: The merged communicator (survivors first) and the replacements' hosts, once done (None: no
+        #: process could be started).
+        self.merged: Any = None
+        self.hosts: list[str] = []
+        #: Seconds the spawn, merge and greeting took.
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(hosts,), name="crossbow-spawn", daemon=True)
+        if threaded:
+            self.thread.start()
+        else:
+            self._run(hosts)
+
+    def _run(self, hosts: tuple[str, ...]) -> None:
+        started = time.perf_counter()
+        try:
+            self.merged = spawn_replacements(self.comm, self.start_ranks, hosts)
+            if self.merged is not None:
+                self.hosts = connect(self.merged, self.comm.Get_size())
+        except BaseException as exc:  # handed to the main thread by result()
+            self.error = exc
+        self.seconds = time.perf_counter() - started
+
+    @property
+    def done(self) -> bool:
+        """Whether this survivor's part is over (local)."""
+        return not self.thread.is_alive()
+
+    def result(self) -> tuple[Any, list[str]]:
+        """(the merged communicator or None, the replacements' hosts), once done; the thread's error raised
+        here."""
+        if self.thread.ident is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.merged, self.hosts
 
 
 def connect(merged: Any, first_joiner: int) -> list[str]:

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from ...comm.base import ReduceOp
 from ...comm.elastic import ElasticCommunicator, MPIGroup
 from ...comm.membership import Membership
 from ...config import ElasticSection
-from ...launch.world import World
+from ...launch.world import World, mpi_threads_ok
 from ...log import setup_logging
 from ..checkpoints.checkpoint_files import Checkpointer
 from ..checkpoints.pause_orders import PauseOrders
@@ -55,6 +56,10 @@ class RunTolerance(FaultTolerance):
         self.vacancies: tuple[int, ...] = ()
         #: Start rank -> host, as the membership knew them before a loss: where a replacement starts.
         self.hosts: dict[int, str] = {}
+        #: The replacements starting while the survivors train (:meth:`before_step`), and the step and time
+        #: they were asked for at; None when none is starting.
+        self.spawning: replacement.BackgroundSpawn | None = None
+        self.spawned_at = (0, 0.0)
         self.followers += [self._vacate, self._move_world, self._take_over]
 
     @classmethod
@@ -63,10 +68,38 @@ class RunTolerance(FaultTolerance):
         return cls(parts, comm, section.min_ranks, section.commit_every, section.replace)
 
     def before_step(self, position: Callable[[], dict[str, Any]]) -> None:
-        """``[elastic] replace``: the world grows back at the first step after a recovery (:meth:`admit`)
-        that every survivor trains (after healing, a rank whose loop was behind skips steps first)."""
-        if self.vacancies and int(position()["step"]) >= self.skip_until:
-            self.admit(position())
+        """``[elastic] replace``: at the first step after a recovery that every survivor trains (after
+        healing, a rank whose loop was behind skips steps first) the replacements start on a thread of each
+        survivor's; the world grows back (:meth:`admit`) at the first step starting a commit window (every
+        step, healing) where every survivor's thread is done (one allreduce of a flag each such step
+        meanwhile), the survivors training until then."""
+        if self.spawning is not None:
+            if self.pending:  # inside a commit window: they join at a window's start
+                return
+            done = self.comm.exact.allreduce_scalars([float(self.spawning.done)], op=ReduceOp.MIN)[0]
+            if done:
+                self.admit(position())
+            return
+        step = int(position()["step"])
+        if self.vacancies and step >= self.skip_until:
+            lost_hosts = tuple(self.hosts.get(r, "") for r in self.vacancies)
+            self.spawned_at = (step, time.perf_counter())
+            self.spawning = replacement.BackgroundSpawn(
+                self.comm.group.native,
+                self.vacancies,
+                lost_hosts if all(lost_hosts) else (),
+                threaded=mpi_threads_ok(self.parts.world),
+            )
+
+    def settle(self, where: str) -> None:
+        """Replacements still starting when training ends are told so and leave (they would join a run that
+        is over), then the owner's settle."""
+        if self.spawning is not None:
+            merged, _ = self.spawning.result()
+            self.spawning, self.vacancies = None, ()
+            if merged is not None:
+                merged.bcast(None, root=0)  # no offer: each replacement ends at once
+        super().settle(where)
 
     def pause_orders(self, world: World) -> PauseOrders:
         """Snapshots that go on after a loss: the control plane over a fault-tolerant group of its own."""
@@ -80,29 +113,26 @@ class RunTolerance(FaultTolerance):
             self.hosts.update(zip(before.ranks, before.hosts, strict=False))
 
     def admit(self, position: dict[str, Any]) -> None:
-        """``[elastic] replace``, at the start of the first step after a recovery (every survivor holds the
-        committed state, no window is open): spawn a replacement for every vacancy and go on with them from
+        """``[elastic] replace``, at the start of a step once every survivor's :attr:`spawning` is done (every
+        survivor holds the committed state, no window is open): go on with the replacements from
         ``position`` (the protocol: :mod:`.replacement`). Collective over the survivors, then the grown
         world."""
-        assert not self.pending, "replacements join at a window's start"
-        parts, comm = self.parts, self.comm
-        vacancies, self.vacancies = self.vacancies, ()
-        started = time.perf_counter()
-        parts.rule.sync_state()
-        held = parts.rule.eval_params()
-        consensus = (held if held is not None else parts.pool.learners[0].params).clone()
-        mine = self.capture()  # the binding below overwrites the learners: put back after it (pool, rule)
+        assert not self.pending and self.spawning is not None, "replacements join at a window's start"
+        parts, comm, spawning = self.parts, self.comm, self.spawning
+        vacancies, self.spawning = spawning.start_ranks, None
+        self.vacancies = tuple(r for r in self.vacancies if r not in vacancies)  # lost while it started
+        merged, joined_hosts = spawning.result()
         before = comm.membership
-        lost_hosts = tuple(self.hosts.get(r, "") for r in vacancies)
-        merged = replacement.spawn_replacements(
-            comm.group.native, vacancies, lost_hosts if all(lost_hosts) else ()
-        )
         if merged is None:
             if before.rank == 0:
                 log.warning("elastic: training goes on with %d rank(s), without replacements", before.size)
             return
         spawned = time.perf_counter()
-        hosts = before.hosts + tuple(replacement.connect(merged, before.size))
+        parts.rule.sync_state()
+        held = parts.rule.eval_params()
+        consensus = (held if held is not None else parts.pool.learners[0].params).clone()
+        mine = self.capture()  # the binding below overwrites the learners: put back after it (pool, rule)
+        hosts = before.hosts + tuple(joined_hosts)
         ranks = before.ranks + vacancies
         offer = Offer(
             ranks, before.version + 1, str(parts.reporter.run_dir), position, torch.get_num_threads(), hosts
@@ -123,13 +153,15 @@ class RunTolerance(FaultTolerance):
             now = time.perf_counter()
             log.warning(
                 "elastic: start rank(s) %s replaced at step %d; %d rank(s) again (%s); %.2fs after the "
-                "loss was met (spawn %.2fs, the replacements' set-up and handover %.2fs)",
+                "loss was met (spawn %.2fs, the survivors training %d step(s) meanwhile; the replacements' "
+                "set-up and handover %.2fs)",
                 ", ".join(map(str, vacancies)),
                 position["step"],
                 after.size,
                 after,
                 now - self.lost_at,
-                spawned - started,
+                spawning.seconds,
+                int(position["step"]) - self.spawned_at[0],
                 now - spawned,
             )
 

@@ -63,8 +63,10 @@ def prepare_session(config: Config, rule: Rule | None = None) -> tuple[World, Se
     The returned code is 0 when every rank is ready to talk; otherwise every rank returns the same non-zero
     exit status and rank 0 has printed the problem.
     """
-    threads = config.rule_params.get("placement") == "colocated" or (
-        rule is not None and rule.needs_mpi_threads
+    threads = (
+        config.rule_params.get("placement") == "colocated"
+        or (rule is not None and rule.needs_mpi_threads)
+        or bool(config.elastic.enabled and config.elastic.replace)  # replacements start on a thread
     )
     world = detect_world(threads)
     setup_logging(world.rank, world.size, config.session.log_level.upper() if world.rank == 0 else None)
@@ -104,11 +106,15 @@ def join_rank(config: Config, replaces: int) -> int:
     ends only this process, by a signal the survivors see (they recover without it)."""
     from mpi4py import MPI
 
-    alone = detect_world()  # MPI starts: its own COMM_WORLD of one
+    alone = detect_world(threads=True)  # MPI starts: its own COMM_WORLD of one (it may spawn in turn)
     merged = merge_with_survivors()
     connect(merged, merged.size - MPI.COMM_WORLD.Get_size())  # the replacements started together come last
     setup_logging(merged.rank, merged.size, logging.WARNING)
-    offer: Offer = merged.bcast(None, root=0)
+    offer: Offer | None = merged.bcast(None, root=0)
+    if offer is None:  # training ended while this process started
+        log.warning("elastic: the run ended before replacement of start rank %d could join", replaces)
+        bound_finalize()
+        return 0
     config = dataclasses.replace(
         config,
         session=dataclasses.replace(config.session, threads=offer.threads),
