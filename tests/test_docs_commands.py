@@ -422,9 +422,14 @@ TABLE: tuple[Entry, ...] = (
         ".venv-openmpi/bin/crossbow-launch -cfg launch/digits.cfg -np 4 "
         "elastic.enabled=true elastic.replace=true",
         SUBST,
-        "the run goes to a temporary folder (its 20 epochs: the survivors train on while the replacement "
-        "starts, which joins some steps later)",
-        subst=(("inject.action=kill", "inject.action=kill session.output={out}"),),
+        "the run goes to a temporary folder, rank 0's steps slowed 30 ms: the survivors train on while the "
+        "replacement starts, which with 4 ranks on this suite's 2 cores took longer than the 20 epochs' 6 s",
+        subst=(
+            (
+                "inject.action=kill",
+                "inject.action=kill session.output={out} session.slow_ranks=0 session.slow_seconds=0.03",
+            ),
+        ),
         expect=(
             r"elastic: start rank\(s\) 2 replaced at step \d+; 4 rank\(s\) again",
             r"elastic: replaces start rank 2 on \S+ from step \d+",
