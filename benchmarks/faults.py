@@ -165,11 +165,13 @@ REPLACED = re.compile(
 
 
 def replacement_run() -> tuple[float, float, int, float]:
-    """One crossbow-launch BSP run (the cfg's 20 epochs) with rank 2 SIGKILLed at step 40 and replaced:
-    (4 ranks again s after the loss, spawn s, the survivors' steps during it, set-up and handover s)."""
+    """One crossbow-launch BSP run (the cfg's 20 epochs, rank 0's steps slowed 20 ms so the run outlasts the
+    new process's start on these shared cores) with rank 2 SIGKILLed at step 40 and replaced: (4 ranks again
+    s after the loss, spawn s, the survivors' steps during it, set-up and handover s)."""
     with tempfile.TemporaryDirectory(prefix="elastic-replace-") as out:
         fault = ("elastic.enabled=true", "elastic.replace=true", "inject.rank=2", "inject.step=40")
-        proc = elastic_job(Path(out), "RULE=BSP", *fault, "inject.action=kill")
+        slow = ("session.slow_ranks=0", "session.slow_seconds=0.02")
+        proc = elastic_job(Path(out), "RULE=BSP", *fault, "inject.action=kill", *slow)
     found = REPLACED.search(proc.stderr)
     if found is None:
         raise RuntimeError(f"no replacement line: {proc.stderr[-2000:]}")
