@@ -80,8 +80,10 @@ class RunTolerance(FaultTolerance):
             if done:
                 self.admit(position())
             return
+        if not self.vacancies:
+            return
         step = int(position()["step"])
-        if self.vacancies and step >= self.skip_until:
+        if step >= self.skip_until:
             lost_hosts = tuple(self.hosts.get(r, "") for r in self.vacancies)
             self.spawned_at = (step, time.perf_counter())
             self.spawning = replacement.BackgroundSpawn(
