@@ -311,8 +311,7 @@ class FaultTolerance(StepWindow):
         first, last = self.committed, self.steps_done - 1
         dropped = f"step {first}" if last == first else f"steps {first}-{last}"
         self.recover(met if met == dropped else f"{met}, {dropped} dropped", started)
-        self.rule.on_rebind(self.lost)  # first: a rule drops what it had in flight on the lost world
-        self.restore(self.saved)
+        self.restore(self.saved)  # after the rule's on_rebind: it dropped what it had in flight
         # torch's Optimizer.load_state_dict keeps the given tensors as its state (no copy when dtype and
         # device match): the copies are live state now, so the next step takes fresh ones.
         self.saved = self.spare = None
@@ -343,7 +342,6 @@ class FaultTolerance(StepWindow):
                 self._healed(self.steps_done)
                 return
             self.recover(what, started)
-            self.rule.on_rebind(self.lost)
 
         def run(*args: Any) -> T:
             self.flush(what)
@@ -362,7 +360,6 @@ class FaultTolerance(StepWindow):
 
         def recovered(began: float) -> None:
             self.recover(where, began, report=False)
-            self.rule.on_rebind(self.lost)
 
         recovered(started)
         healed = until_committed(
@@ -414,7 +411,6 @@ class FaultTolerance(StepWindow):
         started = time.perf_counter()
         if not self.comm.commit(True):
             self.recover(where, started)
-            self.rule.on_rebind(self.lost)
 
     def moved(self, before: Membership, after: Membership) -> None:
         """The one membership change: a loss (:meth:`recover`) and a replacement alike tell every follower
@@ -423,7 +419,8 @@ class FaultTolerance(StepWindow):
             follow(before, after)
 
     def recover(self, where: str, started: float, report: bool = True) -> None:
-        """Shrink to the survivors and move the world on (:attr:`followers`); ElasticEnd below
+        """Shrink to the survivors, move the world on (:attr:`followers`) and tell the rule (``on_rebind``:
+        it rebuilds its splits and peers and drops what it had in flight on the lost world); ElasticEnd below
         ``min_ranks``. ``report``: log the loss now (healing logs it once healed)."""
         before = self.comm.membership
         after = self.comm.recover()
@@ -442,6 +439,7 @@ class FaultTolerance(StepWindow):
         self.recoveries.append(time.perf_counter() - started)
         if report:
             self.report(where)
+        self.rule.on_rebind(self.lost)
 
     def report(self, where: str) -> None:
         """Rank 0's one line about the latest recovery: the lost ranks, where, who goes on, how long."""
