@@ -205,30 +205,50 @@ def test_a_commit_window_commits_once_per_window() -> None:
     assert world.run(body) == [[4, 8, 10]] * 2
 
 
-def test_bsp_heals_from_a_peer_dropping_only_the_step_that_met_the_loss(
+@pytest.mark.parametrize(
+    ("rule", "hyper", "met", "averaged"),
+    [
+        ("BSP", {}, 4, range(8)),
+        ("SMA", {}, 4, ()),
+        ("LOCALSGD", {"period": 2}, 5, (1, 3, 7)),
+    ],
+    ids=["BSP", "SMA", "LOCALSGD"],
+)
+def test_a_synchronous_rule_heals_from_a_peer_dropping_only_the_step_that_met_the_loss(
     caplog: pytest.LogCaptureFixture,
+    rule: str,
+    hyper: dict[str, Any],
+    met: int,
+    averaged: range | tuple[int, ...],
 ) -> None:
-    """BSP's grad mode heals instead of committing windows: no agreement and no state copy per step. Rank 2
-    of 4 dies right after step 3's gradient allreduce completed everywhere: every survivor keeps step 3 (a
-    completed collective is correct where it completed), meets the loss in step 4's allreduce, recovers
-    once and drops step 4 only; the replicas are bitwise equal after every step and the one line says which
-    step was dropped."""
-    agreements: list[int] = []
-    results = elastic_run("BSP", 4, victim=2, at=3, steps=8, every=4)
+    """BSP's grad mode, SMA and LOCALSGD heal instead of committing windows: no agreement and no state copy
+    per step. Rank 2 of 4 dies right after step 3's first collective completed everywhere: every survivor
+    keeps step 3 (a completed collective is correct where it completed), meets the loss in its next
+    collective (BSP's and SMA's in step 4; LOCALSGD's, averaging every 2 steps, in step 5), recovers once and
+    drops that step only (BSP: its update; SMA: z's move; LOCALSGD: its average, the local step is kept). The
+    survivors' shared state is bitwise equal: BSP's replicas after every step, LOCALSGD's after every
+    average that completed, SMA's z; and the one line says which step was dropped."""
+    skips: list[int] = []
+    results = elastic_run(rule, 4, victim=2, at=3, steps=8, every=4, hyper=hyper)
     assert results[2] is None
     survivors = [r for r in results if r is not None]
     for after, membership, steps, _ in survivors:
         assert steps.heals and steps.saved is None  # never a copy of the state
         assert not torch.equal(after[3], after[2])  # step 3 kept
-        assert torch.equal(after[4], after[3])  # step 4 dropped
-        assert not torch.equal(after[5], after[4])  # and training goes on
+        assert not torch.equal(after[met + 1], after[met])  # and training goes on
         assert membership.ranks == (0, 1, 3) and len(steps.recoveries) == 1 and steps.committed == 8
-        agreements.append(steps.skip_until)
-    for step in range(8):
+        skips.append(steps.skip_until)
+    if rule == "BSP":
+        assert all(torch.equal(r[0][met], r[0][met - 1]) for r in survivors)  # step 4's update dropped
+    for step in averaged:
         assert all(torch.equal(r[0][step], survivors[0][0][step]) for r in survivors), step
-    assert agreements == [5, 5, 5]
+    if rule == "LOCALSGD":  # step 5's average dropped: each survivor keeps its own local step
+        assert not torch.equal(survivors[0][0][met], survivors[1][0][met])
+    if rule == "SMA":
+        assert all(torch.equal(r[3].z, survivors[0][3].z) for r in survivors)
+    assert skips == [met + 1] * 3
     lines = [r.getMessage() for r in caplog.records if "lost rank(s) 2" in r.getMessage()]
-    assert len(lines) == 1 and "at step 4, step 4 dropped;" in lines[0], lines
+    assert len(lines) == 1 and f"at step {met}, step {met} dropped;" in lines[0], lines
 
 
 def test_a_survivor_behind_heals_from_one_that_completed_the_step_and_skips_to_it() -> None:
@@ -551,7 +571,8 @@ def test_gsp_a_group_shrinks_around_a_lost_worker_and_the_server_forgets_it(
                         world.die(victim)
                 if group.me == victim and step == 5 and where == "inside":
                     rule.group = trapped = ExchangeTrap(rule.group)  # the group's operations, trapped
-                    trapped.arm(lambda: world.die(victim))  # after its first broadcast of the pull
+                    # past the group's gradient average, then after its first broadcast of the pull
+                    trapped.arm(lambda trap=trapped: trap.arm(lambda: world.die(victim)))
                 if where == "non-uniform" and group.me in (victim, 3) and step == 5:
                     rule.group.allreduce_mean = completed_then_lost(rule.group, world, group.me == victim)
                 train_step(pool, rule, step)

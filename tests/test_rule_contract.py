@@ -11,6 +11,9 @@ What the session relies on, whichever rule runs:
 (c) After some steps (or the ``serve`` loop, on a rank the rule keeps out of training) and ``finish()``,
     nothing is in flight on any rank and the run ends (the in-process world's timeout bounds it).
 (d) ``state_dict()`` loaded into a fresh bound rule gives back the same ``state_dict()``.
+(e) A rule that says it heals from a peer (``heals_from_peer``: elastic training then copies nothing per
+    step) keeps that promise: an exchange whose collective fails halfway through leaves its state and its
+    learners' whole, and it trains on once rebound.
 
 :data:`CASES` gives each rule small hyper-parameters and a world it runs in (2 learners per rank); a rule
 registered without a case fails :func:`test_every_registered_rule_has_a_case`.
@@ -29,11 +32,17 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import NormedMLP, WorldRun, run_world
-from mpicrossbow.comm.base import Communicator
+from conftest import OPTIM, NormedMLP, WorldRun, run_world, train_steps
+from mpicrossbow.comm.base import Communicator, Handle, ReduceOp
+from mpicrossbow.comm.forwarding import ForwardingCommunicator
+from mpicrossbow.comm.ulfm import PeerLost
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.pool.base import LearnerPool
+from mpicrossbow.pool.serial import SerialPool
+from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import RULES, Rule
+from mpicrossbow.testing import InProcessWorld
+from mpicrossbow.training.run.step import train_step
 
 STEPS, LEARNERS = 4, 2
 
@@ -294,3 +303,77 @@ def test_state_dict_survives_load_state_dict(case: Case) -> None:
     for rank, after in enumerate(lived(case).extra):
         assert after.state["hyper"] == dataclasses.asdict(case.make().hyper)
         _state_equal(after.reloaded, after.state, f"rank {rank}")
+
+
+# ------------------------------------------------------------------ (e) a failed exchange leaves state whole
+#: The rules that heal from a peer after a lost rank instead of committing windows (elastic training).
+HEALING = [case for case in CASES if case.name in ("BSP", "DILOCO", "LOCALSGD", "SMA")]
+
+
+class Scribbler(ForwardingCommunicator):
+    """The rule's communicator whose collectives, once armed, fail halfway through: the buffer is scribbled
+    with NaN (what an in-place collective may leave where a rank died inside it), then PeerLost."""
+
+    armed = False
+
+    def _fail(self, tensor: torch.Tensor) -> None:
+        tensor.fill_(math.nan)
+        raise PeerLost("a collective failed halfway through (scribbled by the test)")
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
+        """The inner allreduce, or the failure when armed."""
+        if self.armed:
+            self._fail(tensor)
+        return self.inner.allreduce(tensor, op, async_op)
+
+    def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
+        """The inner allreduce_mean, or the failure when armed."""
+        if self.armed:
+            self._fail(tensor)
+        self.inner.allreduce_mean(tensor, count)
+
+
+def _finite(state: Any) -> bool:
+    """Whether every floating-point tensor in ``state`` (nested dicts and lists) is finite."""
+    if isinstance(state, torch.Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, Mapping):
+        return all(_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(_finite(v) for v in state)
+    return True
+
+
+def test_the_rules_that_heal_from_a_peer_are_the_synchronous_averaging_ones() -> None:
+    """BSP (grad mode, once bound), SMA, LOCALSGD and DILOCO say so; every other rule commits windows."""
+    healing = [case for case in CASES if case in HEALING]
+    assert [case.name for case in healing] == ["BSP", "DILOCO", "LOCALSGD", "SMA"]
+    assert not any(
+        case.make().heals_from_peer for case in CASES if case not in HEALING and case.name != "BSP"
+    )
+
+
+@pytest.mark.parametrize("case", HEALING, ids=[c.id for c in HEALING])
+def test_a_failed_exchange_leaves_a_healing_rules_state_whole(case: Case) -> None:
+    """Three steps, then step 3's first collective fails halfway on every rank (step 3 is a global average
+    of LOCALSGD and DILOCO at period 2): the step raises PeerLost, every tensor of the pool's and the rule's
+    state is still finite (nothing half-summed reached it), and once rebound (as elastic training rebinds
+    it to the survivors) the rule trains two more steps."""
+
+    def body(comm: Communicator) -> tuple[bool, bool, bool]:
+        torch.manual_seed(comm.rank)
+        spec = PoolSpec(comm.rank, comm.size, 8, OPTIM, torch.device("cpu"), seed=1, learners=LEARNERS)
+        pool, scribbler = SerialPool(NormedMLP(hidden=8), spec), Scribbler(comm)
+        rule = case.make().bind(scribbler, pool)
+        train_steps(pool, rule, 3)
+        scribbler.armed = True
+        with pytest.raises(PeerLost):
+            train_step(pool, rule, 3)
+        scribbler.armed = False
+        whole = _finite(pool.state_dict()) and _finite(rule.state_dict())
+        rule.on_rebind(())
+        for step in (4, 5):
+            train_step(pool, rule, step)
+        return rule.heals_from_peer, whole, _finite(pool.state_dict()) and _finite(rule.state_dict())
+
+    assert InProcessWorld(case.size, timeout_s=30).run(body) == [(True, True, True)] * case.size

@@ -276,10 +276,11 @@ class ElasticSection:
     )
     commit_every: int = setting(
         10,
-        "synchronous rules: steps between two commits (a fault-tolerant agreement and a copy of the state, "
-        "about 9 % of a 3 ms step when made every step); a lost rank drops the steps since the last commit, "
-        "at most this many, on every survivor. BSP's grad mode makes no commits: its survivors heal from a "
-        "peer and drop one step",
+        "synchronous rules that do not heal from a peer (EASGD, POSTLOCALSGD, AUTO, BSP's avg and swap "
+        "modes): steps between two commits (a fault-tolerant agreement and a copy of the state, about 9 % of "
+        "a 3 ms step when made every step); a lost rank drops the steps since the last commit, at most this "
+        "many, on every survivor. BSP's grad mode, SMA, LOCALSGD and DILOCO make no commits: their survivors "
+        "heal from a peer and drop one step",
         ge=1,
     )
     replace: bool = setting(

@@ -3,7 +3,10 @@
 Under Open MPI with ULFM (``mpiexec --with-ft ulfm``), ``xb.distribute`` builds the run's one owner of fault
 tolerance (:class:`~mpicrossbow.training.elastic.fault_tolerance.FaultTolerance`) over an elastic
 communicator, as ``crossbow-launch`` does with ``[elastic] enabled = true``; the step hooks around the user's
-``optimizer.step()`` (:mod:`.step_hooks`) commit the steps in windows of ``commit_every``. A rank that
+``optimizer.step()`` (:mod:`.step_hooks`) run each step under it. BSP (grad mode), SMA, LOCALSGD and DILOCO
+heal from a peer: nothing is committed per step, and after a loss the survivors take the state of the one
+that got furthest and drop the one step they met it in (a step that met it hands your ``optimizer.step()``
+no gradient). Other rules commit the steps in windows of ``commit_every``. A rank that
 meets a lost rank inside a window goes through the window's remaining steps without exchanging; at the
 window's end the survivors agree that it did not complete, shrink to themselves, and restore what they held
 at the last commit: the model and optimizer (:class:`ModelState`), the rule's state, and every object given

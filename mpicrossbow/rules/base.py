@@ -72,11 +72,13 @@ class Rule:
         return False
 
     @property
-    def exchanges_before_update(self) -> bool:
-        """True when every collective of a step runs before the optimizer (in ``on_gradients``) and leaves
-        every rank the same update (BSP's grad mode): a step then either completed on a rank, with the same
-        state everywhere it did, or changed nothing there. Elastic training heals such a rule's survivors
-        from a peer instead of copying its state every commit window
+    def heals_from_peer(self) -> bool:
+        """True when an exchange that fails (a lost rank, elastic training) leaves this rank's state whole:
+        the rule writes what an exchange brings only once it completed, and every rank that completed the same
+        steps holds the same shared state (BSP's grad mode: the mean gradient before the optimizer; SMA: z
+        moves once its allreduce completed; LOCALSGD and DILOCO: the learners take the mean once its
+        allreduce completed, :meth:`average` with ``atomic``). Elastic training then heals such a rule's
+        survivors from the one that got furthest instead of copying its state every commit window
         (:mod:`mpicrossbow.training.elastic.fault_tolerance`)."""
         return False
 
@@ -128,6 +130,8 @@ class Rule:
         self.tick: Callable[[], None] | None = None
         #: How long an asynchronous rule's waits on peers may stay silent (``[watchdog]`` sets it).
         self.patience = Patience()
+        #: :meth:`average`'s own sums, one per attribute, made at its first ``atomic`` use.
+        self._sums: dict[str, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- binding
     def bind(self, comm: Communicator, pool: ReplicaView) -> Rule:
@@ -277,11 +281,14 @@ class Rule:
         assert self.comm is not None and self.pool is not None, "bind() first"
         return self.comm.size * len(self.pool.learners)
 
-    def average(self, attr: str, comm: Communicator | None = None) -> None:
+    def average(self, attr: str, comm: Communicator | None = None, atomic: bool = False) -> None:
         """Set ``attr`` (``params``, ``grads`` or ``buffers``) of every learner to the mean over all k.
 
         Learners of this rank are summed locally first, then one allreduce crosses ranks. ``comm`` (a
         sub-communicator of the rule's, e.g. one node's ranks) narrows the mean to its ranks' learners.
+        ``atomic``: the sum goes into a buffer of the rule's own and the learners take the mean only once the
+        allreduce completed, so one that fails (a lost rank) leaves every learner as it was, not half summed
+        (what :attr:`heals_from_peer` asks), at one copy of ``attr`` more.
         """
         assert self.comm is not None and self.pool is not None, "bind() first"
         comm = comm or self.comm
@@ -289,10 +296,15 @@ class Rule:
         if not flats[0].numel():
             return
         total = flats[0]
+        if atomic:
+            scratch = self._sums.get(attr)
+            if scratch is None or scratch.shape != total.shape:
+                scratch = self._sums[attr] = torch.empty_like(total)
+            total = scratch.copy_(total)
         for other in flats[1:]:
             total.add_(other)
         comm.allreduce_mean(total, comm.size * len(flats))
-        for other in flats[1:]:
+        for other in flats if atomic else flats[1:]:
             other.copy_(total)
 
     def share_trained_buffers(self, trains: bool) -> None:

@@ -73,8 +73,9 @@ class BSP(Rule):
         return getattr(self, "mode", self.hyper.mode) in ("grad", "auto")
 
     @property
-    def exchanges_before_update(self) -> bool:
-        """Grad mode, once bound: its one exchange is the gradient allreduce before the optimizer step."""
+    def heals_from_peer(self) -> bool:
+        """Grad mode, once bound: its one exchange is the gradient allreduce before the optimizer step, and
+        the BatchNorm statistics are averaged between steps whole (``atomic``)."""
         return getattr(self, "mode", None) == "grad"
 
     def on_bind(self) -> None:
@@ -178,4 +179,4 @@ class BSP(Rule):
         """Average BatchNorm running statistics so every rank validates the same model (exactly)."""
         assert self.comm is not None
         if self.mode == "grad":
-            self.average("buffers", self.comm.exact)
+            self.average("buffers", self.comm.exact, atomic=True)

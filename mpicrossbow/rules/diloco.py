@@ -74,7 +74,7 @@ class DiLoCo(LocalSGD):
     def sync_state(self) -> None:
         """Average BatchNorm running statistics so every rank validates the same model (exactly)."""
         assert self.comm is not None
-        self.average("buffers", self.comm.exact)
+        self.average("buffers", self.comm.exact, atomic=True)
 
     def eval_params(self) -> torch.Tensor:
         """Validate (and save) the outer model z."""

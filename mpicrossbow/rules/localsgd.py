@@ -100,6 +100,12 @@ class LocalSGD(Rule):
             f"; node average over {self.node.size} rank(s)" if self.node is not None else "",
         )
 
+    @property
+    def heals_from_peer(self) -> bool:
+        """Every average is ``atomic`` (the learners take the mean once its allreduce completed); between
+        averages the learners are each rank's own."""
+        return True
+
     def after_average(self) -> None:
         """Called right after every global average (every learner holds the mean): DILOCO's outer step."""
 
@@ -107,12 +113,12 @@ class LocalSGD(Rule):
         """After the local step: the global mean every H steps, else the node's mean every H_in steps."""
         self._mean = None
         if (step + 1) % self.hyper.period == 0:
-            self.average("params")
-            self.average("buffers")
+            self.average("params", atomic=True)
+            self.average("buffers", atomic=True)
             self.after_average()
         elif self.node is not None and (step + 1) % self.hyper.inner_period == 0:
-            self.average("params", self.node)
-            self.average("buffers", self.node)
+            self.average("params", self.node, atomic=True)
+            self.average("buffers", self.node, atomic=True)
 
     def sync_state(self) -> None:
         """The mean over all k learners into a separate buffer; BatchNorm buffers averaged in place (both
@@ -124,7 +130,7 @@ class LocalSGD(Rule):
             mean.add_(learner.params)
         self.comm.exact.allreduce(mean).wait()
         self._mean = mean.div_(self.world_learners)
-        self.average("buffers", self.comm.exact)
+        self.average("buffers", self.comm.exact, atomic=True)
 
     def eval_params(self) -> torch.Tensor | None:
         """The mean model from the last ``sync_state`` (None once a step has run since)."""

@@ -126,6 +126,12 @@ class SMA(Rule):
             total.add_(c)
         self._pending = self.comm.allreduce(total, async_op=True)
 
+    @property
+    def heals_from_peer(self) -> bool:
+        """z moves only once its allreduce completed (the corrections are summed in a buffer of their own),
+        and every rank moves it alike."""
+        return True
+
     def on_lr_change(self, old: float, new: float) -> None:
         """When the rate steps down, every replica restarts from z."""
         if new < old:
@@ -139,7 +145,7 @@ class SMA(Rule):
         so every rank validates z with the same ones."""
         assert self.comm is not None
         self._complete()
-        self.average("buffers", self.comm.exact)
+        self.average("buffers", self.comm.exact, atomic=True)
 
     def eval_params(self) -> torch.Tensor:
         """Validate (and save) the central model z."""

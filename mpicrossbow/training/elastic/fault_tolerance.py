@@ -38,15 +38,17 @@ says the window did not complete. Then every survivor
 So ``commit_every`` trades the agreement and the copy per step (about 9 % of a 3 ms digits step here,
 benchmarks/elastic_cost.py) for up to that many steps of the survivors' work lost with a rank.
 
-**Healing from a peer, without windows** (rules whose step exchanges only before the optimizer:
-``Rule.exchanges_before_update``, BSP's grad mode). Such a step changes the state only after its exchange
-completed (the optimizer applies the mean gradient), and a completed step leaves every rank the same
-state. A rank lost in step s therefore leaves each survivor holding either the state after step s - 1
-(its exchange of step s failed) or after step s (it completed step s — on ULFM a collective that returns
-success is correct where it returned — and met the loss in its next operation): never a partial step, and
-never two apart, since no rank can complete a collective that a rank which failed the one before never
-entered. So nothing is copied and nothing agreed per step. A rank that meets the loss (in a step, or in a
-collective between steps) agrees with the others that it happened, recovers, and then the survivors
+**Healing from a peer, without windows** (rules whose failed exchange leaves their state whole:
+``Rule.heals_from_peer`` — BSP's grad mode, SMA, LOCALSGD and DILOCO). Such a rule writes what an exchange
+brings only once the exchange completed (BSP's optimizer applies the mean gradient; SMA moves z; LOCALSGD's
+learners take the mean, summed in a buffer of its own), and ranks that completed the same steps hold the same
+shared state. A rank lost in step s therefore leaves each survivor a whole state: after the steps it
+completed (on ULFM a collective that returns success is correct where it returned), never a partial
+exchange. Under BSP and SMA, which exchange every step, survivors are at most one step apart (no rank can
+complete a collective that a rank which failed the one before never entered); under LOCALSGD a survivor whose
+average completed trains up to a period on before it meets the loss. So nothing is copied and nothing agreed
+per step. A rank that meets the loss (in a step, or in a collective between steps) agrees with the others
+that it happened, recovers, and then the survivors
 
 1. find the latest step any of them holds and where each of their loops stands (one allreduce);
 2. take the state from the lowest survivor that holds that step, when some survivor lags
@@ -55,9 +57,10 @@ collective between steps) agrees with the others that it happened, recovers, and
 3. skip, on a rank whose loop is behind, the steps up to the furthest survivor's position without training,
    so every loop goes on at the same step.
 
-At most one step is lost for the survivors' shared model (the one in which a survivor met the loss after
-the others completed the step before; none when the loss was met between steps), a rank's own batches for
-at most two; and elastic training costs no per-step work beyond the elastic communicator's forwarding.
+One step is lost for the survivors' shared model — the one in which they met the loss (BSP: its update; SMA:
+z's move; LOCALSGD and DILOCO: its average, each survivor keeping its local step) — and none when the loss was
+met between steps; a rank's own batches for at most two (LOCALSGD: up to a period, on a rank that lagged an
+average); and elastic training costs no per-step work beyond the elastic communicator's forwarding.
 
 The lowest survivor is rank 0 afterwards: the run folder, ``metrics.h5`` and validation lines are its. The
 collectives between steps (the epoch's statistics, validation) are retried over the survivors until they
@@ -208,10 +211,10 @@ class FaultTolerance(StepWindow):
 
     @property
     def heals(self) -> bool:
-        """Whether a loss heals the survivors from a peer (no windows): a synchronous rule whose step
-        exchanges only before the optimizer (``exchanges_before_update``, asked once)."""
+        """Whether a loss heals the survivors from a peer (no windows): a synchronous rule whose failed
+        exchange leaves its state whole (``Rule.heals_from_peer``, asked once, after binding)."""
         if self._heals is None:
-            self._heals = self.windows and self.rule.exchanges_before_update
+            self._heals = self.windows and self.rule.heals_from_peer
         return self._heals
 
     def trains(self) -> bool:

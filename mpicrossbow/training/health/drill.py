@@ -48,6 +48,14 @@ class ExchangeTrap(ForwardingCommunicator):
         """The inner allreduce, then the trap if armed."""
         return self._started(self.inner.allreduce(tensor, op, async_op))
 
+    def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
+        """The inner allreduce_mean (the learners' average: LOCALSGD's, BSP's parameter mode), then the trap
+        if armed."""
+        self.inner.allreduce_mean(tensor, count)
+        trap, self.trap = self.trap, None
+        if trap is not None:
+            trap()
+
     def broadcast(self, tensor: torch.Tensor, root: int = 0, async_op: bool = False) -> Handle:
         """The inner broadcast, then the trap if armed."""
         return self._started(self.inner.broadcast(tensor, root, async_op))
