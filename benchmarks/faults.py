@@ -263,9 +263,9 @@ def elastic_main(args: argparse.Namespace) -> None:
     notes = (
         "Every job runs under mpiexec --with-ft ulfm (Open MPI's fault-tolerant runtime either way), 4 ranks "
         "on 2 cores (see load): single runs move, so the cost is the median of interleaved runs against the "
-        "same job with elastic off. BSP (grad mode) heals the survivors from a peer: no agreement and no "
-        "copy of the state per step; an elastic run also gives up node-shared memory. SMA and LOCALSGD "
-        "commit in windows of [elastic] commit_every = 10 steps (and before every collective between steps). "
+        "same job with elastic off. BSP (grad mode), SMA and LOCALSGD heal the survivors from a peer: no "
+        "agreement and no copy of the state per step (EASGD, POSTLOCALSGD and AUTO commit in windows of "
+        "[elastic] commit_every steps); an elastic run also gives up node-shared memory. "
         "Steps dropped: from rank 0's loss line. Your own loop: benchmarks/embedded_steps.py, examples/"
         "train_digits.py's network in a plain loop (crossbow-launch's digits job is a smaller MLP)."
     )
