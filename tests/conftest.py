@@ -30,7 +30,7 @@ from mpicrossbow.training.run.step import train_step
 from openmpi_env import OPENMPI_VENV, OpenMPIEnv, why_not
 
 #: The quick tier's marker and its check that it touches every module (``pytest -m quick``).
-pytest_plugins = ("quick_tier",)
+pytest_plugins = ("quick_tier", "durations_file")
 
 REPO = Path(__file__).resolve().parent.parent
 #: The learners' SGD in the rule tests (the numpy references replay it: ``reference.Sgd(LR, MOMENTUM)``).
