@@ -13,7 +13,7 @@ instead (``[elastic] enabled``, issue 40), on the digits job with 4 ranks under 
 
 * recovery per rule — rank 2 SIGKILLed at step 40 (inside the exchange for BSP and SMA, at a local step for
   LOCALSGD), the seconds from the survivors meeting the loss to training again and the steps dropped (the
-  job's loss line), ``--repeats`` runs each; the same for BSP in your own loop
+  job's loss line), ``--repeats`` runs each; the same for each rule in your own loop
   (:mod:`benchmarks.embedded_steps`, ``xb.init(elastic=True)``, rank 2 SIGKILLed after its step 40);
 * a replacement (``[elastic] replace``, BSP, rank 2 SIGKILLed at step 40): seconds until 4 ranks again, the
   spawn, the steps the survivors trained while it started, the set-up and handover they waited for;
@@ -248,7 +248,10 @@ def elastic_main(args: argparse.Namespace) -> None:
         ("crossbow-launch", rule, action, lambda r=rule: recovery(r))
         for rule, action in ELASTIC_KILLS.items()
     ]
-    cases.append(("your own loop", "BSP", "kill after its step", lambda: embedded_recovery("BSP")))
+    cases += [
+        ("your own loop", rule, "kill after its step", lambda r=rule: embedded_recovery(r))
+        for rule in ELASTIC_KILLS
+    ]
     for job, rule, action, measure in cases:
         runs = [measure() for _ in range(args.repeats)]
         times, dropped = [r[0] for r in runs], [r[1] for r in runs]
