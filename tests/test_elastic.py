@@ -20,8 +20,8 @@ from mpicrossbow.launch.spawn import spawn_command
 from mpicrossbow.launch.world import World
 from mpicrossbow.rules.base import Rule
 from mpicrossbow.rules.registry import resolve
-from mpicrossbow.training.elastic import elastic_setting
-from mpicrossbow.training.elastic.elastic_setting import resolve_elastic
+from mpicrossbow.training.elastic import run_tolerance
+from mpicrossbow.training.elastic.run_tolerance import resolve_elastic
 
 WORLD = World(rank=0, size=2, local_rank=0, local_size=2, node=0, nodes=1, hostname="h", launcher="x", mpi=1)
 
@@ -55,13 +55,13 @@ def test_false_never_asks_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail() -> str:
         raise AssertionError("asked")
 
-    monkeypatch.setattr(elastic_setting, "ulfm_missing", fail)
+    monkeypatch.setattr(run_tolerance, "ulfm_missing", fail)
     rule, config = digits()
     assert resolve_elastic(config, rule, WORLD) is False  # type: ignore[arg-type]
 
 
 def test_true_without_ulfm_is_a_config_error_saying_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: "this MPI (MPICH) has no ULFM: install it")
+    monkeypatch.setattr(run_tolerance, "ulfm_missing", lambda: "this MPI (MPICH) has no ULFM: install it")
     rule, config = digits("elastic.enabled=true")
     with pytest.raises(ConfigError, match=r"\[elastic\] enabled = true: this MPI \(MPICH\) has no ULFM"):
         resolve_elastic(config, rule, WORLD)  # type: ignore[arg-type]
@@ -81,7 +81,7 @@ def test_true_without_ulfm_is_a_config_error_saying_what_to_install(monkeypatch:
 def test_what_elastic_cannot_follow_is_refused_at_start(
     monkeypatch: pytest.MonkeyPatch, overrides: tuple[str, ...], match: str
 ) -> None:
-    monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: None)
+    monkeypatch.setattr(run_tolerance, "ulfm_missing", lambda: None)
     rule, config = digits("elastic.enabled=true", *overrides)
     with pytest.raises(ConfigError, match=match):
         resolve_elastic(config, rule, WORLD)  # type: ignore[arg-type]
@@ -93,7 +93,7 @@ def test_what_elastic_cannot_follow_is_refused_at_start(
 def test_servers_that_forget_lost_workers_are_elastic(monkeypatch: pytest.MonkeyPatch) -> None:
     """ASGD, SSP, PSGD, WEEDOUT and GSP (a groups file or one group) with server ranks, EASGD (both modes),
     GOSGD; not GSP with groups by speed (auto)."""
-    monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: None)
+    monkeypatch.setattr(run_tolerance, "ulfm_missing", lambda: None)
     for rule_args in (
         ("RULE=ASGD",),
         ("RULE=SSP",),
@@ -118,7 +118,7 @@ def test_asynchronous_rules_with_coordinated_snapshots_are_elastic(monkeypatch: 
     (training/elastic/elastic_pause.py):
     the parameter-server rules, async EASGD, GOSGD, and GSP (its groups' pause agreement is a committed group
     step) stay elastic with them on."""
-    monkeypatch.setattr(elastic_setting, "ulfm_missing", lambda: None)
+    monkeypatch.setattr(run_tolerance, "ulfm_missing", lambda: None)
     rules = (("RULE=ASGD",), ("RULE=SSP",), ("RULE=EASGD", "rule.mode=async"), ("RULE=GOSGD",), ("RULE=GSP",))
     for rule_args in rules:
         for snapshots in (("checkpoint.on_signal=true",), ("checkpoint.every_steps=20",)):

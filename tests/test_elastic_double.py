@@ -20,7 +20,7 @@ from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules.gosgd import UNIT
 from mpicrossbow.rules.registry import RULES
-from mpicrossbow.testing import FaultyGroup, FaultyWorld
+from mpicrossbow.testing.fault_double import FaultyGroup, FaultyWorld
 from mpicrossbow.training.elastic.fault_tolerance import cloned
 from mpicrossbow.training.elastic.run_tolerance import RunTolerance
 from mpicrossbow.training.health.drill import ExchangeTrap

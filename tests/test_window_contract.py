@@ -22,7 +22,7 @@ from mpicrossbow.launch.world import World
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules.registry import RULES
-from mpicrossbow.testing import FaultyGroup, FaultyWorld
+from mpicrossbow.testing.fault_double import FaultyGroup, FaultyWorld
 from mpicrossbow.training.elastic.fault_tolerance import FaultTolerance
 from mpicrossbow.training.elastic.run_tolerance import RunTolerance
 from mpicrossbow.training.health.drill import Drill

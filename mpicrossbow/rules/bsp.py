@@ -8,7 +8,8 @@ Who sends what to whom, and when:
   With ``bucket_mb > 0`` the allreduce is split into buckets of that many MiB that start during backward,
   as each bucket's gradients are complete on every learner of the rank, and overlap the rest of backward
   (DDP's scheme; :mod:`mpicrossbow.rules.grad_buckets` says how, and why the results are the same).
-  ``bucket_mb = 0``, or an engine that cannot report gradients during backward (``streams``), keeps one
+  ``bucket_mb = 0``, a gradient that fits in one bucket (it would be ready only when backward ends, so it
+  overlaps nothing), or an engine that cannot report gradients during backward (``streams``), keeps one
   allreduce of the whole buffer after backward.
 * ``mode = avg`` (Theano-MPI ``avg``, SpeeDO sync): each learner takes its local step, then one allreduce
   sets every replica to ``(1/k) Σ_j w_j``. Momentum buffers stay local.
@@ -31,7 +32,7 @@ from typing import Literal
 from ..config.fields import setting
 from ..errors import ConfigError
 from .base import Rule
-from .grad_buckets import GradBuckets, contiguous
+from .grad_buckets import GradBuckets, contiguous, plan_buckets
 from .pair_swap import PairSwap
 from .registry import RULES
 
@@ -53,8 +54,9 @@ class BSP(Rule):
         )
         bucket_mb: float = setting(
             5.0,
-            "grad mode: MiB per gradient bucket whose allreduce starts during backward (0, or a communicator "
-            "that does not overlap, e.g. the shared-memory one: one allreduce after backward)",
+            "grad mode: MiB per gradient bucket whose allreduce starts during backward (0, a gradient that "
+            "fits in one bucket, or a communicator that does not overlap, e.g. the shared-memory one: one "
+            "allreduce after backward)",
             ge=0,
         )
 
@@ -120,11 +122,20 @@ class BSP(Rule):
         if not contiguous(layout, grads[0].numel()):
             log.warning("BSP: the parameters do not tile the flat gradient; one allreduce after backward")
             return
+        bucket_bytes = round(self.hyper.bucket_mb * 2**20)
+        if len(plan_buckets(layout, max(1, bucket_bytes // grads[0].element_size()))) == 1:
+            log.info(
+                "BSP: the gradient (%.2f MiB) is one bucket of bucket_mb = %g: one allreduce after backward "
+                "(a single bucket is ready only when backward ends, so it would overlap nothing)",
+                grads[0].numel() * grads[0].element_size() / 2**20,
+                self.hyper.bucket_mb,
+            )
+            return
         self.buckets = GradBuckets(
             self.comm,
             grads,
             layout,
-            round(self.hyper.bucket_mb * 2**20),
+            bucket_bytes,
             pool.nonfinite,
             lambda: self.average("grads"),
         )

@@ -30,13 +30,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
 from ..comm.base import Communicator, Handle
-from ..comm.ulfm import ElasticEnd, PeerLost
 from ..trace import instant, span
 from .patience import Patience, Silence, wait_for
+from .peer_loss import Forgetting, server_lost
 from .request_loop import DONE, UPDATE, Order, Report, serve_requests
 from .served_stats import ServedStats
 
@@ -73,17 +74,16 @@ class EASGDWorker:
     def exchange(self, progress: float) -> None:
         """One round trip: snapshots of all learners' weights out, one elastic difference per learner back.
         A lost centre ends the job (ElasticEnd): the centre lives there."""
-        try:
+        with self._centre_lost():
             self._round_trip(progress)
-        except PeerLost as exc:
-            raise self._centre_lost(exc) from exc
 
-    def _centre_lost(self, exc: PeerLost) -> ElasticEnd:
+    def _centre_lost(self) -> AbstractContextManager[None]:
         """The job's end when the centre is lost, met in an exchange or in the done message (a snapshot's
         drain): one line, the lowest worker's when it is free to say it."""
-        return ElasticEnd(
-            f"worker rank {self.comm.rank}: the EASGD centre (rank {self.server}) was lost ({exc}); the "
-            "job ends (elastic training survives lost workers only)",
+        return server_lost(
+            f"worker rank {self.comm.rank}",
+            f"the EASGD centre (rank {self.server})",
+            "the job ends (elastic training survives lost workers only)",
             place=[r for r in range(self.comm.size) if r != self.server].index(self.comm.rank),
         )
 
@@ -119,10 +119,8 @@ class EASGDWorker:
             return
         self.request[: self.reply.numel()].zero_()
         self._tail(DONE, progress)
-        try:
+        with self._centre_lost():
             self.comm.isend(self.request, self.server, REQUEST_TAG).wait()
-        except PeerLost as exc:
-            raise self._centre_lost(exc) from exc
         self.done = True
 
 
@@ -224,11 +222,10 @@ class EASGDServer:
         if float(msg[head]) == DONE:
             log.debug("EASGD server: worker %d done after %.2f epoch(s)", w, self.progress[w])
         else:
-            try:
+            with Forgetting(w, self.forget) as met:
                 if w in self._sends:  # the previous reply to w was received before w could ask again
                     self._sends.pop(w).wait()
-            except PeerLost:
-                self.forget(w)
+            if met.lost:
                 return
             sent = msg[:n].view(self.learners, -1)
             for x, e in zip(sent, self._outbox[w].view(self.learners, -1), strict=True):
@@ -236,11 +233,10 @@ class EASGDServer:
                 e.mul_(self.alpha)
                 self.centre.add_(e)
             self.updates += self.learners
-            try:
+            with Forgetting(w, self.forget) as met:
                 self._sends[w] = self.comm.isend(self._outbox[w], w, REPLY_TAG)
                 self._post(w)
-            except PeerLost:
-                self.forget(w)
+            if met.lost:
                 return
             instant("elastic update and reply", "message", worker=w)
         epoch = self.epoch

@@ -55,11 +55,11 @@ import numpy as np
 import torch
 
 from ..comm.base import Handle
-from ..comm.ulfm import PeerLost
 from ..config.fields import setting
 from ..trace import instant
 from .base import Rule
 from .patience import Silence
+from .peer_loss import Forgetting
 from .registry import RULES
 
 log = logging.getLogger(__name__)
@@ -144,10 +144,8 @@ class GOSGD(Rule):
     def _post(self, src: int) -> None:
         assert self.comm is not None
         x, meta = self.inbox[src]
-        try:
+        with Forgetting(src, self._forget):
             self.posted[src] = (self.comm.irecv(x, src, TAG_PARAMS), self.comm.irecv(meta, src, TAG_WEIGHT))
-        except PeerLost:
-            self._forget(src)
 
     def _forget(self, peer: int) -> None:
         """Peer rank ``peer`` was lost (elastic training): stop receiving from it and drawing it."""
@@ -183,11 +181,9 @@ class GOSGD(Rule):
         handles = self.posted[src]
         if handles is None:
             return None
-        try:
-            if not (self._done(handles[1], wait) and self._done(handles[0], wait)):
-                return None
-        except PeerLost:
-            self._forget(src)
+        with Forgetting(src, self._forget) as met:
+            arrived = self._done(handles[1], wait) and self._done(handles[0], wait)
+        if met.lost or not arrived:
             return None
         x_s, meta = self.inbox[src]
         weight, j = meta.tolist()
@@ -242,20 +238,16 @@ class GOSGD(Rule):
         meta = params.new_tensor([weight, float(j)], dtype=torch.float64)
         if weight >= 0:
             instant("gossip send", "gossip", to_rank=dst, learner=j, weight=weight)
-        try:
+        with Forgetting(dst, self._forget) as met:  # what was sent is lost with the peer
             handles = (self.comm.isend(params, dst, TAG_PARAMS), self.comm.isend(meta, dst, TAG_WEIGHT))
-        except PeerLost:  # what was sent is lost with the peer
-            self._forget(dst)
-            return
-        self.outbox.append((*handles, dst, params, meta))
+        if not met.lost:
+            self.outbox.append((*handles, dst, params, meta))
 
     def _sent(self, msg: tuple[Handle, Handle, int, torch.Tensor, torch.Tensor], wait: bool) -> bool:
         """Whether the outbox message ``msg`` is done with: delivered, or its destination lost."""
-        try:
+        with Forgetting(msg[2], self._forget):
             return self._done(msg[0], wait) and self._done(msg[1], wait)
-        except PeerLost:
-            self._forget(msg[2])
-            return True
+        return True
 
     def _destination(self, step: int, g: int) -> int | None:
         """Global learner that learner ``g`` gossips to at ``step``, or None."""

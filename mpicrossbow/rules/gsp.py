@@ -50,8 +50,7 @@ from typing import Any, ClassVar, cast
 import torch
 
 from ..comm.base import Communicator, ReduceOp
-from ..comm.committed import until_committed
-from ..comm.elastic import ElasticCommunicator
+from ..comm.elastic import ElasticCommunicator, until_committed
 from ..config.fields import setting
 from ..errors import ConfigError
 from .grouping import group_by_speed, group_of, read_groups, read_shares

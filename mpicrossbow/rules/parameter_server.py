@@ -47,17 +47,22 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from ..comm.base import Communicator, Handle
-from ..comm.ulfm import ElasticEnd, PeerLost
 from ..config.fields import setting
 from ..errors import ConfigError
 from ..trace import instant, span
 from .base import Rule, not_forgetting
 from .patience import Patience, Silence, wait_for
+from .peer_loss import Forgetting, server_lost
 from .request_loop import DONE, UPDATE, Order, Report, serve_requests
 from .served_stats import ServedStats, learners_mean_buffers
 from .server_thread import ServerThread
 
 log = logging.getLogger(__name__)
+
+#: What a worker says after a lost parameter server, when it ends the job.
+SERVER_LOST = (
+    "the model lives on the server ranks, so the job ends (elastic training survives lost workers only)"
+)
 
 PUSH_TAG, PULL_TAG = 7201, 7202
 #: A server's counters that a checkpoint keeps: per worker, and in all.
@@ -226,15 +231,14 @@ class ParameterServer:
                 continue
             self.held.remove(r)
             self.pulled_at[r] = self.received
-            try:
+            with Forgetting(r, self.forget) as met:
                 if r in self._sends:
                     self._sends.pop(r).wait()
                 self._outbox[r][:n].copy_(self.w)
                 self._outbox[r][n] = self.updates
                 self._sends[r] = self.comm.isend(self._outbox[r], r, PULL_TAG)
                 self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
-            except PeerLost:
-                self.forget(r)
+            if met.lost:
                 continue
             instant("reply", "message", worker=r, updates=self.updates)
 
@@ -448,15 +452,11 @@ class ServerRule(Rule):
     def _push(self, flag: float) -> None:
         """Send every server its slice of Δ (or DONE); on UPDATE wait for the replies and adopt w. A lost
         server ends the job (ElasticEnd): the model lives there."""
-        try:
+        assert self.comm is not None
+        rank = self.comm.rank
+        # the first worker first in line
+        with server_lost(f"worker rank {rank}", "a parameter server", SERVER_LOST, place=rank - self.servers):
             self._push_to_servers(flag)
-        except PeerLost as exc:
-            assert self.comm is not None
-            raise ElasticEnd(
-                f"worker rank {self.comm.rank}: a parameter server was lost ({exc}); the model lives on "
-                "the server ranks, so the job ends (elastic training survives lost workers only)",
-                place=self.comm.rank - self.servers,  # the first worker first
-            ) from exc
 
     def _push_to_servers(self, flag: float) -> None:
         assert self.pool is not None and self.comm is not None

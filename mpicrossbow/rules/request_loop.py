@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..comm.base import Handle
-from ..comm.ulfm import PeerLost
 from .patience import Silence
+from .peer_loss import Forgetting
 
 if TYPE_CHECKING:
     import torch
@@ -49,9 +49,9 @@ def serve_requests(
     ``tick()`` runs between sweeps (cheap: the run's signal watch); ``silence`` times the workers
     ``waiting_on()`` names (those the server expects a request from), each from its last request.
 
-    ``lost(worker)`` (elastic training): a receive or reply that meets its worker's loss
-    (:class:`~mpicrossbow.comm.ulfm.PeerLost`) calls it, which drops that worker's receive and reply; the
-    others are served on. Without it the loss is raised."""
+    ``lost(worker)`` (elastic training): a receive or reply that meets its worker's loss calls it, which
+    drops that worker's receive and reply; the others are served on (:class:`~.peer_loss.Forgetting`).
+    Without it the loss is raised."""
     processed, idle = 0, IDLE_MIN_S
     while recvs:
         if tick is not None:
@@ -75,22 +75,14 @@ def serve_requests(
             time.sleep(idle)
             idle = min(2 * idle, IDLE_MAX_S)
     for worker, reply in list((sends or {}).items()):
-        try:
+        with Forgetting(worker, lost):
             reply.wait()
-        except PeerLost:
-            if lost is None:
-                raise
-            lost(worker)
     if sends is not None:
         sends.clear()
 
 
 def _arrived(recvs: Mapping[int, Handle], worker: int, lost: Callable[[int], None] | None) -> bool:
     """Whether ``worker``'s request arrived; False (and ``lost(worker)``) when it never will."""
-    try:
+    with Forgetting(worker, lost):
         return recvs[worker].test()
-    except PeerLost:
-        if lost is None:
-            raise
-        lost(worker)
-        return False
+    return False

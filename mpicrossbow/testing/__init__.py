@@ -8,13 +8,13 @@ without MPI:
 * :class:`InProcessWorld` (:mod:`.inprocess`): ``InProcessWorld(4).run(fn)`` calls ``fn(comm)`` on four
   threads, each with an :class:`InProcessCommunicator`, and returns the results in rank order. Collectives
   reduce in rank order, so a numpy reference adding in that order matches bit for bit.
-* :class:`FaultyWorld` (:mod:`.fault_double`): the same for elastic training, each thread given a
-  :class:`FaultyGroup` (a fault-tolerant group as ULFM's is) whose rank can die on demand.
+* ``FaultyWorld`` (import it from :mod:`.fault_double`, the package's one module that knows a rank can be
+  lost): the same for elastic training, each thread given a ``FaultyGroup`` (a fault-tolerant group as
+  ULFM's is) whose rank can die on demand.
 
 Training never imports this package: the session builds its communicators in :mod:`mpicrossbow.comm`.
 """
 
-from .fault_double import FaultyGroup, FaultyWorld
 from .inprocess import InProcessCommunicator, InProcessWorld, WorldAborted
 
-__all__ = ["FaultyGroup", "FaultyWorld", "InProcessCommunicator", "InProcessWorld", "WorldAborted"]
+__all__ = ["InProcessCommunicator", "InProcessWorld", "WorldAborted"]

@@ -32,8 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ...comm.committed import until_committed
-from ...comm.elastic import ElasticCommunicator
+from ...comm.elastic import ElasticCommunicator, until_committed
 from ...comm.ulfm import ElasticEnd, is_process_failure
 from ..checkpoints.checkpoint_files import Checkpointer, complete_checkpoints
 from ..checkpoints.pause_orders import Meeting, PauseOrders, order_tag

@@ -79,8 +79,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ...comm.base import ReduceOp
-from ...comm.committed import until_committed
-from ...comm.elastic import ElasticCommunicator
+from ...comm.elastic import ElasticCommunicator, until_committed
 from ...comm.membership import Membership
 from ...comm.state_broadcast import broadcast_state
 from ...comm.ulfm import ElasticEnd, PeerLost

@@ -16,7 +16,7 @@ from ..reporting.tensorboard_log import check_available as check_tensorboard
 
 def check_combinations(config: Config, rule: Rule, world: World) -> None:
     """One ConfigError for the first setting that does not go with ``rule`` (elastic training's own: its
-    :func:`~mpicrossbow.training.elastic.elastic_setting.resolve_elastic`)."""
+    :func:`~mpicrossbow.training.elastic.run_tolerance.resolve_elastic`)."""
     if config.pool.learners == "auto" and not rule.synchronous:
         raise ConfigError(
             f"[pool] learners = auto needs a synchronous rule (every rank must change its learner count "

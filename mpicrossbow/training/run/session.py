@@ -34,9 +34,8 @@ from ...rules.patience import Patience
 from ...rules.registry import resolve
 from ..checkpoints.checkpoint_manager import CheckpointManager
 from ..checkpoints.storage import check_writable
-from ..elastic.elastic_setting import resolve_elastic
 from ..elastic.replacement import Handover, Offer
-from ..elastic.run_tolerance import RunTolerance
+from ..elastic.run_tolerance import RunTolerance, resolve_elastic
 from ..health.drill import drilled, trapped
 from ..health.faults import FaultInjector, Straggler
 from ..health.watchdog import Watchdog, start_watchdog
