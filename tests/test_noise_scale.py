@@ -175,7 +175,7 @@ def test_only_due_steps_are_measured_and_a_checkpoint_continues_the_averages() -
 def test_a_real_pool_gives_a_finite_positive_noise_scale(
     learners: int, make_rule: Callable[[], Rule]
 ) -> None:
-    """The digits MLP on 2 in-process ranks through ``train_step``: BSP (its buckets on, one learner per
+    """The digits MLP on 2 in-process ranks through ``train_step``: BSP (one allreduce, one learner per
     rank: the pooled mean) and parameter averaging with 2 learners per rank (each rank's own mean).
 
     The pools (their networks) are built here, one after the other from their seeds, not in the ranks'
