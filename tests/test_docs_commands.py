@@ -359,7 +359,8 @@ TABLE: tuple[Entry, ...] = (
             ("mpiexec --with-ft", "mpiexec --allow-run-as-root --oversubscribe --with-ft"),
         ),
         expect=(
-            r"elastic: a lost rank is dropped and the others go on \(a commit every 10 step\(s\)",
+            r"elastic: a lost rank is dropped and the others go on \(BSP's, SMA's and LOCALSGD's survivors "
+            r"heal from a peer; other rules commit every 10 step\(s\)",
             r"^Test: average loss [\d.]+, accuracy \d+/\d+",
         ),
         kind="openmpi",
