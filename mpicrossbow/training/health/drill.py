@@ -38,10 +38,14 @@ class ExchangeTrap(ForwardingCommunicator):
         """Spring ``trap`` right after the next operation has started (a blocking one: completed)."""
         self.trap = trap
 
-    def _started(self, handle: Handle) -> Handle:
+    def _spring(self) -> None:
+        """An operation has started: spring the trap once, if armed."""
         trap, self.trap = self.trap, None
         if trap is not None:
             trap()
+
+    def _started(self, handle: Handle) -> Handle:
+        self._spring()
         return handle
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
@@ -49,12 +53,10 @@ class ExchangeTrap(ForwardingCommunicator):
         return self._started(self.inner.allreduce(tensor, op, async_op))
 
     def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
-        """The inner allreduce_mean (the learners' average: LOCALSGD's, BSP's parameter mode), then the trap
-        if armed."""
+        """The inner allreduce_mean (the learners' average: LOCALSGD's, BSP's one after backward), then the
+        trap if armed."""
         self.inner.allreduce_mean(tensor, count)
-        trap, self.trap = self.trap, None
-        if trap is not None:
-            trap()
+        self._spring()
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, async_op: bool = False) -> Handle:
         """The inner broadcast, then the trap if armed."""
