@@ -13,7 +13,9 @@ import torch
 
 from conftest import OPTIM
 from models.mlp import MLP
+from mpicrossbow.comm.base import Handle, ReduceOp
 from mpicrossbow.comm.elastic import ElasticCommunicator
+from mpicrossbow.comm.forwarding import ForwardingCommunicator
 from mpicrossbow.comm.ulfm import ElasticEnd, PeerLost
 from mpicrossbow.launch.world import World
 from mpicrossbow.pool import SerialPool
@@ -289,6 +291,69 @@ def test_a_survivor_behind_heals_from_one_that_completed_the_step_and_skips_to_i
         assert same(after1[step], after0[step]) and same(after3[step], after0[step]), step
     assert (trained0, trained1, trained3) == (6, 5, 6)  # rank 1 lost steps 3 and 4, the others step 4
     assert not torch.equal(stats1, stats0)  # its own shard's loss sums, not rank 0's
+
+
+class _FailedWait(Handle):
+    """An operation that completed (the others' too) whose wait reports the loss here."""
+
+    def wait(self) -> None:
+        falter()
+
+    def test(self) -> bool:
+        return True
+
+
+class _LateFalter(ForwardingCommunicator):
+    """``inner``; once armed, the next non-blocking allreduce completes and its wait reports the loss."""
+
+    def __init__(self, inner: ElasticCommunicator) -> None:
+        super().__init__(inner)
+        self.armed = False
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
+        handle = self.inner.allreduce(tensor, op, async_op)
+        if self.armed and async_op:
+            self.armed = False
+            handle.wait()
+            return _FailedWait()
+        return handle
+
+
+def test_sma_heals_a_survivor_whose_overlapped_allreduce_failed_from_one_whose_completed() -> None:
+    """SMA's allreduce of step 3 completes at step 4's start. It completed on ranks 0 and 3 (z moved for
+    step 3; rank 2 dies right after it) and reported the loss on rank 1 as rank 1 waited for it, so rank 1's
+    z lacks step 3's move though rank 1 completed step 3 as the others did. Rank 1 counts step 3 as not held
+    (``Rule.unapplied_steps``) and takes rank 0's state: every survivor's z is bitwise the same after the
+    loss and at the end (the CI run's SMA kill drill once ended with survivors' z apart)."""
+    world, built = FaultyWorld(4, timeout_s=20), pools(4)
+
+    def body(group: FaultyGroup) -> tuple[list[torch.Tensor], int, int]:
+        comm, pool = ElasticCommunicator(group), built[group.me]
+        late = _LateFalter(comm)
+        trapped = ExchangeTrap(late)
+        rule = RULES.get("SMA")().bind(trapped, pool)
+        steps_ = RunTolerance(parts(pool, rule, group.me, 4), comm, 1)
+        pool.start_epoch(0)
+        zs = []
+        for step in range(7):
+            if step == 3 and group.me == 2:
+                trapped.arm(lambda: world.die(2))
+            late.armed = step == 3 and group.me == 1
+            steps_.step(lambda step=step: train_step(pool, rule, step), step)
+            zs.append(rule.z.clone())  # without completing the allreduce in flight: the loop does that
+        return zs, steps_.committed, steps_.skip_until
+
+    results = world.run(body)
+    assert results[2] is None
+    (z0, committed0, skip0), (z1, committed1, skip1), (z3, committed3, skip3) = (
+        results[0],
+        results[1],
+        results[3],
+    )
+    for step in range(4, 7):
+        assert torch.equal(z1[step], z0[step]) and torch.equal(z3[step], z0[step]), step
+    assert not torch.equal(z0[4], z0[3])  # z moved for step 3 on the survivors (rank 1's from rank 0)
+    assert (committed0, committed1, committed3) == (7, 7, 7) and skip0 == skip1 == skip3 == 5
 
 
 @pytest.mark.parametrize("keeps", ["amend", "refresh", "neither"])

@@ -186,6 +186,8 @@ def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
             r"lost rank\(s\) 2 \(start numbering\) at "
             r"(step (4[01]), step \2|the epoch's statistics, no step) dropped"
         )
+    if rule == "SMA":  # and z's move of the step before, where its overlapped allreduce met the loss
+        said = r"lost rank\(s\) 2 \(start numbering\) at step 4[01], (step 4[01]|steps (39|40)-4[01]) dropped"
     assert len(lost) == 1 and re.search(said, lost[0]), lost
     # Open MPI's libnbc lines about the same loss are said to be expected (issue 51: they read like a crash)
     assert lost[0].endswith("giving up on the lost rank: expected after a loss)"), lost
@@ -405,9 +407,11 @@ def test_a_killed_rank_is_replaced_and_the_world_grows_back(
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
-    met = re.search(r"at step (40|41), step \1 dropped", lost[0]) if len(lost) == 1 else None
-    assert met and (rule == "SMA" or met[1] == "40"), lost
-    joined = int(met[1]) + 1
+    # SMA: z's move of the step before too, where its overlapped allreduce met the loss
+    said = r"at step (40|41), steps? (?:(39|40)-)?(40|41) dropped"
+    met = re.search(said, lost[0]) if len(lost) == 1 else None
+    assert met and (rule == "SMA" or (met[1], met[2], met[3]) == ("40", None, "40")), lost
+    joined = int(met[3]) + 1
     line = replaced_line(proc.stderr)
     said = r"start rank\(s\) 2 replaced at step (\d+); 4 rank\(s\) again .*\[0, 1, 3, 2\]\); ([0-9.]+)s after"
     found = re.search(said + r".*, the survivors training (\d+) step\(s\) meanwhile", line)

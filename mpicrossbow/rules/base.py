@@ -83,6 +83,15 @@ class Rule:
         return False
 
     @property
+    def unapplied_steps(self) -> int:
+        """Steps this rank completed whose exchange has not reached its shared state yet (SMA: the step whose
+        allreduce is in flight, completed at the next step's start; every rule whose exchange completes
+        inside its step: 0). A healing rank that meets a loss holds the shared state of this many steps fewer
+        than it completed: what it tells the others when they heal (a peer whose exchange completed is ahead
+        of it, though both completed the same steps)."""
+        return 0
+
+    @property
     def averages_gradients_throughout(self) -> bool:
         """Whether every phase of the run averages gradients (a rule that switches rules mid-run asks each):
         what the check of an uncapped learning-rate scaling reads (:mod:`.lr_recipe`)."""

@@ -132,6 +132,12 @@ class SMA(Rule):
         and every rank moves it alike."""
         return True
 
+    @property
+    def unapplied_steps(self) -> int:
+        """1 while a step's allreduce is in flight: z has not moved for it yet (a loss met in its wait, at
+        the next step's start, leaves z one step behind a peer whose allreduce completed)."""
+        return int(self._pending is not None)
+
     def on_lr_change(self, old: float, new: float) -> None:
         """When the rate steps down, every replica restarts from z."""
         if new < old:

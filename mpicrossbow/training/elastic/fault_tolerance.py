@@ -42,13 +42,15 @@ benchmarks/elastic_cost.py) for up to that many steps of the survivors' work los
 ``Rule.heals_from_peer`` — BSP's grad mode, SMA, LOCALSGD and DILOCO). Such a rule writes what an exchange
 brings only once the exchange completed (BSP's optimizer applies the mean gradient; SMA moves z; LOCALSGD's
 learners take the mean, summed in a buffer of its own), and ranks that completed the same steps hold the same
-shared state. A rank lost in step s therefore leaves each survivor a whole state: after the steps it
-completed (on ULFM a collective that returns success is correct where it returned), never a partial
-exchange. Under BSP and SMA, which exchange every step, survivors are at most one step apart (no rank can
-complete a collective that a rank which failed the one before never entered); under LOCALSGD a survivor whose
-average completed trains up to a period on before it meets the loss. So nothing is copied and nothing agreed
-per step. A rank that meets the loss (in a step, or in a collective between steps) agrees with the others
-that it happened, recovers, and then the survivors
+shared state — where a rank's exchange is still in flight after its step (SMA's allreduce, completed at the
+next step's start), that step counts as not held (``Rule.unapplied_steps``) when it meets a loss. A rank lost
+in step s therefore leaves each survivor a whole state: after the steps it completed (on ULFM a collective
+that returns success is correct where it returned), never a partial exchange. Under BSP and SMA, which
+exchange every step, survivors are at most one step apart (no rank can complete a collective that a rank which
+failed the one before never entered); under LOCALSGD a survivor whose average completed trains up to a period
+on before it meets the loss. So nothing is copied and nothing agreed per step. A rank that meets the loss (in
+a step, or in a collective between steps) agrees with the others that it happened, recovers, and then the
+survivors
 
 1. find the latest step any of them holds and where each of their loops stands (one allreduce);
 2. take the state from the lowest survivor that holds that step, when some survivor lags
@@ -58,9 +60,10 @@ that it happened, recovers, and then the survivors
    so every loop goes on at the same step.
 
 One step is lost for the survivors' shared model — the one in which they met the loss (BSP: its update; SMA:
-z's move; LOCALSGD and DILOCO: its average, each survivor keeping its local step) — and none when the loss was
-met between steps; a rank's own batches for at most two (LOCALSGD: up to a period, on a rank that lagged an
-average); and elastic training costs no per-step work beyond the elastic communicator's forwarding.
+z's move, and the step before's when they met it in its overlapped allreduce; LOCALSGD and DILOCO: its
+average, each survivor keeping its local step) — and none when the loss was met between steps; a rank's own
+batches for at most two (LOCALSGD: up to a period, on a rank that lagged an average); and elastic training
+costs no per-step work beyond the elastic communicator's forwarding.
 
 The lowest survivor is rank 0 afterwards: the run folder, ``metrics.h5`` and validation lines are its. The
 collectives between steps (the epoch's statistics, validation) are retried over the survivors until they
@@ -359,6 +362,10 @@ class FaultTolerance(StepWindow):
         rank's loop goes on at step ``position`` (behind: it skips up to the furthest survivor's)."""
         where, started = self.met or ("a collective", time.perf_counter())
         self.met = None
+        # before the rule's on_rebind drops what it has in flight: the steps whose exchange had not reached
+        # the shared state when the loss was met (SMA's allreduce, completed at the next step's start) are
+        # not held, though completed
+        self.committed -= self.rule.unapplied_steps
 
         def recovered(began: float) -> None:
             self.recover(where, began, report=False)
