@@ -1,7 +1,7 @@
 """A small network on the bundled 8x8 digits (or MNIST-1D), in the shape of PyTorch's classic MNIST example.
 
 ``examples/train_digits_plain.py`` is a plain single-process script: argparse, a ``Net``, ``train`` and
-``test`` once per epoch, a StepLR schedule. ``examples/train_digits.py`` is the same script plus eight lines
+``test`` once per epoch, a StepLR schedule. ``examples/train_digits.py`` is the same script plus nine lines
 of mpicrossbow's embedded API that make it an MPI job under any exchange rule (docs/embedded.md shows the
 diff; tests/test_embedded.py keeps it that small):
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> nn.Module:
     optimizer = optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     model, optimizer = xb.distribute(model, optimizer, rule=args.rule)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
-    for epoch in range(1, args.epochs + 1):
+    for epoch in xb.epochs(1, args.epochs + 1):  # a replacement rank goes on at the survivors' epoch
         train(args, model, device, train_loader, optimizer, epoch)
         with xb.consensus(model):
             test(model, device, test_loader)

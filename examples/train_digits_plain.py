@@ -1,7 +1,7 @@
 """A small network on the bundled 8x8 digits (or MNIST-1D), in the shape of PyTorch's classic MNIST example.
 
 ``examples/train_digits_plain.py`` is a plain single-process script: argparse, a ``Net``, ``train`` and
-``test`` once per epoch, a StepLR schedule. ``examples/train_digits.py`` is the same script plus eight lines
+``test`` once per epoch, a StepLR schedule. ``examples/train_digits.py`` is the same script plus nine lines
 of mpicrossbow's embedded API that make it an MPI job under any exchange rule (docs/embedded.md shows the
 diff; tests/test_embedded.py keeps it that small):
 

@@ -59,6 +59,7 @@ _LAZY = {
     "noise_scale": "mpicrossbow.embed",
     "allreduce": "mpicrossbow.embed",
     "keep": "mpicrossbow.embed",
+    "epochs": "mpicrossbow.embed",
     "GradScaler": "mpicrossbow.embed",
 }
 

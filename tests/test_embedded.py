@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from conftest import REPO
 from data.digits import digits_dataset
 from mpicrossbow.data.loader import LoaderData, LoaderOptions
 from mpicrossbow.embed import api
+from mpicrossbow.embed.loop_position import LoopPosition
 from mpicrossbow.embed.own_model import OwnModel
 from mpicrossbow.embed.sharded_loader import Part, ShardedLoader
 from mpicrossbow.embed.step_hooks import StepHooks
@@ -26,8 +28,10 @@ from mpicrossbow.rules.base import Rule
 from mpicrossbow.training.run.window import Unguarded
 
 
-def test_the_example_adds_at_most_eight_lines_to_the_plain_script() -> None:
-    """examples/train_digits.py is examples/train_digits_plain.py plus at most 8 lines (and fewer removed)."""
+def test_the_example_adds_at_most_nine_lines_to_the_plain_script() -> None:
+    """examples/train_digits.py is examples/train_digits_plain.py plus at most 9 lines (and fewer removed):
+    the eight of a distributed job and the epoch loop as ``xb.epochs``, where an elastic job's replacement
+    rank goes on."""
     plain = (REPO / "examples" / "train_digits_plain.py").read_text().splitlines()
     mpi = (REPO / "examples" / "train_digits.py").read_text().splitlines()
     diff = [
@@ -35,7 +39,7 @@ def test_the_example_adds_at_most_eight_lines_to_the_plain_script() -> None:
     ]
     added = [line for line in diff if line.startswith("+")]
     removed = [line for line in diff if line.startswith("-")]
-    assert 0 < len(added) <= 8 and len(removed) <= len(added), "\n".join(diff)
+    assert 0 < len(added) <= 9 and len(removed) <= len(added), "\n".join(diff)
     moved = {line.strip() for line in plain}  # a plain line indented into a ``with xb.consensus`` block
     new = [line for line in added if line[1:].strip() not in moved]
     assert all("xb" in line or "--rule" in line for line in new), new
@@ -75,6 +79,40 @@ def test_shard_gives_crossbow_launchs_batches(digits: tuple[object, object]) -> 
     assert not torch.equal(epochs[0][0][1], epochs[1][0][1]), "the second epoch repeated the first's order"
     loader.set_epoch(0)
     assert torch.equal(next(iter(loader))[1], epochs[0][0][1])
+
+
+def test_a_replacement_goes_on_at_the_survivors_epoch_and_batch(digits: tuple[object, object]) -> None:
+    """A survivor's loop position after a step mid-epoch (``xb.epochs`` index, the loader's epoch and next
+    batch) makes a replacement's ``xb.epochs`` start at the same epoch and its loader yield the same batches
+    the survivor reads next (its own part's, as the lost rank would have: here the same part); outside an
+    ``xb.epochs`` loop and at an epoch's last batch no replacement can join (None); a second loop starts at
+    its first epoch."""
+    train, _ = digits
+    survivor, joined = LoopPosition(), LoopPosition()
+    loader = ShardedLoader(train, 16, 5, lambda: Part(1, 2), LoaderOptions())
+    survivor.add(loader)
+    survivor.parts = 2
+    assert survivor.where(3) is None  # no xb.epochs loop
+    rest: list[Any] = []
+    for epoch in survivor.epochs((1, 4)):
+        batches = iter(loader)
+        if epoch == 2:
+            for _ in range(5):
+                next(batches)
+            position = survivor.where(7)
+            rest = list(batches)
+            assert survivor.where(8) is None  # the epoch's last batch: its end follows
+            break
+        list(batches)
+    assert survivor.epoch_index is None  # the loop is over
+    assert position == {"step": 7, "epoch_index": 1, "loaders": [(1, 5)], "parts": 2}
+    joined.joining = position
+    theirs = ShardedLoader(train, 16, 5, lambda: Part(1, 2), LoaderOptions())
+    joined.add(theirs)
+    assert list(joined.epochs((1, 4))) == [2, 3]
+    mine = list(theirs)
+    assert len(mine) == len(rest) and all(torch.equal(a[1], b[1]) for a, b in zip(mine, rest, strict=True))
+    assert list(joined.epochs((0, 2))) == [0, 1]
 
 
 def test_shard_parts_cover_distinct_samples_and_a_server_reads_none(digits: tuple[object, object]) -> None:

@@ -27,11 +27,14 @@ POINTS = 0.02
 ERROR = "mpicrossbow: error: "
 
 
-def job(openmpi: OpenMPIEnv, out: Path, rule: str, kill_rank: int) -> tuple[CompletedProcess[str], list[Any]]:
-    """The example on 4 ranks under ``rule``, ``kill_rank`` (-1: none) SIGKILLed after step KILL_STEP; the
-    process and what each survivor wrote, in rank order."""
+def job(
+    openmpi: OpenMPIEnv, out: Path, rule: str, kill_rank: int, *more: str
+) -> tuple[CompletedProcess[str], list[Any]]:
+    """The example on 4 ranks under ``rule``, ``kill_rank`` (-1: none) SIGKILLed after step KILL_STEP
+    (``more``: the script's further arguments); the process and what each rank at the end wrote, in rank
+    order."""
     out.mkdir()
-    args = [openmpi.python, SCRIPT, str(out), rule, str(kill_rank), str(KILL_STEP)]
+    args = [openmpi.python, SCRIPT, str(out), rule, str(kill_rank), str(KILL_STEP), *more]
     proc = run_local(openmpi.ft_command(4, *args), timeout=240)
     states = [torch.load(path, weights_only=True) for path in sorted(out.glob("rank-*.pt"))]
     return proc, states
@@ -53,6 +56,26 @@ def test_your_own_loop_goes_on_without_a_killed_rank(openmpi: OpenMPIEnv, tmp_pa
     assert [(s["rank"], s["size"], s["ranks"]) for s in states] == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
     assert all(torch.equal(states[0]["weights"], s["weights"]) for s in states[1:])
     assert abs(states[0]["accuracy"] - whole_states[0]["accuracy"]) <= POINTS, (states, whole_states)
+
+
+def test_with_replace_your_own_loop_is_four_ranks_again(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
+    """``xb.init(elastic={"replace": True})`` (the example's own loop, its init asking for ``replace``; each
+    step 0.1 s longer so the survivors still train when the replacement is up), rank 2 SIGKILLed mid-epoch:
+    the survivors spawn a replacement that runs the script from its top and joins them between two optimizer
+    steps of the same epoch (``xb.epochs``, ``xb.shard``'s next batch), with rank 0's model and optimizer
+    state. The job exits 0 on 4 ranks again: one line each for the loss, the replacement and its start; BSP's
+    replicas bitwise equal on all 4; ``xb.allreduce`` after the job counts 4; the model trained (>= 90 %)."""
+    proc, states = job(openmpi, tmp_path / "out", "BSP", 2, "0.1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = proc.stderr
+    lost = [line for line in err.splitlines() if "elastic: lost rank(s) 2 (start numbering)" in line]
+    assert len(lost) == 1, err[-3000:]
+    replaced = [line for line in err.splitlines() if "elastic: start rank(s) 2 replaced at step" in line]
+    assert len(replaced) == 1 and "4 rank(s) again" in replaced[0], err[-3000:]
+    assert "elastic: replaces start rank 2 on " in err, err[-3000:]
+    assert [(s["rank"], s["size"], s["ranks"]) for s in states] == [(r, 4, 4) for r in range(4)], err[-3000:]
+    assert all(torch.equal(states[0]["weights"], s["weights"]) for s in states[1:])
+    assert states[0]["accuracy"] >= 0.9, states[0]["accuracy"]
 
 
 def test_elastic_true_where_it_cannot_be_is_one_line_and_exit_2(

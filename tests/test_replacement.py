@@ -99,8 +99,9 @@ def test_the_handover_loads_the_state_then_sets_every_learner_to_the_consensus()
     optimizer's momenta, the rule's z) is loaded."""
     pool, rule = _Pool(), _Rule()
     consensus = torch.tensor([0.5, -1.0, 3.0])
-    Handover({"pool": 1}, {"rule": 2}, consensus).install(pool, rule)  # type: ignore[arg-type]
+    left = Handover(({"pool": 1}, {"rule": 2}, {"kept": 3}), consensus).install([pool, rule], pool.learners)
     assert pool.loaded == {"pool": 1} and rule.loaded == {"rule": 2}
+    assert left == ({"kept": 3},)  # the embedded API's xb.keep objects, loaded as the script makes them
     assert all(torch.equal(learner.params, consensus) for learner in pool.learners)
 
 

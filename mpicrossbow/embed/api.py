@@ -56,7 +56,7 @@ from ..errors import USAGE_EXIT_CODE, ConfigError, UsageError
 from ..launch.binding import bind as bind_cores
 from ..launch.binding import gather_facts
 from ..launch.devices import device_for_rank, parse_devices
-from ..launch.failure import abort, abort_job, agree, say
+from ..launch.failure import abort, abort_job, agree, leave_job, say
 from ..launch.finalize_fence import bound_finalize
 from ..launch.slurm import srun_tasks_without_pmi
 from ..launch.spawn import no_pmi_advice
@@ -71,8 +71,18 @@ from ..rules.registry import build_rule
 from ..training.run.schedule import lr_scale
 from ..training.run.window import StepWindow, Unguarded
 from ..training.tuning.noise_scale import NoiseScale
-from .elastic_mode import ModelState, check_keepable, check_rule, elastic_section, tolerant
+from .elastic_mode import (
+    ModelState,
+    check_keepable,
+    check_rule,
+    elastic_section,
+    join_rule,
+    join_world,
+    replacing,
+    tolerant,
+)
 from .embedded_job import EmbeddedJob
+from .loop_position import LoopPosition
 from .metric_reduce import allreduce_value, reduce_over
 from .own_model import OwnModel
 from .precision_forward import PrecisionForward
@@ -108,6 +118,13 @@ class _Process:
     elastic: ElasticSection | None = None
     #: What ``xb.keep`` was given: restored with the model when a lost rank drops a window.
     kept: list[Any] = field(default_factory=list)
+    #: Where the loop stands (``xb.epochs``, the training loaders): what a replacement is told.
+    loop: LoopPosition = field(default_factory=LoopPosition)
+    #: A replacement (``xb.init(elastic={"replace": True})``): the survivors' offer until it joined their job.
+    joining: Any = None
+    #: A replacement: the states of the ``xb.keep`` objects the survivors handed over, loaded as the script
+    #: gives the objects to ``xb.keep`` (in its order).
+    handed: list[Any] = field(default_factory=list)
 
 
 _state = _Process()
@@ -130,10 +147,11 @@ def init(
     does (``none``, ``core``, ``numa``, ``socket``, ``gpu``); ``comm`` holds ``[comm]`` keys (backend,
     compression, ...). ``threads`` starts MPI with ``MPI_THREAD_MULTIPLE``, which a rule that talks MPI from
     a second thread needs (parameter servers with ``placement=colocated``). ``elastic=True`` (or a dict of
-    ``[elastic]`` keys: ``min_ranks``, ``commit_every``) makes the job go on when a rank is lost, under Open
-    MPI with ULFM (``mpiexec --with-ft ulfm``), or stops it in one line where that is missing;
-    ``elastic="auto"`` is elastic where it can be, else says why not and goes on without: see
-    :mod:`.elastic_mode`. Bad arguments end every rank
+    ``[elastic]`` keys: ``min_ranks``, ``commit_every``, ``replace``) makes the job go on when a rank is
+    lost, under Open MPI with ULFM (``mpiexec --with-ft ulfm``), or stops it in one line where that is
+    missing; ``replace`` starts a new rank for each one lost, which runs this script and joins the others
+    (write the epoch loop with :func:`epochs`); ``elastic="auto"`` is elastic where it can be, else says why
+    not and goes on without: see :mod:`.elastic_mode`. Bad arguments end every rank
     with one line naming the argument (``xb.init(devices='gpu0'): unknown device ...``) and status 2.
     Collective.
 
@@ -155,14 +173,9 @@ def init(
         if problem:
             _refuse_repeated_init(_state.world, problem)
         return _state.world
-    tasks = srun_tasks_without_pmi()
-    if tasks:  # every task would see a world of one and train alone
-        if launcher_rank() in (0, None):
-            say(no_pmi_advice(tasks), PREFIX)
-        raise SystemExit(USAGE_EXIT_CODE)
-    world = detect_world(threads)
-    setup_logging(world.rank, world.size, log_level.upper() if world.rank == 0 else None)
-    _install_failure_hooks()
+    if replacing():  # a replacement spawned by an elastic job's survivors: it joins them
+        return _join_init(asked)
+    world = _start_world(threads, elastic, log_level)
     chosen: dict[str, Any] = {}
 
     def prepare() -> None:
@@ -192,6 +205,47 @@ def init(
     if _state.elastic is not None:
         _start_elastic(_state.elastic)
     log.info("%d rank(s); rank 0 on %s, %d thread(s)", world.size, device, torch.get_num_threads())
+    return _state.world
+
+
+def _start_world(threads: bool, elastic: bool | str | Mapping[str, Any], log_level: str) -> World:
+    """MPI started (``MPI_THREAD_MULTIPLE`` with ``threads``, or where elastic ``replace`` spawns from a
+    thread), the log lines and the failure hooks set; tasks of srun without PMI end here, said once."""
+    tasks = srun_tasks_without_pmi()
+    if tasks:  # every task would see a world of one and train alone
+        if launcher_rank() in (0, None):
+            say(no_pmi_advice(tasks), PREFIX)
+        raise SystemExit(USAGE_EXIT_CODE)
+    replaces = isinstance(elastic, Mapping) and bool(elastic.get("replace"))
+    world = detect_world(threads or replaces)
+    setup_logging(world.rank, world.size, log_level.upper() if world.rank == 0 else None)
+    _install_failure_hooks()
+    return world
+
+
+def _join_init(asked: dict[str, Any]) -> World:
+    """``init`` on a replacement (``xb.init(elastic={"replace": True})``'s survivors spawned it to run this
+    script): merged with the survivors and told where their loop stands (:func:`.elastic_mode.join_world`),
+    its arguments checked here alone (the survivors checked theirs at start; a failure ends only this
+    process, as :func:`~mpicrossbow.launch.failure.leave_job` does). It binds no cores. Its collectives
+    with the survivors follow in ``xb.distribute``."""
+    world, offer = join_world()
+    setup_logging(world.rank, world.size, None)
+    _install_failure_hooks()
+    try:
+        _state.comm = build(CommSection, asked["comm"], "comm")
+        device = choose_device(asked["devices"], world)
+        section = elastic_section(asked["elastic"], world)
+        assert section is not None and section.replace, "a replacement of an elastic job with replace"
+    except BaseException as exc:
+        leave_job(world, exc, None, PREFIX)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _state.tracebacks = Path(offer.run_dir)
+    _state.world = replace(world, device=device)
+    _state.init_args, _state.elastic, _state.joining = asked, section, offer
+    _state.loop.joining = dict(offer.position)
+    _start_elastic(section)
     return _state.world
 
 
@@ -302,9 +356,26 @@ def shard(
     """
     world = _world("xb.shard")
     options = LoaderOptions(workers=workers, prefetch=prefetch, pin_memory=world.device.type == "cuda")
-    loader = ShardedLoader(dataset, batch_size, seed, _current_part, options, evaluation, world.size)
+    size = world.size if _state.joining is None else int(_state.joining.position["parts"])
+    loader = ShardedLoader(dataset, batch_size, seed, _current_part, options, evaluation, size)
     _state.loaders.add(loader)
+    _state.loop.add(loader)
     return loader
+
+
+def epochs(*bounds: int) -> Iterator[int]:
+    """``range(*bounds)``, for the loop's epochs: ``for epoch in xb.epochs(1, epochs + 1):``.
+
+    Where elastic training replaces a lost rank (``xb.init(elastic={"replace": True})``), the replacement
+    runs your script from its top, and this loop is how it goes on at the survivors' epoch (a plain
+    ``range`` would start it at the first; the survivors then go on without replacements, saying why);
+    elsewhere it is ``range``. Local (:mod:`.loop_position`)."""
+    _world("xb.epochs")
+    try:
+        range(*bounds)
+    except TypeError as exc:
+        raise UsageError(f"xb.epochs{bounds}: takes range()'s arguments, whole numbers ({exc})") from None
+    return _state.loop.epochs(bounds)
 
 
 def _current_part() -> Part:
@@ -355,6 +426,8 @@ def distribute(
     world = _world("xb.distribute")
     if _state.job is not None and not _state.job.finished:
         raise UsageError("xb.distribute: a model is already distributed; call xb.finish() before another")
+    if _state.joining is not None:
+        return _join_distribute(model, optimizer, rule, precision, noise_scale_every, hyper)
     built: dict[str, Any] = {}
 
     def prepare() -> None:
@@ -367,10 +440,7 @@ def distribute(
                 "MPI_THREAD_MULTIPLE: call xb.init(threads=True) before anything else starts MPI"
             )
         trains = chosen.trains(world.rank, world.size)
-        part = Part(world.rank, world.size, trains=False)
-        if trains:
-            index, count = chosen.train_shard(world.rank, world.size)
-            part = Part(index, count, chosen.train_span(world.rank, world.size))
+        part = _train_part(chosen, world.rank, world.size)
         for loader in _state.loaders:
             loader.check_part(part)
         own = OwnModel(model, optimizer, _steps_per_epoch, precision == "fp16", _state.elastic is None)
@@ -385,11 +455,10 @@ def distribute(
     _agree(world, lambda: check_same_shapes(world, [tuple(p.shape) for p in own.learner.param_list]))
     chosen: Rule = built["rule"]
     _state.part = built["part"]
+    _state.loop.parts = _state.part.count
     comm, window = _communicator(world, chosen, own)
     chosen.bind(comm, own)
-    forward = PrecisionForward(model, Precision(precision, world.device))
-    noise = NoiseScale(noise_scale_every, SessionSection.noise_scale_smoothing, NOISE_UNKNOWN)
-    job = _state.job = EmbeddedJob(world, chosen, comm, own, built["trains"], forward, noise, window)
+    job = _start_job(world, chosen, comm, own, built["trains"], window, precision, noise_scale_every)
     if not job.trains:
         job.serve()
         # This rank's optimizer never steps: a scheduler's "step() before optimizer.step()" is expected.
@@ -397,13 +466,87 @@ def distribute(
     return model, optimizer
 
 
-def _communicator(world: World, rule: Rule, own: OwnModel) -> tuple[Communicator, StepWindow]:
+def _join_distribute(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rule: str | Rule,
+    precision: str,
+    noise_scale_every: int,
+    hyper: Mapping[str, Any],
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``distribute`` on a replacement: its arguments checked alone (a failure ends only this process), the
+    data part of the start rank it stands for, then its side of the survivors' growth — the communicator,
+    the rule's binding, the handover (model, optimizer, rule state; :func:`.elastic_mode.join_rule`) — and
+    its hooks counting on from the survivors' step. Collective with the survivors."""
+    world, offer = _world("xb.distribute"), _state.joining
+    stands_for, parts = offer.ranks[world.rank], int(offer.position["parts"])
+    try:
+        _check_settings(precision, noise_scale_every, "none", 0.0)
+        chosen = _make_rule(rule, hyper)
+        _check_rule(chosen, "none", 0.0, precision)
+        part = _train_part(chosen, stands_for, parts)
+        for loader in _state.loaders:
+            loader.check_part(part)
+        own = OwnModel(model, optimizer, _steps_per_epoch, precision == "fp16", False)
+    except BaseException as exc:
+        leave_job(world, exc, None, PREFIX)
+    _state.part = part
+    comm, window = _communicator(world, chosen, own, offer)
+    _state.handed = list(join_rule(chosen, comm, own, world.mpi))
+    job = _start_job(_state.world or world, chosen, comm, own, True, window, precision, noise_scale_every)
+    assert job.hooks is not None
+    job.hooks.step = int(offer.position["step"])
+    _state.joining = None
+    log.warning(
+        "elastic: replaces start rank %d on %s from step %d (pid %d)",
+        stands_for,
+        world.hostname,
+        job.hooks.step,
+        os.getpid(),
+    )
+    return model, optimizer
+
+
+def _train_part(rule: Rule, rank: int, size: int) -> Part:
+    """The part of the training data ``rule`` gives start rank ``rank`` of ``size`` (none to a rank it
+    keeps out of training)."""
+    if not rule.trains(rank, size):
+        return Part(rank, size, trains=False)
+    index, count = rule.train_shard(rank, size)
+    return Part(index, count, rule.train_span(rank, size))
+
+
+def _start_job(
+    world: World,
+    rule: Rule,
+    comm: Communicator,
+    own: OwnModel,
+    trains: bool,
+    window: StepWindow,
+    precision: str,
+    noise_scale_every: int,
+) -> EmbeddedJob:
+    """The process's current job, over the bound ``rule``: the model's forward under ``precision``'s
+    autocast, the gradient noise scale measured every ``noise_scale_every`` steps."""
+    forward = PrecisionForward(own.learner.module, Precision(precision, world.device))
+    noise = NoiseScale(noise_scale_every, SessionSection.noise_scale_smoothing, NOISE_UNKNOWN)
+    job = _state.job = EmbeddedJob(world, rule, comm, own, trains, forward, noise, window)
+    return job
+
+
+def _communicator(
+    world: World, rule: Rule, own: OwnModel, offer: Any = None
+) -> tuple[Communicator, StepWindow]:
     """The job's communicator and how its steps run: in elastic training over an elastic communicator,
-    under the one owner of fault tolerance (:func:`.elastic_mode.tolerant`), else as they are."""
+    under the one owner of fault tolerance (:func:`.elastic_mode.tolerant`; ``offer``: a replacement's,
+    built as the survivors' grew), else as they are."""
     section = _state.elastic
     if section is None:
         return make_communicator(_state.comm, world.device, world.mpi), Unguarded()
-    return tolerant(section, _state.comm, world, rule, [ModelState(own), rule, *_state.kept], _follow)
+    assert _state.tracebacks is not None
+    state = [ModelState(own), rule, *_state.kept]
+    loop, tracebacks = _state.loop, _state.tracebacks
+    return tolerant(section, _state.comm, world, rule, own, state, _follow, loop, tracebacks, offer)
 
 
 def _follow(rank: int, size: int, mpi: Any) -> None:
@@ -429,6 +572,9 @@ def keep(*objects: Any) -> None:
     _job("xb.keep")
     for obj in objects:
         check_keepable(obj)
+    for obj in objects:  # a replacement: the state the survivors handed over for it
+        if _state.handed:
+            obj.load_state_dict(_state.handed.pop(0))
     _state.kept.extend(objects)
     if _state.job is not None:
         for obj in objects:
@@ -612,7 +758,7 @@ def finish() -> bool:
     if _state.job is not None:
         _state.job.finish()
     _state.part, _state.loaders = None, weakref.WeakSet()  # the next job cuts its own loaders' parts
-    _state.kept = []
+    _state.kept, _state.loop, _state.handed = [], LoopPosition(), []
     world = _world("xb.finish")  # elastic training: the survivors' world, when a rank was lost
     return world.rank == 0
 

@@ -15,6 +15,12 @@ are dropped — their batches are not trained again; each survivor's loader goes
 does — and rank 0 logs one line naming the lost rank. ``xb.consensus`` and ``xb.finish`` are committed
 collectives, redone over the survivors when a rank is lost during them.
 
+``xb.init(elastic={"replace": True})`` starts a replacement for each lost rank (:class:`LoopTolerance`, over
+the protocol of :mod:`mpicrossbow.training.elastic.replacement`): the survivors spawn it and train on; it runs
+the user's script from its top, its ``xb.init`` merging with them (:func:`join_world`) and its
+``xb.distribute`` joining their communicator, binding and handover (:func:`join_rule`), and its loop goes on
+at theirs (:mod:`.loop_position`: ``xb.epochs`` and the loaders of ``xb.shard``).
+
 What it refuses, each in one line before training (exit status 2 on every rank): an MPI without ULFM
 (MPICH: it names what to install), an Open MPI job started without ``--with-ft ulfm``, a process without
 MPI, an asynchronous rule (its servers and peers forget a lost rank only under crossbow-launch's run
@@ -23,18 +29,35 @@ modes), and ``precision='fp16'`` (the overflow agreement is not a committed coll
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..comm.base import Communicator
-from ..comm.elastic import elastic_over_mpi
+from ..comm.elastic import ElasticCommunicator, elastic_over_mpi
+from ..comm.membership import Membership
 from ..config.fields import build
 from ..config.sections import CommSection, ElasticSection
 from ..errors import ConfigError, UsageError
-from ..launch.world import World
+from ..launch.finalize_fence import bound_finalize
+from ..launch.world import World, detect_world, mpi_threads_ok
 from ..rules.base import Rule
 from ..training.elastic.fault_tolerance import FaultTolerance, Stateful
+from ..training.elastic.replacement import (
+    BackgroundSpawn,
+    Offer,
+    Replacements,
+    connect,
+    merge_with_survivors,
+    receive_handover,
+    replaced_rank,
+)
+from .loop_position import LoopPosition, Position
 from .own_model import OwnModel
 
 log = logging.getLogger(__name__)
@@ -58,23 +81,158 @@ class ModelState:
         learner.optimizer.load_state_dict(state["optimizer"])
 
 
+class LoopTolerance(FaultTolerance):
+    """The one owner of fault tolerance in the user's own loop (the copy to restore is refreshed as each
+    window starts: the user's code runs between windows), and with ``replace`` a replacement for each lost
+    rank, admitted between two optimizer steps where ``loop`` can tell it where to go on
+    (:mod:`.loop_position`; the protocol: :mod:`mpicrossbow.training.elastic.replacement`)."""
+
+    def __init__(
+        self,
+        comm: ElasticCommunicator,
+        rule: Rule,
+        own: OwnModel,
+        state: Sequence[Stateful],
+        section: ElasticSection,
+        loop: LoopPosition,
+        tracebacks: Path,
+        steps_done: int = 0,
+        threaded: bool = True,
+    ) -> None:
+        every = section.commit_every
+        super().__init__(comm, rule, state, section.min_ranks, every, steps_done, refresh=True)
+        self.own, self.loop, self.tracebacks = own, loop, tracebacks
+        #: ``replace``: the replacements (started on a thread of their own where MPI is ``threaded``).
+        self.replacements = Replacements(self, threaded) if section.replace else None
+
+    def before_step(self, position: Callable[[], dict[str, Any]]) -> None:
+        """Between two optimizer steps (``position()["step"]``: the next one): start the replacements, and
+        admit them where every survivor's start is done and the loop can be joined (:meth:`Replacements.due`,
+        :meth:`LoopPosition.where`)."""
+        replacements = self.replacements
+        if replacements is None or not (replacements.vacancies or replacements.spawning):
+            return
+        if self.loop.epoch_index is None and replacements.spawning is None:
+            if self.comm.membership.rank == 0:
+                log.warning(
+                    "elastic: no replacement for start rank(s) %s: a replacement runs your script from its "
+                    "top and goes on at your loop's epoch, which only a `for epoch in xb.epochs(...)` loop "
+                    "tells it; training goes on with %d rank(s)",
+                    ", ".join(map(str, replacements.vacancies)),
+                    self.comm.membership.size,
+                )
+            replacements.vacancies = ()
+            return
+        step = int(position()["step"])
+        where = self.loop.where(step)
+        if where is None:  # an epoch's end: the user's own collectives follow (validation)
+            return
+        spawning = replacements.due(step)
+        if spawning is not None:
+            self.admit(spawning, where)
+
+    def admit(self, spawning: BackgroundSpawn, where: Position) -> None:
+        """Go on with the replacements ``spawning`` started, from the loop's position ``where``, and say so
+        in one line. Collective over the survivors, then the grown world."""
+        assert self.replacements is not None
+        spawned, threads, rule, comm = time.perf_counter(), torch.get_num_threads(), self.rule, self.comm
+
+        def offer(ranks: tuple[int, ...], version: int, hosts: tuple[str, ...]) -> Offer:
+            return Offer(ranks, version, str(self.tracebacks), where, threads, hosts)
+
+        after = self.replacements.admit(spawning, offer, lambda: rule.bind(comm, self.own), self.own)
+        if after is not None and after.rank == 0:
+            log.warning(
+                "elastic: start rank(s) %s replaced at step %d; %d rank(s) again (%s); %.2fs after the loss "
+                "was met (spawn %.2fs, the survivors training %d step(s) meanwhile; the handover %.2fs)",
+                ", ".join(map(str, spawning.start_ranks)),
+                where["step"],
+                after.size,
+                after,
+                time.perf_counter() - self.lost_at,
+                spawning.seconds,
+                int(where["step"]) - self.replacements.spawned_at[0],
+                time.perf_counter() - spawned,
+            )
+
+    def settle(self, where: str) -> None:
+        """Replacements still starting when training ends are told so and leave, then the owner's settle."""
+        if self.replacements is not None:
+            self.replacements.cancel()
+        super().settle(where)
+
+
 def tolerant(
     section: ElasticSection,
     comm: CommSection,
     world: World,
     rule: Rule,
+    own: OwnModel,
     state: Sequence[Stateful],
     follow: Callable[[int, int, Any], None],
+    loop: LoopPosition,
+    tracebacks: Path,
+    offer: Offer | None = None,
 ) -> tuple[Communicator, FaultTolerance]:
-    """The job's elastic communicator over ``world`` and the one owner of ``rule``'s fault tolerance:
-    ``state`` is what a dropped window restores (the model and optimizer, the rule, what ``xb.keep`` was
-    given), ``follow(rank, size, mpi)`` moves the API's world on after a loss (``mpi``: the survivors'
-    mpi4py communicator, for the API's own collectives). The copy to restore is refreshed as each
-    window starts (the user's code runs between windows)."""
-    elastic = elastic_over_mpi(comm, world.device, world.mpi)
-    tolerance = FaultTolerance(elastic, rule, state, section.min_ranks, section.commit_every, refresh=True)
+    """The job's elastic communicator over ``world`` and the one owner of ``rule``'s fault tolerance over
+    ``own``: ``state`` is what a dropped window restores (the model and optimizer, the rule, what
+    ``xb.keep`` was given), ``follow(rank, size, mpi)`` moves the API's world on after a loss or a
+    replacement (``mpi``: the members' mpi4py communicator, for the API's own collectives); ``loop`` and
+    ``tracebacks`` are what a replacement is told. ``offer``: on a replacement, the survivors' (its
+    communicator is built as theirs grew, and it goes on from their step)."""
+    membership = None
+    if offer is not None:
+        membership = Membership(offer.version, offer.ranks, world.rank, offer.hosts)
+    elastic = elastic_over_mpi(comm, world.device, world.mpi, membership=membership)
+    step = int(offer.position["step"]) if offer is not None else 0
+    threaded = mpi_threads_ok(world)
+    tolerance = LoopTolerance(elastic, rule, own, state, section, loop, tracebacks, step, threaded)
     tolerance.followers.append(lambda _, after: follow(after.rank, after.size, elastic.group.native))
+    if offer is not None:  # as the survivors' followers did when the world grew: the API's communicator
+        follow(world.rank, world.size, elastic.group.native)
     return elastic, tolerance
+
+
+def replacing() -> bool:
+    """Whether this process is a replacement that elastic training's survivors spawned (it joins them)."""
+    return replaced_rank() is not None
+
+
+def join_world() -> tuple[World, Offer]:
+    """A replacement's ``xb.init`` (:data:`~mpicrossbow.training.elastic.replacement.REPLACES` set): MPI
+    started (a COMM_WORLD of its own), merged with the survivors that spawned it, greeted, and their offer
+    received. The world it trains in (its rank and size among them, its node's ranks counted from the
+    offer's hosts: nothing collective beyond the protocol) and the offer. When training ended while it
+    started, it leaves (status 0)."""
+    from mpi4py import MPI
+
+    alone = detect_world(threads=True)
+    merged = merge_with_survivors()
+    connect(merged, merged.Get_size() - MPI.COMM_WORLD.Get_size())
+    offer: Offer | None = merged.bcast(None, root=0)
+    if offer is None:
+        log.warning("elastic: the run ended before the replacement of start rank %s joined", replaced_rank())
+        bound_finalize()
+        raise SystemExit(0)
+    rank, here = merged.Get_rank(), offer.hosts[merged.Get_rank()]
+    world = dataclasses.replace(
+        alone,
+        rank=rank,
+        size=merged.Get_size(),
+        local_rank=offer.hosts[:rank].count(here),
+        local_size=offer.hosts.count(here),
+        mpi=merged,
+    )
+    return world, offer
+
+
+def join_rule(rule: Rule, comm: Communicator, own: OwnModel, merged: Any) -> tuple[Any, ...]:
+    """A replacement's side of the binding and the handover, after its communicator ``comm``
+    (:func:`tolerant`): ``rule`` bound with the survivors (collective), rank 0's handover received over
+    ``merged`` and installed — the model and optimizer, the rule's state, the learner at the consensus. The
+    states left over: those of the ``xb.keep`` objects the script makes after this, in its order."""
+    rule.bind(comm, own)
+    return receive_handover(merged).install([ModelState(own), rule], own.learners)
 
 
 def elastic_section(elastic: bool | str | Mapping[str, Any], world: World) -> ElasticSection | None:
@@ -94,11 +252,6 @@ def elastic_section(elastic: bool | str | Mapping[str, Any], world: World) -> El
     given = {} if elastic is True else dict(elastic) if isinstance(elastic, Mapping) else None
     if given is None:
         raise UsageError(f"xb.init(elastic={elastic!r}): True, False, 'auto', or a dict of [elastic] keys")
-    if given.get("replace"):
-        raise UsageError(
-            "xb.init(elastic={'replace': True}): the embedded API does not spawn replacements; the job goes "
-            "on with the survivors (crossbow-launch's [elastic] replace does)"
-        )
     try:
         section = build(ElasticSection, {**given, "enabled": True}, "elastic")
     except ConfigError as exc:

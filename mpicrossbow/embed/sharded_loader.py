@@ -82,8 +82,11 @@ class ShardedLoader:
             )
         self.batch_size, self.seed, self.options = batch_size, seed, options
         self._part_of = part_of
-        #: The epoch the next iteration reads.
-        self.epoch = 0
+        #: The epoch the next iteration reads, and the batch it starts from (a replacement joining mid-epoch).
+        self.epoch, self.start = 0, 0
+        #: Batches of the current epoch behind the last one yielded (those skipped by ``start`` too): where
+        #: a replacement joining after this step starts reading.
+        self.consumed = 0
         self.part: Part | None = None
         self._sampler: EpochBatches | None = None
         self._loader: Any = None
@@ -138,17 +141,31 @@ class ShardedLoader:
             return len(sampler.part)
         return len(sampler) * self.batch_size
 
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration read epoch ``epoch`` (resuming); iterations go on from there."""
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Make the next iteration read epoch ``epoch`` (resuming) from its batch ``start`` (a training
+        loader: the batches before it are skipped without loading); iterations go on from there."""
+        self.epoch, self.start = epoch, start
 
     def __iter__(self) -> Iterator[Any]:
         """One epoch: this rank's part in the epoch's order; the next iteration is the next epoch."""
         sampler = self._cut()
+        start, self.start = (self.start, 0) if isinstance(sampler, EpochBatches) else (0, 0)
         if isinstance(sampler, EpochBatches):
-            sampler.set_epoch(self.epoch)
+            sampler.set_epoch(self.epoch, start)
         self.epoch += 1
-        return iter(self._loader)
+        self.consumed = start
+        return self._counted(iter(self._loader))
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``, counting each into :attr:`consumed` as it is handed out."""
+        for batch in batches:
+            self.consumed += 1
+            yield batch
+
+    @property
+    def mid_epoch(self) -> bool:
+        """Whether an iteration is under way with batches left in it (a training loader)."""
+        return 0 < self.consumed < len(self) and not self.evaluation
 
     def close(self) -> None:
         """Stop the loader's worker processes (``workers > 0``)."""

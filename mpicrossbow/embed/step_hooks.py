@@ -115,6 +115,7 @@ class StepHooks:
         self.window.guard(lambda: rule_exchange(self.rule, self.step), f"step {self.step}")
         self.window.end(self.step)
         self.step += 1
+        self.window.before_step(lambda: {"step": self.step})  # elastic replacements join between steps
 
     def _forward(self, module: nn.Module, inputs: Any) -> None:
         if module.training:

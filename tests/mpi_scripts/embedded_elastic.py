@@ -1,12 +1,15 @@
 """examples/train_digits.py under ``mpiexec --with-ft ulfm``, one rank SIGKILLed mid-epoch on request.
 
-    mpiexec --with-ft ulfm -n 4 python tests/mpi_scripts/embedded_elastic.py OUT RULE KILL_RANK KILL_STEP
+    mpiexec --with-ft ulfm -n 4 python tests/mpi_scripts/embedded_elastic.py OUT RULE KILL_RANK KILL_STEP [S]
 
 ``KILL_RANK`` (-1: none) SIGKILLs itself right after its optimizer step number ``KILL_STEP`` (1-based: the
 hook runs after the rule's own post-hook, so the step's exchange is done on that rank; the others meet
-the loss in their next collective). After ``main`` returns (``xb.finish`` left the consensus in the model),
-every survivor writes ``OUT/rank-<rank>.pt``: its flat weights, its validation accuracy, its rank, the
-world size it ended in, and the ranks an ``xb.allreduce`` after the job counted.
+the loss in their next collective). ``S`` (seconds, default none): the example's ``xb.init`` asks for
+``replace`` too, and every rank sleeps that long after each optimizer step, so the survivors are still
+training when the replacement they spawn (this script again, from its top) has started. After ``main``
+returns (``xb.finish`` left the consensus in the model), every rank writes ``OUT/rank-<rank>.pt``: its
+flat weights, its validation accuracy, its rank, the world size it ended in, and the ranks an
+``xb.allreduce`` after the job counted.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +30,25 @@ import mpicrossbow as xb  # noqa: E402
 from examples import train_digits as example  # noqa: E402
 
 
-def killing(kill_rank: int, kill_step: int) -> Any:
-    """``xb.distribute``, with a hook on ``kill_rank``'s optimizer: SIGKILL after step ``kill_step``."""
+def replacing() -> Any:
+    """``xb.init``, with ``elastic={"replace": True}`` in place of the example's ``elastic="auto"``."""
+    init = xb.init
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return init(*args, **{**kwargs, "elastic": {"replace": True}})
+
+    return wrapped
+
+
+def killing(kill_rank: int, kill_step: int, slow: float) -> Any:
+    """``xb.distribute``, with a hook on ``kill_rank``'s optimizer: SIGKILL after step ``kill_step``; and on
+    every rank a sleep of ``slow`` seconds after each step."""
     distribute = xb.distribute
 
     def wrapped(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         model, optimizer = distribute(model, optimizer, **kwargs)
+        if slow:
+            optimizer.register_step_post_hook(lambda *_: time.sleep(slow))
         if xb.init().rank == kill_rank:
             steps = [0]
 
@@ -48,7 +65,10 @@ def killing(kill_rank: int, kill_step: int) -> Any:
 
 def main() -> None:
     out, rule, kill_rank, kill_step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    xb.distribute = killing(kill_rank, kill_step)
+    slow = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+    if slow:
+        xb.init = replacing()
+    xb.distribute = killing(kill_rank, kill_step, slow)
     model = example.main(["--rule", rule, "--log-interval", "1000"])
     _, test_set, _ = example.datasets_and_model("digits")
     loader = torch.utils.data.DataLoader(test_set, batch_size=512)

@@ -39,17 +39,21 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ...comm.base import ReduceOp
+from ...comm.elastic import MPIGroup
+from ...comm.membership import Membership
 from ...config import Config
 from ...errors import ConfigError
 from ...launch.world import OVERSUBSCRIBED_SETTINGS
-from ...pool.base import LearnerPool
+from ...pool.replica_view import ReplicaView
 from ...rules.base import Rule
+from .fault_tolerance import FaultTolerance, Stateful
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +118,22 @@ class Offer:
 
 @dataclass
 class Handover:
-    """What rank 0 sends each replacement (step 4): its state and the consensus weights."""
+    """What rank 0 sends each replacement (step 4): the state of every part its fault tolerance restores
+    (:meth:`~.fault_tolerance.FaultTolerance.capture`, in its order: the pool or the user's model, the rule,
+    what ``xb.keep`` was given) and the consensus weights."""
 
-    pool: dict[str, Any]
-    rule: dict[str, Any]
+    states: tuple[Any, ...]
     consensus: torch.Tensor
 
-    def install(self, pool: LearnerPool, rule: Rule) -> None:
-        """Load the survivor's state, then set every learner's weights to the consensus."""
-        pool.load_state_dict(self.pool)
-        rule.load_state_dict(self.rule)
-        for learner in pool.learners:
+    def install(self, parts: Sequence[Stateful], learners: Sequence[Any]) -> tuple[Any, ...]:
+        """Load the survivor's state into ``parts`` (the first of :attr:`states`, in order), then set every
+        one of ``learners``' weights to the consensus; the states left over (the embedded API's
+        ``xb.keep`` objects, made after this)."""
+        for part, state in zip(parts, self.states, strict=False):
+            part.load_state_dict(state)
+        for learner in learners:
             learner.params.copy_(self.consensus)
+        return self.states[len(parts) :]
 
 
 def spawn_replacements(native: Any, start_ranks: tuple[int, ...], hosts: tuple[str, ...] = ()) -> Any:
@@ -266,3 +274,103 @@ def receive_handover(merged: Any) -> Handover:
     handover = merged.recv(source=0, tag=HANDOVER_TAG)
     assert isinstance(handover, Handover)
     return handover
+
+
+class Replacements:
+    """A survivor's side of ``[elastic] replace`` (the protocol: the module doc), for whichever loop the owner
+    ``tolerance`` runs (crossbow-launch's, or the user's own through the embedded API): the start ranks lost
+    and not replaced yet and where they ran, the replacements starting on a thread while the survivors train
+    (``threaded``: MPI runs with ``MPI_THREAD_MULTIPLE``; else the spawn blocks), and the world's growth."""
+
+    def __init__(self, tolerance: FaultTolerance, threaded: bool) -> None:
+        self.tolerance, self.threaded = tolerance, threaded
+        #: The start ranks lost and not yet replaced (a spawn starts at the next step).
+        self.vacancies: tuple[int, ...] = ()
+        #: Start rank -> host, as the membership knew them before a loss: where a replacement starts.
+        self.hosts: dict[int, str] = {}
+        #: The replacements starting while the survivors train, and the step and time they were asked for
+        #: at; None when none is starting.
+        self.spawning: BackgroundSpawn | None = None
+        self.spawned_at = (0, 0.0)
+        tolerance.followers.append(self._vacate)
+
+    def _vacate(self, before: Membership, after: Membership) -> None:
+        """A loss: the lost start ranks become vacancies, filled at the next step."""
+        if after.size < before.size:
+            self.vacancies += tuple(before.ranks[r] for r in after.lost_since(before))
+            self.hosts.update(zip(before.ranks, before.hosts, strict=False))
+
+    def due(self, step: int) -> BackgroundSpawn | None:
+        """At the start of step ``step`` (collective over the survivors): at the first step after a
+        recovery that every survivor trains (after healing, a rank whose loop was behind skips steps first)
+        the replacements start on a thread of each survivor's. Then, at the first step starting a commit
+        window (every step, healing) where every survivor's thread is done — one allreduce of a flag each
+        such step meanwhile, the survivors training until then — the finished spawn: admit it now
+        (:meth:`admit`). None otherwise."""
+        tolerance = self.tolerance
+        if self.spawning is not None:
+            if tolerance.pending:  # inside a commit window: they join at a window's start
+                return None
+            flag = [float(self.spawning.done)]
+            if not tolerance.comm.exact.allreduce_scalars(flag, op=ReduceOp.MIN)[0]:
+                return None
+            spawning, self.spawning = self.spawning, None
+            self.vacancies = tuple(r for r in self.vacancies if r not in spawning.start_ranks)
+            return spawning
+        if self.vacancies and step >= tolerance.skip_until:
+            lost_hosts = tuple(self.hosts.get(r, "") for r in self.vacancies)
+            self.spawned_at = (step, time.perf_counter())
+            native = tolerance.comm.group.native
+            self.spawning = BackgroundSpawn(
+                native, self.vacancies, lost_hosts if all(lost_hosts) else (), self.threaded
+            )
+        return None
+
+    def cancel(self) -> None:
+        """Training ended with replacements still starting: they are told so and leave (they would join a
+        run that is over). Collective over the survivors."""
+        if self.spawning is None:
+            return
+        merged, _ = self.spawning.result()
+        self.spawning, self.vacancies = None, ()
+        if merged is not None:
+            merged.bcast(None, root=0)  # no offer: each replacement ends at once
+
+    def admit(
+        self,
+        spawning: BackgroundSpawn,
+        offer: Callable[[tuple[int, ...], int, tuple[str, ...]], Offer],
+        bind: Callable[[], None],
+        pool: ReplicaView,
+    ) -> Membership | None:
+        """Grow the world with the replacements ``spawning`` started, every survivor holding the committed
+        state (no window open): the consensus and every part's state taken, ``offer(ranks, version,
+        hosts)`` broadcast to every member, the communicator grown (the same membership change as a loss's),
+        the rule bound again (``bind``: collective with the replacements, whose binding's broadcast
+        overwrites the learners of ``pool``: each survivor puts its own state back after it), and rank 0's
+        handover sent. The grown membership; None when no process could be started. Collective over the
+        survivors, then the grown world."""
+        tolerance = self.tolerance
+        merged, joined_hosts = spawning.result()
+        before = tolerance.comm.membership
+        if merged is None:
+            if before.rank == 0:
+                log.warning("elastic: training goes on with %d rank(s), without replacements", before.size)
+            return None
+        tolerance.rule.sync_state()
+        held = tolerance.rule.eval_params()
+        consensus = (held if held is not None else pool.learners[0].params).clone()
+        mine = tolerance.capture()
+        hosts = before.hosts + tuple(joined_hosts)
+        ranks = before.ranks + spawning.start_ranks
+        merged.bcast(offer(ranks, before.version + 1, hosts) if before.rank == 0 else None, root=0)
+        group = tolerance.comm.group
+        assert isinstance(group, MPIGroup), "replacements are spawned over MPI"
+        after = tolerance.comm.grow(group.merged(merged), ranks, hosts)
+        tolerance.moved(before, after)  # the same path as a loss's
+        bind()
+        if after.rank == 0:
+            send_handover(merged, range(before.size, after.size), Handover(mine, consensus))
+        tolerance.restore(mine)
+        tolerance.saved = tolerance.spare = None  # the loaded copies are live state now (as after a restore)
+        return after

@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from ...comm.base import ReduceOp
-from ...comm.elastic import ElasticCommunicator, MPIGroup
+from ...comm.elastic import ElasticCommunicator
 from ...comm.membership import Membership
 from ...comm.ulfm import ulfm_missing
 from ...config import Config, ElasticSection
@@ -40,7 +39,7 @@ from ..run.parts import RankParts
 from . import replacement
 from .elastic_pause import ElasticPauseOrders
 from .fault_tolerance import FaultTolerance
-from .replacement import Handover, Offer, check_replace
+from .replacement import Offer, check_replace
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +60,9 @@ class RunTolerance(FaultTolerance):
         state = [parts.pool, parts.rule]
         super().__init__(comm, parts.rule, state, min_ranks, every, steps_done, heals=heals)
         self.parts = parts
-        #: ``[elastic] replace``: a lost rank gets a replacement (:meth:`admit`).
-        self.replace = replace
-        #: ``[elastic] replace``: the start ranks lost and not yet replaced (:meth:`admit` at the next step).
-        self.vacancies: tuple[int, ...] = ()
-        #: Start rank -> host, as the membership knew them before a loss: where a replacement starts.
-        self.hosts: dict[int, str] = {}
-        #: The replacements starting while the survivors train (:meth:`before_step`), and the step and time
-        #: they were asked for at; None when none is starting.
-        self.spawning: replacement.BackgroundSpawn | None = None
-        self.spawned_at = (0, 0.0)
-        self.followers += [self._vacate, self._move_world, self._take_over]
+        #: ``[elastic] replace``: a lost rank gets a replacement at the next step (:meth:`before_step`).
+        self.replacements = replacement.Replacements(self, mpi_threads_ok(parts.world)) if replace else None
+        self.followers += [self._move_world, self._take_over]
 
     @classmethod
     def configured(cls, parts: RankParts, comm: ElasticCommunicator, section: ElasticSection) -> RunTolerance:
@@ -79,102 +70,52 @@ class RunTolerance(FaultTolerance):
         return cls(parts, comm, section.min_ranks, section.commit_every, section.replace)
 
     def before_step(self, position: Callable[[], dict[str, Any]]) -> None:
-        """``[elastic] replace``: at the first step after a recovery that every survivor trains (after
-        healing, a rank whose loop was behind skips steps first) the replacements start on a thread of each
-        survivor's; the world grows back (:meth:`admit`) at the first step starting a commit window (every
-        step, healing) where every survivor's thread is done (one allreduce of a flag each such step
-        meanwhile), the survivors training until then."""
-        if self.spawning is not None:
-            if self.pending:  # inside a commit window: they join at a window's start
-                return
-            done = self.comm.exact.allreduce_scalars([float(self.spawning.done)], op=ReduceOp.MIN)[0]
-            if done:
-                self.admit(position())
+        """``[elastic] replace``: the replacements start on a thread at the first step after a recovery that
+        every survivor trains, and join at the first window's start where every survivor's thread is done
+        (:meth:`~.replacement.Replacements.due`), the survivors training until then."""
+        if self.replacements is None or not (self.replacements.vacancies or self.replacements.spawning):
             return
-        if not self.vacancies:
-            return
-        step = int(position()["step"])
-        if step >= self.skip_until:
-            lost_hosts = tuple(self.hosts.get(r, "") for r in self.vacancies)
-            self.spawned_at = (step, time.perf_counter())
-            self.spawning = replacement.BackgroundSpawn(
-                self.comm.group.native,
-                self.vacancies,
-                lost_hosts if all(lost_hosts) else (),
-                threaded=mpi_threads_ok(self.parts.world),
-            )
+        where = position()
+        spawning = self.replacements.due(int(where["step"]))
+        if spawning is not None:
+            self.admit(spawning, where)
 
     def settle(self, where: str) -> None:
-        """Replacements still starting when training ends are told so and leave (they would join a run that
-        is over), then the owner's settle."""
-        if self.spawning is not None:
-            merged, _ = self.spawning.result()
-            self.spawning, self.vacancies = None, ()
-            if merged is not None:
-                merged.bcast(None, root=0)  # no offer: each replacement ends at once
+        """Replacements still starting when training ends are told so and leave, then the owner's settle."""
+        if self.replacements is not None:
+            self.replacements.cancel()
         super().settle(where)
 
     def pause_orders(self, world: World) -> PauseOrders:
         """Snapshots that go on after a loss: the control plane over a fault-tolerant group of its own."""
         return ElasticPauseOrders(self.parts, self.comm)
 
-    def _vacate(self, before: Membership, after: Membership) -> None:
-        """``[elastic] replace``: the lost start ranks become vacancies, filled at the next step."""
-        if self.replace and after.size < before.size:
-            lost = after.lost_since(before)
-            self.vacancies += tuple(before.ranks[r] for r in lost)
-            self.hosts.update(zip(before.ranks, before.hosts, strict=False))
+    def admit(self, spawning: replacement.BackgroundSpawn, position: dict[str, Any]) -> None:
+        """Go on with the replacements ``spawning`` started, from ``position`` (at the start of a step, no
+        window open; the protocol: :mod:`.replacement`), and say so in one line. Collective over the
+        survivors, then the grown world."""
+        assert self.replacements is not None and not self.pending, "replacements join at a window's start"
+        parts, comm = self.parts, self.comm
+        spawned, threads, run_dir = time.perf_counter(), torch.get_num_threads(), str(parts.reporter.run_dir)
 
-    def admit(self, position: dict[str, Any]) -> None:
-        """``[elastic] replace``, at the start of a step once every survivor's :attr:`spawning` is done (every
-        survivor holds the committed state, no window is open): go on with the replacements from
-        ``position`` (the protocol: :mod:`.replacement`). Collective over the survivors, then the grown
-        world."""
-        assert not self.pending and self.spawning is not None, "replacements join at a window's start"
-        parts, comm, spawning = self.parts, self.comm, self.spawning
-        vacancies, self.spawning = spawning.start_ranks, None
-        self.vacancies = tuple(r for r in self.vacancies if r not in vacancies)  # lost while it started
-        merged, joined_hosts = spawning.result()
-        before = comm.membership
-        if merged is None:
-            if before.rank == 0:
-                log.warning("elastic: training goes on with %d rank(s), without replacements", before.size)
-            return
-        spawned = time.perf_counter()
-        parts.rule.sync_state()
-        held = parts.rule.eval_params()
-        consensus = (held if held is not None else parts.pool.learners[0].params).clone()
-        mine = self.capture()  # the binding below overwrites the learners: put back after it (pool, rule)
-        hosts = before.hosts + tuple(joined_hosts)
-        ranks = before.ranks + vacancies
-        offer = Offer(
-            ranks, before.version + 1, str(parts.reporter.run_dir), position, torch.get_num_threads(), hosts
-        )
-        merged.bcast(offer if before.rank == 0 else None, root=0)
-        group = comm.group
-        assert isinstance(group, MPIGroup), "replacements are spawned over MPI"
-        after = comm.grow(group.merged(merged), ranks, hosts)
-        self.moved(before, after)  # the same path as a loss's
-        parts.rule.bind(comm, parts.pool)
-        if after.rank == 0:
-            handover = Handover(mine[0], mine[1], consensus)
-            replacement.send_handover(merged, range(before.size, after.size), handover)
-        parts.pool.load_state_dict(mine[0])
-        parts.rule.load_state_dict(mine[1])
-        self.saved = self.spare = None  # the loaded copies are live state now (as after a restore)
-        if after.rank == 0:
+        def offer(ranks: tuple[int, ...], version: int, hosts: tuple[str, ...]) -> Offer:
+            return Offer(ranks, version, run_dir, position, threads, hosts)
+
+        bind = lambda: parts.rule.bind(comm, parts.pool)  # noqa: E731
+        after = self.replacements.admit(spawning, offer, bind, parts.pool)
+        if after is not None and after.rank == 0:
             now = time.perf_counter()
             log.warning(
                 "elastic: start rank(s) %s replaced at step %d; %d rank(s) again (%s); %.2fs after the "
                 "loss was met (spawn %.2fs, the survivors training %d step(s) meanwhile; the replacements' "
                 "set-up and handover %.2fs)",
-                ", ".join(map(str, vacancies)),
+                ", ".join(map(str, spawning.start_ranks)),
                 position["step"],
                 after.size,
                 after,
                 now - self.lost_at,
                 spawning.seconds,
-                int(position["step"]) - self.spawned_at[0],
+                int(position["step"]) - self.replacements.spawned_at[0],
                 now - spawned,
             )
 

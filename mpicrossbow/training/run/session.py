@@ -223,7 +223,7 @@ class Session:
             self.checkpoints.start(self.run_dir)
         self.rule.patience = Patience.of(cfg.watchdog)
         self.rule.bind(comm, self.pool)
-        receive().install(self.pool, self.rule)
+        receive().install([self.pool, self.rule], self.pool.learners)
         self.reporter = Reporter(cfg, dataclasses.replace(world, mpi=None), self.run_dir, None, start_rank)
         self.reporter.view = self.view
         self._assemble(joined=True)
