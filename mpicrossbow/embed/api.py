@@ -491,6 +491,7 @@ def _join_distribute(
     except BaseException as exc:
         leave_job(world, exc, None, PREFIX)
     _state.part = part
+    _state.loop.parts = parts  # what it tells a replacement of its own, should a survivor be lost later
     comm, window = _communicator(world, chosen, own, offer)
     _state.handed = list(join_rule(chosen, comm, own, world.mpi))
     job = _start_job(_state.world or world, chosen, comm, own, True, window, precision, noise_scale_every)

@@ -237,9 +237,9 @@ def join_rule(rule: Rule, comm: Communicator, own: OwnModel, merged: Any) -> tup
 
 def elastic_section(elastic: bool | str | Mapping[str, Any], world: World) -> ElasticSection | None:
     """``xb.init(elastic=...)`` checked: None when off; the ``[elastic]`` settings when on (``True``, or a
-    mapping of ``min_ranks`` and ``commit_every``); a UsageError naming what rules it out. ``"auto"``:
-    elastic where nothing rules it out, else off, said in one line (``[elastic] enabled = auto``'s
-    behaviour). Local: no other rank takes part (it runs inside ``xb.init``'s agreement)."""
+    mapping of ``min_ranks``, ``commit_every`` and ``replace``); a UsageError naming what rules it out.
+    ``"auto"``: elastic where nothing rules it out, else off, said in one line (``[elastic] enabled =
+    auto``'s behaviour). Local: no other rank takes part (it runs inside ``xb.init``'s agreement)."""
     if elastic is False:
         return None
     if elastic == "auto":
