@@ -33,10 +33,12 @@ UNDER_LOCALSGD = 32
 
 
 def job(mpiexec: str, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """The digits job under AUTO on 2 ranks (2 epochs, checkpoints every 20 steps), with ``overrides``."""
+    """The digits job under AUTO on 2 ranks (2 epochs, checkpoints every 20 steps), with ``overrides``.
+    One decision: ``recheck`` is off (a CI run's load once moved the steps past 2x the prediction, AUTO
+    decided again and metrics.h5 held that later decision; a link that slows is test_auto.py's)."""
     args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={out}", "session.epochs=2",
             "checkpoint.every_steps=20", "RULE=AUTO", f"rule.measure_steps={DECISION}",
-            *overrides]  # fmt: skip
+            "rule.recheck=false", *overrides]  # fmt: skip
     return run_mpi(mpiexec, 2, args, timeout=90)
 
 
