@@ -31,12 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from ..comm.base import Communicator
 from ..comm.elastic import ElasticCommunicator, elastic_over_mpi
@@ -132,28 +129,13 @@ class LoopTolerance(FaultTolerance):
             self.admit(spawning, where)
 
     def admit(self, spawning: BackgroundSpawn, where: Position) -> None:
-        """Go on with the replacements ``spawning`` started, from the loop's position ``where``, and say so
-        in one line. Collective over the survivors, then the grown world."""
+        """Go on with the replacements ``spawning`` started, from the loop's position ``where``. Collective
+        over the survivors, then the grown world."""
         assert self.replacements is not None
-        spawned, threads, rule, comm = time.perf_counter(), torch.get_num_threads(), self.rule, self.comm
-
-        def offer(ranks: tuple[int, ...], version: int, hosts: tuple[str, ...]) -> Offer:
-            return Offer(ranks, version, str(self.tracebacks), where, threads, hosts)
-
-        after = self.replacements.admit(spawning, offer, lambda: rule.bind(comm, self.own), self.own)
-        if after is not None and after.rank == 0:
-            log.warning(
-                "elastic: start rank(s) %s replaced at step %d; %d rank(s) again (%s); %.2fs after the loss "
-                "was met (spawn %.2fs, the survivors training %d step(s) meanwhile; the handover %.2fs)",
-                ", ".join(map(str, spawning.start_ranks)),
-                where["step"],
-                after.size,
-                after,
-                time.perf_counter() - self.lost_at,
-                spawning.seconds,
-                int(where["step"]) - self.replacements.spawned_at[0],
-                time.perf_counter() - spawned,
-            )
+        rule, comm = self.rule, self.comm
+        self.replacements.admit(
+            spawning, str(self.tracebacks), where, lambda: rule.bind(comm, self.own), self.own
+        )
 
     def settle(self, where: str) -> None:
         """Replacements still starting when training ends are told so and leave, then the owner's settle."""

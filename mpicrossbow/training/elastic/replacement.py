@@ -339,18 +339,19 @@ class Replacements:
     def admit(
         self,
         spawning: BackgroundSpawn,
-        offer: Callable[[tuple[int, ...], int, tuple[str, ...]], Offer],
+        run_dir: str,
+        position: dict[str, Any],
         bind: Callable[[], None],
         pool: ReplicaView,
     ) -> Membership | None:
         """Grow the world with the replacements ``spawning`` started, every survivor holding the committed
-        state (no window open): the consensus and every part's state taken, ``offer(ranks, version,
-        hosts)`` broadcast to every member, the communicator grown (the same membership change as a loss's),
-        the rule bound again (``bind``: collective with the replacements, whose binding's broadcast
-        overwrites the learners of ``pool``: each survivor puts its own state back after it), and rank 0's
-        handover sent. The grown membership; None when no process could be started. Collective over the
-        survivors, then the grown world."""
-        tolerance = self.tolerance
+        state (no window open): the consensus and every part's state taken, the :class:`Offer` (``run_dir``,
+        the loop's ``position``) broadcast to every member, the communicator grown (the same membership
+        change as a loss's), the rule bound again (``bind``: collective with the replacements, whose
+        binding's broadcast overwrites the learners of ``pool``: each survivor puts its own state back after
+        it), rank 0's handover sent, and one line said. The grown membership; None when no process could be
+        started. Collective over the survivors, then the grown world."""
+        tolerance, started = self.tolerance, time.perf_counter()
         merged, joined_hosts = spawning.result()
         before = tolerance.comm.membership
         if merged is None:
@@ -363,7 +364,8 @@ class Replacements:
         mine = tolerance.capture()
         hosts = before.hosts + tuple(joined_hosts)
         ranks = before.ranks + spawning.start_ranks
-        merged.bcast(offer(ranks, before.version + 1, hosts) if before.rank == 0 else None, root=0)
+        offer = Offer(ranks, before.version + 1, run_dir, position, torch.get_num_threads(), hosts)
+        merged.bcast(offer if before.rank == 0 else None, root=0)
         group = tolerance.comm.group
         assert isinstance(group, MPIGroup), "replacements are spawned over MPI"
         after = tolerance.comm.grow(group.merged(merged), ranks, hosts)
@@ -373,4 +375,19 @@ class Replacements:
             send_handover(merged, range(before.size, after.size), Handover(mine, consensus))
         tolerance.restore(mine)
         tolerance.saved = tolerance.spare = None  # the loaded copies are live state now (as after a restore)
+        if after.rank == 0:
+            step, now = int(position["step"]), time.perf_counter()
+            log.warning(
+                "elastic: start rank(s) %s replaced at step %d; %d rank(s) again (%s); %.2fs after the "
+                "loss was met (spawn %.2fs, the survivors training %d step(s) meanwhile; the replacements' "
+                "set-up and handover %.2fs)",
+                ", ".join(map(str, spawning.start_ranks)),
+                step,
+                after.size,
+                after,
+                now - tolerance.lost_at,
+                spawning.seconds,
+                step - self.spawned_at[0],
+                now - started,
+            )
         return after

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from ...comm.elastic import ElasticCommunicator
 from ...comm.membership import Membership
@@ -39,7 +36,7 @@ from ..run.parts import RankParts
 from . import replacement
 from .elastic_pause import ElasticPauseOrders
 from .fault_tolerance import FaultTolerance
-from .replacement import Offer, check_replace
+from .replacement import check_replace
 
 log = logging.getLogger(__name__)
 
@@ -92,32 +89,12 @@ class RunTolerance(FaultTolerance):
 
     def admit(self, spawning: replacement.BackgroundSpawn, position: dict[str, Any]) -> None:
         """Go on with the replacements ``spawning`` started, from ``position`` (at the start of a step, no
-        window open; the protocol: :mod:`.replacement`), and say so in one line. Collective over the
-        survivors, then the grown world."""
+        window open; the protocol: :mod:`.replacement`). Collective over the survivors, then the grown
+        world."""
         assert self.replacements is not None and not self.pending, "replacements join at a window's start"
         parts, comm = self.parts, self.comm
-        spawned, threads, run_dir = time.perf_counter(), torch.get_num_threads(), str(parts.reporter.run_dir)
-
-        def offer(ranks: tuple[int, ...], version: int, hosts: tuple[str, ...]) -> Offer:
-            return Offer(ranks, version, run_dir, position, threads, hosts)
-
         bind = lambda: parts.rule.bind(comm, parts.pool)  # noqa: E731
-        after = self.replacements.admit(spawning, offer, bind, parts.pool)
-        if after is not None and after.rank == 0:
-            now = time.perf_counter()
-            log.warning(
-                "elastic: start rank(s) %s replaced at step %d; %d rank(s) again (%s); %.2fs after the "
-                "loss was met (spawn %.2fs, the survivors training %d step(s) meanwhile; the replacements' "
-                "set-up and handover %.2fs)",
-                ", ".join(map(str, spawning.start_ranks)),
-                position["step"],
-                after.size,
-                after,
-                now - self.lost_at,
-                spawning.seconds,
-                int(position["step"]) - self.replacements.spawned_at[0],
-                now - spawned,
-            )
+        self.replacements.admit(spawning, str(parts.reporter.run_dir), position, bind, parts.pool)
 
     def _take_over(self, before: Membership, after: Membership) -> None:
         """When this rank is rank 0 now, the lowest survivor of a lost rank 0: its duties pass here —
