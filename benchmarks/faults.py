@@ -20,9 +20,9 @@ instead (``[elastic] enabled``, issue 40), on the digits job with 4 ranks under 
 * the per-step cost of being elastic, BSP (which heals from a peer: nothing per step), on **2 ranks**, one
   per core (:data:`COST_RANKS`: 4 ranks on 2 cores move a single run's step time by up to 20 % as the
   scheduler interleaves them, which hides a 3 % effect) — crossbow-launch's job with ``elastic = true``
-  against ``false`` (:data:`COST_EPOCHS` epochs, seconds per step: the median epoch's from metrics.h5's
-  training times), and your own loop with ``xb.init(elastic=True)`` against ``False`` (epochs 2-6 of 6: the
-  median single step's), each under ``--with-ft ulfm``, no fault, interleaved runs.
+  against ``false`` (:data:`COST_EPOCHS` epochs, seconds per step: the median single step's on rank 0,
+  from the run's timeline), and your own loop with ``xb.init(elastic=True)`` against ``False`` (epochs 2-6
+  of 6: the median single step's), each under ``--with-ft ulfm``, no fault, interleaved runs.
 
     .venv-openmpi/bin/python -m benchmarks.faults --elastic [--repeats 5] [--cost]
 
@@ -32,6 +32,7 @@ instead (``[elastic] enabled``, issue 40), on the digits job with 4 ranks under 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -137,10 +138,16 @@ def elastic_job(out: Path, *overrides: str, ranks: int = 4) -> subprocess.Comple
 
 
 def embedded_job(
-    out: Path, rule: str, elastic: bool, kill_step: int = 0, epochs: int = 4, ranks: int = 4
+    out: Path,
+    rule: str,
+    elastic: bool,
+    kill_step: int = 0,
+    epochs: int = 4,
+    ranks: int = 4,
+    bind: str = "none",
 ) -> Any:
-    """benchmarks/embedded_steps.py on ``ranks`` ranks (your own loop, ``xb.init(elastic=...)``); rank 2
-    SIGKILLed after its step ``kill_step`` unless 0: (the process, rank 0's JSON)."""
+    """benchmarks/embedded_steps.py on ``ranks`` ranks (your own loop, ``xb.init(elastic=..., bind=...)``);
+    rank 2 SIGKILLed after its step ``kill_step`` unless 0: (the process, rank 0's JSON)."""
     kill = ("2", str(kill_step)) if kill_step else ("-1", "0")
     result = out / "embedded.json"
     flag = str(elastic).lower()
@@ -208,34 +215,35 @@ def embedded_recovery(rule: str) -> tuple[float, int]:
     return loss_line(proc.stderr)
 
 
-def step_seconds(overrides: tuple[str, ...]) -> float:
+def step_seconds(overrides: tuple[str, ...]) -> tuple[float, float | None]:
     """Training seconds per step of the digits job on :data:`COST_RANKS` ranks (BSP, no fault,
-    :data:`COST_EPOCHS` epochs), from metrics.h5: the median over the epochs after the first (each epoch's
-    training time over its steps; a shared machine's preemption moves an epoch, hardly the median)."""
-    from mpicrossbow.training.reporting.metrics import read_metrics
-
+    :data:`COST_EPOCHS` epochs): the median single step's on rank 0, from the run's timeline (``[session]
+    timeline`` over every step after the first: one step is from one forward+backward's start to the next's),
+    as your own loop's is timed; a preempted step, or an epoch's end with its evaluation, hardly moves it.
+    Second, the median seconds of the one phase elastic training changes, the gradients' allreduce
+    (``on_gradients``)."""
     with tempfile.TemporaryDirectory(prefix="elastic-cost-") as out:
-        elastic_job(Path(out), f"session.epochs={COST_EPOCHS}", *overrides, ranks=COST_RANKS)
+        timeline = f"session.timeline={COST_EPOCHS * 50}"
+        elastic_job(Path(out), f"session.epochs={COST_EPOCHS}", timeline, *overrides, ranks=COST_RANKS)
         (run,) = Path(out).iterdir()
-        train = read_metrics(run / "metrics.h5")["train"]
-        times, steps = list(train["time"]), list(train["step"])
-        rates = [
-            (t1 - t0) / (s1 - s0) for t0, t1, s0, s1 in zip(times, times[1:], steps, steps[1:], strict=False)
-        ]
-        return float(statistics.median(rates))
+        events = json.loads((run / "timeline.json").read_text(encoding="utf-8"))["traceEvents"]
+        mine = [e for e in events if e.get("pid") == 0]
+        starts = sorted(e["ts"] for e in mine if e.get("name") == "forward+backward")
+        exchange = statistics.median(e["dur"] for e in mine if e.get("name") == "on_gradients")
+        return statistics.median(b - a for a, b in itertools.pairwise(starts)) / 1e6, exchange / 1e6
 
 
-def embedded_step_seconds(elastic: bool) -> float:
+def embedded_step_seconds(elastic: bool) -> tuple[float, float | None]:
     """Seconds per step of your own loop on :data:`COST_RANKS` ranks (BSP, no fault; epochs 2-6 of 6): the
     median of the single steps' times."""
     with tempfile.TemporaryDirectory(prefix="elastic-cost-embedded-") as out:
-        return float(embedded_job(Path(out), "BSP", elastic, epochs=6, ranks=COST_RANKS)[1]["median_s"])
+        return float(embedded_job(Path(out), "BSP", elastic, epochs=6, ranks=COST_RANKS)[1]["median_s"]), None
 
 
 #: The per-step cost's settings (each job's first with elastic off: the others' base): label → one run's
-#: seconds per step. An elastic run exchanges through MPI, without node-shared memory: the third setting is
-#: that part of the cost alone.
-COST_SETTINGS: dict[str, Callable[[], float]] = {
+#: seconds per step (and its allreduce's, where timed). An elastic run exchanges through MPI, without
+#: node-shared memory: the third setting is that part of the cost alone.
+COST_SETTINGS: dict[str, Callable[[], tuple[float, float | None]]] = {
     "crossbow-launch, elastic = false": lambda: step_seconds(("elastic.enabled=false",)),
     "crossbow-launch, elastic = true": lambda: step_seconds(("elastic.enabled=true",)),
     "crossbow-launch, elastic = false, shared_memory = off": lambda: step_seconds(
@@ -286,16 +294,24 @@ def recovery_rows(repeats: int) -> list[str]:
 
 
 def cost_rows(repeats: int) -> list[str]:
-    """The per-step cost of being elastic, every setting of :data:`COST_SETTINGS` in interleaved runs."""
+    """The per-step cost of being elastic, every setting of :data:`COST_SETTINGS` in interleaved runs: the
+    median over the repeats of each run's ratio to the run of the same job with elastic off just before it
+    (paired, so a drift of this shared machine's speed between repeats cancels)."""
     runs_ = [[measure() for measure in COST_SETTINGS.values()] for _ in range(repeats)]  # interleaved
-    medians = [statistics.median(r[i] for r in runs_) for i in range(len(COST_SETTINGS))]
-    head = f"| digits, BSP, {COST_RANKS} ranks, no fault | runs | ms per step: median | cost | runs (ms) |"
-    rows = [head, "|---|---:|---:|---:|---|"]
-    for i, (name, median) in enumerate(zip(COST_SETTINGS, medians, strict=True)):
-        base = medians[0 if name.startswith("crossbow") else 3]  # against the same job, elastic off
+    head = (
+        f"| digits, BSP, {COST_RANKS} ranks, no fault | runs | ms per step: median | cost: median of the "
+        "paired ratios | allreduce µs: median | runs (ms) |"
+    )
+    rows = [head, "|---|---:|---:|---:|---:|---|"]
+    for i, name in enumerate(COST_SETTINGS):
+        base = 0 if name.startswith("crossbow") else 3  # against the same job, elastic off
+        steps = [r[i][0] for r in runs_]
+        cost = statistics.median(r[i][0] / r[base][0] for r in runs_) - 1
+        exchanges = [r[i][1] for r in runs_ if r[i][1] is not None]
+        exchange = f"{statistics.median(exchanges) * 1e6:.0f}" if exchanges else "-"
         rows.append(
-            f"| {name} | {len(runs_)} | {median * 1e3:.2f} | {(median / base - 1) * 100:+.1f} % | "
-            f"{', '.join(f'{r[i] * 1e3:.2f}' for r in runs_)} |"
+            f"| {name} | {len(runs_)} | {statistics.median(steps) * 1e3:.3f} | {cost * 100:+.1f} % | "
+            f"{exchange} | {', '.join(f'{s * 1e3:.3f}' for s in steps)} |"
         )
     print("\n".join(rows), flush=True)
     return rows
@@ -309,14 +325,17 @@ def elastic_main(args: argparse.Namespace) -> None:
     notes = (
         "Every job runs under mpiexec --with-ft ulfm (Open MPI's fault-tolerant runtime either way): the "
         f"recoveries on 4 ranks (2 cores, see load), the cost on {COST_RANKS} ranks, one per core (4 ranks "
-        "on 2 cores move a single run's step time by up to 20 %), the median of interleaved runs against the "
-        "same job with elastic off; a run's ms per step is its median epoch's (crossbow-launch, after the "
-        "first epoch) or its median single step's (your own loop, after the first epoch), which a preempted "
-        "step on this shared machine hardly moves. BSP (grad mode), SMA and LOCALSGD heal the survivors from "
-        "a peer: no agreement and no copy of the state per step (EASGD, POSTLOCALSGD and AUTO commit in "
-        "windows of [elastic] commit_every steps); an elastic run also gives up node-shared memory. "
-        "Steps dropped: from rank 0's loss line. Your own loop: benchmarks/embedded_steps.py, examples/"
-        "train_digits.py's network in a plain loop (crossbow-launch's digits job is a smaller MLP)."
+        "on 2 cores move a single run's step time by up to 20 %). The cost is the median over the repeats of "
+        "a run's ratio to the same job with elastic off, run just before it (paired: a drift of this shared "
+        "machine's speed between repeats cancels); a run's ms per step is its median single step's on rank 0 "
+        "(crossbow-launch: from its timeline, every step after the first; your own loop: after the first "
+        "epoch), which a preempted step hardly moves; the allreduce column is crossbow-launch's gradient "
+        "allreduce (the timeline's on_gradients), the one phase elastic training changes. BSP (grad mode), "
+        "SMA and LOCALSGD heal the survivors from a peer: no agreement and no copy of the state per step "
+        "(EASGD, POSTLOCALSGD and AUTO commit in windows of [elastic] commit_every steps); an elastic run "
+        "also gives up node-shared memory. Steps dropped: from rank 0's loss line. Your own loop: "
+        "benchmarks/embedded_steps.py, examples/train_digits.py's network in a plain loop (crossbow-launch's "
+        "digits job is a smaller MLP)."
     )
     if not args.no_write:
         title = "Elastic training (ULFM): recovery and steps dropped on 4 ranks, the per-step cost on 2"
