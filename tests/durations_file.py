@@ -1,7 +1,11 @@
 """Every test's seconds to a file, for the work on the suite's length (issue 51): set ``XB_DURATIONS`` to a
-path and the run writes ``{test id: seconds}`` there as JSON when it ends (setup, call and teardown added up;
-a fixture shared by a module's tests is charged to the first that asked for it, as pytest's
-``--durations`` does). ``python tests/durations_file.py FILE`` then prints the test files by their total.
+path and the run writes ``{test id: [wall seconds, CPU seconds]}`` there as JSON when it ends. Wall: setup,
+call and teardown added up (a fixture shared by a module's tests is charged to the first that asked for it,
+as pytest's ``--durations`` does). CPU: user + system of pytest and of every process it waited for during
+the test, with their own waited-for children (an MPI job's ranks through ``mpiexec``; not what Slurm's or a
+namespace node's daemons ran). A test whose CPU is far below twice its wall on 2 cores mostly waits (sleeps,
+timeouts): shortening those waits, not the work, is what shortens it. ``python tests/durations_file.py
+FILE`` prints the test files by their wall total, with their CPU.
 
     XB_DURATIONS=/tmp/durations.json .venv/bin/python -m pytest -q
     .venv/bin/python tests/durations_file.py /tmp/durations.json
@@ -13,17 +17,32 @@ import json
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-#: Seconds per test id, summed over its phases, in this run.
-SECONDS: dict[str, float] = defaultdict(float)
+#: [wall seconds, CPU seconds] per test id, in this run.
+SECONDS: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+
+
+def _cpu_seconds() -> float:
+    """User + system seconds of this process and of its waited-for children so far."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Charge the CPU seconds spent while ``item`` ran (its setup, call and teardown) to it."""
+    started = _cpu_seconds()
+    yield
+    SECONDS[item.nodeid][1] += _cpu_seconds() - started
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Add a phase's seconds to its test."""
-    SECONDS[report.nodeid] += report.duration
+    """Add a phase's wall seconds to its test."""
+    SECONDS[report.nodeid][0] += report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -33,17 +52,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         Path(path).write_text(json.dumps(dict(SECONDS), indent=0), encoding="utf-8")
 
 
-def by_file(seconds: dict[str, float]) -> list[tuple[str, float, int]]:
-    """(test file, total seconds, tests) per file, the longest first."""
-    totals: dict[str, list[float]] = defaultdict(list)
+def by_file(seconds: dict[str, list[float]]) -> list[tuple[str, float, float, int]]:
+    """(test file, wall seconds, CPU seconds, tests) per file, the longest wall first."""
+    totals: dict[str, list[list[float]]] = defaultdict(list)
     for nodeid, value in seconds.items():
-        totals[nodeid.split("::", 1)[0]].append(value)
-    return sorted(((f, sum(v), len(v)) for f, v in totals.items()), key=lambda row: -row[1])
+        totals[nodeid.split("::", 1)[0]].append(value if isinstance(value, list) else [value, float("nan")])
+    rows = [(f, sum(v[0] for v in vs), sum(v[1] for v in vs), len(vs)) for f, vs in totals.items()]
+    return sorted(rows, key=lambda row: -row[1])
 
 
 if __name__ == "__main__":
     rows = by_file(json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")))
     total = sum(row[1] for row in rows)
-    for name, value, count in rows:
-        sys.stdout.write(f"{value:8.1f} s {100 * value / total:5.1f} % {count:5d} tests  {name}\n")
-    sys.stdout.write(f"{total:8.1f} s in all\n")
+    for name, wall, cpu, count in rows:
+        sys.stdout.write(
+            f"{wall:8.1f} s {100 * wall / total:5.1f} %  CPU {cpu:8.1f} s {count:5d} tests  {name}\n"
+        )
+    sys.stdout.write(f"{total:8.1f} s in all, CPU {sum(row[2] for row in rows):.1f} s\n")
