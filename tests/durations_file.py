@@ -1,11 +1,11 @@
 """Every test's seconds to a file, for the work on the suite's length (issue 51): set ``XB_DURATIONS`` to a
 path and the run writes ``{test id: [wall seconds, CPU seconds]}`` there as JSON when it ends. Wall: setup,
 call and teardown added up (a fixture shared by a module's tests is charged to the first that asked for it,
-as pytest's ``--durations`` does). CPU: user + system of pytest and of every process it waited for during
-the test, with their own waited-for children (an MPI job's ranks through ``mpiexec``; not what Slurm's or a
-namespace node's daemons ran). A test whose CPU is far below twice its wall on 2 cores mostly waits (sleeps,
-timeouts): shortening those waits, not the work, is what shortens it. ``python tests/durations_file.py
-FILE`` prints the test files by their wall total, with their CPU.
+as pytest's ``--durations`` does). CPU: the whole machine's busy seconds while the test ran, from
+/proc/stat (so the ranks that Slurm's or a namespace node's daemons start count too; run on an otherwise
+idle machine), else this process's and its waited-for children's. A test whose CPU is far below its wall
+times the cores mostly waits (sleeps, timeouts): shortening those waits, not the work, shortens it.
+``python tests/durations_file.py FILE`` prints the test files by their wall total, with their CPU.
 
     XB_DURATIONS=/tmp/durations.json .venv/bin/python -m pytest -q
     .venv/bin/python tests/durations_file.py /tmp/durations.json
@@ -27,9 +27,15 @@ SECONDS: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
 
 
 def _cpu_seconds() -> float:
-    """User + system seconds of this process and of its waited-for children so far."""
-    times = os.times()
-    return times.user + times.system + times.children_user + times.children_system
+    """The machine's busy CPU seconds so far (every core's time not idle nor waiting for I/O, /proc/stat),
+    else user + system seconds of this process and of its waited-for children."""
+    try:
+        fields = Path("/proc/stat").read_text(encoding="ascii").split("\n", 1)[0].split()[1:]
+    except OSError:
+        times = os.times()
+        return times.user + times.system + times.children_user + times.children_system
+    ticks = [int(f) for f in fields]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.hookimpl(hookwrapper=True)

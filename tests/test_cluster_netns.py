@@ -23,7 +23,7 @@ from typing import IO
 import numpy as np
 import pytest
 from digits_rules import DIGITS_RULES, DIGITS_TARGET
-from netns_cluster import NetnsCluster, leftovers, missing_reason
+from netns_cluster import NetnsCluster, drill_settings, leftovers, missing_reason
 
 from conftest import REPO, epoch_of, find_mpiexec, launcher, mpi_env, only_run
 from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints as checkpoint_folders
@@ -362,9 +362,19 @@ def test_gloo_across_nodes_whose_hostnames_resolve_to_loopback(cluster: NetnsClu
 LONG = ["session.epochs=400", "checkpoint.every_epochs=1", "checkpoint.keep=2"]
 
 
-def start_long_job(cluster: NetnsCluster, out: Path, rule: str = "BSP") -> subprocess.Popen[str]:
-    """The job of :data:`LONG` under mpiexec across node1 and node2, in the background."""
-    argv = [*launcher(), "-cfg", "launch/digits.cfg", f"RULE={rule}", f"session.output={out}", *LONG]
+def start_long_job(
+    cluster: NetnsCluster, out: Path, rule: str = "BSP", *overrides: str
+) -> subprocess.Popen[str]:
+    """The job of :data:`LONG` under mpiexec across node1 and node2, with ``overrides``, in the background."""
+    argv = [
+        *launcher(),
+        "-cfg",
+        "launch/digits.cfg",
+        f"RULE={rule}",
+        f"session.output={out}",
+        *LONG,
+        *overrides,
+    ]
     return subprocess.Popen(
         cluster.mpiexec(find_mpiexec() or "", 2, argv, nodes=2), cwd=REPO, env=mpi_env(), text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
@@ -427,7 +437,7 @@ def test_a_lost_link_or_node_ends_the_job_in_a_minute_and_the_resume_finishes(
     A killed node ends the job at once through MPICH's hydra, whose own message names no node. ASGD: the same
     with its coordinated snapshots (before they used matched probes, a snapshot across nodes hung)."""
     out = tmp_path / "runs"
-    job = start_long_job(cluster, out, rule)
+    job = start_long_job(cluster, out, rule, *drill_settings(failure))
     try:
         run = wait_for_checkpoints(out, 2, job)
         cluster.fail("node2", failure)

@@ -27,8 +27,14 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 TEMPLATES = REPO / "launch" / "slurm"
 #: The environment that has mpicrossbow: the one running the tests (the templates activate it by VENV).
 VENV = Path(sys.executable).parent.parent
-#: A run long enough to be signalled in the middle: 880 steps with 20 ms of injected sleep each.
-SLOW = ("session.slow_ranks=0,1", "session.slow_seconds=0.02", "checkpoint.every_epochs=100")
+#: A run long enough to be signalled in the middle: 10 epochs, 440 steps with 20 ms of injected sleep each
+#: (signalled after epoch 3, with 6 s still to run).
+SLOW = (
+    "session.epochs=10",
+    "session.slow_ranks=0,1",
+    "session.slow_seconds=0.02",
+    "checkpoint.every_epochs=100",
+)
 
 
 def submit(
@@ -252,7 +258,7 @@ def test_a_signalled_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrup
     stop = re.search(r"stopped by a signal after step (\d+)", out)
     assert stop is not None and f"requeued Slurm job {job}" in out, out[-3000:]
     assert f"resuming from {the_run(tmp_path, job)}/checkpoints/step-{int(stop[1]):09d}" in out
-    assert "done: 20 epoch(s), 880 step(s)" in out
+    assert "done: 10 epoch(s), 440 step(s)" in out
     final = complete_checkpoints(the_run(tmp_path, job) / "checkpoints")[-1]
     assert final.name == reference.name
     for rank in (0, 1):

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from netns_cluster import FAILURES, NetnsCluster, leftovers
+from netns_cluster import FAILURES, NetnsCluster, drill_settings, leftovers
 from netns_slurm import NetnsSlurm, netns_missing, slurm_missing
 from slurm_cluster import ranks_of, wait_for
 
@@ -346,7 +346,7 @@ def test_under_srun_a_lost_node_or_link_ends_the_job_in_a_minute_and_a_resume_fi
     ``checkpoint.resume`` finishes the run once node2 is back."""
     cluster = slurm.cluster
     nodes = ("--nodelist=node1,node2", "--ntasks-per-node=2")
-    job = submit(slurm, tmp_path, "multi-node.sbatch", *LONG, options=nodes)
+    job = submit(slurm, tmp_path, "multi-node.sbatch", *LONG, *drill_settings(failure), options=nodes)
     runs = tmp_path / "runs" / str(job)
 
     def two_checkpoints() -> bool:
