@@ -28,13 +28,13 @@ ERROR = "mpicrossbow: error: "
 
 
 def job(
-    openmpi: OpenMPIEnv, out: Path, rule: str, kill_rank: int, *more: str
+    openmpi: OpenMPIEnv, out: Path, rule: str, kill_rank: int, *more: str, kill_step: int = KILL_STEP
 ) -> tuple[CompletedProcess[str], list[Any]]:
-    """The example on 4 ranks under ``rule``, ``kill_rank`` (-1: none) SIGKILLed after step KILL_STEP
+    """The example on 4 ranks under ``rule``, ``kill_rank`` (-1: none) SIGKILLed after step ``kill_step``
     (``more``: the script's further arguments); the process and what each rank at the end wrote, in rank
     order."""
     out.mkdir()
-    args = [openmpi.python, SCRIPT, str(out), rule, str(kill_rank), str(KILL_STEP), *more]
+    args = [openmpi.python, SCRIPT, str(out), rule, str(kill_rank), str(kill_step), *more]
     proc = run_local(openmpi.ft_command(4, *args), timeout=240)
     states = [torch.load(path, weights_only=True) for path in sorted(out.glob("rank-*.pt"))]
     return proc, states
@@ -76,6 +76,22 @@ def test_with_replace_your_own_loop_is_four_ranks_again(openmpi: OpenMPIEnv, tmp
     assert [(s["rank"], s["size"], s["ranks"]) for s in states] == [(r, 4, 4) for r in range(4)], err[-3000:]
     assert all(torch.equal(states[0]["weights"], s["weights"]) for s in states[1:])
     assert states[0]["accuracy"] >= 0.9, states[0]["accuracy"]
+
+
+def test_a_replacement_still_starting_when_the_loop_ends_is_told_so_and_leaves(
+    openmpi: OpenMPIEnv, tmp_path: Path
+) -> None:
+    """``replace=True``, rank 2 SIGKILLed 6 steps before the end (step 170 of 176: the survivors finish long
+    before a new process has imported torch): ``xb.finish`` tells the replacement the run is over and waits
+    for it to leave. The job exits 0 on the 3 survivors, the replacement says so in one line, and no process
+    is left (the job's mpiexec returns). Before ``xb.finish`` did, the replacement spun on until mpiexec was
+    killed."""
+    proc, states = job(openmpi, tmp_path / "out", "BSP", 2, "0.0001", kill_step=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s) 2 (start numbering)" in line]
+    assert len(lost) == 1, proc.stderr[-3000:]
+    assert "elastic: the run ended before the replacement of start rank 2 joined" in proc.stderr
+    assert [(s["rank"], s["size"], s["ranks"]) for s in states] == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
 
 
 def test_elastic_true_where_it_cannot_be_is_one_line_and_exit_2(

@@ -111,6 +111,7 @@ class EmbeddedJob:
             self.forward.remove()
         self.own.learner.release()
         self.window.collective(self._drain, "xb.finish")()  # elastic: redone over the survivors after a loss
+        self.window.settle("xb.finish")  # elastic: replacements still starting are told the run is over
         final = self.rule.eval_params()
         if final is not None:
             self.own.learner.params.copy_(final)
