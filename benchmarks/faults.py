@@ -139,16 +139,10 @@ def elastic_job(out: Path, *overrides: str, ranks: int = 4) -> subprocess.Comple
 
 
 def embedded_job(
-    out: Path,
-    rule: str,
-    elastic: bool,
-    kill_step: int = 0,
-    epochs: int = 4,
-    ranks: int = 4,
-    bind: str = "none",
+    out: Path, rule: str, elastic: bool, kill_step: int = 0, epochs: int = 4, ranks: int = 4
 ) -> Any:
-    """benchmarks/embedded_steps.py on ``ranks`` ranks (your own loop, ``xb.init(elastic=..., bind=...)``);
-    rank 2 SIGKILLed after its step ``kill_step`` unless 0: (the process, rank 0's JSON)."""
+    """benchmarks/embedded_steps.py on ``ranks`` ranks (your own loop, ``xb.init(elastic=...)``); rank 2
+    SIGKILLed after its step ``kill_step`` unless 0: (the process, rank 0's JSON)."""
     kill = ("2", str(kill_step)) if kill_step else ("-1", "0")
     result = out / "embedded.json"
     flag = str(elastic).lower()

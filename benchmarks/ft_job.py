@@ -1,8 +1,8 @@
-"""The job of :mod:`benchmarks.vs_torchft`, run by either system: the same network (examples/train_digits.py's
-``Net``), the same digits tensors (written by the harness), batch 16 per worker, SGD at 0.05 with momentum
-0.9, a gradient average every step — and one worker SIGKILLing itself after its step ``KILL_STEP``. ``SLEEP``
-seconds after every step stand for a heavier model's compute (the runs with a kill use it, so that a
-restarted or replacement process has a run left to join).
+"""The job of :mod:`benchmarks.vs_torchft`, run by either system: the same network (``Net`` of
+examples/train_digits_plain.py, the example without mpicrossbow), the same digits tensors (written by the
+harness), batch 16 per worker, SGD at 0.05 with momentum 0.9, a gradient average every step — and one worker
+SIGKILLing itself after its step ``KILL_STEP``. ``SLEEP`` seconds after every step stand for a heavier model's
+compute (the runs with a kill use it, so that a restarted or replacement process has a run left to join).
 
     python -m benchmarks.ft_job torchft DATA OUT REPLICA STEPS KILL_STEP STORE_PORT SLEEP   (torchft's venv)
     mpiexec --with-ft ulfm -n 3 python -m benchmarks.ft_job mpicrossbow DATA OUT -1 STEPS KILL_STEP 0 SLEEP R
@@ -22,8 +22,8 @@ start a replacement that heals from a peer. It runs ``STEPS`` steps in all (as m
 
 Every worker writes ``OUT.<id>.json``: each optimizer step's end (``time.time()``), whether it committed, the
 world it saw (participants), and the test accuracy at the end (a restarted or replacement worker writes its
-own file, ``<id>`` suffixed). Only torch (and torchft or mpicrossbow) is imported: torchft's environment
-needs no MPI.
+own file, ``<id>`` suffixed). torchft's environment needs no MPI: torch, torchft, and the plain example's
+numpy and h5py.
 """
 
 from __future__ import annotations
@@ -40,26 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from examples.train_digits_plain import Net  # noqa: E402  (the plain script's network: no mpicrossbow)
+
 #: Per-worker batch size, learning rate and momentum (the example's defaults at batch 16).
 BATCH, LR, MOMENTUM = 16, 0.05, 0.9
-
-
-class Net(nn.Module):
-    """examples/train_digits.py's network: two 3x3 convolutions, a 2x2 max-pool, two linear layers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 4 * 4, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits of the 10 digit classes."""
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(torch.flatten(x, 1)))
-        return self.fc2(x)
 
 
 @torch.no_grad()
