@@ -54,7 +54,6 @@ TOOLS = ("ip", "unshare", "nsenter", "tc")
 COMMAND_TIMEOUT_S = 20.0
 #: The failures :meth:`NetnsCluster.fail` injects, as the tests name them.
 FAILURES = ("node killed", "link down", "link crawls")
-
 #: Mount options of each node's private /dev/shm: half the memory at most, like the kernel's own tmpfs
 #: default (a cap, not a reservation: pages are used only as segments are written), and a host's usual
 #: /dev/shm mode and flags.
