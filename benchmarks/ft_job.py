@@ -8,17 +8,18 @@ compute (the runs with a kill use it, so that a restarted or replacement process
     mpiexec --with-ft ulfm -n 3 python -m benchmarks.ft_job mpicrossbow DATA OUT -1 STEPS KILL_STEP 0 SLEEP R
 
 **torchft** (0.2.0), one process per replica group, structured as its README's loop: a ``Manager`` over a
-``ProcessGroupGloo`` (its lighthouse at ``TORCHFT_LIGHTHOUSE``, ``min_replica_size=1``, its default
-timeouts), the optimizer in
-its ``OptimizerWrapper`` (``zero_grad`` starts the quorum, ``step`` commits when ``should_commit``), each
-gradient averaged by ``manager.allreduce(grad).wait()`` — not torchft's ``DistributedDataParallel``, whose
-communication hook crashed the survivors after a peer's loss (issue 52). Worker ``REPLICA`` reads the
-``REPLICA``-th third of the batches; it stops when the quorum's step reaches ``STEPS``. A restarted replica
-heals from a peer (torchft's HTTP checkpoint transport) and goes on from the quorum's step.
+``ProcessGroupGloo`` (its lighthouse at ``TORCHFT_LIGHTHOUSE``, ``min_replica_size=1``, its default timeouts),
+the optimizer in its ``OptimizerWrapper`` (``zero_grad`` starts the quorum, ``step`` commits when
+``should_commit``), each gradient averaged by ``manager.allreduce(grad).wait()`` — not torchft's
+``DistributedDataParallel``, whose communication hook crashed the survivors after a peer's loss (issue 52).
+Worker ``REPLICA`` reads the ``REPLICA``-th third of the batches; it stops when the quorum's step reaches
+``STEPS``. A restarted replica heals from a peer (torchft's HTTP checkpoint transport) and goes on from the
+quorum's step.
 
 **mpicrossbow**, your own loop: ``xb.init(elastic=...)`` under ``mpiexec --with-ft ulfm``, ``xb.shard``,
 ``xb.distribute(rule="BSP")``, ``xb.epochs``; ``R`` (``true``) adds ``replace=True``: the survivors
-start a replacement that heals from a peer. It runs ``STEPS`` steps in all (as many epochs as that takes).
+start a replacement that heals from a peer. It runs whole epochs, as many as ``STEPS`` steps fill
+(:mod:`benchmarks.vs_torchft` picks a ``STEPS`` of whole epochs).
 
 Every worker writes ``OUT.<id>.json``: each optimizer step's end (``time.time()``), whether it committed, the
 world it saw (participants), and the test accuracy at the end (a restarted or replacement worker writes its

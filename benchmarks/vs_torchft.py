@@ -70,9 +70,9 @@ def write_data(path: Path) -> None:
     from data.digits import digits_dataset
 
     out = {}
-    for split, prefix in (("train", "train"), ("val", "val")):
+    for split in ("train", "val"):
         ds = digits_dataset(split)
-        out[f"{prefix}_x"], out[f"{prefix}_y"] = ds.x, ds.targets
+        out[f"{split}_x"], out[f"{split}_y"] = ds.x, ds.targets
     torch.save(out, path)
 
 
@@ -171,14 +171,12 @@ def figures(runs: list[dict[str, Any]], kill: bool) -> dict[str, float]:
     return result
 
 
-def measure(name: str, run: Any, repeats: int) -> dict[str, list[float]]:
-    """Every figure of ``repeats`` runs without and with the kill."""
+def measure(name: str, run: Any, repeats: int, data: Path) -> dict[str, list[float]]:
+    """Every figure of ``repeats`` runs without and with the kill, on the tensors in ``data``."""
     found: dict[str, list[float]] = {}
     for _ in range(repeats):
         for kill in (False, True):
             with tempfile.TemporaryDirectory(prefix=f"vs-torchft-{name}-") as folder:
-                data = Path(folder) / "data.pt"
-                write_data(data)
                 runs, stderr = run(data, Path(folder), kill)
                 got = figures(runs, kill)
                 if kill and name == "mpicrossbow":
@@ -197,10 +195,14 @@ def main() -> None:
     parser.add_argument("--torchft-python", default=str(REPO / ".venv-torchft" / "bin" / "python"))
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    ours = measure("mpicrossbow", mpicrossbow_run, args.repeats)
-    theirs = measure("torchft", lambda d, f, k: torchft_run(args.torchft_python, d, f, k), args.repeats)
+    with tempfile.TemporaryDirectory(prefix="vs-torchft-data-") as folder:
+        data = Path(folder) / "data.pt"
+        write_data(data)  # once: both systems' workers read the same tensors
+        ours = measure("mpicrossbow", mpicrossbow_run, args.repeats, data)
+        torchft = lambda d, f, k: torchft_run(args.torchft_python, d, f, k)  # noqa: E731
+        theirs = measure("torchft", torchft, args.repeats, data)
     rows = [
-        "| 3 workers, digits, worker 2 SIGKILLed after step 60 | torchft 0.2.0 | mpicrossbow |",
+        f"| 3 workers, digits, worker 2 SIGKILLed after step {KILL_STEP} | torchft 0.2.0 | mpicrossbow |",
         "|---|---:|---:|",
     ]
     labels = [
