@@ -581,6 +581,8 @@ def mpi_subjects(cuda: bool) -> dict[str, Callable[[], Subject | str]]:
         return {
             "mpi": lambda: Subject(MPICommunicator()),
             "mpi+shm": lambda: Subject(SharedMemoryCommunicator(MPI.COMM_WORLD)),
+            # elastic training's: the window in descriptor-backed memory, waits asking MPI for failures
+            "mpi+shm+notice": lambda: Subject(SharedMemoryCommunicator(MPI.COMM_WORLD, notice_failures=True)),
             "gloo": lambda: Subject(
                 TorchDistCommunicator.from_mpi(backend="gloo", timeout_s=60),
                 sums_16bit_in_float32=False,
@@ -681,7 +683,7 @@ def impl_problems(job: CommJob, impl: str, expected: Iterable[str]) -> list[str]
 
 
 #: The implementations the CPU job runs the contract on.
-MPI_IMPLS = ("mpi", "mpi+shm", "gloo", "gloo-staged", "mpi+bf16", "mpi+fp16")
+MPI_IMPLS = ("mpi", "mpi+shm", "mpi+shm+notice", "gloo", "gloo-staged", "mpi+bf16", "mpi+fp16")
 
 
 @pytest.mark.mpi

@@ -73,7 +73,6 @@ def test_true_without_ulfm_is_a_config_error_saying_what_to_install(monkeypatch:
     ("overrides", "match"),
     [
         (("comm.backend=gloo",), "backend = gloo cannot shrink"),
-        (("comm.shared_memory=on",), "shared_memory = on"),
         (("RULE=GSP", "rule.groups=auto"), r"RULE=GSP with \[rule\] groups = auto is not elastic"),
         (("RULE=SSP", "rule.placement=colocated", "checkpoint.on_signal=false"), "cannot forget"),
     ],

@@ -141,9 +141,11 @@ class _OneStuckPeer:
     def __init__(self) -> None:
         self.headers = [[0], [0]]
         self.syncs = 0
-        self.win = self
 
-    def Sync(self) -> None:  # MPI's name
+    def sync(self) -> None:
+        self.syncs += 1
+
+    def refresh(self) -> None:
         self.syncs += 1
 
 

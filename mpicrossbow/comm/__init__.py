@@ -8,6 +8,7 @@ pay for. The test doubles (a world of threads as ranks) live in :mod:`mpicrossbo
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,8 @@ __all__ = [
     "TorchDistCommunicator",
     "make_communicator",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Valid values of ``[comm] backend``, ``shared_memory`` and ``compression``: the cfg section's own choices.
 BACKENDS = choices(CommSection, "backend")
@@ -81,7 +84,10 @@ def agreed_backend(backend: str, device_types: list[str]) -> str:
 
 
 def make_communicator(
-    section: CommSection, device: torch.device | str, mpi_comm: MPI.Comm | None = None
+    section: CommSection,
+    device: torch.device | str,
+    mpi_comm: MPI.Comm | None = None,
+    notice_failures: bool = False,
 ) -> Communicator:
     """Build the communicator ``[comm]`` describes for ``device`` over ``mpi_comm`` (default ``COMM_WORLD``);
     collective over its ranks.
@@ -90,7 +96,9 @@ def make_communicator(
     ``auto`` when some node runs more than one rank of the job, ``off`` never; ``shm_window_mb`` and
     ``shm_min_kb`` tune it. ``compression`` (fp16, bf16) wraps the result in a
     :class:`CompressedCommunicator` that exchanges large float buffers 16-bit. ``interface`` goes to the
-    torch.distributed backends' rendezvous (:mod:`mpicrossbow.comm.rendezvous`). The section's values were
+    torch.distributed backends' rendezvous (:mod:`mpicrossbow.comm.rendezvous`). ``notice_failures``
+    (elastic training): node-shared memory's waits also ask MPI for the failures it knows of, so a lost rank
+    ends them (:class:`SharedMemoryCommunicator`). The section's values were
     checked against their choices when it was built; this checks what depends on the device.
     """
     resolved = resolve_backend(section.backend, device)
@@ -114,15 +122,20 @@ def make_communicator(
             node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
             shared_memory = "on" if world.allreduce(node.Get_size(), op=MPI.MAX) > 1 else "off"
             node.Free()
+        comm: Communicator | None = None
         if shared_memory == "on":
-            from mpicrossbow.comm.shm import SharedMemoryCommunicator
+            from mpicrossbow.comm.shm import SharedMemoryCommunicator, SharedMemoryUnavailable
 
-            comm: Communicator = SharedMemoryCommunicator(
-                world,
-                window_bytes=int(section.shm_window_mb * 2**20),
-                min_bytes=int(section.shm_min_kb * 2**10),
-            )
-        else:
+            try:
+                comm = SharedMemoryCommunicator(
+                    world,
+                    window_bytes=int(section.shm_window_mb * 2**20),
+                    min_bytes=int(section.shm_min_kb * 2**10),
+                    notice_failures=notice_failures,
+                )
+            except SharedMemoryUnavailable as exc:
+                log.warning("the exchange goes through MPI, without node-shared memory: %s", exc)
+        if comm is None:
             comm = MPICommunicator(world)
     else:
         from mpicrossbow.comm.torchdist import TorchDistCommunicator

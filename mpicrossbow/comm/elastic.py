@@ -324,7 +324,7 @@ class GuardedCommunicator(Communicator):
         return GuardedCommunicator(lambda: inner, self._group)
 
     def share(self, tensor: torch.Tensor) -> None:
-        """The inner share (a no-op: elastic runs use no node-shared memory)."""
+        """The inner share (collective over the node)."""
         self._call(lambda: self._target().share(tensor))
 
     def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
@@ -367,6 +367,15 @@ class ElasticCommunicator(GuardedCommunicator):
     def group(self) -> FaultTolerantGroup:
         """The fault-tolerant group of the current members."""
         return self._group_now
+
+    def share(self, tensor: torch.Tensor) -> None:
+        """The inner share while the members are the start world (membership version 0), else nothing.
+
+        A share is collective over the node, and after a membership change the members no longer call it
+        alike: a replacement binds its rule (which shares its buffers) while the survivors do not. Buffers
+        that stay private take the copying path of node-shared memory: the same sums, bit for bit."""
+        if self.membership.version == 0:
+            super().share(tensor)
 
     def split_apart(self, color: int, key: int | None = None) -> ElasticCommunicator:
         """The members of ``color`` as an elastic communicator over a fault-tolerant group of their own
@@ -421,16 +430,15 @@ def elastic_over_mpi(
     membership: Membership | None = None,
 ) -> ElasticCommunicator:
     """The run's communicator for elastic training over ``mpi_comm`` (a duplicate is taken): what
-    :func:`~mpicrossbow.comm.make_communicator` builds from ``section``, without node-shared memory (its
-    polling would wait on a dead rank forever), rebuilt the same way over the survivors after a loss. A
+    :func:`~mpicrossbow.comm.make_communicator` builds from ``section``, its node-shared memory's waits
+    noticing a lost rank (``notice_failures``), rebuilt the same way over the survivors after a loss. A
     replacement joining (``membership`` given) takes the merged ``mpi_comm`` as it is, as the survivors
     take it (:meth:`MPIGroup.merged`). ``isolate_peers``: an asynchronous run's (a parameter server forgets
     a lost worker, :attr:`GuardedCommunicator.isolate_peers`)."""
     from . import make_communicator
 
-    plain = dataclasses.replace(section, shared_memory="off")
     comm = mpi_comm if membership else mpi_comm.Dup()
-    group = MPIGroup(comm, lambda c: make_communicator(plain, device, c))
+    group = MPIGroup(comm, lambda c: make_communicator(section, device, c, notice_failures=True))
     elastic = ElasticCommunicator(group, membership)
     elastic.isolate_peers = isolate_peers
     if membership is None:  # at start, collective: where each rank runs, for its replacement

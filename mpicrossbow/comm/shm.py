@@ -56,9 +56,13 @@ exception followed by ``MPI_Abort``) leaves no segment behind in ``/dev/shm`` ei
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
+import platform
 import weakref
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -97,16 +101,36 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+class SharedMemoryUnavailable(RuntimeError):
+    """The descriptor-backed window of ``notice_failures`` cannot be made on some node (raised on every rank
+    of the job alike): the caller exchanges through MPI instead."""
+
+
 class _Window:
-    """One shared window on a node. Each rank's segment: a 64-byte header (its sync epoch and what its current
-    allreduce is, int64), then two
-    input slots of ``slot_bytes``; node rank 0's also holds two result areas of ``2 * slot_bytes`` (room for
-    float32 accumulators of a 16-bit input)."""
+    """One shared window on a node, an MPI-3 window (``MPI_Win_allocate_shared``). Each rank's segment: a
+    64-byte header (its sync epoch and what its current allreduce is, int64), then two input slots of
+    ``slot_bytes``; node rank 0's also holds two result areas of ``2 * slot_bytes`` (room for float32
+    accumulators of a 16-bit input)."""
 
     def __init__(self, node: MPI.Comm, slot_bytes: int) -> None:
         self.slot_bytes = _align(slot_bytes)
         self.result_bytes = 2 * self.slot_bytes
         mine = _ALIGN + 2 * self.slot_bytes + (2 * self.result_bytes if node.Get_rank() == 0 else 0)
+        self.segments = self._allocate(node, mine)
+        # per rank: [sync epoch, path, byte offset, bytes, dtype] — see SharedMemoryCommunicator._agree
+        self.headers = [seg[:40].numpy().view(np.int64) for seg in self.segments]
+        self.headers[node.Get_rank()][:] = 0
+        base = _ALIGN + 2 * self.slot_bytes
+        self.results = [self.segments[0][base + i * self.result_bytes :][: self.result_bytes] for i in (0, 1)]
+        self.slots = [
+            [seg[_ALIGN + i * self.slot_bytes :][: self.slot_bytes] for seg in self.segments] for i in (0, 1)
+        ]
+        self.sync()
+        node.Barrier()  # every flag is initialised before anyone waits on it
+        self.sync()
+
+    def _allocate(self, node: MPI.Comm, mine: int) -> list[torch.Tensor]:
+        """Every node rank's segment as bytes, this rank's of ``mine`` bytes (collective over the node)."""
         try:
             self.win = MPI.Win.Allocate_shared(mine, 1, comm=node)
         except MPI.Exception as exc:
@@ -116,31 +140,82 @@ class _Window:
             ) from exc
         try:
             self.win.Lock_all(MPI.MODE_NOCHECK)
-            self.segments = [self._segment(q) for q in range(node.Get_size())]
+            return [self._segment(q) for q in range(node.Get_size())]
         except BaseException:
             self.win.Free()
             raise
-        # per rank: [sync epoch, path, byte offset, bytes, dtype] — see SharedMemoryCommunicator._agree
-        self.headers = [seg[:40].numpy().view(np.int64) for seg in self.segments]
-        self.headers[node.Get_rank()][:] = 0
-        base = _ALIGN + 2 * self.slot_bytes
-        self.results = [self.segments[0][base + i * self.result_bytes :][: self.result_bytes] for i in (0, 1)]
-        self.slots = [
-            [seg[_ALIGN + i * self.slot_bytes :][: self.slot_bytes] for seg in self.segments] for i in (0, 1)
-        ]
-        self.win.Sync()
-        node.Barrier()  # every flag is initialised before anyone waits on it
-        self.win.Sync()
 
     def _segment(self, rank: int) -> torch.Tensor:
         buf, _ = self.win.Shared_query(rank)
         return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
+
+    def sync(self) -> None:
+        """``MPI_Win_sync``: this rank's stores to the window are visible before its later ones, and its
+        later loads see what the others made visible (the unified memory model's idiom)."""
+        self.win.Sync()
+
+    def refresh(self) -> None:
+        """Between two reads of a peer's flag: ``MPI_Win_sync`` (the idiom's poll)."""
+        self.win.Sync()
 
     def free(self) -> None:
         """End the epoch and free the window (collective over the node)."""
         self.segments, self.slots, self.results, self.headers = [], [], [], []
         self.win.Unlock_all()
         self.win.Free()
+
+
+class _DescriptorWindow(_Window):
+    """The same window in torch's descriptor-backed shared memory, each rank's segment mapped by its node
+    peers through ``/proc/<pid>/fd`` (as :meth:`SharedMemoryCommunicator.share` maps buffers): no MPI window,
+    for elastic training. Open MPI warns, at every window a fault-tolerant job makes, that its one-sided
+    components are "not tested for post-failure operation"; and an MPI window cannot be freed once a member
+    is dead (``MPI_Win_free`` is collective), where these segments are unmapped when the communicator that
+    holds them is dropped. The ordering ``MPI_Win_sync`` gave is a sequentially consistent fence
+    (:data:`FENCE`)."""
+
+    def _allocate(self, node: MPI.Comm, mine: int) -> list[torch.Tensor]:
+        """Every node rank's segment, mapped; RuntimeError on every node rank when one cannot be."""
+        if FENCE is None:
+            raise RuntimeError(f"no memory fence for node-shared memory on {platform.machine()} (libatomic)")
+        storage = torch.UntypedStorage._new_shared(mine)  # zeroed: a fresh segment
+        fd, _ = storage._share_fd_cpu_()
+        gathered = node.allgather((os.getpid(), fd, mine))
+        segments = _map_peers(gathered, node.Get_rank(), storage, same_size=False)
+        problems = node.allgather("" if segments is not None else "a node peer's segment cannot be opened")
+        if any(problems) or segments is None:
+            reasons = "; ".join(f"node rank {q}: {r}" for q, r in enumerate(problems) if r)
+            raise RuntimeError(f"node-shared memory cannot be mapped ({reasons})")
+        return segments
+
+    def sync(self) -> None:
+        """A sequentially consistent fence."""
+        assert FENCE is not None
+        FENCE()
+
+    def refresh(self) -> None:
+        """Nothing: every read of a flag loads it from memory again (caches are coherent); the fence after
+        the poll orders what follows."""
+
+    def free(self) -> None:
+        """Drop the mappings (local: each process unmaps its own)."""
+        self.segments, self.slots, self.results, self.headers = [], [], [], []
+
+
+def _fence() -> Callable[[], None] | None:
+    """``atomic_thread_fence(memory_order_seq_cst)`` from libatomic; where it is missing, nothing on x86-64
+    (whose stores are seen in program order, and loads are not reordered with loads: the flag protocol needs
+    no more there); None elsewhere (the descriptor-backed window is then unavailable)."""
+    try:
+        fence = ctypes.CDLL("libatomic.so.1").atomic_thread_fence
+    except (OSError, AttributeError):
+        return (lambda: None) if platform.machine() in ("x86_64", "AMD64") else None
+    fence.argtypes, fence.restype = [ctypes.c_int], None
+    return functools.partial(fence, 5)  # memory_order_seq_cst
+
+
+#: The memory fence of :class:`_DescriptorWindow`, or None where this machine has none for Python.
+FENCE = _fence()
 
 
 class _Buffer:
@@ -193,10 +268,14 @@ class _Moved:
 
 
 def _map_peers(
-    gathered: list[tuple[int, int, int] | None], me: int, storage: torch.UntypedStorage
+    gathered: list[tuple[int, int, int] | None],
+    me: int,
+    storage: torch.UntypedStorage,
+    same_size: bool = True,
 ) -> list[torch.Tensor] | None:
     """Every node rank's segment as bytes (this rank's own ``storage``), from the ``(pid, fd, bytes)`` each
-    published; None if a segment is missing, of another size, or cannot be opened.
+    published; None if a segment is missing, of another size than this rank's (when ``same_size``), or
+    cannot be opened.
 
     torch's descriptor-backed shared memory has no name from the start (``shm_open`` then ``shm_unlink``):
     nothing can be left in ``/dev/shm``, however a job ends — a job ended by ``MPI_Abort`` kills torch's
@@ -205,7 +284,7 @@ def _map_peers(
     """
     segments = []
     for q, entry in enumerate(gathered):
-        if entry is None or entry[2] != storage.nbytes():
+        if entry is None or (same_size and entry[2] != storage.nbytes()):
             return None
         if q == me:
             segments.append(_bytes_of(storage))
@@ -232,6 +311,13 @@ class SharedMemoryCommunicator(MPICommunicator):
 
     ``node`` overrides the node communicator (default: ``Split_type(COMM_TYPE_SHARED)`` of ``comm``); its
     ranks must share memory. Tests pass a split of one machine's ranks to run the multi-node path.
+
+    ``notice_failures`` (elastic training): a wait past :data:`SPINS` polls also calls ``MPI_Iprobe`` on
+    ``comm``, which makes MPI progress, so a failure ULFM reports on ``comm`` (a member lost, the
+    communicator revoked by a member that met one) ends the wait with MPI's own error within milliseconds
+    (measured: 5 ms after a SIGKILL) instead of waiting on the dead; the leaders' sum across nodes is then
+    non-blocking and polled the same way, since a loss on another node leaves the leaders' communicator
+    intact. The caller turns that error into its recovery (:mod:`mpicrossbow.comm.elastic`).
     """
 
     name = "mpi+shm"
@@ -249,12 +335,15 @@ class SharedMemoryCommunicator(MPICommunicator):
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         min_bytes: int = DEFAULT_MIN_BYTES,
         sync: Literal["flags", "barrier"] = "flags",
+        notice_failures: bool = False,
         _owned: bool = False,
     ) -> None:
         super().__init__(comm, _owned=_owned)
         if sync not in ("flags", "barrier"):
             raise ValueError(f"sync must be flags or barrier, got {sync!r}")
         self.sync = sync
+        #: Whether a wait also asks MPI for the failures it knows of (elastic training, see the class doc)
+        self.notice_failures = notice_failures
         self._epoch = 0
         if window_bytes < _ALIGN:
             raise ValueError(f"window_bytes must be at least {_ALIGN}, got {window_bytes}")
@@ -277,6 +366,20 @@ class SharedMemoryCommunicator(MPICommunicator):
         self._buffers: list[_Buffer | _Moved] = []
         self._tiles: dict[torch.dtype, torch.Tensor] = {}
         self._parity = 0
+        if notice_failures:  # at once, agreed by the job: the caller can still fall back on every rank
+            problem = ""
+            try:
+                self._ensure_window()
+            except RuntimeError as exc:
+                problem = str(exc)
+            problems = [p for p in world.allgather(problem) if p]
+            if problems:
+                if self._window is not None:
+                    self._window.free()  # local: a descriptor-backed window
+                if self._leaders != MPI.COMM_NULL:
+                    self._leaders.Free()
+                self._node.Free()
+                raise SharedMemoryUnavailable(problems[0])
 
     @property
     def node_size(self) -> int:
@@ -294,14 +397,14 @@ class SharedMemoryCommunicator(MPICommunicator):
         """
         window = self._window
         assert window is not None
-        window.win.Sync()
+        window.sync()
         if self.sync == "barrier":
             self._node.Barrier()
         else:
             self._epoch += 1
             epoch, me = self._epoch, self._node.Get_rank()
             window.headers[me][0] = epoch
-            window.win.Sync()
+            window.sync()
             polls = 0
             for q, header in enumerate(window.headers):
                 while q != me and header[0] < epoch:
@@ -309,9 +412,32 @@ class SharedMemoryCommunicator(MPICommunicator):
                     if polls > SPINS:
                         os.sched_yield()
                         self._watch.waiting("the shared-memory allreduce")
-                    window.win.Sync()
+                        self._ask_mpi()
+                    window.refresh()
             self._watch.reset()
-        window.win.Sync()
+        window.sync()
+
+    def _ask_mpi(self) -> None:
+        """With ``notice_failures``: let MPI progress on the run's communicator, where ULFM raises a failure
+        it knows of (ERR_PROC_FAILED, ERR_REVOKED); nothing is received (``MPI_Iprobe`` only looks)."""
+        if self.notice_failures:
+            self._comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+
+    def _across_nodes(self, buf: np.ndarray) -> None:
+        """Step 3: the leaders' ``MPI_Allreduce`` in place of their node sums; with ``notice_failures``
+        non-blocking, its wait asking MPI as :meth:`_sync` does (a rank lost on another node fails the run's
+        communicator, not the leaders')."""
+        if self._leaders == MPI.COMM_NULL:
+            return
+        if not self.notice_failures:
+            self._leaders.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+            return
+        request, polls = self._leaders.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM), 0
+        while not request.Test():
+            polls += 1
+            if polls > SPINS:
+                os.sched_yield()
+                self._ask_mpi()
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
         """SUM of a float CPU tensor through the shared window (blocking even when ``async_op``: the handle
@@ -346,7 +472,8 @@ class SharedMemoryCommunicator(MPICommunicator):
 
     def _ensure_window(self) -> None:
         if self._window is None:
-            self._window = _Window(self._node, self.window_bytes)
+            kind = _DescriptorWindow if self.notice_failures else _Window
+            self._window = kind(self._node, self.window_bytes)
             log.debug(
                 "shared window: %d B per slot, %d rank(s) on this node", self.window_bytes, self.node_size
             )
@@ -407,6 +534,10 @@ class SharedMemoryCommunicator(MPICommunicator):
         """
         if dtype not in ACCUMULATE:
             raise TypeError(f"shared buffers hold {', '.join(map(str, ACCUMULATE))}, not {dtype}")
+        if self.notice_failures:  # no MPI window (see _DescriptorWindow): a tensor shared in place instead
+            tensor = torch.zeros(numel, dtype=dtype)
+            self.share(tensor)
+            return tensor
         self._ensure_window()
         buffer = _Buffer(self._node, numel * dtype.itemsize)
         self._buffers.append(buffer)
@@ -486,8 +617,7 @@ class SharedMemoryCommunicator(MPICommunicator):
                 term.copy_(out)
         self._sync()
         if self.nodes > 1:
-            if self._leaders != MPI.COMM_NULL:
-                self._leaders.Allreduce(MPI.IN_PLACE, flat.numpy(), MPI.SUM)
+            self._across_nodes(flat.numpy())
             self._sync()
             if me:
                 flat.copy_(views[0])
@@ -569,8 +699,7 @@ class SharedMemoryCommunicator(MPICommunicator):
             self._agree()
         self._reduce(part, slots, result, lo, hi)
         self._sync()
-        if self._leaders != MPI.COMM_NULL:
-            self._leaders.Allreduce(MPI.IN_PLACE, result.numpy(), MPI.SUM)
+        self._across_nodes(result.numpy())
         self._sync()
         part.copy_(result)
 

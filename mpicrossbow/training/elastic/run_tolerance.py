@@ -151,11 +151,6 @@ def elastic_obstacle(config: Config, rule: Rule, world: World) -> str | None:
         return missing
     if comm.backend not in ("auto", "mpi"):
         return f"[comm] backend = {comm.backend} cannot shrink; elastic training needs backend mpi"
-    if comm.shared_memory == "on":
-        return (
-            "[comm] shared_memory = on polls node-shared memory, where a dead rank is waited for forever; "
-            "elastic training needs shared_memory = off or auto (auto is off when elastic)"
-        )
     return rule.elastic_obstacle(snapshots=config.checkpoint.enabled or config.checkpoint.on_signal)
 
 
