@@ -80,3 +80,26 @@ def test_shared_memory_setting_is_checked() -> None:
         load_config(text="RULE=BSP\nMODELFILE=m\nMODELCLASS=M\nDEVICES=cpu\n[comm]\nshared_memory = yes\n")
     with pytest.raises(ConfigError, match="needs backend mpi"):
         make_communicator(CommSection(backend="gloo", shared_memory="on"), torch.device("cpu"))
+
+
+def test_the_fence_is_none_on_x86_64_and_libatomics_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The descriptor-backed window's fence (elastic training): no instruction on x86-64 (TSO), libatomic's
+    ``atomic_thread_fence`` on other machines, and no window at all where libatomic is missing there."""
+    from mpicrossbow.comm import shm
+
+    monkeypatch.setattr(shm.platform, "machine", lambda: "x86_64")
+    assert shm._fence() is not None and shm._fence()() is None
+    monkeypatch.setattr(shm.platform, "machine", lambda: "aarch64")
+    try:
+        shm.ctypes.CDLL("libatomic.so.1")
+    except OSError:
+        pytest.skip("no libatomic here")
+    fence = shm._fence()
+    assert fence is not None and fence.args == (5,)  # memory_order_seq_cst
+    fence()
+
+    def missing(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(shm.ctypes, "CDLL", missing)
+    assert shm._fence() is None

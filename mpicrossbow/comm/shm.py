@@ -52,6 +52,14 @@ cores are busy with backward anyway, so a background thread would only compete f
 The window is freed by :meth:`SharedMemoryCommunicator.close` (collective, as ``MPI_Win_free`` is). MPICH
 and Open MPI unlink the segment's file as soon as every rank has mapped it, so a rank that dies (an
 exception followed by ``MPI_Abort``) leaves no segment behind in ``/dev/shm`` either.
+
+**Elastic training** (``notice_failures``): a wait asks MPI for the failures ULFM knows of (``MPI_Iprobe``
+on the run's communicator, after :data:`SPINS` polls), and the leaders' sum across nodes is non-blocking and
+polled the same way, so a lost rank ends every survivor's wait with MPI's error and the survivors recover
+(:mod:`mpicrossbow.comm.elastic`). The window is then torch's descriptor-backed shared memory, each rank's
+segment mapped by its node peers (as the zero-copy buffers are), ordered by a memory fence instead of
+``MPI_Win_sync``: no MPI window, which Open MPI warns about in a fault-tolerant job and which could not be
+freed once a member is dead.
 """
 
 from __future__ import annotations
@@ -189,7 +197,7 @@ class _DescriptorWindow(_Window):
         return segments
 
     def sync(self) -> None:
-        """A sequentially consistent fence."""
+        """A sequentially consistent fence (:data:`FENCE`)."""
         assert FENCE is not None
         FENCE()
 
@@ -203,13 +211,16 @@ class _DescriptorWindow(_Window):
 
 
 def _fence() -> Callable[[], None] | None:
-    """``atomic_thread_fence(memory_order_seq_cst)`` from libatomic; where it is missing, nothing on x86-64
-    (whose stores are seen in program order, and loads are not reordered with loads: the flag protocol needs
-    no more there); None elsewhere (the descriptor-backed window is then unavailable)."""
+    """Nothing on x86-64, whose memory model (TSO) already gives what the flag protocol needs: a rank's stores
+    are seen in program order by every other core, and its loads are not reordered with loads nor with later
+    stores. Elsewhere ``atomic_thread_fence(memory_order_seq_cst)`` from libatomic, or None where that is
+    missing (the descriptor-backed window is then unavailable)."""
+    if platform.machine() in ("x86_64", "AMD64"):
+        return lambda: None
     try:
         fence = ctypes.CDLL("libatomic.so.1").atomic_thread_fence
     except (OSError, AttributeError):
-        return (lambda: None) if platform.machine() in ("x86_64", "AMD64") else None
+        return None
     fence.argtypes, fence.restype = [ctypes.c_int], None
     return functools.partial(fence, 5)  # memory_order_seq_cst
 
