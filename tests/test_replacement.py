@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from mpicrossbow.comm.membership import Membership
 from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.rules.registry import resolve
@@ -203,3 +204,61 @@ def test_replacements_start_on_a_thread_while_the_survivors_train_on(monkeypatch
     monkeypatch.setattr(replacement, "spawn_replacements", lambda native, ranks, hosts: None)
     at_once = replacement.BackgroundSpawn(_Duplicable(), (2,), (), threaded=False)
     assert at_once.done and at_once.result() == (None, [])
+
+
+class _Owner:
+    """What :class:`~mpicrossbow.training.elastic.replacement.Replacements` reads of its owner on one
+    survivor (rank 0 of ``size``): the membership, a MAX allreduce whose other members hold ``peer_count``."""
+
+    def __init__(self, size: int, peer_count: int = 0) -> None:
+        self.followers: list[Any] = []
+        self.pending, self.skip_until = 0, 0
+        self.peer_count = peer_count
+        self.comm = self
+        self.exact = self
+        self.group = self
+        self.native = "survivors"
+        self.membership = Membership(1, tuple(range(size)), 0)
+
+    def allreduce_scalars(self, values: list[float], op: Any) -> list[float]:
+        return [max(values[0], float(self.peer_count))]
+
+
+def test_replacements_stop_at_max_replacements_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``[elastic] max_replacements``: the vacancies the limit allows are filled, in order, and counted
+    with the highest count any survivor holds (a former replacement counts from 0); past the limit a lost
+    rank stays vacant, said in one line on rank 0, and nothing is spawned. Default 3; at least 1."""
+    spawned: list[tuple[int, ...]] = []
+
+    class Started:
+        def __init__(self, native: Any, ranks: tuple[int, ...], hosts: tuple[str, ...], _: bool) -> None:
+            spawned.append(ranks)
+            self.start_ranks, self.done = ranks, True
+
+    monkeypatch.setattr(replacement, "BackgroundSpawn", Started)
+    owner = _Owner(size=2)
+    places = replacement.Replacements(owner, threaded=False, limit=2)  # type: ignore[arg-type]
+    whole = Membership(0, (0, 1, 2, 3), 0, ("a", "b", "c", "d"))
+    for follower in owner.followers:
+        follower(whole, Membership(1, (0, 1), 0, ("a", "b")))  # start ranks 2 and 3 lost
+    assert places.due(10) is None and spawned == [(2, 3)] and places.started == 2
+    assert places.due(11) is not None and places.vacancies == ()  # admitted
+    for follower in owner.followers:
+        follower(whole, Membership(3, (0, 1, 3), 0, ("a", "b", "d")))  # start rank 2's replacement lost
+    with caplog.at_level("WARNING"):
+        assert places.due(20) is None
+    assert spawned == [(2, 3)] and places.vacancies == ()
+    said = [r.getMessage() for r in caplog.records if "not replaced" in r.getMessage()]
+    assert said == [
+        "elastic: start rank(s) 2 not replaced: the job started its 2 replacement(s) ([elastic] "
+        "max_replacements = 2); training goes on with 2 rank(s)"
+    ]
+    fresh = replacement.Replacements(_Owner(size=3, peer_count=2), threaded=False, limit=3)  # type: ignore[arg-type]
+    fresh.vacancies = (1, 2)  # one of the limit's three left, by a peer's count
+    assert fresh.due(5) is None and spawned[-1] == (1,) and fresh.started == 3
+    defaults = load_config(DIGITS, ["elastic.replace=true"]).elastic
+    assert defaults.max_replacements == 3
+    with pytest.raises(ConfigError, match="max_replacements"):
+        load_config(DIGITS, ["elastic.replace=true", "elastic.max_replacements=0"])

@@ -289,6 +289,13 @@ class ElasticSection:
         "start; it takes the lost rank's data shard and device, gets the consensus state from a survivor "
         "(no disk) and the world grows back (docs/reliability.md)",
     )
+    max_replacements: int = setting(
+        3,
+        "with replace: replacements started in all; a rank lost after that many is not replaced and the "
+        "job goes on with the others (one line says so), so a rank that keeps dying does not stall the "
+        "survivors with a spawn and a handover at every loss",
+        ge=1,
+    )
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,9 @@ class LoopTolerance(FaultTolerance):
         super().__init__(comm, rule, state, section.min_ranks, every, steps_done, refresh=True)
         self.own, self.loop, self.tracebacks = own, loop, tracebacks
         #: ``replace``: the replacements (started on a thread of their own where MPI is ``threaded``).
-        self.replacements = Replacements(self, threaded) if section.replace else None
+        self.replacements = (
+            Replacements(self, threaded, section.max_replacements) if section.replace else None
+        )
 
     def before_step(self, position: Callable[[], dict[str, Any]]) -> None:
         """Between two optimizer steps (``position()["step"]``: the next one): start the replacements, and
@@ -219,9 +221,10 @@ def join_rule(rule: Rule, comm: Communicator, own: OwnModel, merged: Any) -> tup
 
 def elastic_section(elastic: bool | str | Mapping[str, Any], world: World) -> ElasticSection | None:
     """``xb.init(elastic=...)`` checked: None when off; the ``[elastic]`` settings when on (``True``, or a
-    mapping of ``min_ranks``, ``commit_every`` and ``replace``); a UsageError naming what rules it out.
-    ``"auto"``: elastic where nothing rules it out, else off, said in one line (``[elastic] enabled =
-    auto``'s behaviour). Local: no other rank takes part (it runs inside ``xb.init``'s agreement)."""
+    mapping of ``min_ranks``, ``commit_every``, ``replace`` and ``max_replacements``); a UsageError naming
+    what rules it out. ``"auto"``: elastic where nothing rules it out, else off, said in one line
+    (``[elastic] enabled = auto``'s behaviour). Local: no other rank takes part (it runs inside
+    ``xb.init``'s agreement)."""
     if elastic is False:
         return None
     if elastic == "auto":

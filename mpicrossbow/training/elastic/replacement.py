@@ -282,8 +282,13 @@ class Replacements:
     and not replaced yet and where they ran, the replacements starting on a thread while the survivors train
     (``threaded``: MPI runs with ``MPI_THREAD_MULTIPLE``; else the spawn blocks), and the world's growth."""
 
-    def __init__(self, tolerance: FaultTolerance, threaded: bool) -> None:
+    def __init__(self, tolerance: FaultTolerance, threaded: bool, limit: int = 3) -> None:
         self.tolerance, self.threaded = tolerance, threaded
+        #: ``[elastic] max_replacements``: replacements started in all, at most.
+        self.limit = limit
+        #: Replacements started so far (this rank's count: agreed with the others at each spawn, since a
+        #: replacement, a member now, started counting at 0).
+        self.started = 0
         #: The start ranks lost and not yet replaced (a spawn starts at the next step).
         self.vacancies: tuple[int, ...] = ()
         #: Start rank -> host, as the membership knew them before a loss: where a replacement starts.
@@ -318,6 +323,8 @@ class Replacements:
             self.vacancies = tuple(r for r in self.vacancies if r not in spawning.start_ranks)
             return spawning
         if self.vacancies and step >= tolerance.skip_until:
+            if not self._within_limit():
+                return None
             lost_hosts = tuple(self.hosts.get(r, "") for r in self.vacancies)
             self.spawned_at = (step, time.perf_counter())
             native = tolerance.comm.group.native
@@ -325,6 +332,27 @@ class Replacements:
                 native, self.vacancies, lost_hosts if all(lost_hosts) else (), self.threaded
             )
         return None
+
+    def _within_limit(self) -> bool:
+        """Keep the vacancies the limit still allows (the first ones), counting them as started; say once
+        which are not filled. Whether any is left to fill. Collective over the survivors (one allreduce: the
+        highest count any of them holds)."""
+        tolerance = self.tolerance
+        counts = tolerance.comm.exact.allreduce_scalars([float(self.started)], op=ReduceOp.MAX)
+        self.started = int(counts[0])
+        left = max(self.limit - self.started, 0)
+        refused, self.vacancies = self.vacancies[left:], self.vacancies[:left]
+        self.started += len(self.vacancies)
+        if refused and tolerance.comm.membership.rank == 0:
+            log.warning(
+                "elastic: start rank(s) %s not replaced: the job started its %d replacement(s) "
+                "([elastic] max_replacements = %d); training goes on with %d rank(s)",
+                ", ".join(map(str, refused)),
+                self.limit,
+                self.limit,
+                tolerance.comm.membership.size,
+            )
+        return bool(self.vacancies)
 
     def cancel(self) -> None:
         """Training ended with replacements still starting: they are told so and leave (they would join a

@@ -52,19 +52,29 @@ class RunTolerance(FaultTolerance):
         every: int = 1,
         replace: bool = False,
         heals: bool | None = None,
+        max_replacements: int = 3,
     ) -> None:
         steps_done = int(parts.checkpoints.position.get("step", 0))
         state = [parts.pool, parts.rule]
         super().__init__(comm, parts.rule, state, min_ranks, every, steps_done, heals=heals)
         self.parts = parts
         #: ``[elastic] replace``: a lost rank gets a replacement at the next step (:meth:`before_step`).
-        self.replacements = replacement.Replacements(self, mpi_threads_ok(parts.world)) if replace else None
+        self.replacements = (
+            replacement.Replacements(self, mpi_threads_ok(parts.world), max_replacements) if replace else None
+        )
         self.followers += [self._move_world, self._take_over]
 
     @classmethod
     def configured(cls, parts: RankParts, comm: ElasticCommunicator, section: ElasticSection) -> RunTolerance:
         """The run's fault tolerance as ``[elastic]`` (``section``) sets it."""
-        return cls(parts, comm, section.min_ranks, section.commit_every, section.replace)
+        return cls(
+            parts,
+            comm,
+            section.min_ranks,
+            section.commit_every,
+            section.replace,
+            max_replacements=section.max_replacements,
+        )
 
     def before_step(self, position: Callable[[], dict[str, Any]]) -> None:
         """``[elastic] replace``: the replacements start on a thread at the first step after a recovery that
