@@ -416,3 +416,21 @@ def test_fault_tolerance_is_known_in_the_listed_modules_only() -> None:
     ``on_rebind`` is the rules' own place and is left out)."""
     assert modules_that_know_failure() == set(KNOWS_FAILURE)
     assert len(KNOWS_FAILURE) <= 12  # issue 50's bound: a new place to change needs another to go
+
+
+#: The most modules one folder of training/ holds (issue 50: "training/ has no flat list of more than 15
+#: modules"): a folder past it is a concern to split out, as health/, checkpoints/ and reporting/ were.
+MAX_MODULES_PER_FOLDER = 15
+
+
+def test_no_folder_of_training_lists_more_than_15_modules() -> None:
+    """training/ is split by concern; no sub-package (nor training/ itself) holds more than 15 modules
+    besides its ``__init__.py``."""
+    training = PACKAGE / "training"
+    folders = [training, *[d for d in training.iterdir() if (d / "__init__.py").exists()]]
+    counts = {
+        str(f.relative_to(PACKAGE)): len([m for m in f.glob("*.py") if m.name != "__init__.py"])
+        for f in folders
+    }
+    assert len(counts) > 5 and counts["training/run"] > 1  # it read the folders
+    assert {f: n for f, n in counts.items() if n > MAX_MODULES_PER_FOLDER} == {}
