@@ -191,11 +191,8 @@ class _DescriptorWindow(_Window):
         if FENCE is None:
             raise RuntimeError(f"no memory fence for node-shared memory on {platform.machine()} (libatomic)")
         storage = torch.UntypedStorage._new_shared(mine)  # zeroed: a fresh segment
-        fd, _ = storage._share_fd_cpu_()
-        gathered = node.allgather((os.getpid(), fd, mine))
-        segments = _map_peers(gathered, node.Get_rank(), storage, same_size=False)
-        problems = node.allgather("" if segments is not None else "a node peer's segment cannot be opened")
-        if any(problems) or segments is None:
+        segments, problems = _share_with_node(node, storage, same_size=False)
+        if segments is None:
             reasons = "; ".join(f"node rank {q}: {r}" for q, r in enumerate(problems) if r)
             raise RuntimeError(f"node-shared memory cannot be mapped ({reasons})")
         return segments
@@ -314,6 +311,26 @@ def _map_peers(
         finally:
             os.close(opened)
     return segments
+
+
+def _share_with_node(
+    node: MPI.Comm, storage: torch.UntypedStorage, same_size: bool = True
+) -> tuple[list[torch.Tensor] | None, list[str]]:
+    """Publish ``storage``'s descriptor to the node and map every peer's (collective over the node): every
+    node rank's segment (None on every rank when some rank could not take part), and each rank's problem
+    ('' where none)."""
+    problem = ""
+    try:
+        fd, _ = storage._share_fd_cpu_()
+        mine: tuple[int, int, int] | None = (os.getpid(), fd, storage.nbytes())
+    except RuntimeError as exc:  # a storage shared another way already (a DataLoader worker's, say)
+        mine, problem = None, str(exc).splitlines()[0]
+    gathered = node.allgather(mine)
+    segments = _map_peers(gathered, node.Get_rank(), storage, same_size) if mine else None
+    if segments is None and not problem:
+        problem = "a node peer's segment could not be opened through /proc"
+    problems = node.allgather(problem)
+    return (None if any(problems) else segments), problems
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -519,18 +536,8 @@ class SharedMemoryCommunicator(MPICommunicator):
             or storage.nbytes() < max(self.min_bytes, 1)
         ):
             return
-        problem = ""
-        try:
-            fd, _ = storage._share_fd_cpu_()
-            mine: tuple[int, int, int] | None = (os.getpid(), fd, storage.nbytes())
-        except RuntimeError as exc:  # a storage shared another way already (a DataLoader worker's, say)
-            mine, problem = None, str(exc).splitlines()[0]
-        gathered = self._node.allgather(mine)
-        segments = _map_peers(gathered, self._node.Get_rank(), storage) if mine else None
-        if segments is None and not problem:
-            problem = "a node peer's segment could not be opened through /proc"
-        reasons = self._node.allgather(problem)
-        if any(reasons):
+        segments, reasons = _share_with_node(self._node, storage)
+        if segments is None:
             log.warning(
                 "shared memory: a %d B buffer stays private, its allreduces copy in and out (%s)",
                 storage.nbytes(),
@@ -540,7 +547,7 @@ class SharedMemoryCommunicator(MPICommunicator):
         assert segments is not None
         self._buffers = [b for b in self._buffers if b.start != storage.data_ptr()]
         self._buffers.append(_Moved(tensor, segments))
-        log.debug("shared memory: %d B buffer shared with %d node rank(s)", storage.nbytes(), len(gathered))
+        log.debug("shared memory: %d B buffer shared with %d node rank(s)", storage.nbytes(), len(segments))
 
     def shared_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A zeroed 1-D CPU tensor that lives in node-shared memory (collective over the node; every rank
