@@ -77,6 +77,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpicrossbow.comm.backoff import Backoff
 from mpicrossbow.comm.base import DoneHandle, Handle, ReduceOp
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.comm.peer_watch import PeerWatch
@@ -100,7 +101,7 @@ _DTYPE_CODES = {dtype: i for i, dtype in enumerate(ACCUMULATE)}
 _DTYPE_NAMES = {i: str(dtype) for dtype, i in _DTYPE_CODES.items()}
 #: Elements per tile of the zero-copy path's accumulator (1 MB of float32: stays in L2).
 TILE = 1 << 18
-#: Polls of the other ranks' flags before each further poll yields the core (sched_yield).
+#: Polls of the other ranks' flags before each further poll gives the core back (:class:`.Backoff`).
 SPINS = 100
 #: With ``notice_failures``: polls past :data:`SPINS` between two questions to MPI (``MPI_Iprobe`` takes
 #: about 1.4 us here, a yielding poll about 1 us: asking at every poll delayed each sync's end by up to one
@@ -391,6 +392,8 @@ class SharedMemoryCommunicator(MPICommunicator):
         self._watch = PeerWatch(
             self._node.Get_rank(), dict(enumerate(self._node.allgather(PeerWatch.mine())))
         )
+        #: How a wait past :data:`SPINS` polls gives the core back (yield, then nap)
+        self._backoff = Backoff()
         self._leaders = world.Split(0 if leader else MPI.UNDEFINED, key=world.rank)
         self.nodes = world.allreduce(int(leader))
         self.window_bytes = window_bytes
@@ -423,9 +426,10 @@ class SharedMemoryCommunicator(MPICommunicator):
         """Make this rank's stores to the window visible to the node, and wait for every rank's.
 
         ``flags`` (default): the MPI-3 shared-memory polling idiom — ``MPI_Win_sync``, publish this rank's
-        epoch in its flag, poll the other ranks' flags (yielding the core after :data:`SPINS` polls, which
-        matters when ranks outnumber free cores; a wait past a second asks :class:`PeerWatch` whether the
-        peer is still alive and the job still running, and ends in its ``PeerGone`` if not),
+        epoch in its flag, poll the other ranks' flags (giving the core back after :data:`SPINS` polls,
+        yielding then napping (:class:`.Backoff`), which matters when ranks outnumber free cores or wait
+        long for a straggler; a wait past a second asks :class:`PeerWatch` whether the peer is still alive
+        and the job still running, and ends in its ``PeerGone`` if not),
         ``MPI_Win_sync``. ``barrier``: ``MPI_Win_sync``, a barrier on the node communicator, ``MPI_Win_sync``.
         """
         window = self._window
@@ -443,11 +447,12 @@ class SharedMemoryCommunicator(MPICommunicator):
                 while q != me and header[0] < epoch:
                     polls += 1
                     if polls > SPINS:
-                        os.sched_yield()
+                        self._backoff.pause()
                         self._watch.waiting("the shared-memory allreduce")
                         self._ask_mpi(polls)
                     window.refresh()
             self._watch.reset()
+            self._backoff.reset()
         window.sync()
 
     def _ask_mpi(self, polls: int) -> None:
@@ -470,8 +475,9 @@ class SharedMemoryCommunicator(MPICommunicator):
         while not request.Test():
             polls += 1
             if polls > SPINS:
-                os.sched_yield()
+                self._backoff.pause()
                 self._ask_mpi(polls)
+        self._backoff.reset()
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
         """SUM of a float CPU tensor through the shared window (blocking even when ``async_op``: the handle
