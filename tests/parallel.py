@@ -1,0 +1,105 @@
+"""How the suite runs on two workers (pytest-xdist, ``-n 2``, the README's command).
+
+Many tests mostly wait: on Slurm's scheduler, on a peer timeout, on a rank slowed on purpose. Run one after
+another they leave the machine's cores idle for about a third of the suite; on two workers another test uses
+that time. :class:`GroupScheduling` hands the workers whole groups of tests, never single tests, because some
+things must not be split or doubled:
+
+* **one group per test file**: a module's shared fixture (a job or a cluster made once for the module's tests)
+  stays made once;
+* **the daemons' group**: the files of :data:`DAEMON_FILES` (every test marked ``slurm`` or ``cluster``, but
+  one that stays in its file), on one worker, first: they share the session's private Slurm and namespace
+  nodes, made once per worker, and are the longest group, so starting them first keeps the end short;
+* **the communicator group**: the files that share the communicator contract's four ``mpiexec`` launches
+  (:func:`conftest.comm_job`).
+
+The groups go by file name because the controller sees test ids only; a worker refuses to start when a test
+marked ``slurm`` or ``cluster`` sits in a file the table does not know. The quick tier's check that it touches
+every module (:mod:`quick_tier`) needs every worker's imports: each worker sends the package's modules it
+imported back in ``workeroutput``, and the controller takes their union.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+#: Markers of the tests that need the session's daemons (Slurm, namespace nodes).
+DAEMON_MARKERS = ("slurm", "cluster")
+#: The files of the daemons' group.
+DAEMON_FILES = ("test_slurm.py", "test_slurm_netns.py", "test_cluster_netns.py", "test_embedded_slurm.py")
+#: Files with a daemons' test that runs in its own file's group: its cluster is its own (a command of
+#: docs/cluster.md starting one), and it shares nothing with the daemons' group.
+DAEMONS_ELSEWHERE = ("test_docs_commands.py",)
+#: Files that share one session fixture, and their group.
+SHARED = {
+    "test_communicator_contract.py": "communicator",
+    "test_comm_mpi.py": "communicator",
+    "test_comm_shm.py": "communicator",
+}
+#: Modules of the package that the workers imported (the controller's union, from ``workeroutput``).
+IMPORTED_BY_WORKERS: set[str] = set()
+
+
+def group_of(nodeid: str) -> str:
+    """The group of the test ``nodeid``: the daemons', a shared fixture's, or its file's."""
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return "daemons" if name in DAEMON_FILES else SHARED.get(name, name)
+
+
+def in_worker(config: pytest.Config) -> bool:
+    """Whether this process is an xdist worker."""
+    return hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """The controller's scheduler, for any ``--dist`` that balances load (``-n 2`` alone is ``load``)."""
+    if config.getvalue("dist") not in ("load", "loadscope", "loadfile", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """Whole groups (:func:`group_of`) to a worker at a time, in collection order (daemons first)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a worker: refuse a daemons' test outside the daemons' files, and put that group first (every worker
+    collects the same tests in the same order, as xdist requires; the others keep their order)."""
+    if not in_worker(config):
+        return
+    known = (*DAEMON_FILES, *DAEMONS_ELSEWHERE)
+    strays = sorted(
+        {
+            item.path.name
+            for item in items
+            if any(item.get_closest_marker(m) for m in DAEMON_MARKERS) and item.path.name not in known
+        }
+    )
+    if strays:
+        raise pytest.UsageError(
+            f"{', '.join(strays)}: tests marked slurm or cluster in a file that tests/parallel.py's "
+            "DAEMON_FILES does not list (two workers would each start the daemons): add the file there"
+        )
+    items.sort(key=lambda item: group_of(item.nodeid) != "daemons")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """In a worker: report the package's modules this process imported."""
+    if in_worker(session.config):
+        workeroutput: dict[str, Any] = session.config.workeroutput  # type: ignore[attr-defined]
+        workeroutput["imported"] = sorted(m for m in sys.modules if m.startswith("mpicrossbow"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """In the controller: collect what a finished worker imported."""
+    IMPORTED_BY_WORKERS.update(getattr(node, "workeroutput", {}).get("imported", ()))

@@ -1,0 +1,29 @@
+"""The suite's groups on two workers (tests/parallel.py): the daemons' tests stay together, and the files that
+share the communicator contract's launches too."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from parallel import DAEMON_FILES, DAEMONS_ELSEWHERE, SHARED, group_of
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_the_daemons_files_are_one_group_and_every_other_file_its_own() -> None:
+    assert {group_of(f"tests/{name}::test_x[a-b]") for name in DAEMON_FILES} == {"daemons"}
+    assert {group_of(f"tests/{name}::test_x") for name in SHARED} == {"communicator"}
+    assert group_of("tests/test_bsp.py::test_x[1-2]") == "test_bsp.py"
+    assert group_of("tests/test_bsp.py::test_y") == group_of("tests/test_bsp.py::test_x")
+
+
+def test_every_file_with_slurm_or_cluster_tests_is_in_the_table() -> None:
+    """A new file of Slurm or namespace-node tests must join the daemons' group, or two workers would each
+    start the daemons (a worker refuses to start then too; this says so without starting one)."""
+    marked = {
+        path.name
+        for path in TESTS.glob("test_*.py")
+        if re.search(r"pytest\.mark\.(slurm|cluster)\b", path.read_text(encoding="utf-8"))
+    }
+    assert marked == set(DAEMON_FILES) | set(DAEMONS_ELSEWHERE)
