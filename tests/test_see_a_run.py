@@ -33,26 +33,27 @@ SCRIPTS = Path(__file__).parent / "mpi_scripts"
 
 
 def through_a_terminal(args: list[str], timeout: float) -> tuple[int, str]:
-    """Run ``args`` with stdout and stderr on a pseudo-terminal, as at a person's shell; (status, output).
-
-    This side keeps the terminal open until the end, and reads on until 2 s pass without output after the
-    launcher exited. It used to stop at the first half second without output once the launcher had exited,
-    and one run on a loaded machine (two test workers) lost its last three epochs' output that way: the
-    kernel moves output across on a worker thread, which a loaded machine may run late."""
+    """Run ``args`` with stdout and stderr on a pseudo-terminal, as at a person's shell; (status, output)."""
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a 120-column terminal
-    proc = subprocess.Popen(args, cwd=REPO, env=mpi_env(), stdin=child, stdout=child, stderr=child)
-    chunks, deadline, quiet_since = [], time.monotonic() + timeout, None
+    env = mpi_env()
+    for inherited in ("COLUMNS", "LINES"):  # pytest-xdist's workers set 80 x 24; the terminal is 120 wide
+        env.pop(inherited, None)
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdin=child, stdout=child, stderr=child)
+    os.close(child)
+    chunks, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
         ready, _, _ = select.select([main], [], [], 0.5)
         if ready:
-            chunks.append(os.read(main, 65536))
-            quiet_since = None
-        elif proc.poll() is not None:
-            quiet_since = quiet_since or time.monotonic()
-            if time.monotonic() - quiet_since > 2.0:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the other end is closed: every process that held it has ended
                 break
-    os.close(child)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        elif proc.poll() is not None:
+            break
     os.close(main)
     try:
         code = proc.wait(timeout=10)
