@@ -13,10 +13,6 @@ things must not be split or doubled:
 * **the communicator group**: the files that share the communicator contract's four ``mpiexec`` launches
   (:func:`conftest.comm_job`).
 
-Two workers' jobs share the cores, so a job of as many ranks as cores is oversubscribed all the same: every
-worker sets the settings that make waiting ranks yield (``OVERSUBSCRIBED_SETTINGS``, which a job sets itself
-only when its own ranks outnumber the cores) in its environment, for every job it starts.
-
 The groups go by file name because the controller sees test ids only; a worker refuses to start when a test
 marked ``slurm`` or ``cluster`` sits in a file the table does not know. The quick tier's check that it touches
 every module (:mod:`quick_tier`) needs every worker's imports: each worker sends the package's modules it
@@ -25,13 +21,10 @@ imported back in ``workeroutput``, and the controller takes their union.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
 import pytest
-
-from mpicrossbow.launch.world import OVERSUBSCRIBED_SETTINGS
 
 #: Markers of the tests that need the session's daemons (Slurm, namespace nodes).
 DAEMON_MARKERS = ("slurm", "cluster")
@@ -76,13 +69,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     config.option.loadscopereorder = False
     return GroupScheduling(config, log)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """In a worker: the jobs it starts yield the cores while they wait (the other worker's jobs need them)."""
-    if in_worker(config):
-        for key, value in OVERSUBSCRIBED_SETTINGS.items():
-            os.environ.setdefault(key, value)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
