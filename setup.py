@@ -38,6 +38,8 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-xdist>=3.5",
+            # the Python stacks of a test's job that timed out (tests/bounded.py)
+            "py-spy>=0.3",
             "ruff>=0.5",
             "matplotlib>=3.6",
             "mnist1d>=0.0.2",

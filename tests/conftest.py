@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from bounded import JobTimedOut, run_bounded
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.config import OptimSection
@@ -87,7 +88,7 @@ def run_local(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``args`` in the MPI environment with a hard timeout, output captured as text: a launcher that
     starts its own job, or a script; the caller asserts on returncode and output."""
-    return subprocess.run(args, cwd=cwd, env=mpi_env(env), capture_output=True, text=True, timeout=timeout)
+    return run_bounded(args, timeout, cwd, mpi_env(env))
 
 
 def run_mpi(
@@ -151,9 +152,8 @@ def comm_job(mpiexec: str) -> Callable[[int], CommJob]:
             try:
                 proc = run_mpi(mpiexec, n, args, timeout=300)
                 jobs[n] = CommJob(n, proc.returncode, proc.stdout, proc.stderr)
-            except subprocess.TimeoutExpired as exc:
-                out, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (exc.stdout, exc.stderr))
-                jobs[n] = CommJob(n, None, out, f"{err}\ntimed out after {exc.timeout}s")
+            except JobTimedOut as exc:
+                jobs[n] = CommJob(n, None, exc.stdout or "", str(exc))
         return jobs[n]
 
     return job

@@ -13,6 +13,12 @@ things must not be split or doubled:
 * **the communicator group**: the files that share the communicator contract's four ``mpiexec`` launches
   (:func:`conftest.comm_job`).
 
+Two workers' torch computations share the cores: each worker, and every job it starts, gets
+``OMP_NUM_THREADS`` = cores / workers (unless set already). With a thread per core in every process,
+OpenMP's threads wait for each other at every parallel region while the other worker holds the core: two
+one-process trainings at once took 4.4x their time alone here (benchmarks/shared_cores.py), and a 4-second
+example ran past its 120 s timeout on the CI machine.
+
 The groups go by file name because the controller sees test ids only; a worker refuses to start when a test
 marked ``slurm`` or ``cluster`` sits in a file the table does not know. The quick tier's check that it touches
 every module (:mod:`quick_tier`) needs every worker's imports: each worker sends the package's modules it
@@ -21,6 +27,7 @@ imported back in ``workeroutput``, and the controller takes their union.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -52,6 +59,17 @@ def group_of(nodeid: str) -> str:
 def in_worker(config: pytest.Config) -> bool:
     """Whether this process is an xdist worker."""
     return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the controller of N workers, before they start: they and their jobs inherit ``OMP_NUM_THREADS``
+    = cores // N (torch reads it as it starts; mpicrossbow's ranks keep it, see its launch.binding)."""
+    workers = config.getoption("numprocesses", default=None)
+    if in_worker(config) or not isinstance(workers, int) or workers < 2:
+        return
+    per = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(key, per)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

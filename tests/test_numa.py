@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from mpicrossbow.launch.binding import Binding, RankFacts, bind, plan, prebound, report_table, split_evenly
+from mpicrossbow.launch.binding import (
+    Binding,
+    RankFacts,
+    bind,
+    plan,
+    prebound,
+    report_table,
+    requested_threads,
+    split_evenly,
+)
 from mpicrossbow.launch.topology import (
     Topology,
     find_lstopo,
@@ -176,6 +185,17 @@ def test_bind_keeps_a_launcher_binding_and_reports_it(caplog: pytest.LogCaptureF
     assert got.source == "launcher" and got.cpus == mine and got.threads == len(mine)
     assert "already bound" in caplog.text
     assert tuple(sorted(os.sched_getaffinity(0))) == mine
+
+
+def test_omp_num_threads_given_at_start_wins_over_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job started with ``OMP_NUM_THREADS=1`` (several jobs share the cores) runs 1 thread per rank
+    however many cores its binding holds; an empty or broken value leaves the default."""
+    assert [requested_threads(v) for v in ("3", "2,1", " 4 ", "", "0", "two")] == [3, 2, 4, None, None, None]
+    monkeypatch.setattr("mpicrossbow.launch.binding.STARTED_WITH_OMP", "1")
+    monkeypatch.setattr("mpicrossbow.launch.binding.set_threads", lambda count: None)
+    mine = tuple(sorted(os.sched_getaffinity(0)))
+    topo = Topology(cores=tuple(frozenset({c}) for c in mine), packages=(), numa_nodes={})
+    assert bind("core", [RankFacts(0, "h", 0, "cpu", mine, mine)], 0, memory=False, topo=topo).threads == 1
 
 
 def test_report_table() -> None:

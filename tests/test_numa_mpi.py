@@ -35,6 +35,7 @@ def test_every_mode_binds_what_it_reports_disjointly(mpiexec: str, tmp_path: Pat
         mpiexec,
         2,
         [*no_bind, sys.executable, "tests/mpi_scripts/binding_check.py", str(tmp_path), ",".join(MODES)],
+        env={"OMP_NUM_THREADS": ""},  # the default count (two pytest workers set 1 for their jobs)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = ranks_results(tmp_path, 2)

@@ -51,7 +51,10 @@ class SessionSection:
     )
     log_level: Literal["debug", "info", "warning"] = setting("info", "log level of rank 0 (others: warning)")
     threads: int = setting(
-        0, "torch threads per rank (0: the cores this rank may use / ranks on the node)", ge=0
+        0,
+        "torch threads per rank (0: OMP_NUM_THREADS where set, else the cores this rank may use / ranks on "
+        "the node)",
+        ge=0,
     )
     slow_ranks: tuple[int, ...] = setting((), "test/benchmark hook: ranks that sleep after every step", ge=0)
     slow_seconds: float = setting(0.0, "test/benchmark hook: seconds each step of slow_ranks sleeps", ge=0)

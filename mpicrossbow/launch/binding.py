@@ -10,8 +10,10 @@ Modes (``[numa] bind`` or ``crossbow-launch -bind MODE``):
   (CPU-only ranks, or a topology without GPUs, fall back to ``numa`` with a warning).
 
 Binding applies to every thread of the process and sets torch's and OpenMP's thread counts to the cores
-given. When ``mpirun`` or ``srun`` has already bound the ranks (their CPU sets differ on one node, or a lone
-rank holds less than its cgroup allows), that binding is kept and reported, not fought. Rank 0 prints a
+given, or to ``OMP_NUM_THREADS`` where the process was started with it (the user's word wins, as under
+torchrun: several jobs sharing a node's cores must not each start a thread per core). When
+``mpirun`` or ``srun`` has already bound the ranks (their CPU sets differ on one node, or a lone rank holds
+less than its cgroup allows), that binding is kept and reported, not fought. Rank 0 prints a
 ``--report-bindings`` style table gathered over MPI.
 """
 
@@ -209,6 +211,24 @@ def prefer_memory_node(node: int) -> bool:
     return libc.syscall(number, MPOL_PREFERRED, ctypes.byref(mask), ctypes.c_ulong(node + 2)) == 0
 
 
+#: ``OMP_NUM_THREADS`` as this process was started with it (read once: :func:`set_threads` writes the
+#: variable later, and that is no request from the user).
+STARTED_WITH_OMP = os.environ.get("OMP_NUM_THREADS", "")
+
+
+def requested_threads(value: str | None = None) -> int | None:
+    """The thread count ``OMP_NUM_THREADS`` asks for (``value``, else the process's starting one): its first
+    entry (OpenMP allows a list, one per nesting level), or None when unset, empty or not a positive
+    integer (the latter with a warning: the default applies)."""
+    text = (STARTED_WITH_OMP if value is None else value).split(",", 1)[0].strip()
+    if not text:
+        return None
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    log.warning("OMP_NUM_THREADS=%r is not a positive integer; using the default thread count", text)
+    return None
+
+
 def set_threads(count: int) -> None:
     """torch's intra-op threads and OpenMP/MKL's (for libraries initialised later) to ``count``."""
     import torch
@@ -289,7 +309,9 @@ def bind(
     numa_nodes = topo.numa_of(cpus) if topo is not None else _numa_of(cpus)
     if memory and source != "none" and len(numa_nodes) == 1:
         prefer_memory_node(numa_nodes[0])
-    threads = len(cpus) if source != "none" else max(1, len(cpus) // max(1, len(node)))
+    threads = requested_threads() or (
+        len(cpus) if source != "none" else max(1, len(cpus) // max(1, len(node)))
+    )
     set_threads(threads)
     return Binding(
         rank=rank,

@@ -24,7 +24,7 @@ from ...comm.base import Communicator
 from ...comm.elastic import ElasticCommunicator, elastic_over_mpi
 from ...config import Config
 from ...errors import CheckpointError, ConfigError
-from ...launch.binding import Binding
+from ...launch.binding import Binding, requested_threads
 from ...launch.devices import device_for_rank
 from ...launch.world import World, WorldView
 from ...model.consistency import check_same_shapes
@@ -96,7 +96,7 @@ class Session:
         threads = cfg.session.threads or (
             self.binding.threads
             if self.binding is not None
-            else max(1, len(os.sched_getaffinity(0)) // max(1, world.local_size))
+            else requested_threads() or max(1, len(os.sched_getaffinity(0)) // max(1, world.local_size))
         )
         torch.set_num_threads(threads)
         rule, cfg = resolve(cfg, self.rule)  # session.cfg records the resolved hyper-parameters
