@@ -223,10 +223,11 @@ def test_parameter_server_keeps_w_in_float32(wire: torch.dtype) -> None:
             return server.w, server.progress[1]
         replies = []
         for i, delta in enumerate([*deltas, None]):
-            request = torch.zeros(N + PUSH_HEADER)  # [Δ, flag, progress, seen]
+            request = torch.zeros(N + PUSH_HEADER)  # [Δ, flag, progress, seen, number]
             request[N] = 1.0 if delta is None else 0.0
             request[N + 1] = 0.1 * i + 1 / 3  # progress: not representable in 16 bits
             request[N + 2] = i
+            request[N + 3] = i + (delta is not None)  # the push's number (a DONE: the pushes made)
             if delta is not None:
                 request[:N] = delta
                 reply = torch.zeros(N + REPLY_HEADER)  # [w, updates]

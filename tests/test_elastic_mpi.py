@@ -321,6 +321,29 @@ def test_a_server_forgets_a_killed_worker_and_the_others_finish(
     assert accuracy(proc.stderr) > (0.72 if "RULE=GOSGD" in rule else 0.85), proc.stderr[-2000:]
 
 
+def test_a_lost_server_with_a_backup_is_survived_every_push_counted_once(
+    openmpi: OpenMPIEnv, tmp_path: Path
+) -> None:
+    """ASGD on 4 ranks with ``[elastic] server_backups = 1``: rank 0 serves, ranks 1-2 train, rank 3 mirrors
+    the server. Rank 0 SIGKILLed after answering 30 pushes: the backup says it serves from here, each worker
+    says its shard moved to rank 3, the backup's last line says every push was counted once (each worker's
+    DONE carries its push count), the ranks shrink at the end and the job finishes with status 0 and the
+    accuracy of an elastic ASGD run (above 0.85, with the rate decayed for the last epoch)."""
+    fault = ("elastic.enabled=true", "elastic.server_backups=1", "inject.rank=0", "inject.step=30")
+    args = digits_args(tmp_path, "RULE=ASGD", "session.epochs=4", "optim.milestones=3",
+                       "checkpoint.on_signal=false", *fault, "inject.action=kill")  # fmt: skip
+    proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    took = [line for line in lines if "backup rank 3: parameter server rank 0 was lost" in line]
+    moved = [line for line in lines if "shard 0 is served by its backup, rank 3, from now on" in line]
+    assert len(took) == 1 and len(moved) == 2, proc.stderr[-3000:]
+    last = [line for line in lines if "parameter server rank 3:" in line and "all done" in line]
+    assert len(last) == 1 and "every push of the 2 finishing worker(s) counted once" in last[0], last
+    assert "PUSHES MISCOUNTED" not in proc.stderr
+    assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     ("rule", "said"),
     [

@@ -292,6 +292,15 @@ class ElasticSection:
         "start; it takes the lost rank's data shard and device, gets the consensus state from a survivor "
         "(no disk) and the world grows back (docs/reliability.md)",
     )
+    server_backups: int = setting(
+        0,
+        "parameter-server rules (ASGD, SSP, PSGD, WEEDOUT; placement = rank): 1 mirrors each server rank's "
+        "state, message by message, to a backup rank (the last ranks of the job: on another node), which "
+        "serves on in its place when it is lost, no push lost or applied twice; the workers are the ranks "
+        "in between. 0: a lost server ends the job",
+        ge=0,
+        le=1,
+    )
     max_replacements: int = setting(
         3,
         "with replace: replacements started in all; a rank lost after that many is not replaced and the "

@@ -139,6 +139,9 @@ class Rule:
         self.tick: Callable[[], None] | None = None
         #: How long an asynchronous rule's waits on peers may stay silent (``[watchdog]`` sets it).
         self.patience = Patience()
+        #: Backup ranks per parameter-server rank (``[elastic] server_backups``, set by the session before
+        #: it asks :meth:`trains`; only a rule whose :meth:`backups_obstacle` is None has any).
+        self.server_backups = 0
         #: :meth:`average`'s own sums, one per attribute, made at its first ``atomic`` use.
         self._sums: dict[str, torch.Tensor] = {}
 
@@ -228,6 +231,11 @@ class Rule:
                 "checkpoint.on_signal=false and no checkpoint.every_steps / every_epochs"
             )
         return None
+
+    def backups_obstacle(self) -> str | None:
+        """Why this rule's server ranks cannot have backups (``[elastic] server_backups``), or None when
+        they can (the parameter-server rules whose servers forget lost workers)."""
+        return f"RULE={self.name} keeps no parameter server rank to back up"
 
     def on_rebind(self, lost: tuple[int, ...]) -> None:
         """Ranks were lost (``lost``: their ranks before the loss) and ``self.comm`` now spans the survivors,

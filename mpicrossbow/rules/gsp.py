@@ -125,6 +125,10 @@ class GSP(ServerRule):
         #: Elastic training: the group members lost so far (start ranks), in the order they were met.
         self.lost_members: list[int] = []
 
+    def backups_obstacle(self) -> str | None:
+        """GSP's groups are formed over the worker ranks, which backups would move: not yet."""
+        return "RULE=GSP's worker groups do not yet leave room for backup ranks; use ASGD or SSP"
+
     def elastic_obstacle(self, snapshots: bool = False) -> str | None:
         """As the other server rules (server ranks), with a groups file or one group: ``groups = auto`` is
         not elastic. Its snapshots go on after a loss: the group's pause agreement is a committed group

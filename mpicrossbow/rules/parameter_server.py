@@ -15,11 +15,14 @@ one. It replies at once unless its policy holds the reply (SSP's staleness bound
 synchrony) or discards the push (weed-out). Every server applies the policy to its own shard with its own
 counters; a worker pushes to all servers at every push, so their clocks agree.
 
-Messages: a push is ``[Δ slice, stats, flag, progress, seen]`` — stats the mean of the worker's learners'
-BatchNorm buffers (S = 1 only, :mod:`~mpicrossbow.rules.served_stats`: the served model is validated with
-them), flag UPDATE or DONE, progress in epochs (drives the once-per-epoch report of the served model, S = 1
-only), seen = the server's update count in the reply the worker last adopted (GSP's staleness). A reply is
-``[w slice, updates]``.
+Messages: a push is ``[Δ slice, stats, flag, progress, seen, number]`` — stats the mean of the worker's
+learners' BatchNorm buffers (S = 1 only, :mod:`~mpicrossbow.rules.served_stats`: the served model is
+validated with them), flag UPDATE or DONE, progress in epochs (drives the once-per-epoch report of the served
+model, S = 1 only), seen = the server's update count in the reply the worker last adopted (GSP's staleness),
+number = the push's number among the worker's pushes (a DONE: how many it made). A push whose number the
+worker's clock already counts was sent again to a backup that took over (:mod:`.server_backup`): it is
+answered, never applied twice; a DONE whose count differs from the clock is said in the server's last line.
+A reply is ``[w slice, updates]``.
 
 Placement (``[rule] placement``): ``rank`` as above; ``colocated``: every rank trains and hosts shard r of N
 in a background thread (:mod:`~mpicrossbow.rules.server_thread`) on a communicator split off the rule's —
@@ -32,7 +35,8 @@ and every reply send has completed: nothing is in flight.
 Elastic training (``[elastic] enabled``, ASGD and SSP with server ranks): a receive from or reply to a worker
 that died raises :class:`~mpicrossbow.comm.ulfm.PeerLost`; the server forgets that worker
 (:meth:`ParameterServer.forget`: done for good, out of c_min) and serves the others on. A lost server ends
-the job: the model lives there.
+the job: the model lives there — unless it has a backup (``[elastic] server_backups = 1``,
+:mod:`.server_backup`), which mirrors its state message by message and serves on in its place.
 """
 
 from __future__ import annotations
@@ -42,19 +46,30 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar, Literal
 
 import torch
 
-from ..comm.base import Communicator, Handle
+from ..comm.base import Communicator, DoneHandle, Handle
 from ..config.fields import setting
 from ..errors import ConfigError
 from ..trace import instant, span
 from .base import Rule, not_forgetting
 from .patience import Patience, Silence, wait_for
-from .peer_loss import Forgetting, server_lost
+from .peer_loss import Forgetting, Rerouted, server_lost
 from .request_loop import DONE, UPDATE, Order, Report, serve_requests
 from .served_stats import ServedStats, learners_mean_buffers
+from .server_backup import (
+    DONE_ACK_TAG,
+    FORGOTTEN,
+    HANDLED,
+    NOTICE_TAG,
+    Mirror,
+    Routes,
+    backup_ranks,
+    mirror_until_done,
+)
 from .server_thread import ServerThread
 
 log = logging.getLogger(__name__)
@@ -68,8 +83,9 @@ PUSH_TAG, PULL_TAG = 7201, 7202
 #: A server's counters that a checkpoint keeps: per worker, and in all.
 SERVER_COUNTS_PER_WORKER = ("clock", "seen", "pulled_at", "progress")
 SERVER_COUNTS = ("updates", "received", "discarded", "holds")
-#: Values after the Δ slice in a push (flag, progress, seen) and after the w slice in a reply (updates).
-PUSH_HEADER, REPLY_HEADER = 3, 1
+#: Values after the Δ slice in a push (flag, progress, seen, number) and after the w slice in a reply
+#: (updates).
+PUSH_HEADER, REPLY_HEADER = 4, 1
 
 
 def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
@@ -127,6 +143,7 @@ class ParameterServer:
         workers: list[int],
         stats_size: int = 0,
         rescale: bool = False,
+        acks_done: bool = False,
     ) -> None:
         self.comm, self.w, self.scale, self.policy, self.order = comm, w, scale, policy, order
         self.workers = workers
@@ -158,6 +175,29 @@ class ParameterServer:
         #: The weights pushes were applied with (GSP's 1/Y), in order.
         self.weights: list[float] = []
         self._reported = 0
+        #: Where each event goes before any reply (a server with a backup, :mod:`.server_backup`).
+        self.mirror: Mirror | None = None
+        #: A backup before its takeover: events come from its server, no reply goes out.
+        self.shadowing = False
+        #: A backup that took over from its lost server.
+        self.took_over = False
+        #: Backups on: a DONE is acknowledged (a worker must know whether to say it again to the backup).
+        self.acks_done = acks_done
+        #: Pushes received again after a takeover, already applied: answered, not applied.
+        self.resent = 0
+        #: Workers whose DONE counted other pushes than this server did: worker -> (theirs, ours).
+        self.miscounted: dict[int, tuple[int, int]] = {}
+        self.patience = Patience()
+        self._done_ack = w.new_zeros(1)
+
+    @property
+    def message_size(self) -> int:
+        """The values of one push: the Δ slice, the BatchNorm statistics and the header."""
+        return self.w.numel() + self.stats.size + PUSH_HEADER
+
+    def all_done(self) -> bool:
+        """Whether every worker said DONE or was lost."""
+        return all(r in self.done for r in self.workers)
 
     @property
     def in_flight(self) -> int:
@@ -170,14 +210,21 @@ class ParameterServer:
         return min(active) if active else math.inf  # type: ignore[return-value]
 
     def serve(
-        self, report: Report | None, tick: Callable[[], None] | None = None, patience: Patience | None = None
+        self,
+        report: Report | None,
+        tick: Callable[[], None] | None = None,
+        patience: Patience | None = None,
+        resume: bool = False,
     ) -> None:
         """Serve pushes until every worker is done and nothing is in flight; ``report`` once per epoch.
-        Served again after a snapshot, it starts with every worker training again. A worker neither done
-        nor waiting for a held reply that stays silent is a stall (``patience``)."""
-        self.done = set(self.lost)
+        Served again after a snapshot, it starts with every worker training again (``resume``: a backup's
+        takeover, the workers done stay done). A worker neither done nor waiting for a held reply that stays
+        silent is a stall (``patience``)."""
+        self.patience = patience or Patience()
+        if not resume:
+            self.done = set(self.lost)
         for r in self.workers:
-            if r not in self.lost:
+            if r not in self.done:
                 self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
         silence = Silence(
             patience or Patience(), f"parameter server rank {self.comm.rank}", "for a push", self.workers
@@ -186,41 +233,103 @@ class ParameterServer:
             self._recvs, lambda r: self._handle(r, report), self.order, self._sends, tick, silence,
             lambda: [r for r in self.workers if r not in self.done and r not in self.held], self.forget,
         )  # fmt: skip
-        log.info(
-            "parameter server: %d update(s) from %d worker(s), all done", self.updates, len(self.workers)
+        level = logging.WARNING if self.took_over else logging.INFO  # a backup's last line is seen too
+        log.log(level, "parameter server rank %d: %d update(s) from %d worker(s), all done%s", self.comm.rank,
+                self.updates, len(self.workers), self.accounting())  # fmt: skip
+
+    def accounting(self) -> str:
+        """How the workers' pushes were counted, for the server's last line: each applied once, or which
+        worker's count differs (and the resends a takeover answered without applying them)."""
+        resent = f"; {self.resent} push(es) sent again after a takeover answered, not applied" * bool(
+            self.resent
         )
+        if self.miscounted:
+            counts = ", ".join(
+                f"worker {r} made {a}, counted {b}" for r, (a, b) in sorted(self.miscounted.items())
+            )
+            return f"; PUSHES MISCOUNTED: {counts}{resent}"
+        said = [r for r in self.workers if r not in self.lost]
+        return f"; every push of the {len(said)} finishing worker(s) counted once{resent}"
 
     def _handle(self, r: int, report: Report | None) -> None:
         del self._recvs[r]
-        msg, n = self._inbox[r], self.w.numel()
-        head = n + self.stats.size
-        self.progress[r] = float(msg[head + 1])
-        self.seen[r] = int(msg[head + 2])
-        self.stats.record(r, msg[n:head])
-        if float(msg[head]) == DONE:
-            self.done.add(r)
-            instant("done", "message", worker=r)
-        else:
-            instant("push", "message", worker=r)
-            self.received += 1
-            if self.policy.accept(self, r):
-                weight = self.policy.weight(self, r)
-                self.w.add_(msg[:n], alpha=self.scale * weight)
-                self.weights.append(weight)
-                self.updates += 1
-            else:
-                self.discarded += 1
-            self.clock[r] += 1
-            self.policy.hold(self, r)
-            self.held.append(r)
-        self._release()
-        if r in self.held:
-            self.holds += 1
+        msg = self._inbox[r]
+        self._event(r, msg)
+        if float(msg[self.w.numel() + self.stats.size]) == DONE and self.acks_done:
+            with Forgetting(r, self.forget):
+                if r in self._sends:
+                    self._sends.pop(r).wait()
+                self._sends[r] = self.comm.isend(self._done_ack, r, DONE_ACK_TAG)
         # Mean progress of the workers heard from (GSP: only group leaders push before the end).
         epoch = sum(self.progress.values()) / max(len(self.progress), 1)
         if report is not None and math.floor(epoch) > self._reported:
             self._reported = math.floor(epoch)
             report(self.w, epoch)
+
+    def _event(self, r: int, msg: torch.Tensor) -> None:
+        """Worker ``r``'s message ``msg`` applied, mirrored to the backup (if any), and the replies that may
+        go out now sent."""
+        fresh = self._take(r, msg)
+        if self.mirror is not None:
+            self.mirror.forward(r, msg, HANDLED, self.patience)
+        self._release()
+        if fresh and r in self.held:
+            self.holds += 1
+
+    def replay(self, r: int, msg: torch.Tensor) -> None:
+        """A backup applies its server's event: the same state change, no reply sent."""
+        self._event(r, msg)
+
+    def _take(self, r: int, msg: torch.Tensor) -> bool:
+        """The state change of worker ``r``'s message: True for a push applied (or discarded) now."""
+        n = self.w.numel()
+        head = n + self.stats.size
+        flag, number = float(msg[head]), int(msg[head + 3])
+        if flag != DONE and number <= self.clock[r]:  # sent again to a backup that took over: answered once
+            self.resent += 1
+            if r not in self.held:
+                self.held.append(r)
+            return False
+        self.progress[r] = float(msg[head + 1])
+        self.seen[r] = int(msg[head + 2])
+        self.stats.record(r, msg[n:head])
+        if flag == DONE:
+            if number != self.clock[r]:
+                self.miscounted[r] = (number, self.clock[r])
+            self.done.add(r)
+            instant("done", "message", worker=r)
+            return False
+        instant("push", "message", worker=r)
+        self.received += 1
+        if self.policy.accept(self, r):
+            weight = self.policy.weight(self, r)
+            self.w.add_(msg[:n], alpha=self.scale * weight)
+            self.weights.append(weight)
+            self.updates += 1
+        else:
+            self.discarded += 1
+        self.clock[r] += 1
+        self.policy.hold(self, r)
+        self.held.append(r)
+        return True
+
+    def take_over(self, server: int) -> None:
+        """A backup whose server ``server`` was lost serves from now on: one line, and a notice to every live
+        worker of what it holds of it (its pushes counted, whether its DONE arrived), which a worker that
+        said DONE to the lost server reads to know whether to say it again."""
+        self.shadowing, self.took_over = False, True
+        log.warning(
+            "backup rank %d: parameter server rank %d was lost; serving its shard from here (%d update(s) "
+            "mirrored: every reply it had sent among them)",
+            self.comm.rank, server, self.updates,
+        )  # fmt: skip
+        notice = torch.zeros(2, dtype=torch.float64)
+        for r in self.workers:
+            if r in self.lost:
+                continue
+            notice[0], notice[1] = self.clock[r], float(r in self.done)
+            with Forgetting(r, self.forget):
+                self.comm.isend(notice, r, NOTICE_TAG).wait()
 
     def _release(self) -> None:
         """Reply to every held worker within the staleness bound, then re-post its receive (a worker found
@@ -231,6 +340,8 @@ class ParameterServer:
                 continue
             self.held.remove(r)
             self.pulled_at[r] = self.received
+            if self.shadowing:  # the server sent it
+                continue
             with Forgetting(r, self.forget) as met:
                 if r in self._sends:
                     self._sends.pop(r).wait()
@@ -260,10 +371,13 @@ class ParameterServer:
         self.progress.pop(r, None)
         if self.rescale and live > 1:
             self.scale *= live / (live - 1)
-        log.warning(
-            "parameter server rank %d: worker rank %d was lost after %d push(es); serving the %d other(s)",
-            self.comm.rank, r, self.clock[r], live - 1,
-        )  # fmt: skip
+        if not self.shadowing:
+            log.warning(
+                "parameter server rank %d: worker rank %d was lost after %d push(es); serving the %d "
+                "other(s)", self.comm.rank, r, self.clock[r], live - 1,
+            )  # fmt: skip
+        if self.mirror is not None:
+            self.mirror.forward(r, None, FORGOTTEN, self.patience)
         self._release()
 
 
@@ -306,6 +420,14 @@ class ServerRule(Rule):
         #: The shard this training rank serves, and the thread it serves it from (placement = colocated).
         self.shard: ParameterServer | None = None
         self.hosted: ServerThread | None = None
+        #: A backup rank: the shard whose server it mirrors (None elsewhere).
+        self.mirrored: int | None = None
+        #: A worker's routes to the servers, and to their backups once lost.
+        self.routes: Routes | None = None
+        #: The rank holding each shard's w at the end (the server, or its backup after a takeover).
+        self.roots: list[int] = []
+        #: The world's size when bound (roles are by start rank: ``trains``, the backups).
+        self.start_size = 0
         self._steps = 0
         self._synced = False
 
@@ -336,6 +458,24 @@ class ServerRule(Rule):
         return 0 if self.colocated else int(self.hyper.servers)
 
     @property
+    def backups(self) -> int:
+        """Backup ranks per server rank (``[elastic] server_backups``): 0 or 1."""
+        return 0 if self.colocated else int(self.server_backups)
+
+    def backup_ranks(self, size: int) -> list[int]:
+        """The backup rank of each server (the last S ranks), or none."""
+        return backup_ranks(self.servers, size) if self.backups else []
+
+    def backups_obstacle(self) -> str | None:
+        """A server rank's state can be mirrored to a backup when the rule's servers forget lost workers
+        (the backup serves the survivors on) and serve from ranks of their own."""
+        if not self.forgets_workers:
+            return not_forgetting(self.name)
+        if self.colocated:
+            return "placement = colocated keeps no server rank to back up; use placement = rank"
+        return None
+
+    @property
     def shards(self) -> int:
         """How many shards the server state is cut into: one per server rank, or per rank when colocated."""
         assert self.comm is not None
@@ -348,10 +488,12 @@ class ServerRule(Rule):
                 f"rank; [rule] servers = {self.hyper.servers} places server ranks (placement = rank): "
                 "leave it at 1"
             )
-        if size < self.servers + 1:
+        keep = self.servers * (1 + self.backups)
+        if size < keep + 1:
+            backed = f" and {self.servers} back them up ([elastic] server_backups)" if self.backups else ""
             raise ConfigError(
-                f"RULE={self.name} needs at least {self.servers + 1} ranks ([rule] servers = {self.servers} "
-                f"serve the model, at least one more rank trains); this job has {size}"
+                f"RULE={self.name} needs at least {keep + 1} ranks ([rule] servers = {self.servers} "
+                f"serve the model{backed}, at least one more rank trains); this job has {size}"
             )
 
     def elastic_obstacle(self, snapshots: bool = False) -> str | None:
@@ -367,25 +509,30 @@ class ServerRule(Rule):
         return super().elastic_obstacle(snapshots)
 
     def on_rebind(self, lost: tuple[int, ...]) -> None:
-        """After the serving ended (asynchronous ranks meet only then): nothing to rebuild — the servers
-        forgot the lost workers as they met them (:meth:`ParameterServer.forget`), the server ranks keep
-        ranks 0..S-1 (the lowest survive renumbering) and the workers follow ``self.comm.size``."""
+        """After the serving ended (asynchronous ranks meet only then): the servers forgot the lost workers
+        as they met them (:meth:`ParameterServer.forget`); what moves is where each shard's w is — its
+        server, or its backup when the server was lost — in the survivors' numbering."""
+        backups = self.backup_ranks(self.start_size)
+        start = self.roots or list(range(self.shards))
+        held = [backups[j] if root in lost and backups else root for j, root in enumerate(start)]
+        self.roots = [r - sum(1 for gone in lost if gone < r) for r in held]
 
     def trains(self, rank: int, size: int) -> bool:
-        """Every rank but the server ranks trains (every rank, when colocated)."""
+        """Every rank but the server ranks and their backups trains (every rank, when colocated)."""
         self._check(size)
-        return rank >= self.servers
+        return self.servers <= rank < size - self.servers * self.backups
 
     def train_shard(self, rank: int, size: int) -> tuple[int, int]:
-        """The workers share the data: shard rank − S of N − S."""
+        """The workers share the data: shard rank − S of N − S (− S backups)."""
         self._check(size)
-        return rank - self.servers, size - self.servers
+        return rank - self.servers, size - self.servers * (1 + self.backups)
 
     @property
     def workers(self) -> list[int]:
-        """The training ranks S..N-1."""
+        """The training ranks S..N-1 (..N-S-1 with backups), in the start numbering."""
         assert self.comm is not None
-        return list(range(self.servers, self.comm.size))
+        size = self.start_size or self.comm.size
+        return list(range(self.servers, size - self.servers * self.backups))
 
     def scale(self) -> float:
         """The factor a push is applied with (``[rule] scale``; 0 means 1 / learners over all workers)."""
@@ -396,9 +543,10 @@ class ServerRule(Rule):
         """Server j: its slice of w. Worker: w, x_pulled and one push/reply buffer per server."""
         assert self.pool is not None and self.comm is not None
         self._check(self.comm.size)
+        self.start_size = self.comm.size
         self.w = self.pool.learners[0].params.clone()
         self.bounds = shard_bounds(self.w.numel(), self.shards)
-        rank = self.comm.rank
+        rank, backups = self.comm.rank, self.backup_ranks(self.comm.size)
         #: The communicator of pushes and replies: a plain copy of the rule's for colocated shards.
         self.ps = self.comm.split(0) if self.colocated else self.comm
         if self.colocated:
@@ -414,13 +562,20 @@ class ServerRule(Rule):
             self.shard = shard
             # started at this rank's first exchange
             self.hosted = ServerThread(lambda: shard.serve(None, None, self.patience), rank)
-        elif rank < self.servers:
-            lo, hi = self.bounds[rank]
-            self.server = ParameterServer(
-                self.comm, self.w[lo:hi], self.scale(), self.shard_policy(rank), self.order, self.workers,
-                self._stats_size(rank), rescale=not self.hyper.scale,
+        elif rank < self.servers or rank in backups:
+            shard = rank if rank < self.servers else backups.index(rank)
+            lo, hi = self.bounds[shard]
+            self.server = server = ParameterServer(
+                self.comm, self.w[lo:hi], self.scale(), self.shard_policy(shard), self.order, self.workers,
+                self._stats_size(shard), rescale=not self.hyper.scale, acks_done=bool(backups),
             )  # fmt: skip
+            if rank in backups:
+                self.mirrored, server.shadowing = shard, True
+            elif backups:
+                server.mirror = Mirror(self.comm, backups[shard], server.message_size, self.w)
             return
+        if backups:
+            self.routes = Routes(self.comm, self.servers, backups, f"worker rank {rank}", rank - self.servers)
         self.pulled = self.w.clone()
         self.delta = torch.zeros_like(self.w)
         self.seen = [0] * self.shards
@@ -429,7 +584,9 @@ class ServerRule(Rule):
             for j, (lo, hi) in enumerate(self.bounds)
         ]
         self.replies = [self.w.new_zeros(hi - lo + REPLY_HEADER) for lo, hi in self.bounds]
+        self.acks = [self.w.new_zeros(1) for _ in self.bounds]
         self.requests = 0
+        self._resends: list[Handle] = []
 
     def _stats_size(self, server: int) -> int:
         """BatchNorm values a push to ``server`` carries: the float buffers' count for the one server that
@@ -451,12 +608,52 @@ class ServerRule(Rule):
 
     def _push(self, flag: float) -> None:
         """Send every server its slice of Δ (or DONE); on UPDATE wait for the replies and adopt w. A lost
-        server ends the job (ElasticEnd): the model lives there."""
+        server's shard goes to its backup (:mod:`.server_backup`); without one the job ends (ElasticEnd):
+        the model lives there."""
         assert self.comm is not None
         rank = self.comm.rank
         # the first worker first in line
         with server_lost(f"worker rank {rank}", "a parameter server", SERVER_LOST, place=rank - self.servers):
             self._push_to_servers(flag)
+        self._resends.clear()
+
+    def _to(self, j: int) -> int:
+        """The rank serving shard ``j`` now (its server, or its backup once the server was lost)."""
+        return self.routes.now[j] if self.routes is not None else j
+
+    def _push_again(self, j: int) -> Handle | None:
+        """Shard j's server was lost mid-exchange: the same push to its backup, whose reply is awaited (the
+        backup answers a push it already counts without applying it again); None: no backup left."""
+        assert self.routes is not None
+        to = self.routes.lost(j)
+        if to is None:
+            return None
+        reply = self.ps.irecv(self.replies[j], to, PULL_TAG)
+        self._resends.append(self.ps.isend(self.pushes[j], to, PUSH_TAG))
+        return reply
+
+    def _done_again(self, j: int) -> Handle | None:
+        """Shard j's server was lost before acknowledging DONE: the backup's notice says whether it saw the
+        DONE; if not, the DONE goes to it and its acknowledgement is awaited; None: no backup left."""
+        assert self.routes is not None
+        to = self.routes.lost(j)
+        if to is None:
+            return None
+        _, seen = self.routes.notice(j, self.patience.doubled())
+        if seen:
+            return DoneHandle()
+        ack = self.ps.irecv(self.acks[j], to, DONE_ACK_TAG)
+        self._resends.append(self.ps.isend(self.pushes[j], to, PUSH_TAG))
+        return ack
+
+    def _sent(self, sends: Mapping[int, Handle]) -> None:
+        """Every push's send completed; a send to a server lost since (its shard went to the backup) is
+        left, and the sends to the backups are waited for."""
+        for j, handle in sends.items():
+            with Forgetting(j, None if self._to(j) == j else lambda rank: None):
+                handle.wait()
+        for handle in self._resends:
+            handle.wait()
 
     def _push_to_servers(self, flag: float) -> None:
         assert self.pool is not None and self.comm is not None
@@ -470,21 +667,36 @@ class ServerRule(Rule):
                 self.pushes[j][:n].copy_(self.delta[lo:hi])
             if head > n:
                 self.pushes[j][n:head].copy_(learners_mean_buffers(self.pool))
-            self.pushes[j][head:] = torch.tensor([flag, self._progress(), self.seen[j]], dtype=self.w.dtype)
+            number = self.requests + (flag != DONE)  # a DONE: how many pushes were made
+            header = [flag, self._progress(), self.seen[j], number]
+            self.pushes[j][head:] = torch.tensor(header, dtype=self.w.dtype)
+        backed = self.routes is not None
+        who = f"worker rank {self.comm.rank}"
         if flag == DONE:
-            for handle in [self.ps.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.shards)]:
-                handle.wait()
+            shards = range(self.shards) if backed else range(0)
+            acks = {
+                j: Rerouted(
+                    self.ps.irecv(self.acks[j], self._to(j), DONE_ACK_TAG), partial(self._done_again, j)
+                )
+                for j in shards
+            }
+            sends = {j: self.ps.isend(self.pushes[j], self._to(j), PUSH_TAG) for j in range(self.shards)}
+            if acks:  # a backup must know whether this DONE reached the servers
+                wait_for(acks, self.patience.doubled(), who, "for its DONE's acknowledgement")
+            self._sent(sends)
             return
         with span("push and reply", "message", track="messages", servers=self.shards):
-            recvs = [self.ps.irecv(self.replies[j], j, PULL_TAG) for j in range(self.shards)]
-            sends = [self.ps.isend(self.pushes[j], j, PUSH_TAG) for j in range(self.shards)]
+            recvs: dict[int, Handle] = {
+                j: self.ps.irecv(self.replies[j], self._to(j), PULL_TAG) for j in range(self.shards)
+            }
+            if backed:
+                recvs = {j: Rerouted(recv, partial(self._push_again, j)) for j, recv in recvs.items()}
+            sends = {j: self.ps.isend(self.pushes[j], self._to(j), PUSH_TAG) for j in range(self.shards)}
             # held back by a server while this worker is too far ahead (SSP)
-            who = f"worker rank {self.comm.rank}"
             what = f"for the reply to push {self.requests + 1}"
             alive = self.hosted.check if self.hosted is not None else None
-            wait_for(dict(enumerate(recvs)), self.patience.doubled(), who, what, alive)
-            for handle in sends:
-                handle.wait()
+            wait_for(recvs, self.patience.doubled(), who, what, alive)
+            self._sent(sends)
         for j, (lo, hi) in enumerate(self.bounds):
             self.w[lo:hi].copy_(self.replies[j][: hi - lo])
             self.seen[j] = int(self.replies[j][hi - lo])
@@ -516,13 +728,19 @@ class ServerRule(Rule):
         if self.server is None:
             super().serve(report)
             return
+        resume = self.mirrored is not None
+        if self.mirrored is not None:  # a backup: mirror the server until the end, or its loss
+            self.server.patience = self.patience.doubled()
+            if mirror_until_done(self.server, self.mirrored, self.patience.doubled(), self.tick):
+                return
+            self.server.take_over(self.mirrored)
         if self.servers > 1:
             log.info("%d servers hold shards of the model: it is validated at the end only", self.servers)
-            self.server.serve(None, self.tick, self.patience)
+            self.server.serve(None, self.tick, self.patience, resume)
             return
         assert self.pool is not None
         # validate w with the workers' BatchNorm statistics, not the server's initial ones
-        self.server.serve(self.server.stats.reporting(self.pool, report), self.tick, self.patience)
+        self.server.serve(self.server.stats.reporting(self.pool, report), self.tick, self.patience, resume)
 
     def finish(self) -> None:
         """A worker sends done (a colocated one then serves its shard until every worker has); a server has
@@ -560,8 +778,9 @@ class ServerRule(Rule):
         if self.shard is not None:  # the colocated shard's w is the one to share
             lo, hi = self.bounds[self.comm.rank]
             self.w[lo:hi].copy_(self.shard.w)
+        roots = self.roots or list(range(self.shards))
         for j, (lo, hi) in enumerate(self.bounds):
-            self.comm.exact.broadcast(self.w[lo:hi], root=j).wait()
+            self.comm.exact.broadcast(self.w[lo:hi], root=roots[j]).wait()
         self.share_trained_buffers(self.server is None)
         self._synced = True
 

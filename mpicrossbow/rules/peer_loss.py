@@ -8,7 +8,10 @@ meets it where it talks to the lost peer, in a point-to-point operation that rai
 * a peer that can be done without (a parameter server's or EASGD centre's worker, a gossip peer) is
   forgotten by whoever met it (:class:`Forgetting`, around the operations toward it; the rule's own
   ``forget`` says what forgetting means for it), and the others go on;
-* a worker whose server is lost ends the job in one line (:func:`server_lost`: the model lives there).
+* a request to a peer that has a stand-in (a parameter server's backup, :mod:`.server_backup`) is made
+  again to the stand-in (:class:`Rerouted`);
+* a worker whose server is lost, with no stand-in, ends the job in one line (:func:`server_lost`: the model
+  lives there).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 
+from ..comm.base import Handle
 from ..comm.ulfm import ElasticEnd, PeerLost
 
 
@@ -53,3 +57,35 @@ def server_lost(worker: str, what: str, why: str, place: int) -> Iterator[None]:
         yield
     except PeerLost as exc:
         raise ElasticEnd(f"{worker}: {what} was lost ({exc}); {why}", place=place) from exc
+
+
+class Rerouted(Handle):
+    """A request to a peer that has a stand-in: when it meets the peer's loss, ``again()`` makes the same
+    request to the stand-in and that one is awaited instead; ``again()`` returning None means there is no
+    stand-in, and the loss is raised."""
+
+    def __init__(self, handle: Handle, again: Callable[[], Handle | None]) -> None:
+        self.handle, self.again = handle, again
+
+    def _stand_in(self, loss: PeerLost) -> None:
+        replacement = self.again()
+        if replacement is None:
+            raise loss
+        self.handle = replacement
+
+    def test(self) -> bool:
+        """Whether the request (to the peer or, once it was lost, its stand-in) completed."""
+        try:
+            return self.handle.test()
+        except PeerLost as loss:
+            self._stand_in(loss)
+            return False
+
+    def wait(self) -> None:
+        """Until the request completed, at the stand-in if the peer was lost."""
+        while True:
+            try:
+                self.handle.wait()
+                return
+            except PeerLost as loss:
+                self._stand_in(loss)

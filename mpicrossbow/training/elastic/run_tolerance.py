@@ -185,3 +185,22 @@ def decide(config: Config, rule: Rule, world: World) -> bool:
     if world.rank == 0:
         log.info("[elastic] enabled = auto: not elastic (%s); a lost rank ends the job", obstacle)
     return False
+
+
+def server_backups(config: Config, rule: Rule, elastic: bool) -> int:
+    """``[elastic] server_backups`` for this run; ConfigError when it cannot be honoured."""
+    wanted = config.elastic.server_backups
+    if not wanted:
+        return 0
+    head = f"[elastic] server_backups = {wanted}"
+    if not elastic:
+        raise ConfigError(f"{head} needs elastic training ([elastic] enabled = true, an MPI with ULFM)")
+    obstacle = rule.backups_obstacle()
+    if obstacle is not None:
+        raise ConfigError(f"{head}: {obstacle}")
+    if config.checkpoint.enabled or config.checkpoint.on_signal:
+        raise ConfigError(
+            f"{head} takes no coordinated snapshots yet: set checkpoint.on_signal=false and no "
+            "checkpoint.every_steps / every_epochs"
+        )
+    return wanted

@@ -35,7 +35,7 @@ from ...rules.registry import resolve
 from ..checkpoints.checkpoint_manager import CheckpointManager
 from ..checkpoints.storage import check_writable
 from ..elastic.replacement import Handover, Offer
-from ..elastic.run_tolerance import RunTolerance, resolve_elastic
+from ..elastic.run_tolerance import RunTolerance, resolve_elastic, server_backups
 from ..health.drill import drilled, trapped
 from ..health.faults import FaultInjector, Straggler
 from ..health.watchdog import Watchdog, start_watchdog
@@ -101,6 +101,7 @@ class Session:
         torch.set_num_threads(threads)
         rule, cfg = resolve(cfg, self.rule)  # session.cfg records the resolved hyper-parameters
         elastic = resolve_elastic(cfg, rule, world)
+        rule.server_backups = server_backups(cfg, rule, elastic)
         check_combinations(cfg, rule, world)
         cfg = dataclasses.replace(cfg, elastic=dataclasses.replace(cfg.elastic, enabled=elastic))
         self.rule, self.config = rule, cfg

@@ -1,0 +1,126 @@
+"""A parameter server's backup (``[elastic] server_backups = 1``): what the mirror costs a step without a
+loss, and what a lost server costs with it. Run it with Open MPI (ULFM):
+
+    .venv-openmpi/bin/python -m benchmarks.server_backup [--repeats 5] [--no-write]
+
+The digits job, RULE=ASGD, one server and two workers, under ``mpiexec --with-ft ulfm``:
+
+* **cost**: 10 epochs without a fault, ``server_backups = 0`` on 3 ranks against ``= 1`` on 4 (the same two
+  workers; the fourth rank mirrors the server), interleaved pairs. A step's seconds are 1 / the workers'
+  mean steps per second (metrics.h5 ``rank_steps_per_second``); the cost is the median of the pairs'
+  ratios − 1. On this 2-core machine the backup's rank shares the cores with the others, which a cluster
+  (the backup on another node) does not;
+* **loss**: 4 epochs (the rate decayed tenfold for the last, as tests/test_elastic_mpi.py does), the server
+  SIGKILLed after answering 30 pushes, against the same job uninterrupted: exit status, final accuracy,
+  pushes sent again to the backup (answered, not applied: the backup's last line) and whether every push was
+  counted once.
+
+Appends both tables to ``benchmarks/results/server_backup.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks.faults import elastic_job
+from benchmarks.report import append_result
+
+log = logging.getLogger("benchmarks.server_backup")
+
+BASE = ("RULE=ASGD", "elastic.enabled=true", "checkpoint.on_signal=false", "session.progress=off")
+COST_EPOCHS = 10
+KILL = ("inject.rank=0", "inject.step=30", "inject.action=kill")
+
+
+def step_seconds(backups: int) -> float:
+    """One fault-free run: the workers' mean seconds per step."""
+    from mpicrossbow.training.reporting.metrics import read_metrics
+
+    with tempfile.TemporaryDirectory(prefix="server-backup-") as out:
+        overrides = (*BASE, f"session.epochs={COST_EPOCHS}", f"elastic.server_backups={backups}")
+        elastic_job(Path(out), *overrides, ranks=3 + backups)
+        (metrics,) = Path(out).glob("*/metrics.h5")
+        rates = [r for r in read_metrics(metrics)["attrs"]["rank_steps_per_second"] if r == r]
+    return 1.0 / statistics.mean(rates)
+
+
+def drill(kill: bool) -> tuple[float, int, bool]:
+    """One 4-epoch run with a backup, the server killed or not: accuracy, resends, every push counted once."""
+    with tempfile.TemporaryDirectory(prefix="server-backup-") as out:
+        overrides = (*BASE, "session.epochs=4", "optim.milestones=3", "elastic.server_backups=1")
+        proc = elastic_job(Path(out), *overrides, *(KILL if kill else ()), ranks=4)
+    (done,) = re.findall(r"done: .* val accuracy ([0-9.]+)", proc.stderr)
+    resent = re.findall(r"(\d+) push\(es\) sent again after a takeover", proc.stderr)
+    once = "counted once" in proc.stderr and "MISCOUNTED" not in proc.stderr
+    return float(done), int(resent[0]) if resent else 0, once
+
+
+def cost_table(repeats: int) -> str:
+    """Interleaved pairs of fault-free runs, without and with a backup."""
+    pairs = []
+    for i in range(repeats):
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        got = {b: step_seconds(b) for b in order}
+        pairs.append((got[0], got[1]))
+        log.info("pair %d: %.3f ms a step without a backup, %.3f ms with", i, 1e3 * got[0], 1e3 * got[1])
+    without, with_ = ([p[k] for p in pairs] for k in (0, 1))
+    ratio = statistics.median(b / a for a, b in pairs)
+    return (
+        "| ASGD, 2 workers, 10 epochs | ms a step (median, min–max) |\n|---|---:|\n"
+        f"| no backup (3 ranks) | {1e3 * statistics.median(without):.3f} ({1e3 * min(without):.3f}–"
+        f"{1e3 * max(without):.3f}) |\n| a backup (4 ranks) | {1e3 * statistics.median(with_):.3f} "
+        f"({1e3 * min(with_):.3f}–{1e3 * max(with_):.3f}) |\n\n"
+        f"Per-step cost of the mirror: **{100 * (ratio - 1):+.1f} %** (median of {repeats} pairs' ratios)."
+    )
+
+
+def loss_table(repeats: int) -> str:
+    """Interleaved runs with a backup, uninterrupted and with the server killed."""
+    whole, lost = [], []
+    for _ in range(repeats):
+        whole.append(drill(False))
+        lost.append(drill(True))
+        log.info("uninterrupted %.4f; server killed %.4f, %d resent, once: %s", whole[-1][0], *lost[-1])
+    gap = statistics.median(w[0] - k[0] for w, k in zip(whole, lost, strict=True))
+    return (
+        "| ASGD + backup, 4 epochs | exit 0 | accuracy (median, min–max) | resends | every push once |\n"
+        "|---|---:|---:|---:|---:|\n"
+        f"| uninterrupted | {repeats}/{repeats} | {statistics.median(w[0] for w in whole):.4f} "
+        f"({min(w[0] for w in whole):.4f}–{max(w[0] for w in whole):.4f}) | – | "
+        f"{sum(w[2] for w in whole)}/{repeats} |\n"
+        f"| server killed at push 30 | {repeats}/{repeats} | {statistics.median(k[0] for k in lost):.4f} "
+        f"({min(k[0] for k in lost):.4f}–{max(k[0] for k in lost):.4f}) | "
+        f"{statistics.median(k[1] for k in lost):g} (median) | {sum(k[2] for k in lost)}/{repeats} |\n\n"
+        f"Accuracy lost with the server (median of the pairs): **{100 * gap:+.2f} points**."
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure, print both tables and (unless ``--no-write``) append them to the results."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.server_backup", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=5, help="pairs per table (default 5)")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    table = f"{cost_table(args.repeats)}\n\n{loss_table(args.repeats)}"
+    print(table)
+    if not args.no_write:
+        path = append_result(
+            "server_backup", "A parameter server's backup: its cost, and a lost server", table
+        )
+        log.info("appended to %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

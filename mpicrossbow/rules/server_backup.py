@@ -1,0 +1,182 @@
+"""A parameter server's backup: its state mirrored message by message, and the takeover when it is lost.
+
+Who sends what to whom (``[elastic] server_backups = 1``, placement = rank, S servers over N ranks): server j
+(rank j) has a backup, rank N − S + j — the last ranks, so on another node under slot and node mapping
+alike — which trains not. After the server handled a worker's message (a push applied, discarded or held; a
+goodbye) or forgot a lost worker, and before it replies to anyone, it forwards that event to the backup
+(:meth:`Mirror.forward`, the worker's message with two values after it: the worker's rank and the kind of
+event), which handles it the same way in the same order, sends no reply, and acknowledges it. So every reply
+a worker ever adopted came from a state the backup holds too, bit for bit.
+
+The takeover. The server lost, the backup's receive from it fails (ULFM): the backup says so in one line
+(:func:`mirror_until_done` returns False), tells every live worker what it holds of it (a :data:`NOTICE_TAG`
+message: the worker's pushes it counted and whether it saw its goodbye) and serves on from its state
+(:meth:`~.parameter_server.ParameterServer.take_over`). A worker meets the loss in its exchange with the
+server and routes that shard to the backup from then on (:class:`Routes`): a push it had no reply to is sent
+again — a push carries its number, and one the backup's clock already counts was applied before the loss, so
+it is answered and not applied again (counted as a resend) — and a goodbye it had no acknowledgement of is
+sent again only when the notice says the backup has not seen it. Nothing is lost and nothing applied twice;
+each worker's goodbye carries its push count, and the server checks it against its clock.
+
+A lost backup costs its server the mirror (one warning); a lost server whose backup is lost too ends the job.
+The mirror's cost: each push travels once more, server to backup, and the server's reply waits for the
+acknowledgement (``python -m benchmarks.faults --server-backup``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from ..comm.base import Communicator, Handle
+from .patience import Patience, Silence, wait_for
+from .peer_loss import Forgetting
+
+log = logging.getLogger(__name__)
+
+MIRROR_TAG, MIRROR_ACK_TAG, NOTICE_TAG, DONE_ACK_TAG = 7203, 7204, 7205, 7206
+#: The kinds of a mirrored event (the last value of a forwarded message).
+HANDLED, FORGOTTEN = 0.0, 1.0
+#: A backup's poll of its server's next event backs off to sleeps of this long at most (seconds).
+POLL_MAX_S = 1e-3
+
+
+def backup_ranks(servers: int, size: int) -> list[int]:
+    """The backup of each server rank 0..S-1: the last S ranks, in order."""
+    return list(range(size - servers, size))
+
+
+class Mirror:
+    """A server's side: forward each event to the backup and wait for its acknowledgement."""
+
+    def __init__(self, comm: Communicator, backup: int, message_size: int, like: torch.Tensor) -> None:
+        self.comm, self.backup = comm, backup
+        self._event = like.new_zeros(message_size + 2)
+        self._ack = like.new_zeros(1)
+        #: The backup was lost: the server goes on without a mirror.
+        self.lost = False
+        #: Events forwarded and acknowledged.
+        self.forwarded = 0
+
+    def forward(self, worker: int, message: torch.Tensor | None, kind: float, patience: Patience) -> None:
+        """Send the backup ``message`` (worker ``worker``'s, handled; None: the worker was forgotten) and
+        wait until it has applied it."""
+        if self.lost:
+            return
+        if message is not None:
+            self._event[:-2].copy_(message)
+        self._event[-2], self._event[-1] = float(worker), kind
+        with Forgetting(self.backup, self._lost) as met:
+            ack = self.comm.irecv(self._ack, self.backup, MIRROR_ACK_TAG)
+            sent = self.comm.isend(self._event, self.backup, MIRROR_TAG)
+            who = f"parameter server rank {self.comm.rank}"
+            wait_for({self.backup: ack}, patience, who, "for its backup's acknowledgement")
+            sent.wait()
+        if not met.lost:
+            self.forwarded += 1
+
+    def _lost(self, backup: int) -> None:
+        self.lost = True
+        log.warning(
+            "parameter server rank %d: its backup, rank %d, was lost after %d mirrored event(s); serving on "
+            "without a backup",
+            self.comm.rank, backup, self.forwarded,
+        )  # fmt: skip
+
+
+class ShadowState(Protocol):
+    """What a backup's loop needs of the server state it keeps (a
+    :class:`~.parameter_server.ParameterServer` shadowing its server)."""
+
+    comm: Communicator
+    w: torch.Tensor
+
+    @property
+    def message_size(self) -> int:
+        """The values of one worker's message."""
+        ...
+
+    def all_done(self) -> bool:
+        """Whether every worker said DONE or was lost."""
+        ...
+
+    def replay(self, r: int, msg: torch.Tensor) -> None:
+        """Apply the server's handling of worker ``r``'s message ``msg``."""
+        ...
+
+    def forget(self, r: int) -> None:
+        """Forget worker ``r``, as the server did."""
+        ...
+
+
+def mirror_until_done(
+    server: ShadowState, primary: int, patience: Patience, tick: Callable[[], None] | None
+) -> bool:
+    """A backup's loop: apply every event its server forwards, in order, and acknowledge it, until every
+    worker is done (True: the server finished) or the server is lost (False: the caller takes over)."""
+    comm = server.comm
+    event = server.w.new_zeros(server.message_size + 2)
+    ack = server.w.new_zeros(1)
+    silence = Silence(patience, f"backup rank {comm.rank}", "for its server's next event", [primary])
+    gone: Callable[[int], None] = lambda rank: None  # noqa: E731
+    while not server.all_done():
+        recv, pause = comm.irecv(event, primary, MIRROR_TAG), 0.0
+        with Forgetting(primary, gone) as met:
+            while not recv.test():
+                if tick is not None:
+                    tick()
+                silence.check([primary])
+                pause = min(2 * pause or 2e-5, POLL_MAX_S)
+                time.sleep(pause)
+        if met.lost:
+            return False
+        silence.heard(primary)
+        worker, kind = int(event[-2]), float(event[-1])
+        if kind == FORGOTTEN:
+            server.forget(worker)
+        else:
+            server.replay(worker, event[:-2])
+        with Forgetting(primary, gone) as met:
+            comm.isend(ack, primary, MIRROR_ACK_TAG).wait()
+        if met.lost:
+            return False
+    return True
+
+
+class Routes:
+    """A worker's side: which rank serves each shard now, and the move to its backup when a server is
+    lost."""
+
+    def __init__(self, comm: Communicator, servers: int, backups: list[int], worker: str, place: int) -> None:
+        self.comm, self.worker, self.place = comm, worker, place
+        #: The rank serving shard j now.
+        self.now = list(range(servers))
+        self.backups = backups
+        self._notice = torch.zeros(2, dtype=torch.float64)
+
+    def lost(self, shard: int) -> int | None:
+        """Shard ``shard``'s server was lost: its backup serves it from now on (one line, and its rank
+        returned), or None when the backup was serving it already (the loss ends the job)."""
+        lost, backup = self.now[shard], self.backups[shard]
+        if lost == backup:
+            return None
+        self.now[shard] = backup
+        log.warning(
+            "%s: parameter server rank %d was lost; shard %d is served by its backup, rank %d, from now on",
+            self.worker,
+            lost,
+            shard,
+            backup,
+        )
+        return backup
+
+    def notice(self, shard: int, patience: Patience) -> tuple[int, bool]:
+        """The backup's notice of what it holds of this worker: (pushes counted, goodbye seen)."""
+        backup = self.now[shard]
+        recv: Handle = self.comm.irecv(self._notice, backup, NOTICE_TAG)
+        wait_for({backup: recv}, patience, self.worker, f"for backup rank {backup}'s takeover notice")
+        return int(self._notice[0]), bool(self._notice[1])
