@@ -173,7 +173,10 @@ def test_prebound_detection() -> None:
     assert not prebound(facts((0, 1, 2, 3)))
 
 
-def test_bind_keeps_a_launcher_binding_and_reports_it(caplog: pytest.LogCaptureFixture) -> None:
+def test_bind_keeps_a_launcher_binding_and_reports_it(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("mpicrossbow.launch.binding.STARTED_WITH_OMP", "")  # a thread per core by default
     mine = tuple(sorted(os.sched_getaffinity(0)))
     other = (max(mine) + 1,)
     topo = Topology(cores=tuple(frozenset({c}) for c in (*mine, *other)), packages=(), numa_nodes={})

@@ -13,11 +13,12 @@ import torch
 from test_elastic_double import parts, pools
 
 from mpicrossbow.comm.elastic import ElasticCommunicator
+from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.rules.parameter_server import ParameterServer
 from mpicrossbow.rules.registry import RULES
 from mpicrossbow.testing.fault_double import FaultyGroup, FaultyWorld
-from mpicrossbow.training.elastic.run_tolerance import RunTolerance
+from mpicrossbow.training.elastic.run_tolerance import RunTolerance, server_backups
 from mpicrossbow.training.run.step import train_step
 
 pytestmark = pytest.mark.quick
@@ -151,6 +152,7 @@ def test_without_a_loss_the_backup_mirrors_the_server_bit_for_bit() -> None:
         ("BSP", {}, "RULE=BSP keeps no parameter server rank to back up"),
         ("ASGD", {"placement": "colocated"}, "placement = colocated keeps no server rank to back up"),
         ("GSP", {}, "RULE=GSP's worker groups do not yet leave room for backup ranks"),
+        ("EASGD", {"mode": "async"}, "RULE=EASGD's centre has no backup yet"),
     ],
 )
 def test_a_rule_without_server_ranks_to_back_up_says_so(rule: str, hyper: dict[str, Any], said: str) -> None:
@@ -167,3 +169,29 @@ def test_too_few_ranks_for_servers_and_backups_is_refused_naming_both() -> None:
         rule.trains(0, 2)
     assert [rule.trains(r, 4) for r in range(4)] == [False, True, True, False]
     assert rule.train_shard(2, 4) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "elastic", "said"),
+    [
+        (("RULE=ASGD",), False, "[elastic] server_backups = 1 needs elastic training"),
+        (("RULE=BSP",), True, "[elastic] server_backups = 1: RULE=BSP keeps no parameter server rank"),
+        (("RULE=ASGD",), True, "takes no coordinated snapshots yet: set checkpoint.on_signal=false"),
+        (("RULE=ASGD", "checkpoint.on_signal=false", "checkpoint.every_epochs=1"), True, "no coordinated"),
+        (("RULE=ASGD", "elastic.server_backups=0"), True, None),
+        (("RULE=ASGD", "checkpoint.on_signal=false"), True, None),
+    ],
+)
+def test_the_session_refuses_backups_it_cannot_honour_naming_why(
+    overrides: tuple[str, ...], elastic: bool, said: str | None
+) -> None:
+    """What the session asks before it builds the pool (``run_tolerance.server_backups``): the count to
+    set, or one ConfigError naming the setting and what it needs."""
+    config = load_config("launch/digits.cfg", ["elastic.server_backups=1", *overrides])
+    rule = RULES.get(config.rule)()
+    if said is None:
+        assert server_backups(config, rule, elastic) == config.elastic.server_backups
+        return
+    with pytest.raises(ConfigError) as caught:
+        server_backups(config, rule, elastic)
+    assert said in str(caught.value)

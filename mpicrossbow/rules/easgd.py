@@ -230,6 +230,11 @@ class EASGD(Rule):
         if self._server is not None and self._server.in_flight:
             raise RuntimeError(f"EASGD server finished with {self._server.in_flight} message(s) in flight")
 
+    def backups_obstacle(self) -> str | None:
+        """Asynchronous EASGD's centre is one rank's state like a parameter server's, but it has no backup
+        yet: a lost centre ends the job (the synchronous mode keeps no centre rank at all)."""
+        return "RULE=EASGD's centre has no backup yet (a lost centre ends the job); use ASGD or SSP"
+
     def on_rebind(self, lost: tuple[int, ...]) -> None:
         """Elastic training lost ranks. ``sync``: k is the survivors' learners — α (when defaulted to 0.9/k)
         follows it, and the difference buffers are shared over the new communicator; the loop then restores
