@@ -230,7 +230,7 @@ def test_parameter_server_keeps_w_in_float32(wire: torch.dtype) -> None:
             request[N + 3] = i + (delta is not None)  # the push's number (a DONE: the pushes made)
             if delta is not None:
                 request[:N] = delta
-                reply = torch.zeros(N + REPLY_HEADER)  # [w, updates]
+                reply = torch.zeros(N + REPLY_HEADER)  # [w, updates, confirmed]
                 recv = c.irecv(reply, 0, PULL_TAG)
             c.isend(request, 0, PUSH_TAG).wait()
             if delta is not None:
@@ -244,7 +244,7 @@ def test_parameter_server_keeps_w_in_float32(wire: torch.dtype) -> None:
     for i, delta in enumerate(deltas):
         # Δ's last EXACT_TAIL − PUSH_HEADER values ride in the exact tail
         want += message(torch.cat([delta, torch.zeros(PUSH_HEADER)]), wire)[:N]
-        assert torch.equal(replies[i], message(torch.cat([want, torch.tensor([i + 1.0])]), wire))
+        assert torch.equal(replies[i], message(torch.cat([want, torch.tensor([i + 1.0, i + 1.0])]), wire))
     assert w.dtype == torch.float32 and torch.equal(w, want)
     assert not torch.equal(w, rounded(w, wire))  # w itself was never rounded
 

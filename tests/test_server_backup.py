@@ -1,7 +1,7 @@
 """A parameter server's backup (``[elastic] server_backups = 1``, mpicrossbow/rules/server_backup.py), in
-process on the fault double: the server lost after replying, or after mirroring a push but before replying
-to it; the backup lost; SSP's held replies across a takeover. What needs a real ULFM job is in
-tests/test_elastic_mpi.py."""
+process on the fault double: the server lost after replying, after mirroring a push but before replying to
+it, or with its last events lost on the way to the backup; the backup lost; held replies across a takeover;
+the refusals. What needs a real ULFM job is in tests/test_elastic_mpi.py."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import pytest
 import torch
 from test_elastic_double import parts, pools
 
+from mpicrossbow.comm.base import DoneHandle, Handle
 from mpicrossbow.comm.elastic import ElasticCommunicator
 from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.rules.parameter_server import ParameterServer
 from mpicrossbow.rules.registry import RULES
+from mpicrossbow.rules.server_backup import MIRROR_TAG
 from mpicrossbow.testing.fault_double import FaultyGroup, FaultyWorld
 from mpicrossbow.training.elastic.run_tolerance import RunTolerance, server_backups
 from mpicrossbow.training.run.step import train_step
@@ -29,7 +31,8 @@ SIZE, STEPS, WORKERS = 4, 12, (1, 2)
 
 def backed_run(rule_name: str, hyper: dict[str, Any], victim: int, when: str) -> list[Any]:
     """Rank ``victim`` (0: the server, 3: the backup) dies after the server's 7th push: ``replied`` once it
-    answered it, ``mirrored`` once the backup acknowledged it but before the reply went out. Each survivor
+    answered it, ``mirrored`` once it sent it to the backup but before the reply went out, ``lagging`` once it
+    answered it with its events 5 to 7 lost on the way to the backup. Each survivor
     returns its server state (or None), its membership after the end and its final w."""
     world, built = FaultyWorld(SIZE, timeout_s=20), pools(SIZE)
 
@@ -82,17 +85,24 @@ def die_after_push(world: FaultyWorld, server: ParameterServer, victim: int, whe
     assert server.mirror is not None
     forward, release = server.mirror.forward, server._release
 
-    def forwarded(*args: Any) -> None:
-        forward(*args)
+    def forwarded(*args: Any, **kwargs: Any) -> None:
+        forward(*args, **kwargs)
         if server.received == 7 and when == "mirrored":
             world.die(0)
 
     def released() -> None:
         release()
-        if server.received == 7 and when == "replied":
+        if server.received == 7 and when in ("replied", "lagging"):
             world.die(0)
 
     server.mirror.forward, server._release = forwarded, released  # type: ignore[method-assign]
+    if when == "lagging":  # events 5 to 7 never reach the backup: still in flight when the server dies
+        isend = server.comm.isend
+
+        def lossy(tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+            return DoneHandle() if tag == MIRROR_TAG and server.received > 4 else isend(tensor, dst, tag)
+
+        server.comm.isend = lossy  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("when", ["replied", "mirrored"])
@@ -103,13 +113,12 @@ def die_after_push(world: FaultyWorld, server: ParameterServer, victim: int, whe
 def test_the_backup_serves_on_with_every_push_applied_exactly_once(
     rule_name: str, hyper: dict[str, Any], when: str
 ) -> None:
-    """The server dies at its 7th push, after replying to it or after the backup acknowledged it but
+    """The server dies at its 7th push, after replying to it or after sending it to the backup but
     before the reply. The backup takes over, the workers send again the push they had no reply to, and
     the backup answers it without applying it a second time (ASGD ``mirrored``: one resend counted; SSP also
-    resends the pushes whose replies it held). Every push
-    of both workers is counted once (clocks 12 and 12, 24 updates — WEEDOUT's discarded among them — and
-    the DONEs' counts agree), the ranks
-    shrink to 1, 2, 3 and every survivor ends with the backup's w."""
+    resends the pushes whose replies it held). Every push of both workers is counted once (clocks 12 and
+    12, 24 updates — WEEDOUT's discarded among them — and the DONEs' counts agree), the ranks shrink to 1,
+    2, 3 and every survivor ends with the backup's w."""
     results = backed_run(rule_name, hyper, victim=0, when=when)
     assert results[0] is None
     backup = results[3][0]
@@ -122,6 +131,24 @@ def test_the_backup_serves_on_with_every_push_applied_exactly_once(
     survivors = [results[r] for r in (1, 2, 3)]
     assert all(r[1] == (1, 2, 3) for r in survivors)
     assert all(torch.equal(r[2], backup.w) for r in survivors)
+
+
+@pytest.mark.parametrize("rule_name", ["ASGD", "SSP"])
+def test_pushes_the_backup_never_got_are_sent_again_by_their_workers(
+    rule_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The mirror runs up to LAG events behind: the server's events 5 to 7 are lost on the way to the
+    backup when the server dies after its 7th push. The replies told each worker which of its pushes the
+    backup had acknowledged; each sends the others again after the takeover, so every push is still applied
+    exactly once (clocks 12 and 12, 24 updates, the DONEs' counts agree) and the survivors share one w."""
+    hyper = {"staleness": 0} if rule_name == "SSP" else {}
+    with caplog.at_level("WARNING", logger="mpicrossbow.rules.parameter_server"):
+        results = backed_run(rule_name, hyper, victim=0, when="lagging")
+    assert "serving its shard from here (4 update(s) mirrored;" in caplog.text  # events 5-7 never came
+    backup = results[3][0]
+    assert backup.clock == {1: STEPS, 2: STEPS} and backup.updates == 2 * STEPS and backup.miscounted == {}
+    assert all(results[r][1] == (1, 2, 3) for r in (1, 2, 3))
+    assert all(torch.equal(results[r][2], backup.w) for r in (1, 2, 3))
 
 
 def test_a_lost_backup_leaves_the_server_serving_alone() -> None:

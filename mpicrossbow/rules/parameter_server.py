@@ -22,7 +22,8 @@ model, S = 1 only), seen = the server's update count in the reply the worker las
 number = the push's number among the worker's pushes (a DONE: how many it made). A push whose number the
 worker's clock already counts was sent again to a backup that took over (:mod:`.server_backup`): it is
 answered, never applied twice; a DONE whose count differs from the clock is said in the server's last line.
-A reply is ``[w slice, updates]``.
+A reply is ``[w slice, updates, confirmed]`` — confirmed: how many of the worker's pushes the server's backup
+has acknowledged (all, without a backup), the others being pushes the worker keeps to send again.
 
 Placement (``[rule] placement``): ``rank`` as above; ``colocated``: every rank trains and hosts shard r of N
 in a background thread (:mod:`~mpicrossbow.rules.server_thread`) on a communicator split off the rule's —
@@ -84,8 +85,8 @@ PUSH_TAG, PULL_TAG = 7201, 7202
 SERVER_COUNTS_PER_WORKER = ("clock", "seen", "pulled_at", "progress")
 SERVER_COUNTS = ("updates", "received", "discarded", "holds")
 #: Values after the Δ slice in a push (flag, progress, seen, number) and after the w slice in a reply
-#: (updates).
-PUSH_HEADER, REPLY_HEADER = 4, 1
+#: (updates, confirmed: the worker's pushes the server's backup holds, or all of them).
+PUSH_HEADER, REPLY_HEADER = 4, 2
 
 
 def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
@@ -221,6 +222,8 @@ class ParameterServer:
         takeover, the workers done stay done). A worker neither done nor waiting for a held reply that stays
         silent is a stall (``patience``)."""
         self.patience = patience or Patience()
+        if self.mirror is not None:
+            self.mirror.patience = self.patience
         if not resume:
             self.done = set(self.lost)
         for r in self.workers:
@@ -271,7 +274,9 @@ class ParameterServer:
         go out now sent."""
         fresh = self._take(r, msg)
         if self.mirror is not None:
-            self.mirror.forward(r, msg, HANDLED, self.patience)
+            head = self.w.numel() + self.stats.size
+            done = float(msg[head]) == DONE
+            self.mirror.forward(r, msg, HANDLED, 0 if done else int(msg[head + 3]), settle=done)
         self._release()
         if fresh and r in self.held:
             self.holds += 1
@@ -313,6 +318,14 @@ class ParameterServer:
         self.held.append(r)
         return True
 
+    def confirmed(self, r: int) -> int:
+        """How many of worker ``r``'s pushes the backup holds: all, without one (or once it is lost)."""
+        if self.mirror is not None:
+            held = self.mirror.confirmed(r)
+            if not self.mirror.lost:
+                return held
+        return self.clock[r]
+
     def take_over(self, server: int) -> None:
         """A backup whose server ``server`` was lost serves from now on: one line, and a notice to every live
         worker of what it holds of it (its pushes counted, whether its DONE arrived), which a worker that
@@ -320,7 +333,7 @@ class ParameterServer:
         self.shadowing, self.took_over = False, True
         log.warning(
             "backup rank %d: parameter server rank %d was lost; serving its shard from here (%d update(s) "
-            "mirrored: every reply it had sent among them)",
+            "mirrored; the workers send again the pushes it lacks)",
             self.comm.rank, server, self.updates,
         )  # fmt: skip
         notice = torch.zeros(2, dtype=torch.float64)
@@ -347,6 +360,7 @@ class ParameterServer:
                     self._sends.pop(r).wait()
                 self._outbox[r][:n].copy_(self.w)
                 self._outbox[r][n] = self.updates
+                self._outbox[r][n + 1] = self.confirmed(r)
                 self._sends[r] = self.comm.isend(self._outbox[r], r, PULL_TAG)
                 self._recvs[r] = self.comm.irecv(self._inbox[r], r, PUSH_TAG)
             if met.lost:
@@ -377,7 +391,7 @@ class ParameterServer:
                 "other(s)", self.comm.rank, r, self.clock[r], live - 1,
             )  # fmt: skip
         if self.mirror is not None:
-            self.mirror.forward(r, None, FORGOTTEN, self.patience)
+            self.mirror.forward(r, None, FORGOTTEN, 0, settle=True)
         self._release()
 
 
@@ -585,6 +599,8 @@ class ServerRule(Rule):
         ]
         self.replies = [self.w.new_zeros(hi - lo + REPLY_HEADER) for lo, hi in self.bounds]
         self.acks = [self.w.new_zeros(1) for _ in self.bounds]
+        #: Per shard, the pushes (number, message) its server's backup has not acknowledged yet.
+        self.unconfirmed: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.bounds]
         self.requests = 0
         self._resends: list[Handle] = []
 
@@ -622,25 +638,46 @@ class ServerRule(Rule):
         return self.routes.now[j] if self.routes is not None else j
 
     def _push_again(self, j: int) -> Handle | None:
-        """Shard j's server was lost mid-exchange: the same push to its backup, whose reply is awaited (the
-        backup answers a push it already counts without applying it again); None: no backup left."""
+        """Shard j's server was lost mid-exchange: its backup gets the pushes it lacks (the notice says how
+        many it counted), each answered, and then this one, whose reply is awaited (a push it already counts
+        is answered, not applied again); None: no backup left."""
         assert self.routes is not None
         to = self.routes.lost(j)
         if to is None:
             return None
+        self._catch_up(j, to, last=self.requests + 1)
         reply = self.ps.irecv(self.replies[j], to, PULL_TAG)
         self._resends.append(self.ps.isend(self.pushes[j], to, PUSH_TAG))
         return reply
 
+    def _catch_up(self, j: int, to: int, last: int) -> int:
+        """Send backup ``to`` this worker's pushes it did not acknowledge before ``last``, oldest first, each
+        answered before the next; returns the pushes it had counted (its notice)."""
+        assert self.routes is not None
+        counted, _ = self.routes.notice(j, self.patience.doubled())
+        scratch = torch.empty_like(self.replies[j])
+        for number, push in self.unconfirmed[j]:
+            if counted < number < last:
+                reply = self.ps.irecv(scratch, to, PULL_TAG)
+                sent = self.ps.isend(push, to, PUSH_TAG)
+                wait_for(
+                    {to: reply},
+                    self.patience.doubled(),
+                    self.routes.worker,
+                    f"for the reply to push {number}",
+                )
+                sent.wait()
+        return counted
+
     def _done_again(self, j: int) -> Handle | None:
-        """Shard j's server was lost before acknowledging DONE: the backup's notice says whether it saw the
-        DONE; if not, the DONE goes to it and its acknowledgement is awaited; None: no backup left."""
+        """Shard j's server was lost before acknowledging DONE: its backup gets the pushes it lacks, and the
+        DONE unless its notice says it saw it, whose acknowledgement is then awaited; None: no backup left."""
         assert self.routes is not None
         to = self.routes.lost(j)
         if to is None:
             return None
-        _, seen = self.routes.notice(j, self.patience.doubled())
-        if seen:
+        self._catch_up(j, to, last=self.requests + 1)
+        if self.routes.seen_done:
             return DoneHandle()
         ack = self.ps.irecv(self.acks[j], to, DONE_ACK_TAG)
         self._resends.append(self.ps.isend(self.pushes[j], to, PUSH_TAG))
@@ -685,6 +722,9 @@ class ServerRule(Rule):
                 wait_for(acks, self.patience.doubled(), who, "for its DONE's acknowledgement")
             self._sent(sends)
             return
+        if backed:  # kept until the backup acknowledges it: sent again if the server is lost before
+            for j in range(self.shards):
+                self.unconfirmed[j].append((self.requests + 1, self.pushes[j].clone()))
         with span("push and reply", "message", track="messages", servers=self.shards):
             recvs: dict[int, Handle] = {
                 j: self.ps.irecv(self.replies[j], self._to(j), PULL_TAG) for j in range(self.shards)
@@ -700,6 +740,9 @@ class ServerRule(Rule):
         for j, (lo, hi) in enumerate(self.bounds):
             self.w[lo:hi].copy_(self.replies[j][: hi - lo])
             self.seen[j] = int(self.replies[j][hi - lo])
+            if backed:
+                confirmed = int(self.replies[j][hi - lo + 1])
+                self.unconfirmed[j] = [(k, push) for k, push in self.unconfirmed[j] if k > confirmed]
         self._adopt()
         self.requests += 1
 

@@ -3,30 +3,35 @@
 Who sends what to whom (``[elastic] server_backups = 1``, placement = rank, S servers over N ranks): server j
 (rank j) has a backup, rank N − S + j — the last ranks, so on another node under slot and node mapping
 alike — which trains not. After the server handled a worker's message (a push applied, discarded or held; a
-goodbye) or forgot a lost worker, and before it replies to anyone, it forwards that event to the backup
-(:meth:`Mirror.forward`, the worker's message with two values after it: the worker's rank and the kind of
-event), which handles it the same way in the same order, sends no reply, and acknowledges it. So every reply
-a worker ever adopted came from a state the backup holds too, bit for bit.
+goodbye) or forgot a lost worker, it forwards that event to the backup (:meth:`Mirror.forward`, the worker's
+message with two values after it: the worker's rank and the kind of event), which handles it the same way in
+the same order, sends no reply, and acknowledges it. The server does not wait for a push's acknowledgement
+(at most :data:`LAG` events go unacknowledged): its reply goes out at once and tells the worker how many of
+its pushes the backup has acknowledged, and the worker keeps the others (their messages) until a later reply
+confirms them. A goodbye, and a forgotten worker, wait until the backup has every event.
 
 The takeover. The server lost, the backup's receive from it fails (ULFM): the backup says so in one line
 (:func:`mirror_until_done` returns False), tells every live worker what it holds of it (a :data:`NOTICE_TAG`
 message: the worker's pushes it counted and whether it saw its goodbye) and serves on from its state
 (:meth:`~.parameter_server.ParameterServer.take_over`). A worker meets the loss in its exchange with the
-server and routes that shard to the backup from then on (:class:`Routes`): a push it had no reply to is sent
-again — a push carries its number, and one the backup's clock already counts was applied before the loss, so
-it is answered and not applied again (counted as a resend) — and a goodbye it had no acknowledgement of is
-sent again only when the notice says the backup has not seen it. Nothing is lost and nothing applied twice;
-each worker's goodbye carries its push count, and the server checks it against its clock.
+server, routes that shard to the backup from then on (:class:`Routes`), reads the notice and sends the
+backup, oldest first, the pushes it kept that the backup did not count, then the push it had no reply to —
+a push carries its number, and one the backup's clock already counts was applied before the loss, so it is
+answered and not applied again (counted as a resend) — and a goodbye it had no acknowledgement of unless the
+notice says the backup saw it. Nothing is lost and nothing applied twice; each worker's goodbye carries its
+push count, and the server checks it against its clock. (The pushes sent again are applied after others the
+server had applied before them: the backup's w then differs from the lost server's by that order.)
 
 A lost backup costs its server the mirror (one warning); a lost server whose backup is lost too ends the job.
-The mirror's cost: each push travels once more, server to backup, and the server's reply waits for the
-acknowledgement (``python -m benchmarks.faults --server-backup``).
+The mirror's cost: each push travels once more, server to backup, and the backup applies it as the server
+did (``python -m benchmarks.server_backup``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -41,6 +46,9 @@ log = logging.getLogger(__name__)
 MIRROR_TAG, MIRROR_ACK_TAG, NOTICE_TAG, DONE_ACK_TAG = 7203, 7204, 7205, 7206
 #: The kinds of a mirrored event (the last value of a forwarded message).
 HANDLED, FORGOTTEN = 0.0, 1.0
+#: A server's events sent to its backup and not yet acknowledged, at most: the pushes a worker may have to
+#: send again after a takeover, and the buffers a server keeps for them.
+LAG = 8
 #: A backup's poll of its server's next event backs off to sleeps of this long at most (seconds).
 POLL_MAX_S = 1e-3
 
@@ -51,33 +59,79 @@ def backup_ranks(servers: int, size: int) -> list[int]:
 
 
 class Mirror:
-    """A server's side: forward each event to the backup and wait for its acknowledgement."""
+    """A server's side: forward each event to the backup, at most :data:`LAG` of them unacknowledged.
+
+    A push's event is sent and the reply goes out at once; the reply tells the worker how many of its pushes
+    the backup has acknowledged (:meth:`confirmed`), so the worker keeps the others to send again after a
+    takeover. A DONE or a forgotten worker waits until the backup has everything (the worker counts on its
+    DONE being there)."""
 
     def __init__(self, comm: Communicator, backup: int, message_size: int, like: torch.Tensor) -> None:
         self.comm, self.backup = comm, backup
-        self._event = like.new_zeros(message_size + 2)
+        self._slots = [like.new_zeros(message_size + 2) for _ in range(LAG)]
+        self._sends: list[Handle | None] = [None] * LAG
         self._ack = like.new_zeros(1)
+        self._ack_recv: Handle | None = None
+        #: (worker, push number or 0) of each event sent and not yet acknowledged, oldest first.
+        self._unacked: deque[tuple[int, int]] = deque()
+        self._confirmed: dict[int, int] = {}
         #: The backup was lost: the server goes on without a mirror.
         self.lost = False
-        #: Events forwarded and acknowledged.
+        #: Events acknowledged by the backup.
         self.forwarded = 0
+        self.patience = Patience()
 
-    def forward(self, worker: int, message: torch.Tensor | None, kind: float, patience: Patience) -> None:
-        """Send the backup ``message`` (worker ``worker``'s, handled; None: the worker was forgotten) and
-        wait until it has applied it."""
+    def confirmed(self, worker: int) -> int:
+        """How many of ``worker``'s pushes the backup has acknowledged so far."""
+        self.poll()
+        return self._confirmed.get(worker, 0)
+
+    def forward(
+        self, worker: int, message: torch.Tensor | None, kind: float, number: int, settle: bool = False
+    ) -> None:
+        """Send the backup ``message`` (worker ``worker``'s push ``number``, or its DONE, handled; None: the
+        worker was forgotten); ``settle``: wait until the backup acknowledged every event so far."""
         if self.lost:
             return
-        if message is not None:
-            self._event[:-2].copy_(message)
-        self._event[-2], self._event[-1] = float(worker), kind
-        with Forgetting(self.backup, self._lost) as met:
-            ack = self.comm.irecv(self._ack, self.backup, MIRROR_ACK_TAG)
-            sent = self.comm.isend(self._event, self.backup, MIRROR_TAG)
+        with Forgetting(self.backup, self._lost):
+            while len(self._unacked) >= LAG:  # the lag's bound: wait for the oldest acknowledgement
+                self._acknowledged(block=True)
+            slot = (self.forwarded + len(self._unacked)) % LAG
+            previous = self._sends[slot]
+            if previous is not None:
+                previous.wait()
+            event = self._slots[slot]
+            if message is not None:
+                event[:-2].copy_(message)
+            event[-2], event[-1] = float(worker), kind
+            self._sends[slot] = self.comm.isend(event, self.backup, MIRROR_TAG)
+            self._unacked.append((worker, number))
+            while settle and self._unacked:
+                self._acknowledged(block=True)
+
+    def poll(self) -> None:
+        """Take the acknowledgements that arrived (no wait)."""
+        if self.lost:
+            return
+        with Forgetting(self.backup, self._lost):
+            while self._unacked and self._acknowledged(block=False):
+                pass
+
+    def _acknowledged(self, block: bool) -> bool:
+        """The oldest event's acknowledgement, waited for (``block``) or tested; True when it arrived."""
+        if self._ack_recv is None:
+            self._ack_recv = self.comm.irecv(self._ack, self.backup, MIRROR_ACK_TAG)
+        if block:
             who = f"parameter server rank {self.comm.rank}"
-            wait_for({self.backup: ack}, patience, who, "for its backup's acknowledgement")
-            sent.wait()
-        if not met.lost:
-            self.forwarded += 1
+            wait_for({self.backup: self._ack_recv}, self.patience, who, "for its backup's acknowledgement")
+        elif not self._ack_recv.test():
+            return False
+        self._ack_recv = None
+        worker, number = self._unacked.popleft()
+        if number:
+            self._confirmed[worker] = number
+        self.forwarded += 1
+        return True
 
     def _lost(self, backup: int) -> None:
         self.lost = True
@@ -157,6 +211,8 @@ class Routes:
         self.now = list(range(servers))
         self.backups = backups
         self._notice = torch.zeros(2, dtype=torch.float64)
+        #: Whether the last notice said the backup saw this worker's DONE.
+        self.seen_done = False
 
     def lost(self, shard: int) -> int | None:
         """Shard ``shard``'s server was lost: its backup serves it from now on (one line, and its rank
@@ -175,8 +231,10 @@ class Routes:
         return backup
 
     def notice(self, shard: int, patience: Patience) -> tuple[int, bool]:
-        """The backup's notice of what it holds of this worker: (pushes counted, goodbye seen)."""
+        """The backup's notice of what it holds of this worker: (pushes counted, goodbye seen); also kept in
+        :attr:`seen_done`."""
         backup = self.now[shard]
         recv: Handle = self.comm.irecv(self._notice, backup, NOTICE_TAG)
         wait_for({backup: recv}, patience, self.worker, f"for backup rank {backup}'s takeover notice")
-        return int(self._notice[0]), bool(self._notice[1])
+        self.seen_done = bool(self._notice[1])
+        return int(self._notice[0]), self.seen_done
