@@ -338,7 +338,7 @@ def test_a_lost_server_with_a_backup_is_survived_every_push_counted_once(
     took = [line for line in lines if "backup rank 3: parameter server rank 0 was lost" in line]
     moved = [line for line in lines if "shard 0 is served by its backup, rank 3, from now on" in line]
     assert len(took) == 1 and len(moved) == 2, proc.stderr[-3000:]
-    last = [line for line in lines if "parameter server rank 3:" in line and "all done" in line]
+    last = [line for line in lines if "backup rank 3, serving since parameter server rank 0 was lost" in line]
     assert len(last) == 1 and "every push of the 2 finishing worker(s) counted once" in last[0], last
     assert "PUSHES MISCOUNTED" not in proc.stderr
     assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]

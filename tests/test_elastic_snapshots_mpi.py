@@ -145,3 +145,31 @@ def test_a_lost_worker_is_survived_and_the_later_snapshots_hold_the_survivors(
     assert f"resuming from {whole_ones[-1]}" in resumed.stderr
     skipped = [line for line in resumed.stderr.splitlines() if "the steps since are trained again" in line]
     assert len(skipped) == 1 and f"the newest {last.name}" in skipped[0], resumed.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [("inject.step=100", "inject.action=kill"), ("inject.step=20", "inject.action=kill_in_save")],
+    ids=["between-snapshots", "in-a-save"],
+)
+def test_a_lost_server_with_a_backup_is_survived_and_the_snapshots_go_on(
+    openmpi: OpenMPIEnv, tmp_path: Path, fault: tuple[str, ...]
+) -> None:
+    """ASGD with ``[elastic] server_backups = 1`` (rank 3 mirrors server rank 0) and a snapshot every 10
+    steps: rank 0 SIGKILLed after answering 100 pushes, or while writing snapshot 20. The backup takes over,
+    the snapshots go on over ranks 1-3 (the lost server's file missing, rank 0 in ``meta.pt``), the job
+    finishes with status 0, every push counted once, and the accuracy of an elastic ASGD run (the rate
+    decayed for the last epoch)."""
+    backed = ("RULE=ASGD", "elastic.server_backups=1", "optim.milestones=3", "inject.rank=0")
+    proc = job(openmpi, tmp_path, *backed, *fault)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert any("backup rank 3: parameter server rank 0 was lost" in line for line in lines), proc.stderr[
+        -3000:
+    ]
+    last = [line for line in lines if "backup rank 3, serving since parameter server rank 0 was lost" in line]
+    assert len(last) == 1 and "every push of the 2 finishing worker(s) counted once" in last[0], last
+    newest = complete_checkpoints(only_run(tmp_path) / "checkpoints")[-1]
+    assert sorted(p.name for p in newest.glob("rank-*.pt")) == [f"rank-0000{r}.pt" for r in (1, 2, 3)]
+    assert meta_of(newest)["lost"] == [0]
+    assert float(re.findall(r"done: .* val accuracy ([0-9.]+)", proc.stderr)[0]) > 0.85

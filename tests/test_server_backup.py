@@ -188,6 +188,17 @@ def test_a_rule_without_server_ranks_to_back_up_says_so(rule: str, hyper: dict[s
     assert obstacle is not None and said in obstacle
 
 
+def test_the_model_survives_while_each_shard_keeps_its_server_or_its_backup() -> None:
+    """What the snapshot meeting asks when serving ranks were lost (start numbering): 2 servers (0, 1)
+    backed by ranks 4 and 5 of 6 hold the model while no shard lost both; without backups, never."""
+    rule = RULES.get("ASGD")(servers=2)
+    rule.server_backups, rule.start_size = 1, 6
+    assert rule.model_survives({0}) and rule.model_survives({0, 5}) and rule.model_survives({4, 5})
+    assert not rule.model_survives({1, 5}) and not rule.model_survives({0, 4})
+    rule.server_backups = 0
+    assert not rule.model_survives({0})
+
+
 def test_too_few_ranks_for_servers_and_backups_is_refused_naming_both() -> None:
     """ASGD with one server and its backup needs 3 ranks: at 2 the error says why."""
     rule = RULES.get("ASGD")()
@@ -203,10 +214,8 @@ def test_too_few_ranks_for_servers_and_backups_is_refused_naming_both() -> None:
     [
         (("RULE=ASGD",), False, "[elastic] server_backups = 1 needs elastic training"),
         (("RULE=BSP",), True, "[elastic] server_backups = 1: RULE=BSP keeps no parameter server rank"),
-        (("RULE=ASGD",), True, "takes no coordinated snapshots yet: set checkpoint.on_signal=false"),
-        (("RULE=ASGD", "checkpoint.on_signal=false", "checkpoint.every_epochs=1"), True, "no coordinated"),
         (("RULE=ASGD", "elastic.server_backups=0"), True, None),
-        (("RULE=ASGD", "checkpoint.on_signal=false"), True, None),
+        (("RULE=ASGD", "checkpoint.every_epochs=1"), True, None),
     ],
 )
 def test_the_session_refuses_backups_it_cannot_honour_naming_why(

@@ -257,6 +257,12 @@ class Rule:
     def finish(self) -> None:
         """Drain messages in flight; after it returns no rank waits on another."""
 
+    def model_survives(self, lost: set[int]) -> bool:
+        """Whether the model is still held after losing the serving ranks ``lost`` (start numbering): no, by
+        default — a parameter server or EASGD centre holds it alone; a server with a backup says yes while
+        one of the two lives."""
+        return False
+
     def rearm(self) -> None:
         """After ``finish()`` and a snapshot every rank took together: exchange again as before it (post
         the receives ``finish`` consumed, forget who said done). Every rank calls it at the same point."""

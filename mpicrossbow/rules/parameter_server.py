@@ -236,9 +236,8 @@ class ParameterServer:
             self._recvs, lambda r: self._handle(r, report), self.order, self._sends, tick, silence,
             lambda: [r for r in self.workers if r not in self.done and r not in self.held], self.forget,
         )  # fmt: skip
-        level = logging.WARNING if self.took_over else logging.INFO  # a backup's last line is seen too
-        log.log(level, "parameter server rank %d: %d update(s) from %d worker(s), all done%s", self.comm.rank,
-                self.updates, len(self.workers), self.accounting())  # fmt: skip
+        log.info("parameter server rank %d: %d update(s) from %d worker(s), all done%s", self.comm.rank,
+                 self.updates, len(self.workers), self.accounting())  # fmt: skip
 
     def accounting(self) -> str:
         """How the workers' pushes were counted, for the server's last line: each applied once, or which
@@ -480,6 +479,11 @@ class ServerRule(Rule):
         """The backup rank of each server (the last S ranks), or none."""
         return backup_ranks(self.servers, size) if self.backups else []
 
+    def model_survives(self, lost: set[int]) -> bool:
+        """Each shard is held while its server or its backup lives."""
+        backups = self.backup_ranks(self.start_size)
+        return bool(backups) and all(j not in lost or backups[j] not in lost for j in range(self.servers))
+
     def backups_obstacle(self) -> str | None:
         """A server rank's state can be mirrored to a backup when the rule's servers forget lost workers
         (the backup serves the survivors on) and serve from ranks of their own."""
@@ -720,6 +724,7 @@ class ServerRule(Rule):
             sends = {j: self.ps.isend(self.pushes[j], self._to(j), PUSH_TAG) for j in range(self.shards)}
             if acks:  # a backup must know whether this DONE reached the servers
                 wait_for(acks, self.patience.doubled(), who, "for its DONE's acknowledgement")
+                self.unconfirmed = [[] for _ in self.bounds]  # a DONE is acknowledged once the backup has all
             self._sent(sends)
             return
         if backed:  # kept until the backup acknowledges it: sent again if the server is lost before
@@ -771,12 +776,14 @@ class ServerRule(Rule):
         if self.server is None:
             super().serve(report)
             return
-        resume = self.mirrored is not None
-        if self.mirrored is not None:  # a backup: mirror the server until the end, or its loss
+        resume = False
+        if self.mirrored is not None and not self.server.took_over:  # a backup: mirror the server until
+            self.server.done = set(self.server.lost)  # every worker is done (this round), or its loss
             self.server.patience = self.patience.doubled()
             if mirror_until_done(self.server, self.mirrored, self.patience.doubled(), self.tick):
                 return
             self.server.take_over(self.mirrored)
+            resume = True
         if self.servers > 1:
             log.info("%d servers hold shards of the model: it is validated at the end only", self.servers)
             self.server.serve(None, self.tick, self.patience, resume)
@@ -818,6 +825,14 @@ class ServerRule(Rule):
         """After finish: every rank gets the servers' final w, slice j from server j, and the workers' mean
         BatchNorm statistics (a collective; exact, never compressed)."""
         assert self.comm is not None
+        if self.server is not None and self.server.took_over:  # the end's line of a backup that served
+            # (ranks in the start numbering: the survivors were renumbered at the end)
+            log.warning(
+                "backup rank %d, serving since parameter server rank %d was lost: %d update(s) from %d "
+                "worker(s) in all%s", self.backup_ranks(self.start_size)[self.mirrored or 0], self.mirrored,
+                self.server.updates,
+                len(self.server.workers), self.server.accounting(),
+            )  # fmt: skip
         if self.shard is not None:  # the colocated shard's w is the one to share
             lo, hi = self.bounds[self.comm.rank]
             self.w[lo:hi].copy_(self.shard.w)

@@ -19,7 +19,8 @@ of :mod:`.pause_orders` runs over a fault-tolerant group of its own, split from 
   (:func:`~mpicrossbow.training.checkpoints.checkpoint_files.load_rank_state`); resuming the run takes the
   newest snapshot before the loss, which pruning keeps
   (:func:`~mpicrossbow.training.checkpoints.checkpoint_files.newest_whole`).
-* **A lost serving rank** (a parameter server, the EASGD centre: the model lives there) ends the job with
+* **A lost serving rank** (a parameter server, the EASGD centre: the model lives there) — unless the rule
+  still holds the model (a parameter server's backup took over, ``Rule.model_survives``) — ends the job with
   :class:`~mpicrossbow.comm.ulfm.ElasticEnd` before anything is saved, so the last complete snapshot stays
   as it was on disk (a save cut short leaves only a ``.partial`` folder, never loaded). The lowest
   surviving worker says so; the others wait for its abort.
@@ -176,7 +177,7 @@ class ElasticPauseOrders(PauseOrders):
         self.lost = tuple(sorted({*self.lost, *gone}))
         self._sends, self.received = [], 0
         served = sorted(set(gone) & self.serving)
-        if served:
+        if served and not self.parts.rule.model_survives(set(self.lost)):
             workers = [r for r in self.ranks if r not in self.serving]
             raise ElasticEnd(
                 f"rank(s) {', '.join(str(r) for r in served)} (start numbering), serving the model (a "

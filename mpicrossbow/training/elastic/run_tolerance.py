@@ -198,9 +198,4 @@ def server_backups(config: Config, rule: Rule, elastic: bool) -> int:
     obstacle = rule.backups_obstacle()
     if obstacle is not None:
         raise ConfigError(f"{head}: {obstacle}")
-    if config.checkpoint.enabled or config.checkpoint.on_signal:
-        raise ConfigError(
-            f"{head} takes no coordinated snapshots yet: set checkpoint.on_signal=false and no "
-            "checkpoint.every_steps / every_epochs"
-        )
     return wanted
