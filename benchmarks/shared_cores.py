@@ -15,7 +15,6 @@ time alone. Appends medians, the slowest run and the runs past 2.5× the time al
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import shlex
@@ -25,8 +24,8 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from benchmarks.report import RESULTS, machine
-from benchmarks.startup import portable, versions
+from benchmarks.report import append_result
+from benchmarks.startup import portable
 
 log = logging.getLogger("benchmarks.shared_cores")
 
@@ -103,26 +102,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     load = os.getloadavg()[0]
-    started = datetime.datetime.now(datetime.timezone.utc)
     alone, runs = measure(args.rounds)
     result = table(alone, runs)
     print(result)
     if args.no_write:
         return 0
-    invocation = shlex.join(
-        ["python", "-m", "benchmarks.shared_cores", *(sys.argv[1:] if argv is None else argv)]
+    notes = (
+        f"Job: `{portable(shlex.join(JOB))}`; {args.rounds} rounds per setting after 1 warm-up, alternating; "
+        f"a run's seconds from the round's start to its exit; 1-minute load average {load:.1f} at the start."
     )
-    section = (
-        f"\n## Two one-process jobs on shared cores — {started:%Y-%m-%d %H:%M} UTC\n\n"
-        f"- command: `{invocation}`\n- versions: {versions()}\n- machine: {machine()}; 1-minute load "
-        f"average {load:.1f} at the start\n- job: `{portable(shlex.join(JOB))}`; {args.rounds} rounds per "
-        f"setting after 1 warm-up, alternating; a run's seconds from the round's start to its exit\n\n"
-        f"{result}\n"
-    )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "shared_cores.md"
-    with path.open("a", encoding="utf-8") as f:
-        f.write(("# shared cores benchmark results\n" if f.tell() == 0 else "") + section)
+    path = append_result("shared_cores", "Two one-process jobs on shared cores", result, notes)
     log.info("appended to %s", path)
     return 0
 
