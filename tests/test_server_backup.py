@@ -97,12 +97,13 @@ def die_after_push(world: FaultyWorld, server: ParameterServer, victim: int, whe
 
     server.mirror.forward, server._release = forwarded, released  # type: ignore[method-assign]
     if when == "lagging":  # events 5 to 7 never reach the backup: still in flight when the server dies
-        isend = server.comm.isend
+        wire = server.mirror.comm  # the mirror's own (uncompressed) channel
+        isend = wire.isend
 
         def lossy(tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
             return DoneHandle() if tag == MIRROR_TAG and server.received > 4 else isend(tensor, dst, tag)
 
-        server.comm.isend = lossy  # type: ignore[method-assign]
+        wire.isend = lossy  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("when", ["replied", "mirrored"])

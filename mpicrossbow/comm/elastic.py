@@ -290,8 +290,11 @@ class GuardedCommunicator(Communicator):
 
     @property
     def exact(self) -> Communicator:
-        """The inner communicator without compression, guarded the same way."""
-        return GuardedCommunicator(lambda: self._target().exact, self._group)
+        """The inner communicator without compression, guarded the same way (a point-to-point loss isolated
+        as here: an asynchronous run's exact messages, e.g. a parameter server's mirror, revoke nothing)."""
+        exact = GuardedCommunicator(lambda: self._target().exact, self._group)
+        exact.isolate_peers = self.isolate_peers
+        return exact
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
         """The inner allreduce."""

@@ -589,8 +589,8 @@ class ServerRule(Rule):
             )  # fmt: skip
             if rank in backups:
                 self.mirrored, server.shadowing = shard, True
-            elif backups:
-                server.mirror = Mirror(self.comm, backups[shard], server.message_size, self.w)
+            elif backups:  # the mirror travels uncompressed: the backup applies what the server applied
+                server.mirror = Mirror(self.comm.exact, backups[shard], server.message_size, self.w)
             return
         if backups:
             self.routes = Routes(self.comm, self.servers, backups, f"worker rank {rank}", rank - self.servers)
@@ -780,7 +780,8 @@ class ServerRule(Rule):
         if self.mirrored is not None and not self.server.took_over:  # a backup: mirror the server until
             self.server.done = set(self.server.lost)  # every worker is done (this round), or its loss
             self.server.patience = self.patience.doubled()
-            if mirror_until_done(self.server, self.mirrored, self.patience.doubled(), self.tick):
+            wire = self.comm.exact  # as the server's mirror sends: uncompressed
+            if mirror_until_done(self.server, wire, self.mirrored, self.patience.doubled(), self.tick):
                 return
             self.server.take_over(self.mirrored)
             resume = True

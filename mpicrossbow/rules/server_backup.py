@@ -168,11 +168,15 @@ class ShadowState(Protocol):
 
 
 def mirror_until_done(
-    server: ShadowState, primary: int, patience: Patience, tick: Callable[[], None] | None
+    server: ShadowState,
+    comm: Communicator,
+    primary: int,
+    patience: Patience,
+    tick: Callable[[], None] | None,
 ) -> bool:
-    """A backup's loop: apply every event its server forwards, in order, and acknowledge it, until every
-    worker is done (True: the server finished) or the server is lost (False: the caller takes over)."""
-    comm = server.comm
+    """A backup's loop: apply every event its server forwards over ``comm`` (the server's mirror's channel),
+    in order, and acknowledge it, until every worker is done (True: the server finished) or the server is
+    lost (False: the caller takes over)."""
     event = server.w.new_zeros(server.message_size + 2)
     ack = server.w.new_zeros(1)
     silence = Silence(patience, f"backup rank {comm.rank}", "for its server's next event", [primary])
