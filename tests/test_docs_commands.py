@@ -328,7 +328,7 @@ TABLE: tuple[Entry, ...] = (
         subst=(("-n 4", "-n 2"), ("ASGD", "ASGD --epochs 1")),
         expect=(
             r"rank 0 serves for RULE=ASGD",
-            r"parameter server: \d+ update\(s\) from 1 worker\(s\), all done",
+            r"parameter server rank 0: \d+ update\(s\) from 1 worker\(s\), all done",
         ),
     ),
     Entry(
