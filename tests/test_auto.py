@@ -6,9 +6,12 @@ with ``recheck = false`` it is kept.
 The first window is LOCALSGD's: 3 untimed steps and 16 timed ones or more (two of its averages), ending on an
 average, so the first decision comes after step 23; BSP's windows are 6 steps. Four learners a rank (k = 8):
 there LOCALSGD needs 2.35× BSP's epochs, so BSP on the fast link beats the 0.8× a move away from the running
-rule needs. The slow link is a communicator whose allreduces sleep 100 ms from step 30 on (a 2-rank MLP step
-takes a few ms here, tens on a loaded machine): BSP's step grows tenfold or more, past the 2× the check
-allows, in the windows ending after steps 35 and 41; LOCALSGD pays it once per average, every 8 steps.
+rule needs. Each learner's forward sleeps 5 ms first (:class:`Pause`), so a step's compute is about 20 ms
+whatever the machine's load: the MLP's own step takes a few ms, and on the loaded 2-core CI an in-process
+allreduce's thread hand-off came close to it, and AUTO kept LOCALSGD on the fast link. The slow link is a
+communicator whose allreduces sleep 150 ms from step 30 on: BSP's step grows sevenfold or more, past the 2×
+the check allows, in the windows ending after steps 35 and 41; LOCALSGD pays it once per average, every 8
+steps (a move to it needs the delay above about three steps' compute).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from conftest import OPTIM, NormedMLP, stacked
 from mpicrossbow.comm.base import Communicator, Handle, ReduceOp
@@ -31,8 +35,26 @@ from mpicrossbow.training.run.step import train_step
 
 pytestmark = pytest.mark.quick
 
-SIZE, WINDOW, FIRST, STEPS, DELAY_S = 2, 6, 24, 54, 0.1
+SIZE, WINDOW, FIRST, STEPS, DELAY_S, PAUSE_S = 2, 6, 24, 54, 0.15, 0.005
 SLOW_FROM = FIRST + WINDOW
+
+
+class Pause(nn.Module):
+    """A layer that sleeps :data:`PAUSE_S` and passes its input on: a step's compute the load cannot shrink
+    next to the communication."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Sleep, then ``x`` unchanged."""
+        time.sleep(PAUSE_S)
+        return x
+
+
+class PausedMLP(NormedMLP):
+    """:class:`NormedMLP` behind a :class:`Pause`."""
+
+    def module(self) -> nn.Module:
+        """A fresh replica: the pause, then the MLP."""
+        return nn.Sequential(Pause(), super().module())
 
 
 class SlowLink(ForwardingCommunicator):
@@ -60,7 +82,7 @@ def run(recheck: bool) -> list[dict[str, Any]]:
     for rank in range(SIZE):
         torch.manual_seed(rank)
         spec = PoolSpec(rank, SIZE, 8, OPTIM, torch.device("cpu"), seed=1, learners=4)
-        pools.append(SerialPool(NormedMLP(hidden=8), spec))
+        pools.append(SerialPool(PausedMLP(hidden=8), spec))
 
     def body(comm: Communicator) -> dict[str, Any]:
         link, pool = SlowLink(comm), pools[comm.rank]
@@ -87,7 +109,7 @@ def test_a_link_that_slows_mid_run_is_measured_again_and_the_rule_changed_on_eve
     assert first == (FIRST, "BSP")  # the fast link: BSP, which needs the fewest epochs
     switch = FIRST + 3 * WINDOW
     assert again == (switch, "LOCALSGD (period 8)")  # drifted in the windows ending at 36 and 42
-    # LOCALSGD's averages cross the slow link too (100 ms each, every 8 steps): on a loaded machine its
+    # LOCALSGD's averages cross the slow link too (150 ms each, every 8 steps): on a loaded machine its
     # windows may stray from the prediction made on the fast link, and a decision made again on the slow
     # link keeps LOCALSGD
     assert all(rule == "LOCALSGD (period 8)" for _, rule in later), later
