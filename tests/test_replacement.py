@@ -203,7 +203,16 @@ def test_replacements_start_on_a_thread_while_the_survivors_train_on(monkeypatch
         replacement.BackgroundSpawn(_Duplicable(), (2,), ()).result()
     monkeypatch.setattr(replacement, "spawn_replacements", lambda native, ranks, hosts: None)
     at_once = replacement.BackgroundSpawn(_Duplicable(), (2,), (), threaded=False)
-    assert at_once.done and at_once.result() == (None, [])
+    assert at_once.done and at_once.result() == (None, []) and not at_once.threaded
+
+
+def test_the_survivors_train_through_a_spawn_on_one_host_and_wait_for_one_across_hosts() -> None:
+    """Open MPI's spawn on a thread stalled the survivors' collectives across hosts for minutes: there the
+    spawn runs at once; on one host (or hosts unknown) on a thread, when MPI allows threads at all."""
+    one_host = {0: "node1", 1: "node1", 2: "node1"}
+    assert replacement.spawn_threaded(True, one_host) and replacement.spawn_threaded(True, {})
+    assert not replacement.spawn_threaded(True, {**one_host, 3: "node2"})
+    assert not replacement.spawn_threaded(False, one_host)
 
 
 class _Owner:

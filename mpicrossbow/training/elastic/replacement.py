@@ -11,7 +11,11 @@ Who sends what to whom, in order (S: every survivor, J: every replacement, M: th
    and merges; S's thread merges too, first, so every survivor keeps its rank and rank 0 its duties, and
    greets each replacement (:func:`connect`). Meanwhile S **train on**: at the start of every step they agree
    (one allreduce of a flag) whether every survivor's thread is done, and go on to step 2 at the first step
-   where it is — a commit window's start, every survivor holding the committed state.
+   where it is — a commit window's start, every survivor holding the committed state. Only when every member
+   (lost ones included) is on one host: across hosts, Open MPI 5.0's ``MPI_Comm_spawn`` on a thread stalls the
+   survivors' own collectives over TCP and itself, for a minute to several (2 namespace nodes: spawns of 3.8,
+   30, 62 and 201 s and one past 280 s in five runs, against 2.6 s in each of four when the survivors wait),
+   so there S wait for the spawn (:func:`spawn_threaded`).
 2. **Offer.** Rank 0 broadcasts an :class:`Offer` over M: the start ranks every member stands for, the
    run folder, the loop position and the thread count. J prepares locally as the lost start rank would
    have: its device, its data shard, its seed (S wait meanwhile, in the next collective).
@@ -184,6 +188,13 @@ def _spawn(native: Any, start_ranks: tuple[int, ...], hosts: tuple[str, ...]) ->
             info.Free()
 
 
+def spawn_threaded(mpi_threads: bool, hosts: Mapping[int, str]) -> bool:
+    """Whether the survivors train on while the replacements start: MPI runs with ``MPI_THREAD_MULTIPLE`` and
+    every member before the loss (``hosts``: start rank -> host; empty when unknown) ran on one host. Across
+    hosts the threaded spawn stalled the survivors' collectives for minutes (the module doc)."""
+    return mpi_threads and len(set(hosts.values())) <= 1
+
+
 class BackgroundSpawn:
     """:func:`spawn_replacements` and :func:`connect` on a thread of their own, over a duplicate of the
     survivors' communicator (collective: every survivor builds one at the same step), so the survivors train
@@ -203,6 +214,8 @@ class BackgroundSpawn:
         self.seconds = 0.0
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(hosts,), name="crossbow-spawn", daemon=True)
+        #: Whether the survivors trained on meanwhile (else it ran at once, here).
+        self.threaded = threaded
         if threaded:
             self.thread.start()
         else:
@@ -308,7 +321,8 @@ class Replacements:
     def due(self, step: int) -> BackgroundSpawn | None:
         """At the start of step ``step`` (collective over the survivors): at the first step after a
         recovery that every survivor trains (after healing, a rank whose loop was behind skips steps first)
-        the replacements start on a thread of each survivor's. Then, at the first step starting a commit
+        the replacements start on a thread of each survivor's (at once, across hosts: :func:`spawn_threaded`).
+        Then, at the first step starting a commit
         window (every step, healing) where every survivor's thread is done — one allreduce of a flag each
         such step meanwhile, the survivors training until then — the finished spawn: admit it now
         (:meth:`admit`). None otherwise."""
@@ -329,7 +343,10 @@ class Replacements:
             self.spawned_at = (step, time.perf_counter())
             native = tolerance.comm.group.native
             self.spawning = BackgroundSpawn(
-                native, self.vacancies, lost_hosts if all(lost_hosts) else (), self.threaded
+                native,
+                self.vacancies,
+                lost_hosts if all(lost_hosts) else (),
+                spawn_threaded(self.threaded, self.hosts),
             )
         return None
 
@@ -407,15 +424,16 @@ class Replacements:
             step, now = int(position["step"]), time.perf_counter()
             log.warning(
                 "elastic: start rank(s) %s replaced at step %d; %d rank(s) again (%s); %.2fs after the "
-                "loss was met (spawn %.2fs, the survivors training %d step(s) meanwhile; the replacements' "
-                "set-up and handover %.2fs)",
+                "loss was met (spawn %.2fs, %s; the replacements' set-up and handover %.2fs)",
                 ", ".join(map(str, spawning.start_ranks)),
                 step,
                 after.size,
                 after,
                 now - tolerance.lost_at,
                 spawning.seconds,
-                step - self.spawned_at[0],
+                f"the survivors training {step - self.spawned_at[0]} step(s) meanwhile"
+                if spawning.threaded
+                else "the survivors waiting: it ran across hosts",
                 now - started,
             )
         return after
