@@ -1,0 +1,51 @@
+"""One group leader of :mod:`tests.test_group_link`: ``SUMS`` sums of ``[group + 1, 1]`` over the link (a
+value and a count), one JSON line per sum to ``OUT`` (the sum, the quorum's groups, the time), then a last
+line ``{"end": ...}``. ``KILL_AFTER`` (≥ 0): SIGKILL itself after that many sums; ``SLOW_AFTER`` (≥ 0): sleep
+``SLOW_S`` once after that many (its heartbeat goes on). A :class:`GroupLost` ends it with status 3 and its
+message on stderr.
+
+    python tests/group_link_job.py HOST PORT GROUP GROUPS SUMS OUT KILL_AFTER SLOW_AFTER SLOW_S
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from mpicrossbow.comm.group_link import GroupLink, GroupLost
+
+
+def main(argv: list[str]) -> int:
+    host, port, group, groups, sums, out, kill_after, slow_after, slow_s = argv
+    group, sums, kill_after, slow_after = int(group), int(sums), int(kill_after), int(slow_after)
+    logging.basicConfig(level=logging.INFO, format=f"[group {group}] %(levelname)s %(message)s")
+    with open(out, "w") as lines:
+        try:
+            link = GroupLink(host, int(port), group, int(groups), dead_after_s=1.5, join_s=10.0)
+            for n in range(sums):
+                if n == kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if n == slow_after:
+                    time.sleep(float(slow_s))
+                tensor = torch.tensor([group + 1.0, 1.0])
+                quorum = link.allreduce(tensor)
+                row = {"sum": tensor.tolist(), "groups": list(quorum.groups), "t": time.monotonic()}
+                lines.write(json.dumps(row) + "\n")
+                lines.flush()
+                time.sleep(0.02)  # a step's compute
+            link.close()
+        except GroupLost as exc:
+            print(exc, file=sys.stderr)
+            return 3
+        lines.write(json.dumps({"end": link.committed}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,146 @@
+"""The link between replica groups (:mod:`mpicrossbow.comm.group_link`) with real processes: three group
+leaders (tests/group_link_job.py) sum ``[group + 1, 1]`` 30 times over Gloo and a TCPStore on 127.0.0.1.
+What a lost node needs of it: a group killed, or frozen (no FIN: a node cut off), costs that group only,
+the survivors summing again within seconds, every sum over the quorum it reports; a slow group is not
+dropped; a lost rendezvous ends every survivor with one line, never a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.quick
+
+GROUPS, SUMS = 3, 30
+#: Every group's value is ``group + 1``: the sum over a quorum of groups.
+FULL = [6.0, 3.0]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def leaders(
+    tmp_path: Path, kill_after: int = -1, slow_after: int = -1, slow_s: float = 0.0
+) -> Iterator[list]:
+    """The three leaders' processes (group 2 killing itself after ``kill_after`` sums, or sleeping
+    ``slow_s`` once after ``slow_after``); every one killed on the way out."""
+    port, procs = free_port(), []
+    for g in range(GROUPS):
+        args = [sys.executable, str(REPO / "tests" / "group_link_job.py"), "127.0.0.1", str(port), str(g),
+                str(GROUPS), str(SUMS), str(tmp_path / f"sums{g}.json"), str(kill_after if g == 2 else -1),
+                str(slow_after if g == 2 else -1), str(slow_s)]  # fmt: skip
+        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=REPO, start_new_session=True))  # fmt: skip
+        if g == 0:
+            time.sleep(0.5)  # the rendezvous first
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
+    """The leader's exit status and stderr once it ended."""
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def rows(tmp_path: Path, group: int) -> list[dict]:
+    """The JSON lines a leader wrote."""
+    return [json.loads(line) for line in (tmp_path / f"sums{group}.json").read_text().splitlines()]
+
+
+def test_without_a_loss_every_sum_is_over_the_three_groups(tmp_path: Path) -> None:
+    with leaders(tmp_path) as procs:
+        ended = [finish(p) for p in procs]
+    assert all(code == 0 for code, _ in ended), ended
+    for g in range(GROUPS):
+        sums = rows(tmp_path, g)
+        assert sums[-1] == {"end": SUMS}
+        assert all(r["sum"] == FULL and r["groups"] == [0, 1, 2] for r in sums[:-1])
+
+
+def test_a_killed_group_costs_itself_only_and_the_others_sum_again_within_seconds(tmp_path: Path) -> None:
+    """Group 2 SIGKILLed after 10 sums: groups 0 and 1 do all 30, the first 10 over three groups, the rest
+    over two (sum 10 done again without group 2), one line naming the lost group; the gap under 5 s."""
+    with leaders(tmp_path, kill_after=10) as procs:
+        ended = [finish(p) for p in procs]
+    assert [code for code, _ in ended] == [0, 0, -signal.SIGKILL], ended
+    assert "link: group(s) 2 lost at sum 10; 2 group(s) go on (era 1: groups [0, 1])" in ended[0][1]
+    for g in (0, 1):
+        sums = rows(tmp_path, g)
+        assert sums[-1] == {"end": SUMS}
+        assert [r["sum"] for r in sums[:10]] == [FULL] * 10
+        assert [(r["sum"], r["groups"]) for r in sums[10:-1]] == [([3.0, 2.0], [0, 1])] * 20
+        assert sums[10]["t"] - sums[9]["t"] < 5.0
+
+
+def test_a_frozen_group_is_dropped_by_its_heartbeat(tmp_path: Path) -> None:
+    """Group 2 stopped (SIGSTOP: its sockets stay open, as a node cut off) once it summed 10 times: the
+    others notice its silent heartbeat and go on over two groups."""
+    with leaders(tmp_path) as procs:
+        path = tmp_path / "sums2.json"
+        deadline = time.monotonic() + 60
+        while (not path.exists() or len(path.read_text().splitlines()) < 10) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        procs[2].send_signal(signal.SIGSTOP)
+        ended = [finish(p) for p in procs[:2]]
+        procs[2].send_signal(signal.SIGKILL)
+    assert [code for code, _ in ended] == [0, 0], ended
+    for g in (0, 1):
+        sums = rows(tmp_path, g)
+        assert sums[-1] == {"end": SUMS}
+        lost = [i for i, r in enumerate(sums[:-1]) if r["groups"] == [0, 1]]
+        assert lost and lost == list(range(lost[0], SUMS)), sums
+        assert all(r["sum"] == [3.0, 2.0] for r in sums[lost[0] : -1])
+        assert sums[lost[0]]["t"] - sums[lost[0] - 1]["t"] < 5.0
+
+
+def test_a_slow_group_whose_heartbeat_goes_on_is_kept(tmp_path: Path) -> None:
+    """Group 2 sleeps 3 s once (twice the 1.5 s after which a silent heartbeat counts as lost): no loss."""
+    with leaders(tmp_path, slow_after=5, slow_s=3.0) as procs:
+        ended = [finish(p) for p in procs]
+    assert all(code == 0 for code, _ in ended), ended
+    for g in range(GROUPS):
+        assert all(r["sum"] == FULL for r in rows(tmp_path, g)[:-1])
+
+
+def test_a_lost_rendezvous_ends_every_survivor_with_one_line(tmp_path: Path) -> None:
+    """Group 0's leader (the TCPStore) SIGKILLed mid-run: groups 1 and 2 end with status 3 and the line
+    naming the rendezvous, within seconds."""
+    with leaders(tmp_path) as procs:
+        path = tmp_path / "sums0.json"
+        deadline = time.monotonic() + 60
+        while (not path.exists() or len(path.read_text().splitlines()) < 5) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        cut = time.monotonic()
+        ended = [finish(p, timeout=30) for p in procs[1:]]
+        took = time.monotonic() - cut
+    for code, err in ended:
+        # the last line ours, no Python traceback (torch's own C++ warning of the broken store comes first)
+        assert code == 3 and err.splitlines()[-1].startswith(
+            "link: the rendezvous on group 0's leader is gone"
+        )
+        assert "Traceback" not in err, err
+    assert took < 10.0
