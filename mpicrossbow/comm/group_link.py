@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +48,9 @@ from .backoff import Backoff
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: The reductions the link carries.
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 #: Seconds between two heartbeats of a leader.
 BEAT_S = 0.25
@@ -126,6 +130,7 @@ class GroupLink:
         self.group, self.dead_after_s, self.join_s = group, dead_after_s, join_s
         timeout = datetime.timedelta(seconds=join_s + 30.0)
         self._store = dist.TCPStore(host, port, is_master=group == 0, wait_for_workers=False, timeout=timeout)
+        self._store_call(lambda: self._store.set(f"host/{group}", socket.gethostname()))
         self._beat = _Heartbeat(host, port, group)
         #: The committed sums so far (the same number on every member).
         self.committed = 0
@@ -134,13 +139,15 @@ class GroupLink:
         self._pg: dist.ProcessGroupGloo | None = self._connect()
 
     # ------------------------------------------------------------------ the sum
-    def allreduce(self, tensor: torch.Tensor) -> Quorum:
-        """Sum the CPU ``tensor`` in place over the quorum's groups, collective over their leaders; after a
-        loss the survivors form a new quorum and sum again from their inputs. The quorum it summed over."""
-        saved = tensor.clone()
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> Quorum:
+        """Reduce the CPU ``tensor`` in place (``op``: sum, max or min) over the quorum's groups, collective
+        over their leaders; after a loss the survivors form a new quorum and reduce again from their inputs.
+        The quorum it reduced over."""
+        saved, options = tensor.clone(), dist.AllreduceOptions()
+        options.reduceOp = _OPS[op]
         while True:
             try:
-                if self._attempt(tensor):
+                if self._attempt(tensor, options):
                     self.committed += 1
                     return self.quorum
             except GroupLost:
@@ -150,10 +157,10 @@ class GroupLink:
             tensor.copy_(saved)
             self._reform()
 
-    def _attempt(self, tensor: torch.Tensor) -> bool:
+    def _attempt(self, tensor: torch.Tensor, options: dist.AllreduceOptions) -> bool:
         """One try of the current sum in this era: True when every member completed it (commit)."""
         assert self._pg is not None
-        work = self._pg.allreduce([tensor])
+        work = self._pg.allreduce([tensor], options)
         backoff, looked = Backoff(), time.monotonic()
         while not work.is_completed():
             backoff.pause()
@@ -209,9 +216,12 @@ class GroupLink:
             members = self._decide(before, era)
             self._store_call(lambda: self._store.set(members_key, ",".join(map(str, members))))
             lost = sorted(set(before.groups) - set(members))
+            keys = [f"host/{g}" for g in lost]
+            hosts = self._store_call(lambda: self._store.multi_get(keys)) if lost else []
             log.warning(
                 "link: group(s) %s lost at sum %d; %d group(s) go on (era %d: groups %s)",
-                ", ".join(map(str, lost)) or "none", self.committed, len(members), era, list(members),
+                ", ".join(f"{g} on {h.decode()}" for g, h in zip(lost, hosts, strict=True)) or "none",
+                self.committed, len(members), era, list(members),
             )  # fmt: skip
         else:
             self._store_call(lambda: self._store.wait([members_key]))

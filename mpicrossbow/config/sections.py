@@ -260,6 +260,31 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
+class LinkSection:
+    """``[link]``: replica groups — each node (or set of nodes) its own MPI job, the rules' exchanges joined
+    across the jobs, so that a lost node costs its group and never the run (docs/reliability.md)."""
+
+    groups: int = setting(
+        1,
+        "replica groups: separate MPI jobs, one per node (launch/slurm/groups.sbatch starts them), each "
+        "training its share of the data; the rules' exchanges cross them through a link (Gloo, a rendezvous "
+        "on group 0's first rank), and a lost group's node costs that group only: the others train on. "
+        "Every group has as many ranks. 1: off",
+        ge=1,
+        le=62,
+    )
+    group: int = setting(-1, "this job's group, 0..groups-1; -1: CROSSBOW_GROUP from the environment", ge=-1)
+    address: str = setting(
+        "",
+        "host:port of the rendezvous (a TCP store that group 0's first rank starts; the other groups "
+        "connect to it); empty: CROSSBOW_LINK_ADDRESS from the environment",
+    )
+    dead_after_s: float = setting(
+        2.0, "a group whose heartbeat (every 0.25 s) has not moved for this long is lost", gt=0
+    )
+
+
+@dataclass(frozen=True)
 class ElasticSection:
     """``[elastic]``: elastic training, where a rank that dies is dropped and the others go on."""
 

@@ -50,6 +50,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": s.CheckpointSection,
     "watchdog": s.WatchdogSection,
     "elastic": s.ElasticSection,
+    "link": s.LinkSection,
     "inject": s.InjectSection,
 }
 #: Sections whose keys belong to a plug-in (the rule's hyper-parameters, the model's keyword arguments).
@@ -90,6 +91,7 @@ class Config:
     checkpoint: s.CheckpointSection = field(default_factory=s.CheckpointSection)
     watchdog: s.WatchdogSection = field(default_factory=s.WatchdogSection)
     elastic: s.ElasticSection = field(default_factory=s.ElasticSection)
+    link: s.LinkSection = field(default_factory=s.LinkSection)
     inject: s.InjectSection = field(default_factory=s.InjectSection)
     #: ``[rule]`` as written (strings from a file); the rule validates them once, when it is built.
     rule_params: Mapping[str, Any] = field(default_factory=dict)

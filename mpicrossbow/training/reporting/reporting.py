@@ -55,6 +55,8 @@ def make_run_dir(config: Config) -> Path:
     name = config.session.name or (
         f"{config.modelclass}-{config.rule.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
+    if config.link.groups > 1:  # each replica group's job writes a run folder of its own
+        name += f"-group{config.link.group}"
     base = Path(config.session.output) / name
     base.parent.mkdir(parents=True, exist_ok=True)
     path, n = base, 1

@@ -11,12 +11,14 @@ from ...config import Config
 from ...errors import ConfigError
 from ...launch.world import World, mpi_threads_ok
 from ...rules.base import Rule
+from ..replica_groups import check_linked
 from ..reporting.tensorboard_log import check_available as check_tensorboard
 
 
 def check_combinations(config: Config, rule: Rule, world: World) -> None:
     """One ConfigError for the first setting that does not go with ``rule`` (elastic training's own: its
     :func:`~mpicrossbow.training.elastic.run_tolerance.resolve_elastic`)."""
+    check_linked(config, rule)
     if config.pool.learners == "auto" and not rule.synchronous:
         raise ConfigError(
             f"[pool] learners = auto needs a synchronous rule (every rank must change its learner count "

@@ -39,6 +39,7 @@ from ..elastic.run_tolerance import RunTolerance, resolve_elastic, server_backup
 from ..health.drill import drilled, trapped
 from ..health.faults import FaultInjector, Straggler
 from ..health.watchdog import Watchdog, start_watchdog
+from ..replica_groups import join_groups, resolve_link, shard_world
 from ..reporting.reporting import Reporter, make_run_dir
 from ..reporting.result import RunResult
 from ..reporting.timeline import Timeline
@@ -99,7 +100,7 @@ class Session:
             else requested_threads() or max(1, len(os.sched_getaffinity(0)) // max(1, world.local_size))
         )
         torch.set_num_threads(threads)
-        rule, cfg = resolve(cfg, self.rule)  # session.cfg records the resolved hyper-parameters
+        rule, cfg = resolve(resolve_link(cfg), self.rule)  # session.cfg records the resolved hyper-parameters
         elastic = resolve_elastic(cfg, rule, world)
         rule.server_backups = server_backups(cfg, rule, elastic)
         check_combinations(cfg, rule, world)
@@ -108,7 +109,7 @@ class Session:
         auto = cfg.pool.learners == "auto"
         learners = self._tuner_start() if auto else int(cfg.pool.learners)
         torch.manual_seed(cfg.session.seed)  # the same initial replicas everywhere (bind broadcasts anyway)
-        self.pool, self.full_val = build_pool(cfg, world, rule, self.device, learners)
+        self.pool, self.full_val = build_pool(cfg, shard_world(world, cfg), rule, self.device, learners)
         torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
         check_writable(Path(cfg.session.output), "[session] output")
         self.checkpoints = CheckpointManager(cfg, self.view, self.pool, self.device)
@@ -188,7 +189,7 @@ class Session:
         cfg, world, mpi = self.config, self.world, self.world.mpi
         if cfg.elastic.enabled is True:  # a parameter server forgets a lost worker and goes on
             self.elastic_comm = elastic_over_mpi(cfg.comm, self.device, mpi, not self.rule.synchronous)
-        self.comm = self.elastic_comm or make_communicator(cfg.comm, self.device, mpi)
+        self.comm = self.elastic_comm or join_groups(make_communicator(cfg.comm, self.device, mpi), cfg)
         self.faults = FaultInjector(cfg.inject, world.rank)
         run_dir = (self.checkpoints.resumed_run_dir() or make_run_dir(cfg)) if world.rank == 0 else None
         self.run_dir = Path(world.bcast(str(run_dir.absolute()) if run_dir is not None else ""))

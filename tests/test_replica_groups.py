@@ -1,0 +1,74 @@
+"""``[link]`` read and checked before any rank talks (:mod:`mpicrossbow.training.replica_groups`): the group
+and the rendezvous from the cfg or the environment, one line for each thing missing or wrong, the rules that
+cannot cross groups refused by name, and the data shards of every group's ranks laid end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mpicrossbow.config import load_config
+from mpicrossbow.errors import ConfigError
+from mpicrossbow.launch.world import World
+from mpicrossbow.rules.registry import resolve
+from mpicrossbow.training.replica_groups import check_linked, resolve_link, shard_world
+
+CFG = "launch/digits.cfg"
+
+
+def test_group_and_address_come_from_the_cfg_or_the_environment() -> None:
+    config = load_config(CFG, ["link.groups=3"])
+    env = {"CROSSBOW_GROUP": "2", "CROSSBOW_LINK_ADDRESS": "node1:29500"}
+    resolved = resolve_link(config, env)
+    assert (resolved.link.group, resolved.link.address) == (2, "node1:29500")
+    given = load_config(CFG, ["link.groups=3", "link.group=1", "link.address=10.0.0.1:7"])
+    assert (resolve_link(given, env).link.group, resolve_link(given, env).link.address) == (1, "10.0.0.1:7")
+    alone = load_config(CFG)
+    assert resolve_link(alone, {}) is alone  # groups = 1: nothing read
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "message"),
+    [
+        (["link.groups=3"], {"CROSSBOW_LINK_ADDRESS": "h:1"}, r"needs this job's group: set \[link\] group"),
+        (["link.groups=3"], {"CROSSBOW_GROUP": "x", "CROSSBOW_LINK_ADDRESS": "h:1"}, r"\(0\.\.2\), not 'x'"),
+        (["link.groups=3", "link.group=3", "link.address=h:1"], {}, r"group = 3, but groups = 3 \(0\.\.2\)"),
+        (["link.groups=3", "link.group=0"], {}, r"needs the rendezvous as host:port"),
+        (["link.groups=3", "link.group=0", "link.address=node1"], {}, r"host:port .*, not 'node1'"),
+    ],
+)
+def test_a_bad_group_or_address_is_one_line(overrides: list[str], env: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve_link(load_config(CFG, overrides), env)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["RULE=GOSGD"], r"RULE=GOSGD cannot run across replica groups .* BSP, SMA, LOCALSGD, DILOCO"),
+        (["RULE=ASGD"], r"RULE=ASGD cannot run across replica groups"),
+        (["elastic.enabled=true"], r"a group is what is lost and survived"),
+        (["pool.learners=auto"], r"needs a number of learners"),
+        (["checkpoint.resume=latest"], r"resume one group's run folder with \[link\] groups = 1"),
+    ],
+)
+def test_what_cannot_go_with_replica_groups_is_refused_by_name(overrides: list[str], message: str) -> None:
+    config = load_config(CFG, ["link.groups=2", "link.group=0", "link.address=h:1", *overrides])
+    rule, config = resolve(config, None)
+    with pytest.raises(ConfigError, match=message):
+        check_linked(config, rule)
+
+
+def test_every_rule_that_only_allreduces_is_accepted() -> None:
+    for name in ("BSP", "SMA", "LOCALSGD", "DILOCO"):
+        rule, config = resolve(load_config(CFG, ["link.groups=2", f"RULE={name}"]), None)
+        check_linked(config, rule)
+
+
+def test_the_groups_shards_lie_end_to_end() -> None:
+    """Group g's rank r reads shard g × size + r of groups × size; one group keeps its world."""
+    world = World(rank=1, size=2, local_rank=1, local_size=2, node=0, nodes=1, hostname="h", launcher=None)
+    config = load_config(CFG, ["link.groups=3", "link.group=2", "link.address=h:1"])
+    assert dataclasses.astuple(shard_world(world, config))[:2] == (5, 6)
+    assert shard_world(world, load_config(CFG)) is world
