@@ -77,6 +77,14 @@ class Quorum:
         return self.groups.index(group)
 
 
+def _route_address(address: str, port: int) -> str:
+    """This host's address on the route to ``address`` (no packet sent): where the other leaders can reach
+    this one, whatever its hostname resolves to (a loopback address on many Debian hosts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, port))
+        return str(probe.getsockname()[0])
+
+
 def _retire(held: list[dist.ProcessGroupGloo]) -> None:
     """Abort the Gloo group in ``held`` (its only reference) and keep it for the rest of the process, never
     destroyed: its destructor waits for an operation still in flight with a member that stopped (up to
@@ -106,10 +114,11 @@ class _Heartbeat:
             except (RuntimeError, OSError):  # the rendezvous is gone: the main thread says so
                 return
 
-    def stop(self) -> None:
-        """End the thread (its last beat at most :data:`BEAT_S` ago)."""
+    def stop(self, wait: bool = True) -> None:
+        """End the thread (its last beat at most :data:`BEAT_S` ago); ``wait``: for it to end."""
         self._stop.set()
-        self._thread.join(BEAT_S * 4)
+        if wait:
+            self._thread.join(BEAT_S * 4)
 
 
 class GroupLink:
@@ -129,9 +138,22 @@ class GroupLink:
             raise ValueError(f"group {group} of {groups}: groups are 0..{groups - 1}")
         self.group, self.dead_after_s, self.join_s = group, dead_after_s, join_s
         timeout = datetime.timedelta(seconds=join_s + 30.0)
-        self._store = dist.TCPStore(host, port, is_master=group == 0, wait_for_workers=False, timeout=timeout)
+        address = socket.gethostbyname(host)
+        #: Where this leader's Gloo sockets listen: its address on the route to the rendezvous.
+        self.local_address = _route_address(address, port)
+        listener = socket.create_server((address, port)) if group == 0 else None  # never the wildcard
+        try:
+            self._store = dist.TCPStore(
+                address, port, is_master=group == 0, wait_for_workers=False, timeout=timeout,
+                master_listen_fd=listener.detach() if listener is not None else None,  # the store owns it
+            )  # fmt: skip
+        except (RuntimeError, OSError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise GroupLost(
+                f"link: group {group} cannot reach the rendezvous on {host}:{port} ({first})"
+            ) from None
         self._store_call(lambda: self._store.set(f"host/{group}", socket.gethostname()))
-        self._beat = _Heartbeat(host, port, group)
+        self._beat = _Heartbeat(address, port, group)
         #: The committed sums so far (the same number on every member).
         self.committed = 0
         self.quorum = Quorum(0, tuple(range(groups)))
@@ -145,17 +167,22 @@ class GroupLink:
         The quorum it reduced over."""
         saved, options = tensor.clone(), dist.AllreduceOptions()
         options.reduceOp = _OPS[op]
-        while True:
-            try:
-                if self._attempt(tensor, options):
-                    self.committed += 1
-                    return self.quorum
-            except GroupLost:
-                raise
-            except (RuntimeError, OSError):  # the Gloo group broke under this leader: a peer died
-                self._say(self._key("outcome"), "fail")
-            tensor.copy_(saved)
-            self._reform()
+        try:
+            while True:
+                try:
+                    if self._attempt(tensor, options):
+                        self.committed += 1
+                        return self.quorum
+                except GroupLost:
+                    raise
+                except (RuntimeError, OSError):  # the Gloo group broke under this leader: a peer died
+                    self._say(self._key("outcome"), "fail")
+                tensor.copy_(saved)
+                self._reform()
+        except GroupLost:  # this leader's part ends: nothing of the link may be torn down at exit
+            self._beat.stop(wait=False)
+            self._hand_over_group()
+            raise
 
     def _attempt(self, tensor: torch.Tensor, options: dist.AllreduceOptions) -> bool:
         """One try of the current sum in this era: True when every member completed it (commit)."""
@@ -268,10 +295,11 @@ class GroupLink:
     def _connect(self) -> dist.ProcessGroupGloo:
         """The Gloo group of the current era (collective over its members)."""
         prefixed = dist.PrefixStore(f"gloo/{self.quorum.era}", self._store)
-        timeout = datetime.timedelta(seconds=GLOO_TIMEOUT_S)
-        return dist.ProcessGroupGloo(
-            prefixed, self.quorum.index(self.group), len(self.quorum.groups), timeout
-        )
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=GLOO_TIMEOUT_S)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.local_address)]
+        rank, size = self.quorum.index(self.group), len(self.quorum.groups)
+        return dist.ProcessGroupGloo(prefixed, rank, size, options)
 
     def _hand_over_group(self) -> None:
         """This era's Gloo group to :func:`_retire`, no reference to it left here."""
