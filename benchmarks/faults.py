@@ -62,7 +62,13 @@ def parse_args() -> argparse.Namespace:
         "--elastic", action="store_true", help="elastic training's recovery and per-step cost (Open MPI)"
     )
     parser.add_argument("--cost", action="store_true", help="with --elastic: the per-step cost alone")
-    return parser.parse_args()
+    parser.add_argument(
+        "--node-loss",
+        action="store_true",
+        help="a lost node: 3 namespace nodes as replica groups, node3 killed (benchmarks/node_loss.py; its "
+        "options follow)",
+    )
+    return parser.parse_known_args()[0]
 
 
 def named(action: str, text: str) -> bool:
@@ -345,6 +351,10 @@ def elastic_main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.node_loss:
+        from benchmarks import node_loss
+
+        sys.exit(node_loss.main([a for a in sys.argv[1:] if a != "--node-loss"]))
     if args.elastic:
         elastic_main(args)
         return

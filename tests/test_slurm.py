@@ -434,6 +434,10 @@ def test_templates_are_valid_bash_and_carry_the_production_directives() -> None:
         proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, (path.name, proc.stderr)
         text = path.read_text()
+        if path.name == "groups.sbatch":  # replica groups do not resume (their folders may hold other steps)
+            assert "#SBATCH --output=slurm-%j.out\n" in text and "#SBATCH --no-kill\n" in text
+            assert "--requeue" not in text and "--kill-on-bad-exit=1" in text and '"link.groups=' in text
+            continue
         for directive in ("--output=slurm-%j.out", "--open-mode=append", "--requeue"):
             assert f"#SBATCH {directive}" in text, (path.name, directive)
         # srun passes Slurm's signal to the ranks; under mpiexec the batch shell gets it and forwards it.

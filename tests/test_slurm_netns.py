@@ -417,3 +417,39 @@ def test_under_srun_a_lost_node_or_link_ends_the_job_in_a_minute_and_a_resume_fi
     assert record["JobState"] == "COMPLETED", out[-3000:]
     assert f"resuming from {checkpoints[-1]}" in out, out[-3000:]
     assert read_metrics(run / "metrics.h5")["val"]["accuracy"][-1] >= 0.9
+
+
+def test_the_groups_template_survives_a_killed_node_and_the_other_groups_finish(
+    slurm: NetnsSlurm, tmp_path: Path
+) -> None:
+    """groups.sbatch on 3 nodes × 1 rank: three replica groups (BSP across the link); node3 killed whole
+    (slurmd and all) once the groups logged epoch 3 of 8. Groups 0 and 1 finish all 8 epochs alike, one line
+    names group 2 and node3 as lost, the template one line naming group 2's end, and the batch script ends
+    within a minute of the run (not when Slurm declares node3 down)."""
+    nodes = ("--nodes=3", "--ntasks-per-node=1")
+    job = submit(slurm, tmp_path, "groups.sbatch", "session.epochs=8", options=nodes)
+    runs = tmp_path / "runs" / str(job)
+
+    def third_epoch() -> bool:
+        state = slurm.job(job).get("JobState")
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), (state, output(tmp_path, job)[-3000:])
+        return "epoch 3 step" in output(tmp_path, job)
+
+    try:
+        wait_for(third_epoch, 240, "epoch 3")
+        slurm.cluster.fail("node3", "node killed")
+        cut = time.monotonic()
+        wait_for(lambda: output(tmp_path, job).count("done: 8 epoch(s)") == 2, 240, "groups 0 and 1 done")
+        wait_for(lambda: "replica group 2 on node3" in output(tmp_path, job), 90, "the template's line")
+        ended = time.monotonic() - cut
+    finally:
+        slurm.cluster.heal("node3", boot=False)
+        slurm.heal(job)
+    out = output(tmp_path, job)
+    lost = [line for line in out.splitlines() if "link: group(s)" in line]
+    assert len(lost) == 1 and "link: group(s) 2 on node3 lost" in lost[0], out[-3000:]
+    assert re.search(r"replica group 2 on node3 (ended with status|still running)", out), out[-3000:]
+    assert ended < 120, ended
+    metrics = [read_metrics(next(runs.glob(f"*-group{g}")) / "metrics.h5") for g in (0, 1)]
+    accuracy = [m["val"]["accuracy"] for m in metrics]
+    assert (accuracy[0] == accuracy[1]).all() and accuracy[0][-1] >= 0.9, accuracy
