@@ -5,11 +5,11 @@ power). Per rule, one line::
 
     node loss <RULE>: exit <code>, survivors trained again in <s> s, accuracy <a> (uninterrupted <b>)
 
-``exit``: the survivors' (groups 0 and 1) worst exit status; ``survivors trained again``: from the kill to
-group 0's line naming the lost group, which it logs as the new quorum forms, right before the step is summed
-again over the survivors; accuracy: group 0's last validation, against the same job without a kill (3
-groups throughout). ``--repeats`` runs each (medians). Run as ``python -m benchmarks.faults --node-loss``
-(or this module); writes benchmarks/results/faults.md.
+``exit``: the survivors' (groups 0 and 1) worst exit status; ``survivors trained again``: from the kill's
+start to group 0's line naming the lost group, which it logs as the new quorum forms, right before the step
+is summed again over the survivors; accuracy: group 0's last validation, against the same job without a
+kill (3 groups throughout). ``--repeats`` runs each (medians). Run as
+``python -m benchmarks.faults --node-loss`` (or this module); writes benchmarks/results/faults.md.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def drill(cluster: NetnsCluster, rule: str, out: Path, epochs: int, kill_epoch: 
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if kill_epoch is not None and result.killed_at is None:
                 if any(f"epoch {kill_epoch} step" in line for _, line in list(result.lines[0])):
+                    result.killed_at = time.monotonic()  # the kill's start (it returns once node3 is gone)
                     cluster.kill_node(cluster.hosts[2])
-                    result.killed_at = time.monotonic()
             time.sleep(0.05)
     finally:
         for proc in procs:
