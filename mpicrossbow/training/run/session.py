@@ -109,8 +109,9 @@ class Session:
         auto = cfg.pool.learners == "auto"
         learners = self._tuner_start() if auto else int(cfg.pool.learners)
         torch.manual_seed(cfg.session.seed)  # the same initial replicas everywhere (bind broadcasts anyway)
-        self.pool, self.full_val = build_pool(cfg, shard_world(world, cfg), rule, self.device, learners)
-        torch.manual_seed(cfg.session.seed * 1_000_003 + world.rank)  # per-rank dropout and augmentation
+        shards = shard_world(world, cfg)  # every replica group's ranks, end to end
+        self.pool, self.full_val = build_pool(cfg, shards, rule, self.device, learners)
+        torch.manual_seed(cfg.session.seed * 1_000_003 + shards.rank)  # per-rank dropout and augmentation
         check_writable(Path(cfg.session.output), "[session] output")
         self.checkpoints = CheckpointManager(cfg, self.view, self.pool, self.device)
         if auto:
