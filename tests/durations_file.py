@@ -5,10 +5,13 @@ as pytest's ``--durations`` does). CPU: the whole machine's busy seconds while t
 /proc/stat (so the ranks that Slurm's or a namespace node's daemons start count too; run on an otherwise
 idle machine), else this process's and its waited-for children's. A test whose CPU is far below its wall
 times the cores mostly waits (sleeps, timeouts): shortening those waits, not the work, shortens it.
-``python tests/durations_file.py FILE`` prints the test files by their wall total, with their CPU.
+``python tests/durations_file.py FILE`` prints the test files by their wall total, with their CPU. Each test
+also keeps when it started and ended (seconds since the epoch) and on which worker, so ``--overlap TEXT``
+prints, for every test whose id holds TEXT, what the other worker ran meanwhile (a test slow only in the
+full suite: what was beside it).
 
     XB_DURATIONS=/tmp/durations.json .venv/bin/python -m pytest -q
-    .venv/bin/python tests/durations_file.py /tmp/durations.json
+    .venv/bin/python tests/durations_file.py /tmp/durations.json [--overlap test_parameter_server.py::]
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-#: [wall seconds, CPU seconds] per test id, in this run.
-SECONDS: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+#: [wall seconds, CPU seconds, start, end (seconds since the epoch), worker] per test id, in this run.
+SECONDS: dict[str, list[float | str]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, ""])
 
 
 def _cpu_seconds() -> float:
@@ -41,14 +45,17 @@ def _cpu_seconds() -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Charge the CPU seconds spent while ``item`` ran (its setup, call and teardown) to it."""
-    started = _cpu_seconds()
+    started, since = _cpu_seconds(), time.time()
     yield
-    SECONDS[item.nodeid][1] += _cpu_seconds() - started
+    row = SECONDS[item.nodeid]
+    row[1] = float(row[1]) + _cpu_seconds() - started
+    row[2:] = [since, time.time(), str(getattr(item.config, "workerinput", {}).get("workerid", ""))]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Add a phase's wall seconds to its test."""
-    SECONDS[report.nodeid][0] += report.duration
+    row = SECONDS[report.nodeid]
+    row[0] = float(row[0]) + report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -78,8 +85,33 @@ def by_file(seconds: dict[str, list[float]]) -> list[tuple[str, float, float, in
     return sorted(rows, key=lambda row: -row[1])
 
 
+def overlapping(seconds: dict[str, list], text: str) -> list[tuple[str, list[tuple[str, float]]]]:
+    """For each test whose id holds ``text`` (the longest first), the tests another worker ran while it
+    ran, with the seconds they overlapped, the longest first (files written before the spans were kept
+    have none)."""
+    spans = {k: v for k, v in seconds.items() if isinstance(v, list) and len(v) >= 5}
+    out = []
+    for nodeid, (_wall, _, start, end, worker) in sorted(spans.items(), key=lambda kv: -kv[1][0]):
+        if text not in nodeid:
+            continue
+        beside = [
+            (other, min(end, o_end) - max(start, o_start))
+            for other, (_, _, o_start, o_end, o_worker) in spans.items()
+            if o_worker != worker and min(end, o_end) > max(start, o_start)
+        ]
+        out.append((nodeid, sorted(beside, key=lambda b: -b[1])))
+    return out
+
+
 if __name__ == "__main__":
-    rows = by_file(json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")))
+    table = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
+    if len(sys.argv) == 4 and sys.argv[2] == "--overlap":
+        for nodeid, beside in overlapping(table, sys.argv[3]):
+            sys.stdout.write(f"{table[nodeid][0]:7.1f} s  {nodeid}\n")
+            for other, seconds in beside[:5]:
+                sys.stdout.write(f"          {seconds:7.1f} s beside  {other}\n")
+        sys.exit(0)
+    rows = by_file(table)
     total = sum(row[1] for row in rows)
     for name, wall, cpu, count in rows:
         sys.stdout.write(
