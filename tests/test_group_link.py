@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from slurm_cluster import free_ports
 
 from conftest import REPO
 
@@ -28,20 +29,13 @@ GROUPS, SUMS = 3, 30
 FULL = [6.0, 3.0]
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def leaders(
     tmp_path: Path, kill_after: int = -1, slow_after: int = -1, slow_s: float = 0.0
 ) -> Iterator[list]:
     """The three leaders' processes (group 2 killing itself after ``kill_after`` sums, or sleeping
     ``slow_s`` once after ``slow_after``); every one killed on the way out."""
-    port, procs = free_port(), []
+    (port,), procs = free_ports(1), []
     for g in range(GROUPS):
         args = [sys.executable, str(REPO / "tests" / "group_link_job.py"), "127.0.0.1", str(port), str(g),
                 str(GROUPS), str(SUMS), str(tmp_path / f"sums{g}.json"), str(kill_after if g == 2 else -1),

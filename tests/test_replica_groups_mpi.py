@@ -5,14 +5,16 @@ group was lost, and both end with the same model (the link's sums reach every gr
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from test_group_link import free_port
+from slurm_cluster import free_ports
 
 from conftest import REPO, launcher
 from mpicrossbow.training.reporting.metrics import read_metrics
@@ -23,7 +25,7 @@ EPOCHS = 6
 
 
 def test_a_killed_group_costs_itself_only_and_the_others_finish_alike(mpiexec: str, tmp_path: Path) -> None:
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{free_ports(1)[0]}"
     procs = []
     for g in range(3):
         args = [mpiexec, "-n", "1", *launcher(), "-cfg", "launch/digits.cfg", "link.groups=3",
@@ -32,15 +34,16 @@ def test_a_killed_group_costs_itself_only_and_the_others_finish_alike(mpiexec: s
         if g == 2:
             args += ["inject.rank=0", "inject.step=40", "inject.action=kill"]
         out = subprocess.PIPE
-        procs.append(subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))  # fmt: skip
         if g == 0:
             time.sleep(1.0)  # the rendezvous first
     try:
         outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            if p.poll() is None:  # mpiexec and its ranks: its whole session
+                os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
     assert [p.returncode for p in procs[:2]] == [0, 0] and procs[2].returncode != 0, outs
     lost = [line for line in outs[0].splitlines() if "link: group(s)" in line]

@@ -60,11 +60,10 @@ def check_linked(config: Config, rule: Rule) -> None:
     """One ConfigError for the first setting that does not go with replica groups."""
     if config.link.groups == 1:
         return
-    name = config.rule.split(":")[-1].upper()
     if rule.name not in LINKABLE:
         raise ConfigError(
-            f"RULE={name} cannot run across replica groups ([link] groups = {config.link.groups}): it sends "
-            f"point to point or splits the world; the rules that can: {', '.join(LINKABLE)}"
+            f"RULE={rule.name} cannot run across replica groups ([link] groups = {config.link.groups}): it "
+            f"sends point to point or splits the world; the rules that can: {', '.join(LINKABLE)}"
         )
     if config.elastic.enabled is True or config.elastic.replace:
         raise ConfigError(
