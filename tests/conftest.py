@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from bounded import JobTimedOut, run_bounded
+from core_slots import cores_for
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.config import OptimSection
@@ -29,6 +30,7 @@ from mpicrossbow.rules import Rule
 from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.run.step import train_step
 from openmpi_env import OPENMPI_VENV, OpenMPIEnv, why_not
+from parallel import group_of
 
 #: Two workers' groups, the quick tier's marker and its check that it touches every module (``pytest -m
 #: quick``), the seconds of every test to a file.
@@ -74,6 +76,19 @@ def no_mpich_segments_left() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(autouse=True)
+def mpi_tests_take_the_cores(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked ``mpi`` holds every core of the machine while it runs (:mod:`core_slots`), its jobs
+    however they start (``run_mpi``, ``Popen``, a shell): two CPU-bound jobs at once on the CI machine's two
+    cores took 4x and more their time alone. The daemons' group (Slurm, namespace nodes: mostly waiting)
+    and the in-process tests run beside it."""
+    if request.node.get_closest_marker("mpi") is None or group_of(request.node.nodeid) == "daemons":
+        yield
+        return
+    with cores_for(1 << 16):
+        yield
+
+
 @pytest.fixture(scope="session")
 def mpiexec() -> str:
     """Path of the MPI launcher; skips the test where no MPI is installed."""
@@ -84,11 +99,18 @@ def mpiexec() -> str:
 
 
 def run_local(
-    args: list[str], timeout: float = 120, cwd: Path | str = REPO, env: dict[str, str] | None = None
+    args: list[str],
+    timeout: float = 120,
+    cwd: Path | str = REPO,
+    env: dict[str, str] | None = None,
+    ranks: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``args`` in the MPI environment with a hard timeout, output captured as text: a launcher that
-    starts its own job, or a script; the caller asserts on returncode and output."""
-    return run_bounded(args, timeout, cwd, mpi_env(env))
+    starts its own job, or a script; the caller asserts on returncode and output. The job holds ``ranks``
+    of the machine's cores (:mod:`core_slots`; all of them when not given) while it runs: the timeout
+    counts from its start, not from the wait for them."""
+    with cores_for(ranks if ranks is not None else 1 << 16):
+        return run_bounded(args, timeout, cwd, mpi_env(env))
 
 
 def run_mpi(
@@ -100,7 +122,7 @@ def run_mpi(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``mpiexec -n n args...`` with a hard timeout; the caller asserts on returncode and output."""
-    return run_local([mpiexec, "-n", str(n), *args], timeout, cwd, env)
+    return run_local([mpiexec, "-n", str(n), *args], timeout, cwd, env, ranks=n)
 
 
 def verdicts(stdout: str) -> dict[str, str]:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from parallel import IMPORTED_BY_WORKERS, in_worker
 
 #: Markers that keep a test out of the quick tier.
