@@ -30,7 +30,6 @@ from mpicrossbow.rules import Rule
 from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.run.step import train_step
 from openmpi_env import OPENMPI_VENV, OpenMPIEnv, why_not
-from parallel import group_of
 
 #: Two workers' groups, the quick tier's marker and its check that it touches every module (``pytest -m
 #: quick``), the seconds of every test to a file.
@@ -82,6 +81,8 @@ def mpi_tests_take_the_cores(request: pytest.FixtureRequest) -> Iterator[None]:
     however they start (``run_mpi``, ``Popen``, a shell): two CPU-bound jobs at once on the CI machine's two
     cores took 4x and more their time alone. The daemons' group (Slurm, namespace nodes: mostly waiting)
     and the in-process tests run beside it."""
+    from parallel import group_of  # a plugin of this conftest's (imported here: pytest rewrites it first)
+
     if request.node.get_closest_marker("mpi") is None or group_of(request.node.nodeid) == "daemons":
         yield
         return

@@ -139,3 +139,19 @@ def test_a_lost_rendezvous_ends_every_survivor_with_one_line(tmp_path: Path) -> 
         )
         assert "Traceback" not in err, err
     assert took < 10.0
+
+
+def test_a_group_that_never_starts_is_named_in_one_line() -> None:
+    """Group 0 of two alone (group 1's job failed before the link, or was given another address): its
+    leader ends with one line naming group 1 once ``start_s`` has passed, not after Gloo's timeout."""
+    from mpicrossbow.comm.group_link import GroupLink, GroupLost
+
+    (port,) = free_ports(1)
+    start = time.monotonic()
+    with pytest.raises(GroupLost) as lost:
+        GroupLink("127.0.0.1", port, 0, 2, start_s=1.0)
+    assert time.monotonic() - start < 10
+    assert str(lost.value) == (
+        f"link: group(s) 1 of 2 never reached the rendezvous on 127.0.0.1:{port} within 1 s: start every "
+        "group's job with the same [link] address and groups"
+    )

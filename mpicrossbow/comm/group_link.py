@@ -56,6 +56,9 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 BEAT_S = 0.25
 #: Seconds between two looks at the store (outcome, heartbeats) while a Gloo allreduce is in flight.
 LOOK_S = 0.05
+#: Seconds every group's leader has to reach the rendezvous at the start (its job's start-up: imports, the
+#: data, another node's Slurm step starting later).
+START_S = 120.0
 #: Gloo's own timeout on an operation: the backstop behind the heartbeats (an aborted era's operation that
 #: a peer never finishes ends by it).
 GLOO_TIMEOUT_S = 120.0
@@ -133,6 +136,7 @@ class GroupLink:
         groups: int,
         dead_after_s: float = 2.0,
         join_s: float = 30.0,
+        start_s: float = START_S,
     ) -> None:
         if not 0 <= group < groups:
             raise ValueError(f"group {group} of {groups}: groups are 0..{groups - 1}")
@@ -154,11 +158,32 @@ class GroupLink:
             ) from None
         self._store_call(lambda: self._store.set(f"host/{group}", socket.gethostname()))
         self._beat = _Heartbeat(address, port, group)
+        self._await_start(groups, start_s, f"{host}:{port}")
         #: The committed sums so far (the same number on every member).
         self.committed = 0
         self.quorum = Quorum(0, tuple(range(groups)))
         self._seen: dict[int, tuple[int, float]] = {}
         self._pg: dist.ProcessGroupGloo | None = self._connect()
+
+    def _await_start(self, groups: int, start_s: float, where: str) -> None:
+        """Wait until every group's leader has reached the rendezvous, at most ``start_s``: a group that
+        never starts (its job failed first, another address or group count given to it) is named in one
+        line, not in Gloo's timeout of its connection."""
+        deadline, missing = time.monotonic() + start_s, list(range(groups))
+        while True:
+            missing = [
+                g for g in missing if not self._store_call(lambda g=g: self._store.check([f"host/{g}"]))
+            ]
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                self._beat.stop(wait=False)
+                raise GroupLost(
+                    f"link: group(s) {', '.join(map(str, missing))} of {groups} never reached the rendezvous "
+                    f"on {where} within {start_s:g} s: start every group's job with the same [link] "
+                    "address and groups"
+                )
+            time.sleep(0.1)
 
     # ------------------------------------------------------------------ the sum
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> Quorum:
