@@ -19,6 +19,11 @@ OpenMP's threads wait for each other at every parallel region while the other wo
 one-process trainings at once took 4.4x their time alone here (benchmarks/shared_cores.py), and a 4-second
 example ran past its 120 s timeout on the CI machine.
 
+The two workers' MPI jobs take the cores in turn (:mod:`core_slots`): a test marked ``mpi`` outside the
+daemons' group holds every core while it runs, so one worker's job never runs beside the other's (two
+CPU-bound jobs on two cores took 4x their time alone and more; stop 60's CI timed out on one), while the
+daemons' group and the in-process tests go on beside it.
+
 The groups go by file name because the controller sees test ids only; a worker refuses to start when a test
 marked ``slurm`` or ``cluster`` sits in a file the table does not know. The quick tier's check that it touches
 every module (:mod:`quick_tier`) needs every worker's imports: each worker sends the package's modules it
