@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from pathlib import Path
 TAIL_CHARS = 3000
 #: Seconds one ``py-spy dump`` may take; the processes of a job are dumped one after the other.
 DUMP_TIMEOUT_S = 20.0
+#: Seconds a killed job's processes may take to finish exiting once their pipes closed.
+GONE_TIMEOUT_S = 5.0
 #: At most this many processes are dumped (a job's ranks and launcher; bounded so a timeout stays quick).
 MAX_DUMPS = 8
 
@@ -125,7 +128,12 @@ def ended(proc: subprocess.Popen[str]) -> tuple[str, str]:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     try:
-        return proc.communicate(timeout=DUMP_TIMEOUT_S)
+        out = proc.communicate(timeout=DUMP_TIMEOUT_S)
+        # a killed process closes its pipes before it has finished exiting: wait until none is left
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while group_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return out
     except subprocess.TimeoutExpired as exc:
         proc.kill()
         out, err = (

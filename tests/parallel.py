@@ -95,8 +95,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In a worker: refuse a daemons' test outside the daemons' files, and put that group first (every worker
-    collects the same tests in the same order, as xdist requires; the others keep their order)."""
+    """In a worker: refuse a daemons' test outside the daemons' files, and order the groups by
+    :func:`order_of` (every worker collects the same tests in the same order, as xdist requires; within
+    each kind the groups keep their order)."""
     if not in_worker(config):
         return
     known = (*DAEMON_FILES, *DAEMONS_ELSEWHERE)
@@ -112,7 +113,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"{', '.join(strays)}: tests marked slurm or cluster in a file that tests/parallel.py's "
             "DAEMON_FILES does not list (two workers would each start the daemons): add the file there"
         )
-    items.sort(key=lambda item: group_of(item.nodeid) != "daemons")
+    with_jobs = {group_of(item.nodeid) for item in items if item.get_closest_marker("mpi")}
+    items.sort(key=lambda item: order_of(group_of(item.nodeid), with_jobs))
+
+
+def order_of(group: str, with_jobs: set[str]) -> int:
+    """Where ``group`` goes in the workers' queue: the daemons' group first (on one worker, the longest),
+    then the groups with MPI jobs (the other worker runs them meanwhile; they take the cores in turn), the
+    in-process groups last: a worker done with the daemons then finds them, and runs them beside the
+    other's jobs instead of waiting for the cores."""
+    return 0 if group == "daemons" else 1 if group in with_jobs else 2
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from parallel import DAEMON_FILES, DAEMONS_ELSEWHERE, SHARED, group_of
+from parallel import DAEMON_FILES, DAEMONS_ELSEWHERE, SHARED, group_of, order_of
 
 TESTS = Path(__file__).resolve().parent
 
@@ -27,3 +27,11 @@ def test_every_file_with_slurm_or_cluster_tests_is_in_the_table() -> None:
         if re.search(r"pytest\.mark\.(slurm|cluster)\b", path.read_text(encoding="utf-8"))
     }
     assert marked == set(DAEMON_FILES) | set(DAEMONS_ELSEWHERE)
+
+
+def test_the_queue_runs_the_daemons_then_the_jobs_then_the_in_process_groups() -> None:
+    """A worker done with the daemons finds in-process groups, not a job that would wait for the cores."""
+    groups = ["test_config.py", "test_bsp.py", "daemons", "test_pool.py", "test_localsgd.py"]
+    with_jobs = {"test_bsp.py", "test_localsgd.py"}
+    queue = sorted(groups, key=lambda g: order_of(g, with_jobs))
+    assert queue == ["daemons", "test_bsp.py", "test_localsgd.py", "test_config.py", "test_pool.py"]
