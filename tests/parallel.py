@@ -85,19 +85,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):
-        """Whole groups (:func:`group_of`) to a worker at a time, in the queue's order (:func:`order_of`):
-        the worker that ran the daemons' group takes its later groups from the queue's end (the in-process
-        ones), the other from its front (the jobs), so that the two rarely wait for the cores together."""
+        """Whole groups (:func:`group_of`) to a worker at a time, in collection order (daemons first)."""
 
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
-
-        def _assign_work_unit(self, node: Any) -> None:
-            assigned = self.assigned_work.setdefault(node, {})
-            scope, work_unit = self.workqueue.popitem(last="daemons" in assigned)
-            assigned[scope] = work_unit
-            collection = self.registered_collections[node]
-            node.send_runtest_some([collection.index(n) for n, done in work_unit.items() if not done])
 
     config.option.loadscopereorder = False
     return GroupScheduling(config, log)
@@ -129,8 +120,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def order_of(group: str, with_jobs: set[str]) -> int:
     """Where ``group`` goes in the workers' queue: the daemons' group first (on one worker, the longest),
     then the groups with MPI jobs (the other worker runs them meanwhile; they take the cores in turn), the
-    in-process groups last: the worker done with the daemons takes its groups from the queue's end
-    (``GroupScheduling``) and runs them beside the other's jobs instead of waiting for the cores."""
+    in-process groups last: a worker done with the daemons then finds them, and runs them beside the
+    other's jobs instead of waiting for the cores."""
     return 0 if group == "daemons" else 1 if group in with_jobs else 2
 
 
