@@ -9,10 +9,11 @@ its 300 s timeout. Two CPU-bound jobs on two cores never finish sooner together 
 
 So :func:`cores_for` holds ``min(ranks, cores)`` of the machine's cores, one lock file each, for as long
 as a job runs: on two cores one job at a time, on sixteen several. The locks are ``flock`` locks (the
-kernel drops them when a worker dies); every pytest process on the machine shares them, so two sessions
-also take turns. A process already holding slots takes none again (a test's second job, started while its
-first runs, may depend on it). Tests that only wait (Slurm's daemons, peer timeouts) and in-process tests
-take no slots and keep running beside the jobs.
+kernel drops them when a worker dies; their descriptors are not inherited, so a job's stray rank never
+keeps them); every pytest process on the machine shares them, so two sessions also take turns. A process
+already holding slots takes none again (a test's second job, started while its first runs, may depend on
+it). The daemons' group (Slurm, namespace nodes: mostly waiting) and the in-process tests take no slots and
+keep running beside the jobs (conftest's ``mpi_tests_take_the_cores``).
 """
 
 from __future__ import annotations
