@@ -86,7 +86,7 @@ def mpi_tests_take_the_cores(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.node.get_closest_marker("mpi") is None or group_of(request.node.nodeid) == "daemons":
         yield
         return
-    with cores_for(1 << 16):
+    with cores_for():
         yield
 
 
@@ -110,7 +110,7 @@ def run_local(
     starts its own job, or a script; the caller asserts on returncode and output. The job holds ``ranks``
     of the machine's cores (:mod:`core_slots`; all of them when not given) while it runs: the timeout
     counts from its start, not from the wait for them."""
-    with cores_for(ranks if ranks is not None else 1 << 16):
+    with cores_for(ranks):
         return run_bounded(args, timeout, cwd, mpi_env(env))
 
 

@@ -62,12 +62,12 @@ def _try_take(wanted: int) -> list[int] | None:
 
 
 @contextlib.contextmanager
-def cores_for(ranks: int) -> Iterator[None]:
-    """Hold ``min(ranks, cores)`` of the machine's cores while the block runs (a job of ``ranks`` ranks):
-    waits until they are free; a process holding slots already goes straight on."""
+def cores_for(ranks: int | None = None) -> Iterator[None]:
+    """Hold ``min(ranks, cores)`` of the machine's cores (all of them when ``ranks`` is None) while the
+    block runs: waits until they are free; a process holding slots already goes straight on."""
     global _users
     with _guard:
-        wanted = max(1, min(ranks, cores()))
+        wanted = cores() if ranks is None else max(1, min(ranks, cores()))
         while not _held:
             taken = _try_take(wanted)
             if taken is None:

@@ -119,9 +119,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def order_of(group: str, with_jobs: set[str]) -> int:
     """Where ``group`` goes in the workers' queue: the daemons' group first (on one worker, the longest),
-    then the groups with MPI jobs (the other worker runs them meanwhile; they take the cores in turn), the
-    in-process groups last: a worker done with the daemons then finds them, and runs them beside the
-    other's jobs instead of waiting for the cores."""
+    then the groups with MPI jobs (the other worker runs them meanwhile; they take the cores in turn, and
+    are the suite's critical path), the in-process groups last: they fill both workers once the jobs are
+    done instead of slowing the jobs beside them (taking them first after the daemons cost 29:13 against
+    26:31 in a fresh-clone CI)."""
     return 0 if group == "daemons" else 1 if group in with_jobs else 2
 
 

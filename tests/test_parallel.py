@@ -30,7 +30,8 @@ def test_every_file_with_slurm_or_cluster_tests_is_in_the_table() -> None:
 
 
 def test_the_queue_runs_the_daemons_then_the_jobs_then_the_in_process_groups() -> None:
-    """A worker done with the daemons finds in-process groups, not a job that would wait for the cores."""
+    """The jobs (one at a time: the critical path) before the in-process groups, which fill both workers
+    at the end."""
     groups = ["test_config.py", "test_bsp.py", "daemons", "test_pool.py", "test_localsgd.py"]
     with_jobs = {"test_bsp.py", "test_localsgd.py"}
     queue = sorted(groups, key=lambda g: order_of(g, with_jobs))
