@@ -7,7 +7,8 @@
 * Termination with uneven worker speeds, in arrival order: every rank returns, the slow worker does not hold
   the fast one, every posted receive was consumed and every message received (nothing in flight).
 * Hyper-parameter errors are the rule contract's (tests/test_rule_contract.py).
-* One real ``mpiexec`` job per world size (1 server + 1 worker, 1 server + 3 workers) on the digits cfg.
+* A real ``mpiexec -n 2`` job (1 server + 1 worker) on the digits cfg; 1 server + 3 workers is a run of
+  tests/test_digits_rules_mpi.py.
 """
 
 from __future__ import annotations
@@ -166,9 +167,10 @@ def test_one_rank_has_no_worker() -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2])
 def test_async_easgd_job_reaches_93_percent(mpiexec: str, tmp_path: Path, ranks: int) -> None:
-    """1 server + 1 worker, 1 server + 3 workers: exit 0, ≥ 93 % on the whole validation set."""
+    """1 server + 1 worker: exit 0, ≥ 93 % on the whole validation set (1 server + 3 workers is a run of
+    tests/test_digits_rules_mpi.py's one launch)."""
     args = ["-cfg", "launch/digits.cfg", "RULE=EASGD", "rule.mode=async", f"session.output={tmp_path}"]
     proc = run_mpi(mpiexec, ranks, [*launcher(), *args], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -3,21 +3,21 @@
 As in test_rules_sync.py: each rank (a thread of the in-process world) trains MLP replicas on its own digits
 shard, every learner's gradient at every step is recorded, and numpy replays the rule with those gradients
 (torch's SGD momentum included). Equal weights after STEPS steps mean the framework computes exactly the
-equations. Then the invariants that tie the rules together, and one real ``mpiexec -n 4`` digits job per
-rule (hyper-parameter errors are the rule contract's, tests/test_rule_contract.py).
+equations. Then the invariants that tie the rules together (each rule's real ``mpiexec -n 4`` digits job is
+a run of tests/test_digits_rules_mpi.py; hyper-parameter errors are the rule contract's,
+tests/test_rule_contract.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import reference
-from conftest import LR, MOMENTUM, WorldRun, launcher, only_run, run_mpi, run_world
+from conftest import LR, MOMENTUM, WorldRun, run_world
 from models.mlp import MLP
 from mpicrossbow.comm.base import Communicator
 from mpicrossbow.config import OptimSection
@@ -25,7 +25,6 @@ from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, DiLoCo, LocalSGD, Rule
 from mpicrossbow.testing import InProcessWorld
-from mpicrossbow.training.reporting.metrics import read_metrics
 
 STEPS = 9
 SGD = reference.Sgd(LR, MOMENTUM)
@@ -141,23 +140,3 @@ def test_resize_averages_over_the_new_learner_count(diloco: bool) -> None:
         expected = z0 - 0.7 * 1.9 * (z0 - 2.5) if diloco else np.full_like(z0, 2.5)
         for params in per_rank:
             np.testing.assert_allclose(params, expected, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize(
-    "overrides",
-    [("RULE=LOCALSGD", "rule.inner_period=2", "pool.learners=2"), ("RULE=DILOCO",)],
-    ids=["LOCALSGD-hier-m2", "DILOCO"],
-)
-def test_digits_job_on_four_ranks(mpiexec: str, tmp_path: Path, overrides: tuple[str, ...]) -> None:
-    """The bundled digits job under ``mpiexec -n 4`` learns, and nothing is left in flight.
-
-    LOCALSGD runs hierarchical with 2 learners per rank, so the MPI shared-memory split is exercised too (on
-    one machine the node is all 4 ranks).
-    """
-    args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}", *overrides]
-    proc = run_mpi(mpiexec, 4, args, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = read_metrics(only_run(tmp_path) / "metrics.h5")
-    assert metrics["val"]["accuracy"][-1] >= 0.93, metrics["val"]["accuracy"]
-    assert list(metrics["attrs"]["rank_in_flight"]) == [0, 0, 0, 0]

@@ -7,7 +7,8 @@
 * SSP with s = 0 (τ = 1, scale 1/workers) trains exactly as BSP gradient mode on the same batches.
 * Uneven workers terminate with nothing in flight (bad hyper-parameters and too small a world are the rule
   contract's, tests/test_rule_contract.py).
-* One real ``mpiexec -n 4`` digits job per rule: ≥ 93 %, nothing in flight at exit.
+* Every rule's real ``mpiexec -n 4`` digits job (≥ 93 %, nothing in flight at exit) is one run of
+  tests/test_digits_rules_mpi.py's launch; the colocated placement's runs are this file's.
 """
 
 from __future__ import annotations
@@ -114,34 +115,6 @@ def test_uneven_workers_terminate_with_nothing_in_flight() -> None:
     server = out.rules[0].server
     assert server.in_flight == 0 and server.done == {1, 2, 3}
     assert server.updates == 30 // 3 + 60 // 3 + 5 // 3
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize(
-    "rule",
-    [
-        ("RULE=ASGD",),
-        ("RULE=SSP", "rule.staleness=2"),
-        ("RULE=PSGD",),
-        ("RULE=WEEDOUT",),
-        ("RULE=GSP", "rule.groups={groups}", "rule.shares={shares}"),
-        ("RULE=ASGD", "rule.servers=2", "pool.learners=2"),
-    ],
-    ids=["ASGD", "SSP", "PSGD", "WEEDOUT", "GSP-groups-shares", "ASGD-2servers-2learners"],
-)
-def test_digits_job_reaches_93_percent(mpiexec: str, tmp_path: Path, rule: tuple[str, ...]) -> None:
-    groups, shares = tmp_path / "groups.txt", tmp_path / "shares.txt"
-    groups.write_text("1 2\n3\n")  # the slow rank 3 alone, with a smaller share of the data
-    shares.write_text("0 0\n0 0.4\n0.4 0.8\n0.8 1\n")
-    rule = tuple(r.format(groups=groups, shares=shares) for r in rule)
-    args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path}", *rule]
-    if "RULE=GSP" in rule:
-        args += ["session.slow_ranks=3", "session.slow_factor=2"]
-    proc = run_mpi(mpiexec, 4, args, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = read_metrics(only_run(tmp_path) / "metrics.h5")
-    assert metrics["val"]["accuracy"][-1] >= 0.93, metrics["val"]["accuracy"]
-    assert list(metrics["attrs"]["rank_in_flight"]) == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize(
