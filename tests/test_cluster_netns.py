@@ -22,7 +22,7 @@ from typing import IO
 
 import numpy as np
 import pytest
-from digits_rules import DIGITS_RULES, DIGITS_TARGET
+from digits_rules import DIGITS_RULES, DIGITS_SHORT, DIGITS_TARGET
 from netns_cluster import NetnsCluster, drill_settings, leftovers, missing_reason
 
 from benchmarks.node_loss import drill
@@ -290,7 +290,7 @@ def every_rule(
     groups = out / "groups"
     groups.write_text("node1\nnode2\n", encoding="utf-8")
     runs = [f"{label}={spec.format(groups=groups)}" for label, spec in RULES.items()]
-    argv = [sys.executable, str(SCRIPTS / "digits_runs.py"), str(out), *runs, "--", "session.epochs=20"]
+    argv = [sys.executable, str(SCRIPTS / "digits_runs.py"), str(out), *runs, "--", *DIGITS_SHORT]
     proc = run_at_head(
         cluster,
         cluster.mpiexec(find_mpiexec() or "", 2, argv, nodes=2),
@@ -332,7 +332,7 @@ def test_bsp_across_nodes_matches_the_same_job_on_one_node(
     assert re.search(r"^2\s+node2\s", log, re.MULTILINE), log[-3000:]  # the binding table: rank 2 on node2
     mpiexec = find_mpiexec() or ""
     script = [sys.executable, str(SCRIPTS / "digits_runs.py"), str(tmp_path), "BSP=RULE=BSP"]
-    argv = [mpiexec, "-n", "4", *script, "--", "session.epochs=20"]
+    argv = [mpiexec, "-n", "4", *script, "--", *DIGITS_SHORT]
     proc = subprocess.run(argv, cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     across = read_metrics(only_run(out / "BSP") / "metrics.h5")

@@ -1,7 +1,8 @@
 """Every 4-rank rule of the digits job (tests/digits_rules.py) under real ``mpiexec -n 4``: each reaches the
 4-rank target (93 %) with nothing in flight at exit, in one launch whose runs go one after another
 (tests/mpi_scripts/digits_runs.py, the launcher's own ``run_rank``), so torch starts once per rank instead
-of once per rule (issue 51: a rank's start costs about 2.4 CPU seconds, a digits run here about 1).
+of once per rule (issue 51: a rank's start costs about 2.4 CPU seconds, a digits run here about 1), on the
+shared short schedule (``DIGITS_SHORT``: 10 epochs).
 
 Besides the shared table's rules, the parameter server's settings that only this test runs: GSP with
 explicit groups and shares (the slow rank 3 alone, with a smaller share of the data), and ASGD with two
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from digits_rules import DIGITS_RULES, DIGITS_TARGET
+from digits_rules import DIGITS_EPOCHS, DIGITS_RULES, DIGITS_SHORT, DIGITS_TARGET
 
 from conftest import only_run, run_mpi
 from mpicrossbow.training.reporting.metrics import read_metrics
@@ -40,7 +41,7 @@ def digits_runs(mpiexec: str, tmp_path_factory: pytest.TempPathFactory) -> tuple
     groups.write_text("1 2\n3\n")  # the slow rank 3 alone, with a smaller share of the data
     shares.write_text("0 0\n0 0.4\n0.4 0.8\n0.8 1\n")
     runs = [f"{label}={spec.format(groups=groups, shares=shares)}" for label, spec in RUNS.items()]
-    args = [sys.executable, str(SCRIPTS / "digits_runs.py"), str(out), *runs]
+    args = [sys.executable, str(SCRIPTS / "digits_runs.py"), str(out), *runs, "--", *DIGITS_SHORT]
     proc = run_mpi(mpiexec, 4, args, timeout=120 * len(runs))
     assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stdout[-1000:] + proc.stderr[-3000:]
     return out, proc.stderr
@@ -63,5 +64,5 @@ def test_the_asynchronous_easgd_centre_reports_about_once_an_epoch(digits_runs: 
     said so in its log."""
     out, log = digits_runs
     metrics = read_metrics(only_run(out / "EASGD-async") / "metrics.h5")
-    assert len(metrics["val"]["accuracy"]) >= 20
+    assert len(metrics["val"]["accuracy"]) >= DIGITS_EPOCHS, metrics["val"]["accuracy"]
     assert "EASGD server:" in log and "all done" in log
