@@ -160,10 +160,14 @@ def test_straggler_sleeps_its_factor_of_each_step() -> None:
     for straggler in (slowed, other):
         for _ in range(3):
             start = time.perf_counter() - 0.01  # a step that took 10 ms
-            straggler.after_step(start)
+            straggler.after_step(start, 0)
             assert time.perf_counter() - start >= 0.01 + (0.02 if straggler is slowed else 0.0)
     assert 0.06 <= slowed.injected_seconds < 0.12  # (3 - 1) × ≥ 10 ms, three times (a busy machine adds)
     assert other.injected_seconds == 0.0
     fixed = Straggler((0,), 0.005, 1.0, rank=0)
-    fixed.after_step(time.perf_counter())
+    fixed.after_step(time.perf_counter(), 0)
     assert fixed.injected_seconds == 0.005
+    later = Straggler((0,), 0.005, 1.0, rank=0, from_step=2)  # [session] slow_from_step = 2
+    for step in range(4):
+        later.after_step(time.perf_counter(), step)
+    assert later.injected_seconds == 0.01  # steps 2 and 3 only

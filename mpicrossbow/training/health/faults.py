@@ -119,19 +119,24 @@ class FaultInjector:
 
 
 class Straggler:
-    """``[session] slow_ranks``: this rank sleeps after every step, a fixed ``slow_seconds`` plus
-    ``(slow_factor − 1)`` × the step's own time — a straggler on demand, for tests, soaks and benchmarks."""
+    """``[session] slow_ranks``: this rank sleeps after every step from ``slow_from_step`` on, a fixed
+    ``slow_seconds`` plus ``(slow_factor − 1)`` × the step's own time — a straggler on demand, for tests,
+    soaks and benchmarks (a drill slowed only where it needs to be waits no longer than it must)."""
 
-    def __init__(self, ranks: tuple[int, ...], seconds: float, factor: float, rank: int) -> None:
+    def __init__(
+        self, ranks: tuple[int, ...], seconds: float, factor: float, rank: int, from_step: int = 0
+    ) -> None:
         slowed = rank in ranks
         self.delay = seconds if slowed else 0.0
         self.stretch = factor - 1.0 if slowed else 0.0
+        self.from_step = from_step
         #: Seconds of sleep injected on this rank so far.
         self.injected_seconds = 0.0
 
-    def after_step(self, step_start: float) -> None:
-        """Sleep as configured for a step that started at ``step_start`` (``time.perf_counter()``)."""
-        if not (self.delay or self.stretch):
+    def after_step(self, step_start: float, step: int) -> None:
+        """Sleep as configured after step ``step`` (its index in the run, from 0), which started at
+        ``step_start`` (``time.perf_counter()``)."""
+        if not (self.delay or self.stretch) or step < self.from_step:
             return
         pause = self.delay + self.stretch * (time.perf_counter() - step_start)
         time.sleep(pause)

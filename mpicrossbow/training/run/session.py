@@ -258,7 +258,8 @@ class Session:
             checkpoints=self.checkpoints,
             faults=self.faults,
             straggler=Straggler(
-                cfg.session.slow_ranks, cfg.session.slow_seconds, cfg.session.slow_factor, world.rank
+                *(cfg.session.slow_ranks, cfg.session.slow_seconds, cfg.session.slow_factor, world.rank),
+                cfg.session.slow_from_step,
             ),
             watchdog=self.watchdog,
             tuner=self.tuner,
