@@ -35,6 +35,9 @@ SLOW = (
     "session.slow_seconds=0.02",
     "checkpoint.every_epochs=100",
 )
+#: The same run at full speed, for the reference a requeued run must equal: the sleep changes when a step
+#: happens, never what it computes.
+UNSLOWED = tuple(o for o in SLOW if not o.startswith("session.slow_"))
 
 
 def submit(
@@ -212,11 +215,12 @@ _uninterrupted: dict[str, Path] = {}
 
 
 def uninterrupted(cluster: SlurmCluster, tmp_path: Path, template: str) -> Path:
-    """The final checkpoint of ``template``'s run, never interrupted (run once per test session)."""
+    """The final checkpoint of ``template``'s run, never interrupted and never slowed (run once per test
+    session)."""
     if template not in _uninterrupted:
         folder = tmp_path / "uninterrupted"
         folder.mkdir()
-        job = submit(cluster, folder, template, *SLOW, options=REQUEUE_TEMPLATES[template])
+        job = submit(cluster, folder, template, *UNSLOWED, options=REQUEUE_TEMPLATES[template])
         record = cluster.wait_job(job, timeout=300)
         assert record["JobState"] == "COMPLETED", output(folder, job)[-3000:]
         _uninterrupted[template] = complete_checkpoints(the_run(folder, job) / "checkpoints")[-1]
