@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoin
 pytestmark = [pytest.mark.mpi]
 
 STEPS = 132  # 3 epochs of 44 steps on 2 ranks
+SCRIPTS = Path(__file__).parent / "mpi_scripts"
 
 
 def job(mpiexec: str, out: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -40,23 +42,46 @@ def final_state(out: Path, rank: int) -> dict:
     return torch.load(final / f"rank-{rank:05d}.pt", weights_only=True)
 
 
-@pytest.mark.parametrize(
-    "rule",
-    [
-        ("RULE=BSP",),
-        ("RULE=SMA",),
-        ("RULE=EASGD", "rule.tau=5"),
-        # The form pinned: `auto` chooses by timing, and at m = 2 the MLP's two forms run within a few per
-        # cent of each other, so two separate runs may choose differently (measured: both ways).
-        ("RULE=SMA", "pool.engine=fused", "pool.fuse=always", "pool.learners=2", "session.epochs=6"),
-    ],
-    ids=["BSP", "SMA", "EASGD-sync", "SMA-fused-m2"],
-)
+#: label → the rule's overrides of :func:`job`, for the kill-and-resume test.
+RESUMED_RULES = {
+    "BSP": ("RULE=BSP",),
+    "SMA": ("RULE=SMA",),
+    "EASGD-sync": ("RULE=EASGD", "rule.tau=5"),
+    # The form pinned: `auto` chooses by timing, and at m = 2 the MLP's two forms run within a few per
+    # cent of each other, so two separate runs may choose differently (measured: both ways).
+    "SMA-fused-m2": (
+        "RULE=SMA",
+        "pool.engine=fused",
+        "pool.fuse=always",
+        "pool.learners=2",
+        "session.epochs=6",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(mpiexec: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every rule's uninterrupted run of :func:`job` in one launch (tests/mpi_scripts/digits_runs.py, the
+    launcher's own ``run_rank``; torch starts once per rank): ``<folder>/<label>`` holds each run."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    runs = [
+        f"{label}=" + ",".join(("session.epochs=3", "checkpoint.every_steps=25", *rule))
+        for label, rule in RESUMED_RULES.items()
+    ]
+    args = [sys.executable, str(SCRIPTS / "digits_runs.py"), str(out), *runs]
+    proc = run_mpi(mpiexec, 2, args, timeout=240)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("label", list(RESUMED_RULES))
 def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(
-    mpiexec: str, tmp_path: Path, rule: tuple[str, ...]
+    uninterrupted: Path, mpiexec: str, tmp_path: Path, label: str
 ) -> None:
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
-    assert job(mpiexec, whole, *rule).returncode == 0
+    """Rank 1 of 2 killed at step 70, the run resumed from its newest checkpoint (step 50): the final state
+    equals the uninterrupted run's bit for bit."""
+    rule = RESUMED_RULES[label]
+    whole, broken = uninterrupted / label, tmp_path / "broken"
     crashed = job(mpiexec, broken, *rule, "inject.rank=1", "inject.step=70")
     assert crashed.returncode != 0 and "rank 1 of 2" in crashed.stderr
     resumed = job(mpiexec, broken, *rule, "--resume")
