@@ -1,8 +1,11 @@
 """One group leader of :mod:`tests.test_group_link`: ``SUMS`` sums of ``[group + 1, 1]`` over the link (a
-value and a count), one JSON line per sum to ``OUT`` (the sum, the quorum's groups, the time), then a last
-line ``{"end": ...}``. ``KILL_AFTER`` (≥ 0): SIGKILL itself after that many sums; ``SLOW_AFTER`` (≥ 0): sleep
-``SLOW_S`` once after that many (its heartbeat goes on). A :class:`GroupLost` ends it with status 3 and its
-message on stderr.
+value and a count), one JSON line per sum to ``OUT`` (the sum, the quorum's groups, the sums committed, the
+time), then a last line ``{"end": ...}``. A leader whose group comes back (the run under way: the test
+restarted it) first writes ``{"healed": state, "at": n}``: the state its source handed over, and the sum it
+joined at; after every sum that admitted a group back, the source hands over ``{"from": group, "at": n}``.
+``KILL_AFTER`` (≥ 0): SIGKILL itself after that many sums; ``SLOW_AFTER`` (≥ 0): sleep ``SLOW_S`` once
+after that many (its heartbeat goes on). A :class:`GroupLost` ends it with status 3 and its message on
+stderr.
 
     python tests/group_link_job.py HOST PORT GROUP GROUPS SUMS OUT KILL_AFTER SLOW_AFTER SLOW_S
 """
@@ -27,15 +30,22 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[group {group}] %(levelname)s %(message)s")
     with open(out, "w") as lines:
         try:
-            link = GroupLink(host, int(port), group, int(groups), dead_after_s=1.5, join_s=10.0)
-            for n in range(sums):
+            link = GroupLink(host, int(port), group, int(groups), dead_after_s=1.5, join_s=10.0, admit=True)
+            if group in link.quorum.joined:  # back: the state first, from a peer
+                healed = json.loads(link.share_state(None))
+                lines.write(json.dumps({"healed": healed, "at": link.committed}) + "\n")
+            for n in range(link.committed, sums):
                 if n == kill_after:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if n == slow_after:
                     time.sleep(float(slow_s))
                 tensor = torch.tensor([group + 1.0, 1.0])
                 quorum = link.allreduce(tensor)
-                row = {"sum": tensor.tolist(), "groups": list(quorum.groups), "t": time.monotonic()}
+                if quorum.joined:
+                    state = {"from": group, "at": link.committed}
+                    link.share_state(json.dumps(state).encode() if group == quorum.source else None)
+                row = {"sum": tensor.tolist(), "groups": list(quorum.groups), "n": link.committed,
+                       "t": time.monotonic()}  # fmt: skip
                 lines.write(json.dumps(row) + "\n")
                 lines.flush()
                 time.sleep(0.02)  # a step's compute

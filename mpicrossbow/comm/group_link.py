@@ -24,8 +24,21 @@ which therefore must outlive the others, as torchft's lighthouse must):
   heartbeat stopped: too slow, or cut off) raises :class:`GroupLost`, as does any leader when the rendezvous
   itself is gone.
 
+* **A group back** (its job restarted after a loss, on the same node or a spare): its leader finds the run
+  under way (``started``, set by group 0's leader once every group first reached the rendezvous: ``1`` when
+  it admits groups back, ``admit``; else the returning leader ends at once with one line), sets
+  ``join/<g>`` and adds 1 to ``joins``. Group 0's leader looks at ``joins`` before each sum; when a joiner
+  waits, it sets the try's ``grow`` to the joiners before its own part of the sum, so the leader that
+  completes the sum (which needs group 0's part) sees it and says ``grow`` instead of ``commit``. A grow is a
+  commit; then group 0's leader writes era ``e+1``'s members (the quorum and the joiners) and ``admit/<g>``
+  (the era and the sums committed), every member and joiner builds the era's Gloo group, and the quorum's
+  lowest group (the source) hands its state to the joiners (:meth:`GroupLink.share_state`, collective over
+  the era: a broadcast over Gloo). The joiner takes its first part in the next sum, at the same count as the
+  others: nothing is summed twice or without it.
+
 The sum returned is over the groups of the quorum :meth:`GroupLink.allreduce` returns: a caller that
-averages divides by what it summed (a count element in the tensor), not by the group count of the start.
+averages divides by what it summed (a count element in the tensor), not by the group count of the start;
+when the quorum's ``joined`` is not empty, every member calls :meth:`GroupLink.share_state` next.
 """
 
 from __future__ import annotations
@@ -70,10 +83,13 @@ class GroupLost(RuntimeError):
 
 @dataclass(frozen=True)
 class Quorum:
-    """The groups that sum together in one era: ``era`` counts the quorums formed after a loss."""
+    """The groups that sum together in one era: ``era`` counts the quorums formed after a loss or a return;
+    ``joined``: the groups that came back at its start (they take ``source``'s state first)."""
 
     era: int
     groups: tuple[int, ...]
+    joined: tuple[int, ...] = ()
+    source: int = 0
 
     def index(self, group: int) -> int:
         """``group``'s rank in the era's Gloo group."""
@@ -137,10 +153,13 @@ class GroupLink:
         dead_after_s: float = 2.0,
         join_s: float = 30.0,
         start_s: float = START_S,
+        admit: bool = False,
     ) -> None:
         if not 0 <= group < groups:
             raise ValueError(f"group {group} of {groups}: groups are 0..{groups - 1}")
-        self.group, self.dead_after_s, self.join_s = group, dead_after_s, join_s
+        self.group, self.groups, self.dead_after_s, self.join_s = group, groups, dead_after_s, join_s
+        #: Group 0's leader: whether groups that come back are admitted (their callers take the state).
+        self.admit = admit
         timeout = datetime.timedelta(seconds=join_s + 30.0)
         address = socket.gethostbyname(host)
         #: Where this leader's Gloo sockets listen: its address on the route to the rendezvous.
@@ -156,14 +175,23 @@ class GroupLink:
             raise GroupLost(
                 f"link: group {group} cannot reach the rendezvous on {host}:{port} ({first})"
             ) from None
+        # Before this leader announces itself: a run under way means its group's job was restarted.
+        returning = group != 0 and self._store_call(lambda: self._store.check(["started"]))
         self._store_call(lambda: self._store.set(f"host/{group}", socket.gethostname()))
         self._beat = _Heartbeat(address, port, group)
-        self._await_start(groups, start_s, f"{host}:{port}")
         #: The committed sums so far (the same number on every member).
         self.committed = 0
         self.quorum = Quorum(0, tuple(range(groups)))
         self._seen: dict[int, tuple[int, float]] = {}
-        self._pg: dist.ProcessGroupGloo | None = self._connect()
+        self._joins = 0
+        self._pg: dist.ProcessGroupGloo | None = None
+        if returning:
+            self._rejoin(start_s)
+            return
+        self._await_start(groups, start_s, f"{host}:{port}")
+        if group == 0:
+            self._store_call(lambda: self._store.set("started", "1" if admit else "0"))
+        self._pg = self._connect()
 
     def _await_start(self, groups: int, start_s: float, where: str) -> None:
         """Wait until every group's leader has reached the rendezvous, at most ``start_s``: a group that
@@ -185,18 +213,55 @@ class GroupLink:
                 )
             time.sleep(0.1)
 
+    def _rejoin(self, wait_s: float) -> None:
+        """A returning group: ask to join, wait (at most ``wait_s``) until group 0's leader admits it at a
+        commit, then build the era's Gloo group with the others; the caller takes the state next
+        (:meth:`share_state`). At once :class:`GroupLost` when the run takes no group back."""
+        if self._store_call(lambda: self._store.get("started")) != b"1":
+            self._beat.stop(wait=False)
+            raise GroupLost(
+                f"link: group {self.group} came back to a run under way, which takes no group back: this job "
+                "ends, the other groups train on"
+            )
+        self._store_call(lambda: self._store.set(f"join/{self.group}", "1"))
+        self._store_call(lambda: self._store.add("joins", 1))
+        admit, deadline = f"admit/{self.group}", time.monotonic() + wait_s
+        while not self._store_call(lambda: self._store.check([admit])):
+            if time.monotonic() >= deadline:
+                self._beat.stop(wait=False)
+                raise GroupLost(
+                    f"link: group {self.group} came back but was not admitted within {wait_s:g} s (the "
+                    "others ended, or never reached a sum)"
+                )
+            time.sleep(LOOK_S)
+        era, committed = (int(v) for v in self._store_call(lambda: self._store.get(admit)).split(b","))
+        self._store_call(lambda: self._store.delete_key(admit))
+        members = self._store_call(lambda: self._store.get(f"{era}/members")).split(b",")
+        source = int(self._store_call(lambda: self._store.get(f"{era}/source")))
+        self.committed = committed
+        self.quorum = Quorum(era, tuple(int(g) for g in members), (self.group,), source)
+        self._pg = self._connect()
+        log.warning(
+            "link: group %d back in era %d at sum %d (groups %s); its state comes from group %d",
+            self.group, era, committed, list(self.quorum.groups), source,
+        )  # fmt: skip
+
     # ------------------------------------------------------------------ the sum
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> Quorum:
         """Reduce the CPU ``tensor`` in place (``op``: sum, max or min) over the quorum's groups, collective
         over their leaders; after a loss the survivors form a new quorum and reduce again from their inputs.
-        The quorum it reduced over."""
+        The quorum it reduced over, or, when groups came back at this sum (``joined``), the quorum after it:
+        they join from the next sum, and every member calls :meth:`share_state` first."""
         saved, options = tensor.clone(), dist.AllreduceOptions()
         options.reduceOp = _OPS[op]
         try:
             while True:
                 try:
-                    if self._attempt(tensor, options):
+                    outcome = self._attempt(tensor, options)
+                    if outcome is not None:
                         self.committed += 1
+                        if outcome:
+                            self._grow(outcome)
                         return self.quorum
                 except GroupLost:
                     raise
@@ -209,9 +274,12 @@ class GroupLink:
             self._hand_over_group()
             raise
 
-    def _attempt(self, tensor: torch.Tensor, options: dist.AllreduceOptions) -> bool:
-        """One try of the current sum in this era: True when every member completed it (commit)."""
+    def _attempt(self, tensor: torch.Tensor, options: dist.AllreduceOptions) -> tuple[int, ...] | None:
+        """One try of the current sum in this era: None when it failed; else the groups admitted at its
+        commit (empty: a plain commit)."""
         assert self._pg is not None
+        if self.group == 0 and self.admit:
+            self._offer_joiners()
         work = self._pg.allreduce([tensor], options)
         backoff, looked = Backoff(), time.monotonic()
         while not work.is_completed():
@@ -219,11 +287,12 @@ class GroupLink:
             if time.monotonic() - looked >= LOOK_S:
                 looked = time.monotonic()
                 if self._failed():
-                    return False
+                    return None
         work.wait()
         done = self._store_call(lambda: self._store.add(self._key("done"), 1))
-        if done == len(self.quorum.groups):
-            self._say(self._key("outcome"), "commit")
+        if done == len(self.quorum.groups):  # group 0 set any grow before its part: it is there by now
+            grow = self._store_call(lambda: self._store.check([self._key("grow")]))
+            self._say(self._key("outcome"), "grow" if grow else "commit")
         backoff = Backoff()
         while not self._store_call(lambda: self._store.check([self._key("outcome")])):
             backoff.pause()
@@ -231,7 +300,79 @@ class GroupLink:
                 looked = time.monotonic()
                 if self._failed():
                     break
-        return self._store_call(lambda: self._store.get(self._key("outcome"))) == b"commit"
+        outcome = self._store_call(lambda: self._store.get(self._key("outcome")))
+        if outcome == b"commit":
+            return ()
+        if outcome == b"grow":
+            joiners = self._store_call(lambda: self._store.get(self._key("grow")))
+            return tuple(int(g) for g in joiners.split(b","))
+        return None
+
+    def _offer_joiners(self) -> None:
+        """Group 0's leader, before its part of a sum: the groups back and waiting to join (one look at
+        ``joins`` a sum while none waits), as this try's ``grow``."""
+        joins = self._store_call(lambda: self._store.add("joins", 0))
+        if joins == self._joins:
+            return
+        absent = tuple(g for g in range(self.groups) if g not in self.quorum.groups)
+        asked = tuple(g for g in absent if self._store_call(lambda g=g: self._store.check([f"join/{g}"])))
+        waiting = sorted(set(asked) - set(self._stopped(asked, all_of=True))) if asked else []
+        if waiting:
+            self._say(self._key("grow"), ",".join(map(str, waiting)))
+        else:
+            self._joins = joins
+
+    def _grow(self, joiners: tuple[int, ...]) -> None:
+        """After a commit that admitted ``joiners``: era ``e+1`` over the quorum and them (group 0's leader
+        says so and admits them), its Gloo group built with them; the quorum's lowest group is the source
+        of their state."""
+        before, era = self.quorum, self.quorum.era + 1
+        members, source = tuple(sorted({*before.groups, *joiners})), min(before.groups)
+        if self.group == 0:
+            self._store_call(lambda: self._store.set(f"{era}/members", ",".join(map(str, members))))
+            self._store_call(lambda: self._store.set(f"{era}/source", str(source)))
+            for g in joiners:
+                self._store_call(lambda g=g: self._store.delete_key(f"join/{g}"))
+                self._store_call(lambda g=g: self._store.set(f"admit/{g}", f"{era},{self.committed}"))
+            self._joins = self._store_call(lambda: self._store.add("joins", 0))
+            log.warning(
+                "link: group(s) %s back at sum %d (era %d: groups %s)",
+                ", ".join(map(str, joiners)), self.committed, era, list(members),
+            )  # fmt: skip
+        for g in joiners:
+            self._seen.pop(g, None)
+        self._pg = None  # the old era's group, healthy and idle: released here
+        self.quorum = Quorum(era, members, joiners, source)
+        try:
+            self._pg = self._connect()
+        except (RuntimeError, OSError) as exc:  # a joiner gone again before the era formed: the sum stands
+            log.warning("link: era %d with group(s) %s did not form (%s); forming another", era, joiners, exc)
+            self._reform()
+
+    def share_state(self, payload: bytes | None) -> bytes:
+        """Right after a quorum with joiners formed (collective over its members): the source group's
+        leader gives ``payload`` (its state, serialized), every member gets it back; the others pass None.
+        Over the era's Gloo group: two broadcasts, the length first."""
+        assert self._pg is not None
+        options = dist.BroadcastOptions()
+        options.rootRank = self.quorum.index(self.quorum.source)
+        mine = self.group == self.quorum.source
+        if mine and payload is None:
+            raise ValueError("the source group's leader must give the state it hands over")
+        length = torch.tensor([len(payload) if mine and payload is not None else 0], dtype=torch.int64)
+        try:
+            self._pg.broadcast([length], options).wait()
+            data = (
+                torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                if mine and payload is not None
+                else torch.empty(int(length), dtype=torch.uint8)
+            )
+            self._pg.broadcast([data], options).wait()
+        except (RuntimeError, OSError) as exc:
+            raise GroupLost(
+                f"link: a group was lost while group {self.quorum.source} handed over its state ({exc})"
+            ) from exc
+        return data.numpy().tobytes()
 
     def _failed(self) -> bool:
         """Whether this try failed: a fail said, or a member's heartbeat stopped (then say fail)."""
@@ -287,7 +428,8 @@ class GroupLink:
 
     def _decide(self, before: Quorum, era: int) -> tuple[int, ...]:
         """Group 0's leader: the members of ``era`` — the registered ones whose heartbeat still moves, once
-        every such member registered or ``join_s`` passed."""
+        every such member registered or ``join_s`` passed. A group back already (its restarted job beating
+        and asking to join) is not waited for: it joins at a later sum."""
         deadline = time.monotonic() + self.join_s
         while True:
             registered = {
@@ -295,7 +437,12 @@ class GroupLink:
                 for g in before.groups
                 if self._store_call(lambda g=g: self._store.check([f"{era}/alive/{g}"]))
             }
-            alive = set(before.groups) - set(self._stopped(before.groups, all_of=True))
+            back = {
+                g
+                for g in set(before.groups) - registered
+                if self._store_call(lambda g=g: self._store.check([f"join/{g}"]))
+            }
+            alive = set(before.groups) - set(self._stopped(before.groups, all_of=True)) - back
             if alive <= registered or time.monotonic() > deadline:
                 return tuple(sorted(registered & alive))
             time.sleep(LOOK_S)
