@@ -35,6 +35,9 @@ RETRY_S = 0.05
 _guard = threading.Lock()
 _held: list[int] = []  # this process's slot files (open descriptors)
 _users = 0  # this process's jobs now running on those slots
+#: Seconds this process has waited for slots so far (tests/durations_file.py charges each test its part, so
+#: a test's own time is its wall less what it waited for the other worker's job).
+waited_s = 0.0
 
 
 def cores() -> int:
@@ -65,15 +68,17 @@ def _try_take(wanted: int) -> list[int] | None:
 def cores_for(ranks: int | None = None) -> Iterator[None]:
     """Hold ``min(ranks, cores)`` of the machine's cores (all of them when ``ranks`` is None) while the
     block runs: waits until they are free; a process holding slots already goes straight on."""
-    global _users
+    global _users, waited_s
     with _guard:
         wanted = cores() if ranks is None else max(1, min(ranks, cores()))
+        asked = time.monotonic()
         while not _held:
             taken = _try_take(wanted)
             if taken is None:
                 time.sleep(RETRY_S)
             else:
                 _held.extend(taken)
+        waited_s += time.monotonic() - asked
         _users += 1
     try:
         yield

@@ -5,7 +5,9 @@ as pytest's ``--durations`` does). CPU: the whole machine's busy seconds while t
 /proc/stat (so the ranks that Slurm's or a namespace node's daemons start count too; run on an otherwise
 idle machine), else this process's and its waited-for children's. A test whose CPU is far below its wall
 times the cores mostly waits (sleeps, timeouts): shortening those waits, not the work, shortens it.
-``python tests/durations_file.py FILE`` prints the test files by their wall total, with their CPU. Each test
+Each test's seconds waiting for core slots (:mod:`core_slots`: the other worker's MPI job) are kept too, and
+``python tests/durations_file.py FILE`` prints the test files by their own seconds (wall less those waits:
+what the file costs the suite), with their wall and CPU. Each test
 also keeps when it started and ended (seconds since the epoch) and on which worker, so ``--overlap TEXT``
 prints, for every test whose id holds TEXT, what the other worker ran meanwhile (a test slow only in the
 full suite: what was beside it).
@@ -26,8 +28,11 @@ from pathlib import Path
 
 import pytest
 
-#: [wall seconds, CPU seconds, start, end (seconds since the epoch), worker] per test id, in this run.
-SECONDS: dict[str, list[float | str]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, ""])
+import core_slots
+
+#: [wall seconds, CPU seconds, start, end (seconds since the epoch), worker, seconds waited for core slots]
+#: per test id, in this run.
+SECONDS: dict[str, list[float | str]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, "", 0.0])
 
 
 def _cpu_seconds() -> float:
@@ -45,11 +50,12 @@ def _cpu_seconds() -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Charge the CPU seconds spent while ``item`` ran (its setup, call and teardown) to it."""
-    started, since = _cpu_seconds(), time.time()
+    started, since, waited = _cpu_seconds(), time.time(), core_slots.waited_s
     yield
     row = SECONDS[item.nodeid]
     row[1] = float(row[1]) + _cpu_seconds() - started
-    row[2:] = [since, time.time(), str(getattr(item.config, "workerinput", {}).get("workerid", ""))]
+    worker = str(getattr(item.config, "workerinput", {}).get("workerid", ""))
+    row[2:] = [since, time.time(), worker, core_slots.waited_s - waited]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -76,12 +82,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     Path(path).write_text(json.dumps(merged, indent=0), encoding="utf-8")
 
 
-def by_file(seconds: dict[str, list[float]]) -> list[tuple[str, float, float, int]]:
-    """(test file, wall seconds, CPU seconds, tests) per file, the longest wall first."""
+def own_seconds(value: list[float | str] | float) -> float:
+    """A test's own seconds: its wall less what it waited for core slots (the other worker's job)."""
+    if not isinstance(value, list):
+        return float(value)
+    return float(value[0]) - (float(value[5]) if len(value) >= 6 else 0.0)
+
+
+def by_file(seconds: dict[str, list[float]]) -> list[tuple[str, float, float, int, float]]:
+    """(test file, wall seconds, CPU seconds, tests, own seconds) per file, the longest wall first."""
     totals: dict[str, list[list[float]]] = defaultdict(list)
     for nodeid, value in seconds.items():
         totals[nodeid.split("::", 1)[0]].append(value if isinstance(value, list) else [value, float("nan")])
-    rows = [(f, sum(v[0] for v in vs), sum(v[1] for v in vs), len(vs)) for f, vs in totals.items()]
+    rows = [
+        (f, sum(v[0] for v in vs), sum(v[1] for v in vs), len(vs), sum(own_seconds(v) for v in vs))
+        for f, vs in totals.items()
+    ]
     return sorted(rows, key=lambda row: -row[1])
 
 
@@ -91,12 +107,12 @@ def overlapping(seconds: dict[str, list], text: str) -> list[tuple[str, list[tup
     have none)."""
     spans = {k: v for k, v in seconds.items() if isinstance(v, list) and len(v) >= 5}
     out = []
-    for nodeid, (_wall, _, start, end, worker) in sorted(spans.items(), key=lambda kv: -kv[1][0]):
+    for nodeid, (_wall, _, start, end, worker, *_) in sorted(spans.items(), key=lambda kv: -kv[1][0]):
         if text not in nodeid:
             continue
         beside = [
             (other, min(end, o_end) - max(start, o_start))
-            for other, (_, _, o_start, o_end, o_worker) in spans.items()
+            for other, (_, _, o_start, o_end, o_worker, *_) in spans.items()
             if o_worker != worker and min(end, o_end) > max(start, o_start)
         ]
         out.append((nodeid, sorted(beside, key=lambda b: -b[1])))
@@ -113,8 +129,9 @@ if __name__ == "__main__":
         sys.exit(0)
     rows = by_file(table)
     total = sum(row[1] for row in rows)
-    for name, wall, cpu, count in rows:
-        sys.stdout.write(
-            f"{wall:8.1f} s {100 * wall / total:5.1f} %  CPU {cpu:8.1f} s {count:5d} tests  {name}\n"
-        )
-    sys.stdout.write(f"{total:8.1f} s in all, CPU {sum(row[2] for row in rows):.1f} s\n")
+    for name, wall, cpu, count, own in sorted(rows, key=lambda row: -row[4]):
+        sys.stdout.write(f"{own:8.1f} s own {wall:8.1f} s wall  CPU {cpu:8.1f} s {count:5d} tests  {name}\n")
+    own_total = sum(row[4] for row in rows)
+    sys.stdout.write(
+        f"{own_total:8.1f} s own, {total:8.1f} s wall in all, CPU {sum(row[2] for row in rows):.1f} s\n"
+    )

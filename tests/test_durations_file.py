@@ -19,3 +19,14 @@ def test_the_tests_of_the_other_worker_that_overlapped_a_test_are_listed_longest
     assert found[1:] == [("a.py::quick", [("b.py::late", 1.0)])]
     assert overlapping({"old.py::t": [1.0, 2.0]}, "old") == []  # a file written before the spans: none
     assert by_file(table)[0][:2] == ("b.py", 60.0)
+
+
+def test_a_file_costs_its_tests_wall_less_their_waits_for_core_slots() -> None:
+    table = {
+        "a.py::waited": [40.0, 10.0, 0.0, 40.0, "gw0", 30.0],
+        "a.py::old": [5.0, 5.0, 40.0, 45.0, "gw0"],  # written before the waits were kept: all its own
+        "b.py::t": [20.0, 20.0, 0.0, 20.0, "gw1", 0.0],
+    }
+    rows = {row[0]: row for row in by_file(table)}
+    assert rows["a.py"][1] == 45.0 and rows["a.py"][4] == 15.0
+    assert rows["b.py"][4] == 20.0
