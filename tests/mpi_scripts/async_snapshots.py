@@ -7,14 +7,15 @@ snapshots periodically, a run stopped by a SIGUSR1 drill (``[inject] action = si
 
 Checks per rule (``CHECK <rule>.<check>``, tests/mpi_scripts/verdicts.py):
 
-* ``periodic``: the uninterrupted run finished and saved snapshots every 20 of a rank's steps, each with every
-  rank's file;
+* ``periodic``: an uninterrupted run of PERIODIC_EPOCHS finished and saved snapshots every 20 of a rank's
+  steps, each with every rank's file (the accuracy is the resumed run's check: a full 10-epoch run here too
+  took a third of this launch);
 * ``signal``: the drilled run stopped on every rank after a snapshot with every rank's file, in which no
   message is lost or counted twice (a server's clocks equal its workers' pushes; the EASGD centre's updates
   equal the workers' requests; GOSGD's gossip weights sum to exactly 1);
 * ``resume``: resuming restores each rank's state exactly (what it would save again equals what it loaded)
-  and finishes to the accuracy target the uninterrupted run reached (TARGET: asynchronous runs of 10 epochs
-  differ by several points from one run to the next, so the target, not the other run's figure, is the bar).
+  and finishes to the accuracy target (TARGET: asynchronous runs of 10 epochs differ by several points from
+  one run to the next, so a target, not another run's figure, is the bar).
 """
 
 from __future__ import annotations
@@ -34,17 +35,19 @@ from mpicrossbow.training.reporting.result import RunResult
 from mpicrossbow.training.run.runner import prepare_session, train
 
 EPOCHS = 10
+#: The uninterrupted run's epochs: enough for three snapshots on every rule (GOSGD's three ranks all train).
+PERIODIC_EPOCHS = 4
 TARGET = 0.9
 #: Rules whose uninterrupted 10-epoch runs spread below TARGET: GOSGD's three models mix only pairwise, at
 #: random (one CI run read 0.889 uninterrupted, where its other runs read above 0.9).
 TARGETS = {"GOSGD": 0.85}
 
 
-def run(out: Path, overrides: list[str], check_restore: bool = False) -> RunResult:
-    """One digits session on every rank (the launcher's own preparation and training)."""
+def run(out: Path, overrides: list[str], check_restore: bool = False, epochs: int = EPOCHS) -> RunResult:
+    """One digits session of ``epochs`` on every rank (the launcher's own preparation and training)."""
     config = load_config(
         "launch/digits.cfg",
-        [*overrides, f"session.output={out}", f"session.epochs={EPOCHS}", "session.progress=off",
+        [*overrides, f"session.output={out}", f"session.epochs={epochs}", "session.progress=off",
          "session.log_level=warning"],
     )  # fmt: skip
     world, session, code = prepare_session(config)
@@ -107,13 +110,9 @@ def checks_for(out: Path, spec: str) -> list[tuple[str, Any]]:
     overrides = [f"RULE={rule}", *filter(None, extra.split(","))]
     label = name.lower()
     whole, broken = out / f"{label}-whole", out / f"{label}-broken"
-    results: dict[str, RunResult] = {}
 
     def periodic() -> None:
-        results["whole"] = run(whole, [*overrides, "checkpoint.every_steps=20"])
-        assert not results["whole"].stopped
-        target = TARGETS.get(rule, TARGET)
-        assert results["whole"].val_accuracy >= target, f"uninterrupted: {results['whole'].val_accuracy:.3f}"
+        assert not run(whole, [*overrides, "checkpoint.every_steps=20"], epochs=PERIODIC_EPOCHS).stopped
         saved = checkpoints(whole)
         assert len(saved) >= 3, [p.name for p in saved]
         assert len(states(saved[-1])) == WORLD.size
@@ -130,8 +129,7 @@ def checks_for(out: Path, spec: str) -> list[tuple[str, Any]]:
         assert not result.stopped
         target = TARGETS.get(rule, TARGET)
         assert result.val_accuracy >= target, f"resumed accuracy {result.val_accuracy:.3f} < {target}"
-        whole = results["whole"].val_accuracy
-        say(f"ACCURACY {label} uninterrupted {whole:.4f} resumed {result.val_accuracy:.4f}")
+        say(f"ACCURACY {label} resumed {result.val_accuracy:.4f}")
 
     return [(f"{label}.periodic", periodic), (f"{label}.signal", signal), (f"{label}.resume", resume)]
 
