@@ -356,15 +356,15 @@ class GroupLink:
         assert self._pg is not None
         options = dist.BroadcastOptions()
         options.rootRank = self.quorum.index(self.quorum.source)
-        given = payload if self.group == self.quorum.source else None
-        if self.group == self.quorum.source and given is None:
+        source = self.group == self.quorum.source
+        if source and payload is None:
             raise ValueError("the source group's leader must give the state it hands over")
-        length = torch.tensor([len(given) if given is not None else 0], dtype=torch.int64)
+        length = torch.tensor([len(payload) if source else 0], dtype=torch.int64)
         try:
             self._pg.broadcast([length], options).wait()
             data = (
-                torch.frombuffer(bytearray(given), dtype=torch.uint8)
-                if given is not None
+                torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                if source
                 else torch.empty(int(length), dtype=torch.uint8)
             )
             self._pg.broadcast([data], options).wait()
