@@ -38,6 +38,8 @@ from typing import Any
 
 import pytest
 
+from mpicrossbow.launch.world import OVERSUBSCRIBED_SETTINGS
+
 #: Markers of the tests that need the session's daemons (Slurm, namespace nodes).
 DAEMON_MARKERS = ("slurm", "cluster")
 #: The files of the daemons' group.
@@ -68,13 +70,19 @@ def in_worker(config: pytest.Config) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     """In the controller of N workers, before they start: they and their jobs inherit ``OMP_NUM_THREADS``
-    = cores // N (torch reads it as it starts; mpicrossbow's ranks keep it, see its launch.binding)."""
+    = cores // N (torch reads it as it starts; mpicrossbow's ranks keep it, see its launch.binding), and
+    the settings that make a rank waiting in MPI sleep between its polls (``OVERSUBSCRIBED_SETTINGS``, which
+    crossbow-launch gives a node with more ranks than cores): the workers' jobs share the cores with each
+    other's even when each has no more ranks than cores, and a rank spinning in an allreduce while a
+    slowed peer sleeps, or while a replacement starts, took the core from the other worker's test."""
     workers = config.getoption("numprocesses", default=None)
     if in_worker(config) or not isinstance(workers, int) or workers < 2:
         return
     per = str(max(1, len(os.sched_getaffinity(0)) // workers))
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(key, per)
+    for key, value in OVERSUBSCRIBED_SETTINGS.items():
+        os.environ.setdefault(key, value)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

@@ -111,16 +111,13 @@ ELASTIC = ("session.epochs=4", "elastic.enabled=true", "checkpoint.every_epochs=
 RANK_2_REPLACED = ("elastic.replace=true", "inject.rank=2", "inject.step=40")
 
 
-def slowed(rank: int, seconds: float = 0.2, from_step: int = 40) -> tuple[str, ...]:
-    """The overrides that slow rank ``rank``'s every step from ``from_step`` on by ``seconds`` (every rank
-    waits for it): the survivors of a loss at that step are still training when its replacement has started
-    (they train on while it starts: 2 s here, more on a loaded machine). The steps before the loss go at full
-    speed: 8 s less of a waiting test than slowing all 88."""
-    return (
-        f"session.slow_ranks={rank}",
-        f"session.slow_seconds={seconds}",
-        f"session.slow_from_step={from_step}",
-    )
+def slowed(rank: int, seconds: float = 0.2, while_short: bool = True) -> tuple[str, ...]:
+    """The overrides that slow rank ``rank``'s every step by ``seconds`` (every rank waits for it) while the
+    world is short (``session.slow_while_short``; else from step 40 to the end): the survivors of a loss are
+    still training when its replacement has started (they train on while it starts: 2 s here, more on a
+    loaded machine), and the steps before the loss and after the replacement joined go at full speed."""
+    when = "session.slow_while_short=true" if while_short else "session.slow_from_step=40"
+    return (f"session.slow_ranks={rank}", f"session.slow_seconds={seconds}", when)
 
 
 def elastic_job(openmpi: OpenMPIEnv, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -466,7 +463,7 @@ def test_rank_0_replaced_after_its_duties_passed_on(openmpi: OpenMPIEnv, tmp_pat
     replacement joins as the last rank (standing for start rank 0: its data shard and seed), metrics.h5 holds
     every epoch once, the last checkpoint 4 ranks' files, and no lock is left."""
     kill = ("elastic.replace=true", "inject.rank=0", "inject.step=44", "inject.action=kill")
-    proc = elastic_job(openmpi, tmp_path, *kill, *slowed(1, from_step=44))
+    proc = elastic_job(openmpi, tmp_path, *kill, *slowed(1))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "start rank 1 takes over its duties" in proc.stderr, proc.stderr[-3000:]
     assert "start ranks [1, 2, 3, 0]" in replaced_line(proc.stderr)
@@ -490,7 +487,7 @@ def test_a_replacement_that_dies_is_replaced_in_turn(openmpi: OpenMPIEnv, tmp_pa
         *ELASTIC,
         *RANK_2_REPLACED,
         "inject.action=kill",
-        *slowed(0, 0.25),  # two replacements start, one after the other, before the run ends
+        *slowed(0, 0.25, while_short=False),  # the run goes on while this test kills the replacement
     )
     # As docs/reliability.md says to start a job with replacements: their spawned jobs recoverable too.
     cmd = openmpi.ft_command(4, "--prtemca", "state_base_recoverable", "1", openmpi.launch, *args)

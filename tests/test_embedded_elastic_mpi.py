@@ -60,7 +60,8 @@ def test_your_own_loop_goes_on_without_a_killed_rank(openmpi: OpenMPIEnv, tmp_pa
 
 def test_with_replace_your_own_loop_is_four_ranks_again(openmpi: OpenMPIEnv, tmp_path: Path) -> None:
     """``xb.init(elastic={"replace": True})`` (the example's own loop, its init asking for ``replace``; each
-    step 0.1 s longer so the survivors still train when the replacement is up), rank 2 SIGKILLed mid-epoch:
+    step 0.1 s longer while the world is short, so the survivors still train when the replacement is up),
+    rank 2 SIGKILLed mid-epoch:
     the survivors spawn a replacement that runs the script from its top and joins them between two optimizer
     steps of the same epoch (``xb.epochs``, ``xb.shard``'s next batch), with rank 0's model and optimizer
     state. The job exits 0 on 4 ranks again: one line each for the loss, the replacement and its start; BSP's

@@ -5,6 +5,7 @@ One ``mpiexec -n 2`` launch per case (torch import ≈ 3 s per rank), each bound
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from conftest import launcher, only_run, run_mpi
+from mpicrossbow.config import SessionSection
 from mpicrossbow.training.health.faults import Straggler
 from mpicrossbow.training.reporting.metrics import read_metrics
 
@@ -171,3 +173,17 @@ def test_straggler_sleeps_its_factor_of_each_step() -> None:
     for step in range(4):
         later.after_step(time.perf_counter(), step)
     assert later.injected_seconds == 0.01  # steps 2 and 3 only
+
+
+def test_a_straggler_slowed_while_short_sleeps_from_a_loss_until_the_world_is_whole_again() -> None:
+    """``[session] slow_while_short``: a world of 4 at the start, 3 after a loss, 4 once a replacement
+    joined; the slowed rank sleeps at the steps taken in the world of 3 only."""
+    session = SessionSection(slow_ranks=(0,), slow_seconds=0.005, slow_while_short=True)
+    straggler, other = Straggler.of(session, rank=0, size=4), Straggler.of(session, rank=1, size=4)
+    for step, size in enumerate([4, 4, 3, 3, 3, 4, 4]):
+        straggler.after_step(time.perf_counter(), step, size)
+        other.after_step(time.perf_counter(), step, size)
+    assert straggler.injected_seconds == 0.015 and other.injected_seconds == 0.0
+    always = Straggler.of(dataclasses.replace(session, slow_while_short=False), rank=0, size=4)
+    always.after_step(time.perf_counter(), 0, 4)
+    assert always.injected_seconds == 0.005

@@ -255,21 +255,26 @@ def test_bad_input_is_one_line_and_exit_2(mpiexec: str, tmp_path: Path, case: st
 def test_a_second_job_on_a_checkpoint_directory_in_use_stops_naming_the_first(
     mpiexec: str, tmp_path: Path
 ) -> None:
+    """The first job is stopped (SIGSTOP to its process group) as soon as its LOCK is there and goes on
+    (SIGCONT) once the second has been refused: it holds the directory for as long as the second takes to
+    start, however slow the machine, and no longer."""
     ck = tmp_path / "ck"
     first_args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={tmp_path / 'a'}",
                   "session.epochs=3", f"checkpoint.directory={ck}", "checkpoint.every_steps=25",
-                  "session.slow_ranks=0,1", "session.slow_seconds=0.12"]  # fmt: skip
+                  "session.slow_ranks=0,1", "session.slow_seconds=0.02"]  # fmt: skip
     first = subprocess.Popen(
         [mpiexec, "-n", "2", *first_args], cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not (ck / "LOCK").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.01)
+        os.killpg(first.pid, signal.SIGSTOP)
         owner = json.loads((ck / "LOCK").read_text())
         start = time.monotonic()
         second = job(mpiexec, tmp_path / "b", f"checkpoint.directory={ck}", timeout=60)
+        os.killpg(first.pid, signal.SIGCONT)
         assert second.returncode == 2 and time.monotonic() - start < 15, second.stderr[-2000:]
         lines = [line for line in second.stderr.splitlines() if line.startswith("crossbow-launch: error:")]
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner["since"]))
@@ -281,7 +286,8 @@ def test_a_second_job_on_a_checkpoint_directory_in_use_stops_naming_the_first(
         _, stderr = first.communicate(timeout=120)
     finally:
         if first.poll() is None:
-            first.kill()
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait(timeout=30)
     assert first.returncode == 0, stderr[-3000:]
     assert not (ck / "LOCK").exists()  # released at the end
     final = torch.load(ck / f"step-{STEPS:09d}" / "rank-00001.pt", weights_only=True)

@@ -66,6 +66,11 @@ class SessionSection:
     slow_from_step: int = setting(
         0, "test/benchmark hook: slow_ranks sleep from this step of the run on (0: from the first)", ge=0
     )
+    slow_while_short: bool = setting(
+        False,
+        "test/benchmark hook: slow_ranks sleep only while the world has fewer ranks than it started with "
+        "(from a loss until its replacement joined: a drill waits no longer than the replacement's start)",
+    )
     on_nan: Literal["stop", "skip"] = setting(
         "stop", "a learner's loss is NaN or infinite: stop the job with a message, or skip that batch"
     )

@@ -36,14 +36,21 @@ def detect_launcher(environ: dict[str, str] | None = None) -> str | None:
     return None
 
 
-#: Settings that make waiting ranks yield the CPU instead of spinning (as mpi4py's CI uses them). With more
-#: ranks than cores, a spinning rank steals the time slice of the rank everybody waits for: measured here,
-#: 4 ranks on 2 cores trained the digits job in 59 s without them and in 1 s with them.
+#: Settings that make waiting ranks give the CPU back instead of spinning (as mpi4py's CI uses them). With
+#: more ranks than cores, a spinning rank steals the time slice of the rank everybody waits for: measured
+#: here, 4 ranks on 2 cores trained the digits job in 59 s without them and in 1 s with them. A yield alone
+#: (``sched_yield``) still leaves the waiting rank runnable, and the kernel shares the core evenly between it
+#: and the working ones; each yield is a nanosleep instead (MPICH's heavy yield, Open MPI's ``nanosleep``
+#: yield strategy): 4 ranks on 2 cores, 3 of them waiting 3 s in ``MPI_Barrier``, burnt 0.33x the CPU
+#: (Open MPI 0.35x) and a busy process beside them ran in 0.65x the time (Open MPI 0.95x), while the digits
+#: job's ordinary steps took 1.02x (both; benchmarks/mpi_yield.py, benchmarks/results/mpi_yield.md).
 OVERSUBSCRIBED_SETTINGS = {
     "MPIR_CVAR_POLLS_BEFORE_YIELD": "1",
     "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true",
     "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "1",
+    "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",
     "OMPI_MCA_mpi_yield_when_idle": "1",
+    "OMPI_MCA_threads_pthreads_yield_strategy": "nanosleep",
 }
 
 

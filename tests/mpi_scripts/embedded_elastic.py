@@ -5,8 +5,9 @@
 ``KILL_RANK`` (-1: none) SIGKILLs itself right after its optimizer step number ``KILL_STEP`` (1-based: the
 hook runs after the rule's own post-hook, so the step's exchange is done on that rank; the others meet
 the loss in their next collective). ``S`` (seconds, default none): the example's ``xb.init`` asks for
-``replace`` too, and every rank sleeps that long after each optimizer step, so the survivors are still
-training when the replacement they spawn (this script again, from its top) has started. After ``main``
+``replace`` too, and every rank sleeps that long after each optimizer step while the world is short of 4
+ranks, so the survivors are still training when the replacement they spawn (this script again, from its
+top) has started. After ``main``
 returns (``xb.finish`` left the consensus in the model), every rank writes ``OUT/rank-<rank>.pt``: its
 flat weights, its validation accuracy, its rank, the world size it ended in, and the ranks an
 ``xb.allreduce`` after the job counted.
@@ -29,6 +30,9 @@ sys.path.insert(0, str(ROOT))
 import mpicrossbow as xb  # noqa: E402
 from examples import train_digits as example  # noqa: E402
 
+#: The world's ranks at the start, and again once a replacement joined.
+WHOLE = 4
+
 
 def replacing() -> Any:
     """``xb.init``, with ``elastic={"replace": True}`` in place of the example's ``elastic="auto"``."""
@@ -40,15 +44,23 @@ def replacing() -> Any:
     return wrapped
 
 
+def short_world_sleep(slow: float) -> None:
+    """After an optimizer step: sleep ``slow`` seconds while the world is short of its 4 ranks (from the
+    loss until the replacement joined), so the survivors still train when it is up, and only then."""
+    if xb.init().size < WHOLE:
+        time.sleep(slow)
+
+
 def killing(kill_rank: int, kill_step: int, slow: float) -> Any:
     """``xb.distribute``, with a hook on ``kill_rank``'s optimizer: SIGKILL after step ``kill_step``; and on
-    every rank a sleep of ``slow`` seconds after each step."""
+    every rank a sleep of ``slow`` seconds after each step taken while the world is short
+    (:func:`short_world_sleep`)."""
     distribute = xb.distribute
 
     def wrapped(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         model, optimizer = distribute(model, optimizer, **kwargs)
         if slow:
-            optimizer.register_step_post_hook(lambda *_: time.sleep(slow))
+            optimizer.register_step_post_hook(lambda *_: short_world_sleep(slow))
         if xb.init().rank == kill_rank:
             steps = [0]
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...config import InjectSection
+from ...config import InjectSection, SessionSection
 
 log = logging.getLogger(__name__)
 
@@ -121,22 +121,39 @@ class FaultInjector:
 class Straggler:
     """``[session] slow_ranks``: this rank sleeps after every step from ``slow_from_step`` on, a fixed
     ``slow_seconds`` plus ``(slow_factor − 1)`` × the step's own time — a straggler on demand, for tests,
-    soaks and benchmarks (a drill slowed only where it needs to be waits no longer than it must)."""
+    soaks and benchmarks (a drill slowed only where it needs to be waits no longer than it must). With
+    ``whole`` (``slow_while_short``: the world's start size), only while the world is smaller than that: a
+    replacement drill's survivors are slowed from the loss until the replacement joined, however long it
+    takes to start on a loaded machine, and not after."""
 
     def __init__(
-        self, ranks: tuple[int, ...], seconds: float, factor: float, rank: int, from_step: int = 0
+        self,
+        ranks: tuple[int, ...],
+        seconds: float,
+        factor: float,
+        rank: int,
+        from_step: int = 0,
+        whole: int = 0,
     ) -> None:
         slowed = rank in ranks
         self.delay = seconds if slowed else 0.0
         self.stretch = factor - 1.0 if slowed else 0.0
         self.from_step = from_step
+        self.whole = whole
         #: Seconds of sleep injected on this rank so far.
         self.injected_seconds = 0.0
 
-    def after_step(self, step_start: float, step: int) -> None:
+    @classmethod
+    def of(cls, session: SessionSection, rank: int, size: int) -> Straggler:
+        """The straggler ``[session]`` asks for on start rank ``rank`` of a world of ``size``."""
+        whole = size if session.slow_while_short else 0
+        factor, start = session.slow_factor, session.slow_from_step
+        return cls(session.slow_ranks, session.slow_seconds, factor, rank, start, whole)
+
+    def after_step(self, step_start: float, step: int, size: int = 0) -> None:
         """Sleep as configured after step ``step`` (its index in the run, from 0), which started at
-        ``step_start`` (``time.perf_counter()``)."""
-        if not (self.delay or self.stretch) or step < self.from_step:
+        ``step_start`` (``time.perf_counter()``), in a world of ``size`` ranks now."""
+        if not (self.delay or self.stretch) or step < self.from_step or size >= self.whole > 0:
             return
         pause = self.delay + self.stretch * (time.perf_counter() - step_start)
         time.sleep(pause)

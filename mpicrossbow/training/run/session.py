@@ -257,10 +257,7 @@ class Session:
             evaluator=evaluator,
             checkpoints=self.checkpoints,
             faults=self.faults,
-            straggler=Straggler(
-                *(cfg.session.slow_ranks, cfg.session.slow_seconds, cfg.session.slow_factor, world.rank),
-                cfg.session.slow_from_step,
-            ),
+            straggler=Straggler.of(cfg.session, world.rank, world.size),
             watchdog=self.watchdog,
             tuner=self.tuner,
             trains=trains,
