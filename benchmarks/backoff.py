@@ -83,16 +83,23 @@ def table(pairs: list[tuple[Samples, Samples]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Measure, print the table and (unless ``--no-write``) append it to the results."""
+def pairs_args(module: str, doc: str | None, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Logging set up and the command line of a benchmark of interleaved pairs: ``--pairs``,
+    ``--no-write``."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.backoff", description=__doc__,
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--pairs", type=int, default=5, help="measured rounds (default 5)")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
     args = parser.parse_args(argv)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure, print the table and (unless ``--no-write``) append it to the results."""
+    args = pairs_args("benchmarks.backoff", __doc__, argv)
     pairs = [
         (job(f"{name}, backoff", ranks, extra, ""), job(f"{name}, yield only", ranks, extra, YIELD_ONLY))
         for name, (ranks, extra) in JOBS.items()

@@ -27,8 +27,6 @@ min-max and the ratios to ``benchmarks/results/mpi_yield.md``.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import logging
 import os
 import shlex
@@ -38,8 +36,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.backoff import table
-from benchmarks.report import RESULTS, machine
+from benchmarks.backoff import pairs_args, table
+from benchmarks.report import append_result
 from benchmarks.startup import Samples, beside_interpreter, portable, run_once, versions
 
 log = logging.getLogger("benchmarks.mpi_yield")
@@ -103,14 +101,7 @@ def measure(pairs: list[tuple[Samples, Samples]], rounds: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure, print the table and (unless ``--no-write``) append it to the results."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.mpi_yield", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--pairs", type=int, default=5, help="measured rounds (default 5)")
-    parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
-    args = parser.parse_args(argv)
-    if args.pairs < 1:
-        parser.error("--pairs must be at least 1")
+    args = pairs_args("benchmarks.mpi_yield", __doc__, argv)
     cores = len(os.sched_getaffinity(0))
     if cores >= RANKS:
         log.warning("%d cores here: %d ranks do not oversubscribe them, both ways run alike", cores, RANKS)
@@ -118,27 +109,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         (job(f"{name}, nanosleep", name, ()), job(f"{name}, sched_yield", name, SCHED_YIELD)) for name in JOBS
     ]
     load = os.getloadavg()[0]
-    started = datetime.datetime.now(datetime.timezone.utc)
     measure(pairs, args.pairs)
     result = table(pairs)
     print(result)
     if args.no_write:
         return 0
-    given = sys.argv[1:] if argv is None else argv
-    invocation = shlex.join(["python", "-m", "benchmarks.mpi_yield", *given])
-    example = portable(shlex.join(pairs[1][1].argv))
-    section = (
-        f"\n## MPI waits: nanosleep against sched_yield, {RANKS} ranks on {cores} cores — "
-        f"{started:%Y-%m-%d %H:%M} UTC\n\n"
-        f"- command: `{invocation}`\n- versions: {versions()}\n- machine: {machine()}; 1-minute load "
-        f"average {load:.1f} at the start\n- {args.pairs} interleaved rounds after 1 warm-up; ratios are "
-        f"nanosleep ÷ sched_yield, medians of the pairs; the beside rows' wall is the busy process's; "
-        f"e.g. `{example}`\n\n{result}\n"
+    notes = (
+        f"{args.pairs} interleaved rounds after 1 warm-up, 1-minute load average {load:.1f} at the start; "
+        "ratios are nanosleep ÷ sched_yield, medians of the pairs; the beside rows' wall is the busy "
+        f"process's; e.g. `{portable(shlex.join(pairs[1][1].argv))}`"
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "mpi_yield.md"
-    with path.open("a", encoding="utf-8") as f:
-        f.write(("# MPI yield benchmark results\n" if f.tell() == 0 else "") + section)
+    title = f"MPI waits: nanosleep against sched_yield, {RANKS} ranks on {cores} cores"
+    path = append_result("mpi_yield", title, result, notes, versions_line=versions())
     log.info("appended to %s", path)
     return 0
 
