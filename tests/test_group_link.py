@@ -180,7 +180,7 @@ def test_a_lost_rendezvous_ends_every_survivor_with_one_line(tmp_path: Path) -> 
         # the last line ours, no Python traceback (torch's own C++ warning of the broken store comes first)
         assert code == 3 and err.splitlines()[-1].startswith(
             "link: the rendezvous on group 0's leader is gone"
-        )
+        ), (code, err[-3000:])
         assert "Traceback" not in err, err
     assert took < 10.0
 

@@ -269,10 +269,18 @@ class GroupLink:
                     self._say(self._key("outcome"), "fail")
                 tensor.copy_(saved)
                 self._reform()
-        except GroupLost:  # this leader's part ends: nothing of the link may be torn down at exit
-            self._beat.stop(wait=False)
-            self._hand_over_group()
+        except GroupLost:
+            self._abandon()
             raise
+
+    def _abandon(self) -> None:
+        """This leader's part ends (a :class:`GroupLost` on its way out): nothing of the link may be torn
+        down at exit. The heartbeat thread is joined (at most 4 beats; it ends at once when the rendezvous
+        is gone), so it is not inside a store call when the interpreter ends: a thread that returns to
+        Python from C++ then is ended by ``pthread_exit``, whose unwinding through torch's C++ aborts the
+        process (a survivor ended with SIGABRT, not status 3, once in CI). The Gloo group is retired."""
+        self._beat.stop(wait=True)
+        self._hand_over_group()
 
     def _attempt(self, tensor: torch.Tensor, options: dist.AllreduceOptions) -> tuple[int, ...] | None:
         """One try of the current sum in this era: None when it failed; else the groups admitted at its
@@ -369,6 +377,7 @@ class GroupLink:
             )
             self._pg.broadcast([data], options).wait()
         except (RuntimeError, OSError) as exc:
+            self._abandon()
             raise GroupLost(
                 f"link: a group was lost while group {self.quorum.source} handed over its state ({exc})"
             ) from exc
@@ -503,12 +512,16 @@ class GroupLink:
         rendezvous, waits until every other member has left (or its heartbeat stopped, at most ``join_s``);
         then stop the heartbeat and release the Gloo group."""
         key = f"{self.quorum.era}/closed"
-        self._store_call(lambda: self._store.add(key, 1))
-        deadline = time.monotonic() + self.join_s
-        while self.group == 0 and time.monotonic() < deadline:
-            left = self._store_call(lambda: self._store.add(key, 0))
-            if left + len(self._stopped(self.quorum.groups, all_of=True)) >= len(self.quorum.groups):
-                break
-            time.sleep(LOOK_S)
+        try:
+            self._store_call(lambda: self._store.add(key, 1))
+            deadline = time.monotonic() + self.join_s
+            while self.group == 0 and time.monotonic() < deadline:
+                left = self._store_call(lambda: self._store.add(key, 0))
+                if left + len(self._stopped(self.quorum.groups, all_of=True)) >= len(self.quorum.groups):
+                    break
+                time.sleep(LOOK_S)
+        except GroupLost:
+            self._abandon()
+            raise
         self._beat.stop()
         self._pg = None  # nothing in flight in it: its destructor returns at once, here
