@@ -49,7 +49,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -254,7 +255,7 @@ class GroupLink:
         they join from the next sum, and every member calls :meth:`share_state` first."""
         saved, options = tensor.clone(), dist.AllreduceOptions()
         options.reduceOp = _OPS[op]
-        try:
+        with self._abandoned_if_lost():
             while True:
                 try:
                     outcome = self._attempt(tensor, options)
@@ -269,18 +270,20 @@ class GroupLink:
                     self._say(self._key("outcome"), "fail")
                 tensor.copy_(saved)
                 self._reform()
-        except GroupLost:
-            self._abandon()
-            raise
 
-    def _abandon(self) -> None:
-        """This leader's part ends (a :class:`GroupLost` on its way out): nothing of the link may be torn
+    @contextmanager
+    def _abandoned_if_lost(self) -> Iterator[None]:
+        """A :class:`GroupLost` leaving the block ends this leader's part: nothing of the link may be torn
         down at exit. The heartbeat thread is joined (at most 4 beats; it ends at once when the rendezvous
         is gone), so it is not inside a store call when the interpreter ends: a thread that returns to
         Python from C++ then is ended by ``pthread_exit``, whose unwinding through torch's C++ aborts the
         process (a survivor ended with SIGABRT, not status 3, once in CI). The Gloo group is retired."""
-        self._beat.stop(wait=True)
-        self._hand_over_group()
+        try:
+            yield
+        except GroupLost:
+            self._beat.stop(wait=True)
+            self._hand_over_group()
+            raise
 
     def _attempt(self, tensor: torch.Tensor, options: dist.AllreduceOptions) -> tuple[int, ...] | None:
         """One try of the current sum in this era: None when it failed; else the groups admitted at its
@@ -368,19 +371,19 @@ class GroupLink:
         if source and payload is None:
             raise ValueError("the source group's leader must give the state it hands over")
         length = torch.tensor([len(payload) if source else 0], dtype=torch.int64)
-        try:
-            self._pg.broadcast([length], options).wait()
-            data = (
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                if source
-                else torch.empty(int(length), dtype=torch.uint8)
-            )
-            self._pg.broadcast([data], options).wait()
-        except (RuntimeError, OSError) as exc:
-            self._abandon()
-            raise GroupLost(
-                f"link: a group was lost while group {self.quorum.source} handed over its state ({exc})"
-            ) from exc
+        with self._abandoned_if_lost():
+            try:
+                self._pg.broadcast([length], options).wait()
+                data = (
+                    torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                    if source
+                    else torch.empty(int(length), dtype=torch.uint8)
+                )
+                self._pg.broadcast([data], options).wait()
+            except (RuntimeError, OSError) as exc:
+                raise GroupLost(
+                    f"link: a group was lost while group {self.quorum.source} handed over its state ({exc})"
+                ) from exc
         return data.numpy().tobytes()
 
     def _failed(self) -> bool:
@@ -512,7 +515,7 @@ class GroupLink:
         rendezvous, waits until every other member has left (or its heartbeat stopped, at most ``join_s``);
         then stop the heartbeat and release the Gloo group."""
         key = f"{self.quorum.era}/closed"
-        try:
+        with self._abandoned_if_lost():
             self._store_call(lambda: self._store.add(key, 1))
             deadline = time.monotonic() + self.join_s
             while self.group == 0 and time.monotonic() < deadline:
@@ -520,8 +523,5 @@ class GroupLink:
                 if left + len(self._stopped(self.quorum.groups, all_of=True)) >= len(self.quorum.groups):
                     break
                 time.sleep(LOOK_S)
-        except GroupLost:
-            self._abandon()
-            raise
         self._beat.stop()
         self._pg = None  # nothing in flight in it: its destructor returns at once, here

@@ -7,8 +7,8 @@ hook runs after the rule's own post-hook, so the step's exchange is done on that
 the loss in their next collective). ``S`` (seconds, default none): the example's ``xb.init`` asks for
 ``replace`` too, and every rank sleeps that long after each optimizer step while the world is short of 4
 ranks, so the survivors are still training when the replacement they spawn (this script again, from its
-top) has started. After ``main``
-returns (``xb.finish`` left the consensus in the model), every rank writes ``OUT/rank-<rank>.pt``: its
+top) has started. After ``main`` returns (``xb.finish`` left the consensus in the model), every rank
+writes ``OUT/rank-<rank>.pt``: its
 flat weights, its validation accuracy, its rank, the world size it ended in, and the ranks an
 ``xb.allreduce`` after the job counted.
 """
