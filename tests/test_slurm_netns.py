@@ -237,36 +237,6 @@ def the_resume_finishes_after_open_mpi_lost_a_daemon(
     assert read_metrics(run / "metrics.h5")["val"]["accuracy"][-1] > 0.85
 
 
-#: An mpiexec that says it is Open MPI 5's, reports the run finished (as rank 0 does) and never exits: what
-#: Open MPI's runtime did once after a replacement was spawned across nodes, every rank gone.
-LINGERING_MPIEXEC = """#!/bin/bash
-if [[ "$1" == --version ]]; then echo "mpiexec (Open MPI) 5.0.11"; exit 0; fi
-echo "$RUNS/the-run" > "$CROSSBOW_FINISHED_FILE"
-exec sleep 600
-"""
-
-
-def test_the_elastic_template_ends_an_mpiexec_that_lingers_after_the_run_finished(
-    slurm: NetnsSlurm, openmpi: OpenMPIEnv, tmp_path: Path
-) -> None:
-    """LINGER_S seconds after rank 0 said the run finished, an mpiexec still running is ended: the job
-    completes with status 0 and one warning line naming where the results are, instead of holding its
-    allocation to the time limit."""
-    fake = tmp_path / "mpiexec"
-    fake.write_text(LINGERING_MPIEXEC)
-    fake.chmod(0o755)
-    job = submit(slurm, tmp_path, "elastic.sbatch", options=("--nodes=1", "--ntasks-per-node=1"),
-                 env={"VENV": str(openmpi.venv), "MPIEXEC": str(fake), "LINGER_S": "3",
-                      **openmpi_job_env(tmp_path)})  # fmt: skip
-    record = slurm.wait_job(job, timeout=60)
-    out = output(tmp_path, job)
-    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out[-3000:]
-    warned = [line for line in out.splitlines() if line.startswith("crossbow-launch: warning:")]
-    assert len(warned) == 1 and "still running 3 s after training had finished" in warned[0], out[-3000:]
-    assert warned[0].endswith(f"the results are complete in {tmp_path / 'runs'}/the-run"), warned
-    wait_for(lambda: not processes_naming(str(fake)), 30, "the lingering mpiexec gone")
-
-
 def test_under_the_elastic_template_a_lost_node_ends_the_job_with_one_line_not_status_0(
     slurm: NetnsSlurm, openmpi: OpenMPIEnv, tmp_path: Path
 ) -> None:
