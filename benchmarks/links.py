@@ -10,7 +10,7 @@ validation after each epoch, under
 * BSP (every step waits for the slow node),
 * GSP with one group per node (a group's leader pushes to the servers asynchronously),
 * ASGD and SSP (staleness 2) with the parameter server colocated on every rank,
-* LOCALSGD and SMA,
+* LOCALSGD (at its default period 8, and at 4 and 16: AUTO chooses among the three) and SMA,
 * AUTO, the framework's own pick (its line says how its time compares with the best rule picked by hand).
 
 Each rate setting is one mpiexec job across the nodes (tests/mpi_scripts/cfg_runs.py), each seed one job;
@@ -58,6 +58,8 @@ RULES = {
     "ASGD (colocated)": "RULE=ASGD,rule.placement=colocated",
     "SSP (colocated)": "RULE=SSP,rule.staleness=2,rule.placement=colocated",
     "LOCALSGD": "RULE=LOCALSGD",
+    "LOCALSGD (period 4)": "RULE=LOCALSGD,rule.period=4",
+    "LOCALSGD (period 16)": "RULE=LOCALSGD,rule.period=16",
     "SMA": "RULE=SMA",
     "AUTO": "RULE=AUTO",
 }

@@ -22,7 +22,7 @@ from test_postlocalsgd_mpi import assert_same, final_state
 
 from conftest import REPO, launcher, only_run, run_mpi
 from mpicrossbow.report.summary import auto_line
-from mpicrossbow.rules.rule_choice import MARGIN
+from mpicrossbow.rules.rule_choice import CANDIDATES, MARGIN
 from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
 from mpicrossbow.training.reporting.metrics import read_metrics
 
@@ -49,18 +49,24 @@ def test_the_decision_is_one_line_and_the_same_in_metrics(mpiexec: str, tmp_path
     lines = [line for line in done.stderr.splitlines() if f"AUTO at step {UNDER_LOCALSGD}: chose " in line]
     assert len(lines) == 1, done.stderr[-3000:]
     # the running rule kept (a move needs MARGIN x its time) adds "(kept: ...)" after the choice
-    chosen = re.search(r"chose (.+?)(?: \(kept: [^)]*\))?; time to target relative to BSP: ", lines[0])
+    chosen = re.search(r"chose (.+?)(?: \(kept: .+?, a move needs \S+ or less\))?; time to target ", lines[0])
     assert chosen is not None
-    for label in ("BSP 1.00 (", "SMA ", "LOCALSGD (period 8) "):
+    for label in (
+        "BSP 1.00 (",
+        "SMA ",
+        "LOCALSGD (period 4) ",
+        "LOCALSGD (period 8) ",
+        "LOCALSGD (period 16) ",
+    ):
         assert label in lines[0], lines[0]
     attrs = read_metrics(only_run(tmp_path) / "metrics.h5")["attrs"]
     assert attrs["rule_auto_choice"] == chosen[1] and attrs["rule_auto_line"] in lines[0]
     assert attrs["rule_auto_candidates"].split("; ")[0] == chosen[1]
-    assert sorted(attrs["rule_auto_candidates"].split("; ")) == ["BSP", "LOCALSGD (period 8)", "SMA"]
+    assert sorted(attrs["rule_auto_candidates"].split("; ")) == sorted(CANDIDATES)
     predicted = attrs["rule_auto_predicted"]
     soonest = min(row[2] for row in predicted)
     kept = "(kept: " in lines[0]  # the running rule stays unless another needs MARGIN x its time or less
-    assert len(predicted) == 3 and (
+    assert len(predicted) == len(CANDIDATES) and (
         soonest > MARGIN * predicted[0][2] if kept else predicted[0][2] == soonest
     )
     assert auto_line(attrs) == (  # crossbow-report's summary line

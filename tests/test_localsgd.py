@@ -140,3 +140,16 @@ def test_resize_averages_over_the_new_learner_count(diloco: bool) -> None:
         expected = z0 - 0.7 * 1.9 * (z0 - 2.5) if diloco else np.full_like(z0, 2.5)
         for params in per_rank:
             np.testing.assert_allclose(params, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_after_each_periods_average_every_replica_is_bit_for_bit_equal() -> None:
+    """What AUTO relies on to move away from LOCALSGD without an average of its own: at a step where
+    ``averaged_before`` says the exchange before it averaged (every H-th), every learner of every rank holds
+    the same weights, bit for bit."""
+    rule = LocalSGD(period=4)
+    assert [step for step in range(13) if rule.averaged_before(step)] == [4, 8, 12]
+    out = run_world(
+        2, lambda: LocalSGD(period=4), 8, optim=OptimSection(lr=LR, momentum=MOMENTUM), learners=2
+    )
+    final = out.learner_final()
+    assert len(final) == 4 and all(np.array_equal(final[0], other) for other in final[1:])

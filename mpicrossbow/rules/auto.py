@@ -19,15 +19,17 @@ Who sends what to whom, and when:
   :func:`~.rule_choice.choose_rule`, the measuring rule keeping its measured step and the others priced from
   its compute. Rank 0 logs the decision in one line (every candidate's predicted time and the figures behind
   it). If the choice is not the measuring rule, every rank moves to it from the next step on: from BSP
-  through the switch (:class:`~.switching.SwitchingRule`), from LOCALSGD by taking the mean model and
-  buffers first (below).
+  through the switch (:class:`~.switching.SwitchingRule`), from LOCALSGD at once: the window ended on its
+  average, so every learner holds the mean model and buffers already (below). LOCALSGD is offered at
+  periods 4, 8 and 16 (:data:`~.rule_choice.CANDIDATES`): a move between periods is such a move too.
 * **Every later window** ends with one allreduce (MAX) of three numbers: the window's step and hook
   seconds and whether the world or the learner count changed (an elastic loss or replacement,
   ``learners = auto``). With ``recheck`` on, a step :data:`DRIFT`× slower or faster than predicted for
   :data:`SUSTAINED` windows in a row (a link that slowed, another job's traffic), or such a change,
   measures the link again and decides again from the running rule's figures. A new choice is switched to
   at once on every rank: the running rule finishes, every learner takes the mean model and buffers of all
-  k learners (model averaging leaves the replicas apart), and the new rule is bound.
+  k learners (model averaging leaves the replicas apart; LOCALSGD, whose windows end on its own average,
+  has just done it), and the new rule is bound.
 
 Checkpoints hold the choice, the phase and the window's position: a run resumed after a decision runs the
 rule it chose, exactly; one resumed before the first decision measures again under the rule it measured
@@ -100,7 +102,8 @@ class Auto(SwitchingRule):
             ge=2,
         )
         candidates: str = setting(
-            "BSP,SMA,LOCALSGD", "the rules to choose from, comma-separated: any of BSP, SMA, LOCALSGD"
+            "BSP,SMA,LOCALSGD",
+            "the rules to choose from, comma-separated: any of BSP, SMA, LOCALSGD (at periods 4, 8 and 16)",
         )
         recheck: bool = setting(
             True,
@@ -112,7 +115,9 @@ class Auto(SwitchingRule):
 
     def __init__(self, **hyper: Any) -> None:
         super().__init__(**hyper)
-        offered = {rule: label for label, (rule, _) in CANDIDATES.items()}
+        offered: dict[str, list[str]] = {}  # rule → its candidates' labels (LOCALSGD: one per period)
+        for label, (rule, _) in CANDIDATES.items():
+            offered.setdefault(rule, []).append(label)
         wanted = [name.strip().upper() for name in self.hyper.candidates.split(",") if name.strip()]
         unknown = [name for name in wanted if name not in offered]
         if unknown or not wanted:
@@ -121,10 +126,11 @@ class Auto(SwitchingRule):
             )
         self.hyper = dataclasses.replace(self.hyper, candidates=",".join(dict.fromkeys(wanted)))
         self.bsp = BSP()
-        #: label → the rule built for it (BSP's is :attr:`bsp`).
+        #: label → the rule built for it (BSP's is :attr:`bsp`), in :data:`CANDIDATES`' order.
         self.options: dict[str, Rule] = {
-            offered[name]: self.bsp if name == "BSP" else RULES.get(name)(**CANDIDATES[offered[name]][1])
-            for name in dict.fromkeys(wanted)
+            label: self.bsp if rule == "BSP" else RULES.get(rule)(**hyper)
+            for label, (rule, hyper) in CANDIDATES.items()
+            if rule in wanted
         }
         #: The rule measured under before the first decision (module docstring).
         self.measuring = MEASURING if MEASURING in self.options else "BSP"
@@ -325,7 +331,8 @@ class Auto(SwitchingRule):
     def _move(self, step: int, target: Rule) -> None:
         """Every rank at once, from the running rule to ``target`` at ``step``: from BSP's first phase the
         switching path; from another rule (LOCALSGD measuring, or a later choice), the same step check, then
-        every learner takes the mean model and buffers of all k and ``target`` is bound. A target that
+        every learner takes the mean model and buffers of all k (already done where the running rule has
+        just averaged them: LOCALSGD, whose windows end on its average) and ``target`` is bound. A target that
         averages gradients (BSP) keeps its replicas equal only from equal optimizer state, which model
         averaging left apart on each learner: every learner's momentum starts again from zero."""
         assert self.comm is not None and self.pool is not None
@@ -334,11 +341,13 @@ class Auto(SwitchingRule):
             self.switch(step)
             return
         running = self.active
-        self._agree(step, equal=running is self.bsp)
+        averaged = running.averaged_before(step)  # LOCALSGD's windows end on its average: equal already
+        self._agree(step, equal=running is self.bsp or averaged)
         running.finish()
-        running.sync_state()
-        self.average("params")
-        self.average("buffers")
+        if not averaged:
+            running.sync_state()
+            self.average("params")
+            self.average("buffers")
         if target.averages_gradients:
             _zero_optimizer_state(self.pool)
         self._bind(target)

@@ -185,6 +185,12 @@ class Rule:
     def sync_state(self) -> None:
         """Make the model to validate or save consistent across ranks (collective on every rank)."""
 
+    def averaged_before(self, step: int) -> bool:
+        """Whether the exchange of step ``step − 1`` left every learner of every rank the mean parameters and
+        buffers of all k: a move to another rule at ``step`` (AUTO's) then needs no average of its own. No,
+        by default."""
+        return False
+
     def eval_params(self) -> torch.Tensor | None:
         """Flat weights to validate and save, or None for learner 0's own."""
         return None

@@ -120,6 +120,10 @@ class LocalSGD(Rule):
             self.average("params", self.node, atomic=True)
             self.average("buffers", self.node, atomic=True)
 
+    def averaged_before(self, step: int) -> bool:
+        """Yes after the exchange of each H-th step: every learner took the mean of all k, buffers too."""
+        return step > 0 and step % self.hyper.period == 0
+
     def sync_state(self) -> None:
         """The mean over all k learners into a separate buffer; BatchNorm buffers averaged in place (both
         exact: ``[comm] compression`` applies to the training exchanges only)."""

@@ -19,8 +19,9 @@ sustained rate).
 (MNIST-1D CNN, 2 ranks, k = 4, 8 and 16, medians of 3 seeds), interpolated in log2 k, and 1 at k = 1 (one
 learner: every rule is plain SGD). Past k = 16, the k = 16 figure. The noise scale is shown beside the
 decision but does not move it: the only measured link between it and model averaging's epochs is the table,
-whose B_noise was not recorded. LOCALSGD is priced at its default period only (8): the other periods have no
-measured epochs yet.
+whose B_noise was not recorded. LOCALSGD is offered at periods 4, 8 and 16 (the table's rows): a shorter
+period pays the allreduce more often and needs fewer epochs, a longer one the reverse, so the link's speed
+picks the period; a period that missed the target at some k (16, from k = 8 on) is never chosen there.
 
 **Where it is wrong** (docs/rules.md, "AUTO"): models whose averaging rules need other epochs than MNIST-1D's
 CNN did; a link that changes after the decision (the decision is made once); stragglers, which the model
@@ -35,12 +36,16 @@ from dataclasses import dataclass
 
 from .cost_model import Cluster, Link, step_time
 
-#: Epochs to the target relative to BSP's, per k (learners in all): benchmarks/results/epochs_to_target.md,
-#: "Epochs to 94 % against k — 2026-11-26 23:39" (SMA 29.3/27.8, 62.8/30.8, 61.5/31.8; LOCALSGD 33.3/27.8,
-#: 72.5/30.8, 68.9/31.8).
+#: Epochs to the target relative to BSP's, per k (learners in all), by candidate:
+#: benchmarks/results/epochs_to_target.md, SMA from "Epochs to 94 % against k — 2026-11-26 23:39" (29.3/27.8,
+#: 62.8/30.8, 61.5/31.8), LOCALSGD's periods from "— 2026-12-01 13:30" (BSP 27.8, 30.8, 31.8; period 4: 25.8,
+#: 48.5, 38.5; period 8: 33.0, 72.5, 68.9; period 16: 61.3, then missed in every seed within 100 epochs,
+#: which is ``inf``: never chosen there).
 EPOCHS_VS_BSP: dict[str, dict[int, float]] = {
     "SMA": {1: 1.0, 4: 1.05, 8: 2.04, 16: 1.93},
-    "LOCALSGD": {1: 1.0, 4: 1.20, 8: 2.35, 16: 2.17},
+    "LOCALSGD (period 4)": {1: 1.0, 4: 0.93, 8: 1.57, 16: 1.21},
+    "LOCALSGD (period 8)": {1: 1.0, 4: 1.19, 8: 2.35, 16: 2.17},
+    "LOCALSGD (period 16)": {1: 1.0, 4: 2.21, 8: math.inf, 16: math.inf},
 }
 #: A move away from the running rule needs a predicted time to target at most this fraction of the running
 #: rule's: the cost model's predictions were 0.80-1.20 of the measured steps (benchmarks/scaling_links.py),
@@ -51,7 +56,9 @@ MARGIN = 0.8
 CANDIDATES: dict[str, tuple[str, dict[str, int]]] = {
     "BSP": ("BSP", {}),
     "SMA": ("SMA", {}),
+    "LOCALSGD (period 4)": ("LOCALSGD", {"period": 4}),
     "LOCALSGD (period 8)": ("LOCALSGD", {"period": 8}),
+    "LOCALSGD (period 16)": ("LOCALSGD", {"period": 16}),
 }
 
 
@@ -126,6 +133,8 @@ class Decision:
         rows = ", ".join(
             f"{c.label} {c.time:.2f} ({c.step_s * 1e3:.3g} ms/step{' measured' if m.ran(c.label) else ''} × "
             f"{c.epochs:.2f} epochs)"
+            if math.isfinite(c.epochs)
+            else f"{c.label} never (missed the target at this k)"
             for c in self.candidates
         )
         noise = f"{m.noise_scale:.4g}" if math.isfinite(m.noise_scale) else "not measured"
@@ -141,10 +150,10 @@ class Decision:
         )
 
 
-def epochs_vs_bsp(rule: str, k: int) -> float:
-    """``rule``'s epochs to the target relative to BSP's at ``k`` learners in all (:data:`EPOCHS_VS_BSP`),
-    interpolated in log2 k; BSP's own is 1."""
-    table = EPOCHS_VS_BSP.get(rule)
+def epochs_vs_bsp(label: str, k: int) -> float:
+    """The epochs to the target of the candidate ``label`` relative to BSP's at ``k`` learners in all
+    (:data:`EPOCHS_VS_BSP`), interpolated in log2 k; BSP's own is 1."""
+    table = EPOCHS_VS_BSP.get(label)
     if table is None:
         return 1.0
     ks = sorted(table)
@@ -154,6 +163,8 @@ def epochs_vs_bsp(rule: str, k: int) -> float:
         return table[ks[-1]]
     high = next(i for i, at in enumerate(ks) if at >= k)
     a, b = ks[high - 1], ks[high]
+    if math.isinf(table[a]) or math.isinf(table[b]):  # missed at one end: no estimate between
+        return math.inf
     share = (math.log2(k) - math.log2(a)) / (math.log2(b) - math.log2(a))
     return table[a] + share * (table[b] - table[a])
 
@@ -196,7 +207,7 @@ def choose_rule(measured: Measured, labels: Collection[str] | None = None) -> De
             ).seconds
     found = []
     for label, (rule, hyper) in CANDIDATES.items():
-        epochs = epochs_vs_bsp(rule, measured.learners)
+        epochs = epochs_vs_bsp(label, measured.learners)
         found.append(
             Candidate(
                 label, rule, hyper, steps[label], epochs, steps[label] * epochs / max(steps["BSP"], 1e-12)
