@@ -10,7 +10,7 @@ validation after each epoch, under
 * BSP (every step waits for the slow node),
 * GSP with one group per node (a group's leader pushes to the servers asynchronously),
 * ASGD and SSP (staleness 2) with the parameter server colocated on every rank,
-* LOCALSGD (at its default period 8, and at 4 and 16: AUTO chooses among the three) and SMA,
+* LOCALSGD (at its default period 8, and by hand at 4 and 16) and SMA,
 * AUTO, the framework's own pick (its line says how its time compares with the best rule picked by hand).
 
 Each rate setting is one mpiexec job across the nodes (tests/mpi_scripts/cfg_runs.py), each seed one job;
@@ -23,6 +23,7 @@ time in the same setting, measured side by side in one run.
     python -m benchmarks.links --tasks digits --rates 300mbit,100mbit --seeds 0
     python -m benchmarks.links --seeds "digits=0,1,2;mnist1d=0"
     python -m benchmarks.links --tasks mnist1d --seeds 0 --rules LOCALSGD --no-write   # AUTO against one
+    python -m benchmarks.links --tasks digits --learners 4 --rules LOCALSGD   # k = 8: LOCALSGD's periods
 """
 
 from __future__ import annotations
@@ -67,18 +68,27 @@ RULES = {
 AUTO = "AUTO"
 
 
-def common(epochs: int) -> list[str]:
+def common(epochs: int, learners: int = 1) -> list[str]:
     """The overrides every run takes: one thread per rank (each namespace node would otherwise take every
-    core of the machine for its one rank, and the two ranks would fight for both)."""
-    return ["session.epochs=" + str(epochs), "session.log_level=warning", "session.threads=1"]
+    core of the machine for its one rank, and the two ranks would fight for both), ``learners`` a rank."""
+    return ["session.epochs=" + str(epochs), "session.log_level=warning", "session.threads=1",
+            f"pool.learners={learners}"]  # fmt: skip
 
 
 def measure(
-    cluster: NetnsCluster, out: Path, task: str, seed: int, epochs: int, rules: list[str]
+    cluster: NetnsCluster,
+    out: Path,
+    task: str,
+    seed: int,
+    epochs: int,
+    rules: list[str],
+    learners: int = 1,
+    target: float = 0.0,
 ) -> dict[str, dict[str, Any]]:
-    """Each of ``rules`` at ``seed`` in one job across the cluster's nodes; label → seconds, samples/s,
-    accuracy."""
-    cfg, extra, target, _ = TASKS[task]
+    """Each of ``rules`` at ``seed`` in one job across the cluster's nodes, ``learners`` a rank; label →
+    seconds to ``target`` (0: the task's), samples/s, accuracy."""
+    cfg, extra, task_target, _ = TASKS[task]
+    target = target or task_target
     out.mkdir(parents=True, exist_ok=True)
     groups = out / "groups"
     groups.write_text("".join(f"{h}\n" for h in cluster.hosts), encoding="utf-8")
@@ -90,7 +100,7 @@ def measure(
     ]
     folder = out / f"seed{seed}"
     cfg_runs(
-        folder, NODES, specs, common(epochs), 1800, f"seed {seed}",
+        folder, NODES, specs, common(epochs, learners), 1800, f"seed {seed}",
         launch=lambda mpiexec, argv: cluster.mpiexec(mpiexec, 1, argv),
     )  # fmt: skip
     found = {}
@@ -157,6 +167,8 @@ def main() -> int:
     parser.add_argument(
         "--rules", default="", help="a subset by first word, comma-separated (BSP and AUTO always run)"
     )
+    parser.add_argument("--learners", type=int, default=1, help="learners a rank (k = 2 × this)")
+    parser.add_argument("--target", type=float, default=0.0, help="validation accuracy (0: each task's)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     wanted = {"BSP", AUTO, *(w.strip().upper() for w in args.rules.split(",") if w.strip())}
@@ -180,20 +192,22 @@ def main() -> int:
             for task in tasks:
                 seeds = [int(s) for s in seeds_for(args.seeds, task).split(",")]
                 epochs = args.epochs or TASKS[task][3]
-                target = TASKS[task][2]
+                target = args.target or TASKS[task][2]
                 for setting, rate in (
                     (f"both links at {fast}", fast),
                     (f"node2's link at {slow}, node1's at {fast}", slow),
                 ):
                     cluster.set_rate("node2", rate, QUEUE)
                     folder = Path(tmp) / f"{task}-node2-{rate}"
-                    results = [measure(cluster, folder, task, s, epochs, rules) for s in seeds]
+                    results = [
+                        measure(cluster, folder, task, s, epochs, rules, args.learners, target) for s in seeds
+                    ]
                     sections.append(table(f"{task}, {epochs} epochs, {setting}", target, results))
                     print(sections[-1], flush=True)
     text = "\n\n".join(sections) + (
-        f"\n\n{NODES} namespace nodes × 1 rank (one thread each), links limited by tc tbf both ways (queue "
-        f"{QUEUE}): wall seconds to the first validation (one per epoch) at the task's target, seeds "
-        f"{args.seeds}, medians (a missed target counts last)."
+        f"\n\n{NODES} namespace nodes × 1 rank (one thread and {args.learners} learner(s) each), links "
+        f"limited by tc tbf both ways (queue {QUEUE}): wall seconds to the first validation (one per epoch) "
+        f"at the task's target, seeds {args.seeds}, medians (a missed target counts last)."
     )
     if not args.no_write:
         print("appended to", append_result("links", "Heterogeneous links: one node behind a slow link", text))

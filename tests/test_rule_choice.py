@@ -45,8 +45,7 @@ def measured(compute: float, allreduce: float, overlaps: bool = False, k: int = 
 def test_a_negligible_allreduce_keeps_bsp_which_needs_the_fewest_epochs() -> None:
     decision = choose_rule(measured(compute=0.010, allreduce=0.0001))
     assert decision.chosen.label == "BSP" and decision.chosen.time == 1.0
-    assert [c.label for c in decision.candidates][:2] == ["BSP", "LOCALSGD (period 4)"]
-    assert {c.label for c in decision.candidates} == set(CANDIDATES)
+    assert [c.label for c in decision.candidates] == ["BSP", "SMA", "LOCALSGD (period 8)"]
 
 
 def test_an_allreduce_that_dominates_the_step_picks_local_sgd() -> None:
@@ -58,45 +57,13 @@ def test_an_allreduce_that_dominates_the_step_picks_local_sgd() -> None:
     assert chosen.time == pytest.approx(0.0075 * epochs_vs_bsp("LOCALSGD (period 8)", 2) / 0.025)
 
 
-@pytest.mark.parametrize(
-    ("allreduce", "k", "period", "kept"),
-    [
-        (0.002, 8, 4, ""),
-        (0.002, 2, 8, "LOCALSGD (period 4)"),
-        (0.500, 2, 8, "LOCALSGD (period 16)"),
-        (0.500, 8, 8, ""),
-        (0.020, 16, 4, ""),
-    ],
-    ids=["fast link, k = 8", "fast link, k = 2", "crawling link, k = 2", "crawling link, k = 8", "k = 16"],
-)
-def test_the_links_speed_and_k_pick_local_sgds_period(
-    allreduce: float, k: int, period: int, kept: str
-) -> None:
-    """Measured under period 8 (as AUTO measures) against a 5 ms compute: a shorter period pays the
-    allreduce more often and needs fewer epochs. A fast link takes period 4 where its epochs are clearly
-    fewer (k = 8: 1.57 against 2.35× BSP's). At k = 2 the periods' epochs are close (0.97, 1.10, 1.60), so
-    neither a fast link's period 4 (0.92× period 8's time) nor a crawling link's period 16 (0.83×) is sooner
-    by the margin, and 8 is kept, the line naming the soonest; at k = 8 a crawling link keeps 8, period 16
-    having missed the target there; at k = 16 a slow link takes 4 (1.21 against 2.17× BSP's epochs)."""
-    running = dataclasses.replace(
-        measured(compute=0.005, allreduce=allreduce, k=k),
-        active="LOCALSGD (period 8)",
-        step_s=0.005 + allreduce / 8,
-        hooks_s=allreduce / 8,
-    )
-    decision = choose_rule(running, labels=[label for label in CANDIDATES if label.startswith("LOCALSGD")])
-    assert decision.chosen.hyper == {"period": period} and decision.kept == kept, decision.line()
-    if k >= 8:
-        assert "LOCALSGD (period 16) never (missed the target at this k)" in decision.line()
-
-
 def test_a_communicator_that_overlaps_makes_sma_hide_an_allreduce_as_long_as_compute() -> None:
     """SMA's allreduce runs beside the next step's compute: its step is the compute alone, BSP's twice it."""
     decision = choose_rule(measured(compute=0.010, allreduce=0.010, overlaps=True))
     assert decision.chosen.label == "SMA"
     assert decision.chosen.step_s == pytest.approx(0.010)
     blocking = choose_rule(measured(compute=0.010, allreduce=0.010, overlaps=False))
-    assert blocking.chosen.label == "LOCALSGD (period 4)"  # nothing hidden: the period pays
+    assert blocking.chosen.label == "LOCALSGD (period 8)"  # nothing hidden: the period pays
 
 
 def test_compute_is_the_step_less_the_allreduce_when_the_hooks_also_waited_for_a_slow_rank() -> None:
@@ -109,16 +76,13 @@ def test_compute_is_the_step_less_the_allreduce_when_the_hooks_also_waited_for_a
 
 def test_the_epochs_table_is_one_at_one_learner_and_interpolates_in_log_k() -> None:
     for label, table in EPOCHS_VS_BSP.items():
-        assert label in CANDIDATES
+        assert label in CANDIDATES  # keyed by the candidate's label (a rule at one period)
         assert epochs_vs_bsp(label, 1) == 1.0
         for k, ratio in table.items():
             assert epochs_vs_bsp(label, k) == ratio
         assert epochs_vs_bsp(label, 64) == table[16]
     assert epochs_vs_bsp("SMA", 2) == pytest.approx((1.0 + 1.05) / 2)
     assert epochs_vs_bsp("BSP", 12) == 1.0
-    # period 16 missed the target at k = 8 and 16: no estimate from k = 4 on, rather than a blend with inf
-    assert epochs_vs_bsp("LOCALSGD (period 16)", 2) == pytest.approx((1.0 + 2.21) / 2)
-    assert all(math.isinf(epochs_vs_bsp("LOCALSGD (period 16)", k)) for k in (6, 8, 12, 16))
 
 
 def test_the_link_fit_recovers_alpha_and_beta_from_two_ring_allreduces() -> None:
@@ -147,9 +111,7 @@ def test_auto_refuses_a_candidate_it_does_not_price_and_names_those_it_does() ->
     ):
         RULES.get("AUTO")(candidates="BSP,EASGD")
     rule = RULES.get("auto")(candidates=" sma , localsgd,SMA")
-    assert rule.hyper.candidates == "SMA,LOCALSGD"
-    assert list(rule.options) == ["SMA", "LOCALSGD (period 4)", "LOCALSGD (period 8)", "LOCALSGD (period 16)"]
-    assert [rule.options[f"LOCALSGD (period {h})"].hyper.period for h in (4, 8, 16)] == [4, 8, 16]
+    assert rule.hyper.candidates == "SMA,LOCALSGD" and list(rule.options) == ["SMA", "LOCALSGD (period 8)"]
     assert not rule.averages_gradients_throughout  # an uncapped lr scaling is refused, as for SMA itself
 
 
@@ -174,7 +136,7 @@ def test_a_move_needs_a_prediction_clearly_sooner_than_the_running_rules_measure
     first = dataclasses.replace(
         measured(compute=0.005, allreduce=0.0002), active="LOCALSGD (period 8)", step_s=0.006, hooks_s=0.001
     )
-    decision = choose_rule(first, labels=("BSP", "SMA", "LOCALSGD (period 8)"))
+    decision = choose_rule(first)
     assert decision.chosen.label == "LOCALSGD (period 8)" and decision.kept == "BSP"
     assert [c.label for c in decision.candidates] == ["LOCALSGD (period 8)", "BSP", "SMA"]
     assert "chose LOCALSGD (period 8) (kept: BSP predicted 0.94x its time, a move needs 0.8x or less)" in (
@@ -191,9 +153,7 @@ def test_a_step_measured_while_a_candidate_ran_beats_the_models_price() -> None:
     )
     decision = choose_rule(again)
     steps = {c.label: c.step_s for c in decision.candidates}
-    assert steps["BSP"] == 0.0177 and steps["LOCALSGD (period 8)"] == 0.006
-    assert steps["SMA"] == pytest.approx(0.0177)  # priced: the model's, not measured
-    assert steps["LOCALSGD (period 4)"] == pytest.approx(0.005 + 0.0127 / 4)
+    assert steps == {"BSP": 0.0177, "LOCALSGD (period 8)": 0.006, "SMA": pytest.approx(0.0177)}
     assert decision.chosen.label == "LOCALSGD (period 8)" and not decision.kept
     line = decision.line()
     assert "LOCALSGD (period 8) 0.37 (6 ms/step measured × " in line and "SMA 1.02 (17.7 ms/step × " in line

@@ -20,8 +20,7 @@ Who sends what to whom, and when:
   its compute. Rank 0 logs the decision in one line (every candidate's predicted time and the figures behind
   it). If the choice is not the measuring rule, every rank moves to it from the next step on: from BSP
   through the switch (:class:`~.switching.SwitchingRule`), from LOCALSGD at once: the window ended on its
-  average, so every learner holds the mean model and buffers already (below). LOCALSGD is offered at
-  periods 4, 8 and 16 (:data:`~.rule_choice.CANDIDATES`): a move between periods is such a move too.
+  average, so every learner holds the mean model and buffers already (below).
 * **Every later window** ends with one allreduce (MAX) of three numbers: the window's step and hook
   seconds and whether the world or the learner count changed (an elastic loss or replacement,
   ``learners = auto``). With ``recheck`` on, a step :data:`DRIFT`× slower or faster than predicted for
@@ -103,7 +102,7 @@ class Auto(SwitchingRule):
         )
         candidates: str = setting(
             "BSP,SMA,LOCALSGD",
-            "the rules to choose from, comma-separated: any of BSP, SMA, LOCALSGD (at periods 4, 8 and 16)",
+            "the rules to choose from, comma-separated: any of BSP, SMA, LOCALSGD",
         )
         recheck: bool = setting(
             True,

@@ -19,9 +19,11 @@ sustained rate).
 (MNIST-1D CNN, 2 ranks, k = 4, 8 and 16, medians of 3 seeds), interpolated in log2 k, and 1 at k = 1 (one
 learner: every rule is plain SGD). Past k = 16, the k = 16 figure. The noise scale is shown beside the
 decision but does not move it: the only measured link between it and model averaging's epochs is the table,
-whose B_noise was not recorded. LOCALSGD is offered at periods 4, 8 and 16 (the table's rows): a shorter
-period pays the allreduce more often and needs fewer epochs, a longer one the reverse, so the link's speed
-picks the period; a period that missed the target at some k (16, from k = 8 on) is never chosen there.
+whose B_noise was not recorded. LOCALSGD is priced at its default period only (8). Periods 4 and 16 were
+measured too (epochs_to_target.md, 2026-12-01 13:30) and offered for a while: on the digits job at k = 8
+AUTO then took period 4 and 3.03× the best rule's time, period 16 being the fastest there while MNIST-1D's
+table has it missing the target (benchmarks/results/links.md, 2026-12-01 13:42): a period's epochs follow
+the model, and period 8 alone is offered until they are measured on the user's own.
 
 **Where it is wrong** (docs/rules.md, "AUTO"): models whose averaging rules need other epochs than MNIST-1D's
 CNN did; a link that changes after the decision (the decision is made once); stragglers, which the model
@@ -36,16 +38,13 @@ from dataclasses import dataclass
 
 from .cost_model import Cluster, Link, step_time
 
-#: Epochs to the target relative to BSP's, per k (learners in all), by candidate:
+#: Epochs to the target relative to BSP's, per k (learners in all), by candidate label:
 #: benchmarks/results/epochs_to_target.md, SMA from "Epochs to 94 % against k — 2026-11-26 23:39" (29.3/27.8,
-#: 62.8/30.8, 61.5/31.8), LOCALSGD's periods from "— 2026-12-01 13:30" (BSP 27.8, 30.8, 31.8; period 4: 25.8,
-#: 48.5, 38.5; period 8: 33.0, 72.5, 68.9; period 16: 61.3, then missed in every seed within 100 epochs,
-#: which is ``inf``: never chosen there).
+#: 62.8/30.8, 61.5/31.8), LOCALSGD from "— 2026-12-01 13:30", side by side with BSP (33.0/27.8, 72.5/30.8,
+#: 68.9/31.8).
 EPOCHS_VS_BSP: dict[str, dict[int, float]] = {
     "SMA": {1: 1.0, 4: 1.05, 8: 2.04, 16: 1.93},
-    "LOCALSGD (period 4)": {1: 1.0, 4: 0.93, 8: 1.57, 16: 1.21},
     "LOCALSGD (period 8)": {1: 1.0, 4: 1.19, 8: 2.35, 16: 2.17},
-    "LOCALSGD (period 16)": {1: 1.0, 4: 2.21, 8: math.inf, 16: math.inf},
 }
 #: A move away from the running rule needs a predicted time to target at most this fraction of the running
 #: rule's: the cost model's predictions were 0.80-1.20 of the measured steps (benchmarks/scaling_links.py),
@@ -56,9 +55,7 @@ MARGIN = 0.8
 CANDIDATES: dict[str, tuple[str, dict[str, int]]] = {
     "BSP": ("BSP", {}),
     "SMA": ("SMA", {}),
-    "LOCALSGD (period 4)": ("LOCALSGD", {"period": 4}),
     "LOCALSGD (period 8)": ("LOCALSGD", {"period": 8}),
-    "LOCALSGD (period 16)": ("LOCALSGD", {"period": 16}),
 }
 
 
@@ -133,8 +130,6 @@ class Decision:
         rows = ", ".join(
             f"{c.label} {c.time:.2f} ({c.step_s * 1e3:.3g} ms/step{' measured' if m.ran(c.label) else ''} × "
             f"{c.epochs:.2f} epochs)"
-            if math.isfinite(c.epochs)
-            else f"{c.label} never (missed the target at this k)"
             for c in self.candidates
         )
         noise = f"{m.noise_scale:.4g}" if math.isfinite(m.noise_scale) else "not measured"
@@ -163,8 +158,6 @@ def epochs_vs_bsp(label: str, k: int) -> float:
         return table[ks[-1]]
     high = next(i for i, at in enumerate(ks) if at >= k)
     a, b = ks[high - 1], ks[high]
-    if math.isinf(table[a]) or math.isinf(table[b]):  # missed at one end: no estimate between
-        return math.inf
     share = (math.log2(k) - math.log2(a)) / (math.log2(b) - math.log2(a))
     return table[a] + share * (table[b] - table[a])
 
