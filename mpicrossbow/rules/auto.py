@@ -101,8 +101,7 @@ class Auto(SwitchingRule):
             ge=2,
         )
         candidates: str = setting(
-            "BSP,SMA,LOCALSGD",
-            "the rules to choose from, comma-separated: any of BSP, SMA, LOCALSGD",
+            "BSP,SMA,LOCALSGD", "the rules to choose from, comma-separated: any of BSP, SMA, LOCALSGD"
         )
         recheck: bool = setting(
             True,
@@ -114,7 +113,7 @@ class Auto(SwitchingRule):
 
     def __init__(self, **hyper: Any) -> None:
         super().__init__(**hyper)
-        offered: dict[str, list[str]] = {}  # rule → its candidates' labels (LOCALSGD: one per period)
+        offered: dict[str, list[str]] = {}  # rule → the labels of its candidates (a rule at some settings)
         for label, (rule, _) in CANDIDATES.items():
             offered.setdefault(rule, []).append(label)
         wanted = [name.strip().upper() for name in self.hyper.candidates.split(",") if name.strip()]
