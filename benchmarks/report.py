@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def relaunch(module: str, ranks: int, argv: list[str], timeout_s: float = 1800) 
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     )
-    env["MPICROSSBOW_BENCH_COMMAND"] = " ".join(["python", "-m", module, *argv])
+    env["MPICROSSBOW_BENCH_COMMAND"] = shlex.join(["python", "-m", module, *argv])
     cmd = [launcher, "-n", str(ranks), sys.executable, "-m", module, *argv]
     return subprocess.run(cmd, env=env, cwd=REPO, timeout=timeout_s).returncode
 
@@ -75,11 +76,12 @@ def cfg_runs(
 
 
 def command() -> str:
-    """The command line the user typed (as passed down by :func:`relaunch`)."""
+    """The command line the user typed (as passed down by :func:`relaunch`), quoted so that it reruns as
+    written (``--configs 'period 4,period 16'``)."""
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)
     ran = ["-m", spec.name] if spec is not None else sys.argv[:1]
-    return os.environ.get("MPICROSSBOW_BENCH_COMMAND") or " ".join(["python", *ran, *sys.argv[1:]])
+    return os.environ.get("MPICROSSBOW_BENCH_COMMAND") or shlex.join(["python", *ran, *sys.argv[1:]])
 
 
 def machine() -> str:
