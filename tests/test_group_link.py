@@ -202,7 +202,7 @@ def test_a_group_that_never_starts_is_named_in_one_line() -> None:
 
 
 def test_a_group_back_where_the_run_takes_none_back_ends_at_once_in_one_line() -> None:
-    """The link as crossbow-launch builds it (``admit`` off until its groups can take a peer's state): a
+    """A link whose caller cannot take a peer's state (``admit`` off; crossbow-launch's groups admit): a
     leader of group 1 that starts while the run is under way ends at once with one line, not after a wait,
     and the two groups' leaders go on."""
     from concurrent.futures import ThreadPoolExecutor

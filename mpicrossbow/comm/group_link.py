@@ -30,15 +30,20 @@ which therefore must outlive the others, as torchft's lighthouse must):
   ``join/<g>`` and adds 1 to ``joins``. Group 0's leader looks at ``joins`` before each sum; when a joiner
   waits, it sets the try's ``grow`` to the joiners before its own part of the sum, so the leader that
   completes the sum (which needs group 0's part) sees it and says ``grow`` instead of ``commit``. A grow is a
-  commit; then group 0's leader writes era ``e+1``'s members (the quorum and the joiners) and ``admit/<g>``
-  (the era and the sums committed), every member and joiner builds the era's Gloo group, and the quorum's
-  lowest group (the source) hands its state to the joiners (:meth:`GroupLink.share_state`, collective over
-  the era: a broadcast over Gloo). The joiner takes its first part in the next sum, at the same count as the
-  others: nothing is summed twice or without it.
+  commit that leaves the joiners **pending** (:attr:`GroupLink.pending`, the same on every member): the
+  members go on summing without them until their caller reaches a point where its state is whole (a
+  training step's boundary) and calls :meth:`GroupLink.admit_pending` there, every member at the same sum.
+  Then group 0's leader writes era ``e+1``'s members (the quorum and the joiners) and ``admit/<g>`` (the era
+  and the sums committed), every member and joiner builds the era's Gloo group, and the quorum's lowest
+  group (the source) hands its state to the joiners (:meth:`GroupLink.share_state`, collective over the
+  era: a broadcast over Gloo). The joiner takes its first part in the next sum, at the same count as the
+  others: nothing is summed twice or without it. A run that ends with a joiner still waiting tells it so
+  (``admit/<g>`` = ``ended``).
 
 The sum returned is over the groups of the quorum :meth:`GroupLink.allreduce` returns: a caller that
 averages divides by what it summed (a count element in the tensor), not by the group count of the start;
-when the quorum's ``joined`` is not empty, every member calls :meth:`GroupLink.share_state` next.
+when :meth:`GroupLink.admit_pending` returns a quorum whose ``joined`` is not empty, every member calls
+:meth:`GroupLink.share_state` next.
 """
 
 from __future__ import annotations
@@ -185,6 +190,8 @@ class GroupLink:
         self.quorum = Quorum(0, tuple(range(groups)))
         self._seen: dict[int, tuple[int, float]] = {}
         self._joins = 0
+        #: Groups back and admitted at a commit, waiting for :meth:`admit_pending` (the same on every member).
+        self.pending: tuple[int, ...] = ()
         self._pg: dist.ProcessGroupGloo | None = None
         if returning:
             self._rejoin(start_s)
@@ -235,7 +242,11 @@ class GroupLink:
                     "others ended, or never reached a sum)"
                 )
             time.sleep(LOOK_S)
-        era, committed = (int(v) for v in self._store_call(lambda: self._store.get(admit)).split(b","))
+        said = self._store_call(lambda: self._store.get(admit))
+        if said == b"ended":
+            self._beat.stop(wait=False)
+            raise GroupLost(f"link: group {self.group} came back as the run ended: nothing left to train")
+        era, committed = (int(v) for v in said.split(b","))
         self._store_call(lambda: self._store.delete_key(admit))
         members = self._store_call(lambda: self._store.get(f"{era}/members")).split(b",")
         source = int(self._store_call(lambda: self._store.get(f"{era}/source")))
@@ -251,8 +262,7 @@ class GroupLink:
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> Quorum:
         """Reduce the CPU ``tensor`` in place (``op``: sum, max or min) over the quorum's groups, collective
         over their leaders; after a loss the survivors form a new quorum and reduce again from their inputs.
-        The quorum it reduced over, or, when groups came back at this sum (``joined``), the quorum after it:
-        they join from the next sum, and every member calls :meth:`share_state` first."""
+        The quorum it reduced over; groups admitted back at this sum wait in :attr:`pending`."""
         saved, options = tensor.clone(), dist.AllreduceOptions()
         options.reduceOp = _OPS[op]
         with self._abandoned_if_lost():
@@ -261,8 +271,7 @@ class GroupLink:
                     outcome = self._attempt(tensor, options)
                     if outcome is not None:
                         self.committed += 1
-                        if outcome:
-                            self._grow(outcome)
+                        self.pending = self.pending or outcome
                         return self.quorum
                 except GroupLost:
                     raise
@@ -270,6 +279,16 @@ class GroupLink:
                     self._say(self._key("outcome"), "fail")
                 tensor.copy_(saved)
                 self._reform()
+
+    def admit_pending(self) -> Quorum:
+        """Where the caller's state is whole (collective over the quorum's leaders, at the same sum: the
+        same :attr:`pending` on each): the groups pending join, in a new era, when any. The quorum from here;
+        its ``joined`` not empty: every member calls :meth:`share_state` next."""
+        joiners, self.pending = self.pending, ()
+        if joiners:
+            with self._abandoned_if_lost():
+                self._grow(joiners)
+        return self.quorum
 
     @contextmanager
     def _abandoned_if_lost(self) -> Iterator[None]:
@@ -323,7 +342,7 @@ class GroupLink:
         """Group 0's leader, before its part of a sum: the groups back and waiting to join (one look at
         ``joins`` a sum while none waits), as this try's ``grow``."""
         joins = self._store_call(lambda: self._store.add("joins", 0))
-        if joins == self._joins:
+        if joins == self._joins or self.pending:
             return
         absent = tuple(g for g in range(self.groups) if g not in self.quorum.groups)
         asked = tuple(g for g in absent if self._store_call(lambda g=g: self._store.check([f"join/{g}"])))
@@ -397,8 +416,10 @@ class GroupLink:
     # ------------------------------------------------------------------ a new quorum
     def _reform(self) -> None:
         """Abort the era's Gloo group; eras until one's Gloo group forms (a member lost while it formed
-        costs one more). :class:`GroupLost` when left out."""
+        costs one more). :class:`GroupLost` when left out. Groups pending are offered again (group 0's
+        leader looks for them at the next sum)."""
         self._hand_over_group()
+        self.pending = ()
         while True:
             self.quorum = self._next_quorum()
             try:
@@ -517,6 +538,12 @@ class GroupLink:
         key = f"{self.quorum.era}/closed"
         with self._abandoned_if_lost():
             self._store_call(lambda: self._store.add(key, 1))
+            if self.group == 0:  # a group back and still waiting would wait for a run that is over
+                for g in range(self.groups):
+                    if g not in self.quorum.groups and self._store_call(
+                        lambda g=g: self._store.check([f"join/{g}"])
+                    ):
+                        self._store_call(lambda g=g: self._store.set(f"admit/{g}", "ended"))
             deadline = time.monotonic() + self.join_s
             while self.group == 0 and time.monotonic() < deadline:
                 left = self._store_call(lambda: self._store.add(key, 0))

@@ -13,12 +13,22 @@ Each group is its own MPI job (``[link] groups``; a node each, so a lost node co
 
 ``allreduce_mean`` sums the contributions' count with the tensor, so a mean after a loss is over the learners
 that are left, whatever count the rule passed for the world it knew. A broadcast is a sum in which only the
-root's group gives its tensor. Ranks are numbered group by group (group ``g``'s rank ``r`` is
+root's group gives its tensor.
+
+A group back after its loss (its job restarted, on the same node or a spare) starts **joining**: its
+operations stay within the group (the rule's binding at start) until it took a peer's state
+(:meth:`LinkedCommunicator.take_state`, which its leader receives over the link). The members learn at a sum
+that it waits (:attr:`LinkedCommunicator.pending`, carried with the live groups, so every rank knows) and let
+it in where their state is whole, at the start of a step (:meth:`LinkedCommunicator.admit_pending`, the
+source group's leader handing the state over): :mod:`mpicrossbow.training.returning_group`. Ranks are numbered
+group by group (group ``g``'s rank ``r`` is
 ``offset(g) + r``), every group the same size. Point-to-point messages and splits do not cross groups: rules
 that need them are refused before training (:func:`~mpicrossbow.training.run.link_groups.check_linked_rule`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -31,7 +41,9 @@ _LINK_OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
 
 class LinkedCommunicator(Communicator):
     """``inner`` (this group's ranks) joined through ``link`` (held by the group's rank 0, None on the others)
-    to the other groups of ``groups``, each of ``inner.size`` ranks; this rank's group is ``group``."""
+    to the other groups of ``groups``, each of ``inner.size`` ranks; this rank's group is ``group``.
+    Collective over the group: its leader tells the others the live groups, and whether the group is
+    joining a run under way."""
 
     name = "linked"
 
@@ -41,9 +53,18 @@ class LinkedCommunicator(Communicator):
         if groups > 62:
             raise ValueError(f"[link] groups = {groups}: at most 62 (the live groups travel as one int64)")
         self.inner, self.link, self.group = inner, link, group
-        #: The live groups, in order (all of them until a loss).
-        self.groups: tuple[int, ...] = tuple(range(groups))
-        self._live = torch.zeros(2, dtype=torch.int64)
+        #: Groups back from a loss and admitted at a sum, waiting for :meth:`admit_pending`.
+        self.pending: tuple[int, ...] = ()
+        #: The era, the live groups and the pending ones (bit masks), as the leader tells its group.
+        self._live = torch.zeros(3, dtype=torch.int64)
+        start = torch.zeros(2, dtype=torch.int64)
+        if link is not None:
+            start[0], start[1] = int(group in link.quorum.joined), _mask(link.quorum.groups)
+        inner.broadcast(start, 0).wait()
+        #: This group came back to a run under way: its operations stay within it until :meth:`take_state`.
+        self.joining = bool(start[0])
+        #: The live groups, in order (all of them until a loss; the link's quorum for a group back).
+        self.groups: tuple[int, ...] = _groups(int(start[1])) if start[1] else tuple(range(groups))
 
     @property
     def rank(self) -> int:
@@ -63,7 +84,8 @@ class LinkedCommunicator(Communicator):
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
         """Reduce within the group, across the live groups' leaders, back to the group (blocking)."""
         self.inner.allreduce(tensor, op).wait()
-        self._across(tensor, op)
+        if not self.joining:
+            self._across(tensor, op)
         return DoneHandle()
 
     def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
@@ -71,6 +93,9 @@ class LinkedCommunicator(Communicator):
         this group's share of it summed across the groups with the tensor."""
         self.inner.allreduce(tensor).wait()
         share = count * self.inner.size / self.size
+        if self.joining:  # within the group
+            tensor.div_(share)
+            return
         flat = tensor.reshape(-1)
         both = torch.cat([flat.to(torch.float64, copy=True), flat.new_tensor([share], dtype=torch.float64)])
         self._across(both, ReduceOp.SUM)
@@ -80,6 +105,8 @@ class LinkedCommunicator(Communicator):
         """Rank ``root``'s tensor on every rank: within its group first, then a sum across the leaders to
         which only its group gives a non-zero tensor."""
         size = self.inner.size
+        if self.joining:  # within the group: its own first rank
+            return self.inner.broadcast(tensor, 0)
         root_group = self.groups[root // size]
         if root_group == self.group:
             self.inner.broadcast(tensor, root % size).wait()
@@ -118,6 +145,37 @@ class LinkedCommunicator(Communicator):
             self.link.close()
         self.inner.close()
 
+    def admit_pending(self, state: Callable[[], bytes]) -> tuple[int, ...]:
+        """Where every member's state is whole (the start of a step; collective over every rank of the
+        quorum's groups, :attr:`pending` the same on each): the pending groups join, the source group's
+        leader handing over ``state()`` (the lowest group's: only there is it called). The groups that joined
+        (none when they were gone again before the new era formed)."""
+        before = self.groups
+        if self.link is not None:
+            payload = state() if self.group == min(before) else None
+            quorum = self.link.admit_pending()
+            if quorum.joined:
+                self.link.share_state(payload if self.group == quorum.source else None)
+            self._live[0], self._live[1], self._live[2] = quorum.era, _mask(quorum.groups), 0
+        self.inner.broadcast(self._live, 0).wait()
+        self._take_live()
+        return tuple(g for g in self.groups if g not in before)
+
+    def take_state(self) -> bytes | None:
+        """A joining group (collective over it, and over the link with the members' :meth:`admit_pending`):
+        the state its source handed over, on the leader (None on the others); its operations cross the
+        groups from here."""
+        data = self.link.share_state(None) if self.link is not None else None
+        self.joining = False
+        return data
+
+    def _take_live(self) -> None:
+        """The live and pending groups from :attr:`_live`, as the leader broadcast it."""
+        mask = int(self._live[1])
+        if mask:
+            self.groups = _groups(mask)
+        self.pending = _groups(int(self._live[2]))
+
     def _across(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         """The leader reduces ``tensor`` (this group's result) across the live groups; the group receives
         the result and the live groups."""
@@ -126,10 +184,18 @@ class LinkedCommunicator(Communicator):
             quorum = self.link.allreduce(staged, _LINK_OPS[op])
             if staged is not tensor:
                 tensor.copy_(staged)
-            self._live[0] = quorum.era
-            self._live[1] = sum(1 << g for g in quorum.groups)
+            self._live[0], self._live[1] = quorum.era, _mask(quorum.groups)
+            self._live[2] = _mask(self.link.pending)
         self.inner.broadcast(tensor, 0).wait()
         self.inner.broadcast(self._live, 0).wait()
-        mask = int(self._live[1])
-        if mask:
-            self.groups = tuple(g for g in range(max(self.groups) + 1) if mask >> g & 1)
+        self._take_live()
+
+
+def _mask(groups: tuple[int, ...]) -> int:
+    """``groups`` as one int64: bit ``g`` set for group ``g``."""
+    return sum(1 << g for g in groups)
+
+
+def _groups(mask: int) -> tuple[int, ...]:
+    """The groups of a :func:`_mask`, in order."""
+    return tuple(g for g in range(63) if mask >> g & 1)

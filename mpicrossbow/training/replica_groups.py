@@ -90,18 +90,21 @@ def shard_world(world: World, config: Config) -> World:
 
 def join_groups(inner: Communicator, config: Config) -> Communicator:
     """``inner`` joined to the other groups (collective over every group's ranks): the group's rank 0
-    connects the link (group 0's starts the rendezvous); a ConfigError on every rank when the groups'
+    connects the link (group 0's starts the rendezvous; a group whose job was restarted after its loss asks
+    to join the run under way, :mod:`..returning_group`); a ConfigError on every rank when the groups'
     sizes differ. ``inner`` itself with ``groups = 1``."""
     link = config.link
     if link.groups == 1:
         return inner
     host, _, port = link.address.rpartition(":")
     leader = (
-        GroupLink(host, int(port), link.group, link.groups, dead_after_s=link.dead_after_s)
+        GroupLink(host, int(port), link.group, link.groups, dead_after_s=link.dead_after_s, admit=True)
         if inner.rank == 0
         else None
     )
     linked = LinkedCommunicator(inner, leader, link.group, link.groups)
+    if linked.joining:  # its sums start where the others are, at its first step
+        return linked
     most, fewest = linked.allreduce_scalars([float(inner.size), -float(inner.size)], ReduceOp.MAX)
     if most != -fewest:
         raise ConfigError(

@@ -12,15 +12,13 @@ a drill targets, so every other run (and every other rank of a drilled one) has 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
 from ...comm.base import Communicator, Handle, ReduceOp
 from ...comm.forwarding import ForwardingCommunicator
-from ...launch.world import World
-from ..checkpoints.pause_orders import PauseOrders
-from ..run.window import StepWindow
+from ..run.window import ForwardingWindow, StepWindow
 from .faults import FaultInjector
 
 T = TypeVar("T")
@@ -94,11 +92,12 @@ def drilled(window: StepWindow, faults: FaultInjector, rule_comm: Communicator |
     return Drill(window, faults, rule_comm if isinstance(rule_comm, ExchangeTrap) else None)
 
 
-class Drill(StepWindow):
+class Drill(ForwardingWindow):
     """``inner`` with this rank's drill fired as its step starts (and its exchange trap armed)."""
 
     def __init__(self, inner: StepWindow, faults: FaultInjector, trap: ExchangeTrap | None) -> None:
-        self.inner, self.faults, self.trap = inner, faults, trap
+        super().__init__(inner)
+        self.faults, self.trap = faults, trap
 
     def step(self, run: Callable[[], float], step: int) -> float:
         """The drill's action if due at ``step``, then the inner step."""
@@ -110,51 +109,3 @@ class Drill(StepWindow):
             else:
                 self.trap.arm(spring)
         return self.inner.step(run, step)
-
-    def collective(self, fn: Callable[..., T], what: str) -> Callable[..., T]:
-        """As the inner window."""
-        return self.inner.collective(fn, what)
-
-    def flush(self, where: str) -> bool:
-        """As the inner window."""
-        return self.inner.flush(where)
-
-    def begin(self, step: int) -> None:
-        """As the inner window."""
-        self.inner.begin(step)
-
-    def guard(self, work: Callable[[], T], where: str) -> T | None:
-        """As the inner window."""
-        return self.inner.guard(work, where)
-
-    def end(self, step: int) -> bool:
-        """As the inner window."""
-        return self.inner.end(step)
-
-    def trains(self) -> bool:
-        """The inner window's."""
-        return self.inner.trains()
-
-    def amend(self) -> None:
-        """As the inner window."""
-        self.inner.amend()
-
-    def add_state(self, part: Any) -> None:
-        """As the inner window."""
-        self.inner.add_state(part)
-
-    def before_step(self, position: Callable[[], dict[str, Any]]) -> None:
-        """As the inner window."""
-        self.inner.before_step(position)
-
-    def on_recovery(self, hook: Callable[[], None]) -> None:
-        """As the inner window."""
-        self.inner.on_recovery(hook)
-
-    def settle(self, where: str) -> None:
-        """As the inner window."""
-        self.inner.settle(where)
-
-    def pause_orders(self, world: World) -> PauseOrders:
-        """As the inner window."""
-        return self.inner.pause_orders(world)

@@ -193,7 +193,7 @@ class TrainLoop:
             timeline.exchange_s += exchange_s
         self.step += 1
         parts.reporter.step_done(self.step)
-        parts.straggler.after_step(started, self.step - 1, parts.world.size)
+        parts.straggler.after_step(started, self.step - 1, parts.comm.size)
         if self.tuning is not None:  # a straggler's sleep is its slowness
             self.tuning.meter.add(time.perf_counter() - started, steady)
 

@@ -43,6 +43,7 @@ from ..replica_groups import join_groups, resolve_link, shard_world
 from ..reporting.reporting import Reporter, make_run_dir
 from ..reporting.result import RunResult
 from ..reporting.timeline import Timeline
+from ..returning_group import returning, take_group_state
 from ..tuning.autotune import AutoTuner, start_count
 from .combinations import check_combinations
 from .evaluation import Evaluator
@@ -197,6 +198,7 @@ class Session:
         self.rule.patience = Patience.of(cfg.watchdog)
         self.rule.bind(trapped(self.comm, self.faults), self.pool)
         self.checkpoints.restore(self.rule)
+        take_group_state(self.comm, world, self.pool, self.rule, self.checkpoints)  # a replica group back
         # Asynchronous rules checkpoint by coordinated snapshots (.snapshots); no step watchdog for them.
         synchronous = self.rule.synchronous
         if cfg.checkpoint.enabled or cfg.checkpoint.on_signal:
@@ -257,7 +259,7 @@ class Session:
             evaluator=evaluator,
             checkpoints=self.checkpoints,
             faults=self.faults,
-            straggler=Straggler.of(cfg.session, world.rank, world.size),
+            straggler=Straggler.of(cfg.session, world.rank, self.comm.size),  # the linked groups too
             watchdog=self.watchdog,
             tuner=self.tuner,
             trains=trains,
@@ -270,7 +272,8 @@ class Session:
         if self.elastic_comm is not None:
             self.fault_tolerance = RunTolerance.configured(self.parts, self.elastic_comm, cfg.elastic)
             self.parts.window = self.fault_tolerance
-        self.parts.window = drilled(self.parts.window, self.faults, self.rule.comm)
+        window = drilled(self.parts.window, self.faults, self.rule.comm)
+        self.parts.window = returning(window, self.comm, self.pool, self.rule)
 
     # ----------------------------------------------------------------- run
     def run(self) -> RunResult:

@@ -92,3 +92,64 @@ class Unguarded(StepWindow):
     def flush(self, where: str) -> bool:
         """Every step is final as it ends."""
         return True
+
+
+class ForwardingWindow(StepWindow):
+    """``inner`` with every call passed on unchanged: the base of a window that adds one thing around a run's
+    window (a drill's action as its step starts, a replica group's return at a step's boundary) and leaves
+    the rest to it."""
+
+    def __init__(self, inner: StepWindow) -> None:
+        self.inner = inner
+
+    def step(self, run: Callable[[], float], step: int) -> float:
+        """As the inner window."""
+        return self.inner.step(run, step)
+
+    def collective(self, fn: Callable[..., T], what: str) -> Callable[..., T]:
+        """As the inner window."""
+        return self.inner.collective(fn, what)
+
+    def flush(self, where: str) -> bool:
+        """As the inner window."""
+        return self.inner.flush(where)
+
+    def begin(self, step: int) -> None:
+        """As the inner window."""
+        self.inner.begin(step)
+
+    def guard(self, work: Callable[[], T], where: str) -> T | None:
+        """As the inner window."""
+        return self.inner.guard(work, where)
+
+    def end(self, step: int) -> bool:
+        """As the inner window."""
+        return self.inner.end(step)
+
+    def trains(self) -> bool:
+        """The inner window's."""
+        return self.inner.trains()
+
+    def amend(self) -> None:
+        """As the inner window."""
+        self.inner.amend()
+
+    def add_state(self, part: Any) -> None:
+        """As the inner window."""
+        self.inner.add_state(part)
+
+    def before_step(self, position: Callable[[], dict[str, Any]]) -> None:
+        """As the inner window."""
+        self.inner.before_step(position)
+
+    def on_recovery(self, hook: Callable[[], None]) -> None:
+        """As the inner window."""
+        self.inner.on_recovery(hook)
+
+    def settle(self, where: str) -> None:
+        """As the inner window."""
+        self.inner.settle(where)
+
+    def pause_orders(self, world: World) -> PauseOrders:
+        """As the inner window."""
+        return self.inner.pause_orders(world)
