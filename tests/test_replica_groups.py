@@ -5,6 +5,7 @@ cannot cross groups refused by name, and the data shards of every group's ranks 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,13 @@ from mpicrossbow.config import load_config
 from mpicrossbow.errors import ConfigError
 from mpicrossbow.launch.world import World
 from mpicrossbow.rules.registry import resolve
-from mpicrossbow.training.replica_groups import check_linked, resolve_link, shard_world
+from mpicrossbow.training.replica_groups import (
+    LOST_FILE_ENV,
+    check_linked,
+    record_lost,
+    resolve_link,
+    shard_world,
+)
 
 CFG = "launch/digits.cfg"
 
@@ -72,3 +79,22 @@ def test_the_groups_shards_lie_end_to_end() -> None:
     config = load_config(CFG, ["link.groups=3", "link.group=2", "link.address=h:1"])
     assert dataclasses.astuple(shard_world(world, config))[:2] == (5, 6)
     assert shard_world(world, load_config(CFG)) is world
+
+
+def test_lost_groups_are_appended_to_the_file_the_template_watches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``$CROSSBOW_LOST_GROUPS_FILE``: one ``<group> <host>`` line per lost group, appended loss after loss
+    (groups.sbatch reads the new lines); nothing without the variable; a file that cannot be written costs a
+    warning, never the run."""
+    path = tmp_path / "lost-groups"
+    monkeypatch.delenv(LOST_FILE_ENV, raising=False)
+    record_lost({2: "node3"})
+    assert not path.exists()
+    monkeypatch.setenv(LOST_FILE_ENV, str(path))
+    record_lost({2: "node3"})
+    record_lost({1: "node2", 3: "node4"})
+    assert path.read_text() == "2 node3\n1 node2\n3 node4\n"
+    monkeypatch.setenv(LOST_FILE_ENV, str(tmp_path / "gone" / "lost-groups"))
+    record_lost({2: "node3"})
+    assert "could not record the lost group(s)" in caplog.text

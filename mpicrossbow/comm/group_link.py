@@ -160,12 +160,15 @@ class GroupLink:
         join_s: float = 30.0,
         start_s: float = START_S,
         admit: bool = False,
+        on_lost: Callable[[dict[int, str]], None] | None = None,
     ) -> None:
         if not 0 <= group < groups:
             raise ValueError(f"group {group} of {groups}: groups are 0..{groups - 1}")
         self.group, self.groups, self.dead_after_s, self.join_s = group, groups, dead_after_s, join_s
         #: Group 0's leader: whether groups that come back are admitted (their callers take the state).
         self.admit = admit
+        #: Group 0's leader: called with the groups lost (group -> host) as it forms a quorum without them.
+        self.on_lost = on_lost
         timeout = datetime.timedelta(seconds=join_s + 30.0)
         address = socket.gethostbyname(host)
         #: Where this leader's Gloo sockets listen: its address on the route to the rendezvous.
@@ -444,11 +447,14 @@ class GroupLink:
             lost = sorted(set(before.groups) - set(members))
             keys = [f"host/{g}" for g in lost]
             hosts = self._store_call(lambda: self._store.multi_get(keys)) if lost else []
+            named = {g: h.decode() for g, h in zip(lost, hosts, strict=True)}
             log.warning(
                 "link: group(s) %s lost at sum %d; %d group(s) go on (era %d: groups %s)",
-                ", ".join(f"{g} on {h.decode()}" for g, h in zip(lost, hosts, strict=True)) or "none",
+                ", ".join(f"{g} on {h}" for g, h in named.items()) or "none",
                 self.committed, len(members), era, list(members),
             )  # fmt: skip
+            if named and self.on_lost is not None:
+                self.on_lost(named)
         else:
             self._store_call(lambda: self._store.wait([members_key]))
         members = tuple(int(g) for g in self._store_call(lambda: self._store.get(members_key)).split(b","))

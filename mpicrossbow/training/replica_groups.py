@@ -12,6 +12,7 @@ point to point or split the world are refused here, in one line, before training
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 
@@ -23,8 +24,14 @@ from ..errors import ConfigError
 from ..launch.world import World
 from ..rules.base import Rule
 
+log = logging.getLogger(__name__)
+
 #: The environment that names a job's group and the rendezvous (launch/slurm/groups.sbatch sets them).
 GROUP_ENV, ADDRESS_ENV = "CROSSBOW_GROUP", "CROSSBOW_LINK_ADDRESS"
+#: A file group 0's first rank appends ``<group> <host>`` to for each group it finds lost: where
+#: launch/slurm/groups.sbatch learns, within seconds, which group to start again on a spare node (a lost
+#: node's srun may wait minutes for Slurm to declare the node down).
+LOST_FILE_ENV = "CROSSBOW_LOST_GROUPS_FILE"
 #: The rules whose exchanges are allreduces and broadcasts only: they run across replica groups.
 LINKABLE = ("BSP", "SMA", "LOCALSGD", "DILOCO")
 
@@ -88,6 +95,18 @@ def shard_world(world: World, config: Config) -> World:
     return dataclasses.replace(world, rank=rank, size=groups * world.size)
 
 
+def record_lost(groups: Mapping[int, str]) -> None:
+    """Append ``<group> <host>`` for each lost group to ``$CROSSBOW_LOST_GROUPS_FILE``, when set."""
+    path = os.environ.get(LOST_FILE_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as file:
+            file.writelines(f"{g} {host}\n" for g, host in groups.items())
+    except OSError as exc:  # training goes on; only the template's restart is missed
+        log.warning("link: could not record the lost group(s) in %s (%s)", path, exc)
+
+
 def join_groups(inner: Communicator, config: Config) -> Communicator:
     """``inner`` joined to the other groups (collective over every group's ranks): the group's rank 0
     connects the link (group 0's starts the rendezvous; a group whose job was restarted after its loss asks
@@ -97,11 +116,11 @@ def join_groups(inner: Communicator, config: Config) -> Communicator:
     if link.groups == 1:
         return inner
     host, _, port = link.address.rpartition(":")
-    leader = (
-        GroupLink(host, int(port), link.group, link.groups, dead_after_s=link.dead_after_s, admit=True)
-        if inner.rank == 0
-        else None
-    )
+    leader = None
+    if inner.rank == 0:  # admit: a group back takes a peer's state (..returning_group)
+        leader = GroupLink(
+            host, int(port), link.group, link.groups, link.dead_after_s, admit=True, on_lost=record_lost
+        )
     linked = LinkedCommunicator(inner, leader, link.group, link.groups)
     if linked.joining:  # its sums start where the others are, at its first step
         return linked
