@@ -5,6 +5,10 @@ power). Per rule, one line::
 
     node loss <RULE>: exit <code>, survivors trained again in <s> s, accuracy <a> (uninterrupted <b>)
 
+With ``--restart`` node3 boots again at once and its group's job is started there anew (as groups.sbatch
+starts it on a spare node): it takes a live group's state at a step's boundary, and the line adds
+``node3's group back in <s> s, exit <code>``: from the kill's start to group 0's line that it handed its
+state over (the world whole again), and the restarted job's status.
 ``exit``: the survivors' (groups 0 and 1) worst exit status; ``survivors trained again``: from the kill's
 start to group 0's line naming the lost group, which it logs as the new quorum forms, right before the step
 is summed again over the survivors; accuracy: group 0's last validation, against the same job without a
@@ -56,16 +60,25 @@ class Drill:
         lost = self.lost_line()
         return lost[0] - self.killed_at if lost and self.killed_at is not None else None
 
+    def whole_s(self) -> float | None:
+        """Seconds from the kill to group 0's line that the restarted group took its state (None: never)."""
+        back = next((t for t, line in self.lines[0] if "link: group(s) 2 back at step" in line), None)
+        return back - self.killed_at if back is not None and self.killed_at is not None else None
 
-def drill(cluster: NetnsCluster, rule: str, out: Path, epochs: int, kill_epoch: int | None) -> Drill:
+
+def drill(
+    cluster: NetnsCluster, rule: str, out: Path, epochs: int, kill_epoch: int | None, restart: bool = False
+) -> Drill:
     """Three groups, one per node (each ``mpiexec -n 1`` inside its node), ``rule`` for ``epochs``; node3
-    killed once group 0 logs epoch ``kill_epoch`` (None: no kill). Node3 is booted again afterwards."""
+    killed once group 0 logs epoch ``kill_epoch`` (None: no kill); ``restart``: booted again at once and its
+    group's job started anew (a fourth process), else booted again afterwards."""
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     launch = str(Path(sys.executable).parent / "crossbow-launch")
     address = f"{cluster.hosts[0]}:{random.randrange(20000, 30000)}"
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     result, procs, readers = Drill(), [], []
-    for g, host in enumerate(cluster.hosts):
+
+    def start(g: int, host: str) -> None:
         argv = [mpiexec, "-n", "1", launch, "-cfg", "launch/digits.cfg", f"RULE={rule}", "link.groups=3",
                 f"link.group={g}", f"link.address={address}", f"session.epochs={epochs}",
                 f"session.output={out}", "session.progress=log"]  # fmt: skip
@@ -76,6 +89,9 @@ def drill(cluster: NetnsCluster, rule: str, out: Path, epochs: int, kill_epoch: 
         reader = threading.Thread(target=_read, args=(proc, result.lines[-1]), daemon=True)
         reader.start()
         readers.append(reader)
+
+    for g, host in enumerate(cluster.hosts):
+        start(g, host)
         if g == 0:
             time.sleep(1.0)  # the rendezvous first
     deadline = time.monotonic() + TIMEOUT_S
@@ -85,6 +101,9 @@ def drill(cluster: NetnsCluster, rule: str, out: Path, epochs: int, kill_epoch: 
                 if any(f"epoch {kill_epoch} step" in line for _, line in list(result.lines[0])):
                     result.killed_at = time.monotonic()  # the kill's start (it returns once node3 is gone)
                     cluster.kill_node(cluster.hosts[2])
+                    if restart:
+                        cluster.restart_node(cluster.hosts[2])
+                        start(2, cluster.hosts[2])
             time.sleep(0.05)
     finally:
         for proc in procs:
@@ -93,7 +112,7 @@ def drill(cluster: NetnsCluster, rule: str, out: Path, epochs: int, kill_epoch: 
             proc.wait()
         for reader in readers:
             reader.join(10)
-        if kill_epoch is not None:
+        if kill_epoch is not None and not restart:
             cluster.restart_node(cluster.hosts[2])
     result.codes = [p.returncode for p in procs]
     runs = list(out.glob("*-group0"))
@@ -115,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each rule, with and without a kill")
     parser.add_argument("--epochs", type=int, default=20, help="epochs of the digits job (its cfg's 20)")
     parser.add_argument("--kill-epoch", type=int, default=3, help="node3 dies once group 0 logs this epoch")
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="node3 boots again at once and its group's job starts anew there",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only; do not write results/")
     args = parser.parse_args(argv)
     reason = missing_reason()
@@ -128,32 +152,46 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.repeats):
                 folder = Path(tmp) / f"{rule}-{i}"
                 whole.append(drill(cluster, rule, folder / "whole", args.epochs, None))
-                lost.append(drill(cluster, rule, folder / "lost", args.epochs, args.kill_epoch))
-            lines.append(summary(rule, lost, whole))
+                lost.append(drill(cluster, rule, folder / "lost", args.epochs, args.kill_epoch, args.restart))
+            lines.append(summary(rule, lost, whole, args.restart))
             print(lines[-1], flush=True)
     text = "\n".join(f"    {line}" for line in lines) + (
         f"\n\n3 namespace nodes × 1 rank, each its own MPI job (MPICH) and replica group ([link] groups = "
         f"3, the rendezvous on node1); digits, {args.epochs} epochs; node3 killed whole once group 0 logged "
-        f"epoch {args.kill_epoch}. Medians of {args.repeats} run(s) each, with and without the kill."
+        f"epoch {args.kill_epoch}"
+        + ("; node3 booted again at once and its group's job started there anew" if args.restart else "")
+        + f". Medians of {args.repeats} run(s) each, with and without the kill."
     )
     print(text)
     if not args.no_write:
-        print("appended to", append_result("faults", "A lost node: replica groups, node3 killed", text))
+        title = "A lost node: replica groups, node3 killed" + (
+            " and its group restarted" if args.restart else ""
+        )
+        print("appended to", append_result("faults", title, text))
     return 0
 
 
-def summary(rule: str, lost: list[Drill], whole: list[Drill]) -> str:
-    """The rule's line: the survivors' worst exit status, medians of the rest."""
+def summary(rule: str, lost: list[Drill], whole: list[Drill], restart: bool = False) -> str:
+    """The rule's line: the survivors' worst exit status, medians of the rest (``restart``: and the restarted
+    group's return and worst status)."""
     codes = [c for d in lost for c in d.codes[:2]]
     worst = max(codes, key=lambda c: (c != 0, abs(c or 0))) if codes else None
     back = [b for d in lost if (b := d.back_s()) is not None]
     acc = [d.accuracy[-1] for d in lost if d.accuracy]
     base = [d.accuracy[-1] for d in whole if d.accuracy]
     back_s = f"{statistics.median(back):.1f}" if len(back) == len(lost) else f"({len(back)} of {len(lost)})"
-    return (
+    line = (
         f"node loss {rule}: exit {worst}, survivors trained again in {back_s} s, accuracy "
         f"{_median(acc)} (uninterrupted {_median(base)})"
     )
+    if restart:
+        again = [w for d in lost if (w := d.whole_s()) is not None]
+        codes = [d.codes[3] for d in lost if len(d.codes) > 3]
+        back = (
+            f"{statistics.median(again):.1f}" if len(again) == len(lost) else f"({len(again)} of {len(lost)})"
+        )
+        line += f", node3's group back in {back} s, exit {max(codes, key=abs) if codes else None}"
+    return line
 
 
 def _median(values: list[float]) -> str:
