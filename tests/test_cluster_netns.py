@@ -534,20 +534,32 @@ def test_crossbow_launch_run_alone_names_the_node_it_lost(cluster: NetnsCluster,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rule", ["BSP", "SMA"])
-def test_a_killed_node_costs_its_replica_group_and_the_others_train_on(
+def test_a_killed_node_costs_its_replica_group_and_its_restart_rejoins(
     cluster: NetnsCluster, tmp_path: Path, rule: str
 ) -> None:
     """Issue 52's lost node: each node its own MPI job, a replica group ([link] groups = 3); node3 killed
-    whole (every process of it at once) once group 0 logs epoch 3 of 10. Groups 0 and 1 exit 0, group 0
-    names the lost group and node3 in one line within 5 s of the kill, and both groups end on the same
-    accuracy, trained (benchmarks/node_loss.py runs the same drill to 20 epochs; node3 boots again after)."""
-    result = drill(cluster, rule, tmp_path / "runs", epochs=10, kill_epoch=3)
+    whole (every process of it at once) once group 0 logs epoch 3 of 10, then booted again at once and its
+    group's job started anew there. Groups 0 and 1 exit 0, group 0 names the lost group and node3 in one line
+    within 5 s of the kill; the restarted group takes a peer's state at a step's boundary (one line each
+    side, the same step) and ends with status 0; the three groups end on the same accuracy, trained
+    (benchmarks/node_loss.py runs the same drill to 20 epochs)."""
+    result = drill(cluster, rule, tmp_path / "runs", epochs=10, kill_epoch=3, restart=True)
     out = "\n".join(line for lines in result.lines for _, line in lines[-15:])
-    assert result.codes[:2] == [0, 0] and result.codes[2] != 0, (result.codes, out)
-    lost = [line for _, line in result.lines[0] if "link: group(s)" in line]
+    assert result.codes[:2] == [0, 0] and result.codes[2] != 0 and result.codes[3:] == [0], (
+        result.codes,
+        out,
+    )
+    lost = [line for _, line in result.lines[0] if "link: group(s)" in line and " lost " in line]
     assert len(lost) == 1 and "link: group(s) 2 on node3 lost" in lost[0], out
     back = result.back_s()
     assert back is not None and back < 5.0, (back, out)
-    survivors = [read_metrics(next((tmp_path / "runs").glob(f"*-group{g}")) / "metrics.h5") for g in (0, 1)]
-    assert (survivors[0]["val"]["accuracy"] == survivors[1]["val"]["accuracy"]).all()
+    handed = [re.findall(r"back at step (\d+)", line) for _, line in result.lines[0] if "handed over" in line]
+    took = [re.findall(r"back at step (\d+)", line) for _, line in result.lines[3] if "from a peer" in line]
+    assert len(handed) == 1 and handed == took, out
+    runs = tmp_path / "runs"
+    _, again = sorted(runs.glob("*-group2"))  # the killed job's folder, then the restart's (its time)
+    groups = [read_metrics(next(runs.glob(f"*-group{g}")) / "metrics.h5") for g in (0, 1)]
+    groups.append(read_metrics(again / "metrics.h5"))
+    assert (groups[0]["val"]["accuracy"] == groups[1]["val"]["accuracy"]).all()
+    assert groups[0]["val"]["accuracy"][-1] == groups[2]["val"]["accuracy"][-1]
     assert result.accuracy[-1] >= 0.85, result.accuracy  # SMA: 0.8875 at epoch 10 of the 20-epoch schedule
