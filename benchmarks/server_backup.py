@@ -10,7 +10,10 @@ The digits job, RULE=ASGD, one server and two workers, under ``mpiexec --with-ft
   ``= 1`` on 4 (the same two workers; the fourth rank mirrors the server), interleaved pairs. A step's
   seconds are 1 / the workers' mean steps per second (metrics.h5 ``rank_steps_per_second``); the cost is
   the median of the pairs' ratios − 1. On this 2-core machine the backup's rank shares the cores with the
-  others, which a cluster (the backup on another node) does not;
+  others, which a cluster (the backup on another node) does not. ``--compute-ms`` adds that many ms to each
+  worker's step as a sleep (``session.slow_seconds``): an accelerator's kernel time, during which a worker's
+  CPU is free — the backup's rank then gets the CPU it would have on a node of its own, and what is left is
+  the mirror's cost to the protocol;
 * **loss**: 4 epochs (the rate decayed tenfold for the last, as tests/test_elastic_mpi.py does), the server
   SIGKILLed after answering 30 pushes, against the same job uninterrupted: exit status, final accuracy,
   pushes sent again to the backup (answered, not applied: the backup's last line) and whether every push was
@@ -40,14 +43,17 @@ COST_EPOCHS = 10
 KILL = ("inject.rank=0", "inject.step=30", "inject.action=kill")
 
 
-def step_seconds(backups: int, batch: int) -> float:
-    """One fault-free run with ``batch`` samples a step: the workers' mean seconds per step."""
+def step_seconds(backups: int, batch: int, compute_ms: float = 0.0) -> float:
+    """One fault-free run with ``batch`` samples a step (each worker's step ``compute_ms`` longer, asleep):
+    the workers' mean seconds per step."""
     from mpicrossbow.training.reporting.metrics import read_metrics
 
     with tempfile.TemporaryDirectory(prefix="server-backup-") as out:
         epochs = max(1, COST_EPOCHS * batch // 16)  # about the same number of steps at every batch size
         overrides = (*BASE, f"session.epochs={epochs}", f"data.batch_size={batch}")
         overrides += (f"elastic.server_backups={backups}",)
+        if compute_ms:  # the workers are ranks 1 and 2 with or without the backup (rank 3)
+            overrides += ("session.slow_ranks=1,2", f"session.slow_seconds={compute_ms / 1e3}")
         elastic_job(Path(out), *overrides, ranks=3 + backups)
         (metrics,) = Path(out).glob("*/metrics.h5")
         rates = [r for r in read_metrics(metrics)["attrs"]["rank_steps_per_second"] if r == r]
@@ -65,27 +71,30 @@ def drill(kill: bool) -> tuple[float, int, bool]:
     return float(done), int(resent[0]) if resent else 0, once
 
 
-def cost_table(repeats: int, batches: Sequence[int]) -> str:
-    """Interleaved pairs of fault-free runs, without and with a backup, at each batch size."""
+def cost_table(repeats: int, batches: Sequence[int], computes: Sequence[float] = (0.0,)) -> str:
+    """Interleaved pairs of fault-free runs, without and with a backup, at each batch size and compute time
+    a step."""
     lines = [
-        "| ASGD, 2 workers | ms a step, no backup (3 ranks) | with a backup (4 ranks) | cost (median of "
-        "pairs) |",
-        "|---|---:|---:|---:|",
+        "| ASGD, 2 workers | ms a step, no backup (3 ranks) | with a backup (4 ranks) | ms added (median of "
+        "pairs) | cost (median of pairs) |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for batch in batches:
+    for batch, compute in ((b, c) for b in batches for c in computes):
         pairs = []
         for i in range(repeats):
             order = (0, 1) if i % 2 == 0 else (1, 0)
-            got = {b: step_seconds(b, batch) for b in order}
+            got = {b: step_seconds(b, batch, compute) for b in order}
             pairs.append((got[0], got[1]))
-            log.info("batch %d pair %d: %.3f ms a step without a backup, %.3f ms with", batch, i,
-                     1e3 * got[0], 1e3 * got[1])  # fmt: skip
+            log.info("batch %d, %g ms compute, pair %d: %.3f ms a step without a backup, %.3f ms with", batch,
+                     compute, i, 1e3 * got[0], 1e3 * got[1])  # fmt: skip
         without, with_ = ([p[k] for p in pairs] for k in (0, 1))
         ratio = statistics.median(b / a for a, b in pairs)
+        added = statistics.median(b - a for a, b in pairs)
+        label = f"batch {batch}" + (f", {compute:g} ms compute a step" if compute else "")
         lines.append(
-            f"| batch {batch} | {1e3 * statistics.median(without):.3f} ({1e3 * min(without):.3f}–"
+            f"| {label} | {1e3 * statistics.median(without):.3f} ({1e3 * min(without):.3f}–"
             f"{1e3 * max(without):.3f}) | {1e3 * statistics.median(with_):.3f} ({1e3 * min(with_):.3f}–"
-            f"{1e3 * max(with_):.3f}) | **{100 * (ratio - 1):+.1f} %** |"
+            f"{1e3 * max(with_):.3f}) | {1e3 * added:+.3f} | **{100 * (ratio - 1):+.1f} %** |"
         )
     return "\n".join(lines)
 
@@ -118,12 +127,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5, help="pairs per table (default 5)")
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 256], help="batch sizes of the cost")
+    parser.add_argument(
+        "--compute-ms", type=float, nargs="+", default=[0.0],
+        help="ms each worker's step sleeps (an accelerator's kernel time: the CPU free); default 0",
+    )  # fmt: skip
     parser.add_argument("--no-loss", action="store_true", help="the cost table only")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    table = cost_table(args.repeats, args.batches)
+    table = cost_table(args.repeats, args.batches, args.compute_ms)
     if not args.no_loss:
         table += f"\n\n{loss_table(args.repeats)}"
     print(table)
