@@ -9,7 +9,9 @@ communicator):
 
 * **in process**, as pytest tests: :class:`~mpicrossbow.testing.InProcessWorld` at 1, 2, 3 and 4 ranks, bare
   and wrapped in :class:`~mpicrossbow.comm.CompressedCommunicator` (bf16 and fp16) and in the plain
-  :class:`~mpicrossbow.comm.forwarding.ForwardingCommunicator` the wrappers build on;
+  :class:`~mpicrossbow.comm.forwarding.ForwardingCommunicator` the wrappers build on; and replica groups'
+  :class:`~mpicrossbow.comm.linked.LinkedCommunicator`, two groups of in-process ranks whose first ranks are
+  linked over Gloo (it carries no point-to-point messages and no splits: it must refuse them at once);
 * **under mpiexec**: this file is also the script every rank runs (``python
   tests/test_communicator_contract.py [IMPL ...] [--also MODULE ...] [--cuda]``); it runs the same functions
   on MPICommunicator, SharedMemoryCommunicator, TorchDistCommunicator (Gloo) and the compressed wrapper over
@@ -79,6 +81,13 @@ class Subject:
     sends_to_self: bool = True
     #: Messages are matched by tag (NCCL has no tags).
     tags: bool = True
+    #: Point-to-point messages are carried; False: ``isend``/``irecv`` refuse with NotImplementedError at
+    #: once (replica groups' linked communicator: the rules that send are refused before training).
+    point_to_point: bool = True
+    #: The communicator can be split; False: ``split`` refuses with NotImplementedError at once.
+    splits: bool = True
+    #: The ranks that share this rank's node, in order; None: every rank (one machine).
+    node: tuple[int, ...] | None = None
 
 
 class Findings:
@@ -179,6 +188,22 @@ def delivered(comm: Communicator, sent: torch.Tensor) -> torch.Tensor:
     out = rounded(sent, wire)
     out[-EXACT_TAIL:] = sent[-EXACT_TAIL:]
     return out
+
+
+def refuses_messages(s: Subject, f: Findings) -> bool:
+    """Where the subject carries no point-to-point messages: whether ``isend`` and ``irecv`` refused with
+    NotImplementedError (recorded when not), and True: the check ends there, on every rank alike."""
+    if s.point_to_point:
+        return False
+    c = s.comm
+    for name, call in (("isend", c.isend), ("irecv", c.irecv)):
+        try:
+            call(torch.zeros(3, device=s.device), (c.rank + 1) % c.size, 7)
+            f.true(False, f"{name} was accepted, though the subject says it carries no messages")
+        except NotImplementedError:
+            pass
+    f.settle()
+    return True
 
 
 def neighbours(s: Subject) -> tuple[int, int]:
@@ -343,6 +368,8 @@ def check_broadcast(s: Subject, f: Findings) -> None:
 
 def check_ring(s: Subject, f: Findings) -> None:
     """isend/irecv around the ring, the receive posted first, large and small messages."""
+    if refuses_messages(s, f):
+        return
     c = s.comm
     right, left = neighbours(s)
     for dtype, numel in ((torch.float32, N), (torch.bfloat16, N), (torch.float64, 5)):
@@ -359,6 +386,8 @@ def check_ring(s: Subject, f: Findings) -> None:
 def check_isend_temporary(s: Subject, f: Findings) -> None:
     """A send of a temporary (freed by reference counting as ``isend`` returns, unless the handle keeps what
     is on the wire) still delivers, the receive posted only after every rank has sent."""
+    if refuses_messages(s, f):
+        return
     c = s.comm
     right, left = neighbours(s)
     send = c.isend(data(c.rank, N, device=s.device), right, tag=8)
@@ -372,6 +401,8 @@ def check_isend_temporary(s: Subject, f: Findings) -> None:
 
 def check_tags(s: Subject, f: Findings) -> None:
     """Tags 1 then 2 are sent; the receives are posted tag 2 first, and each gets its own message."""
+    if refuses_messages(s, f):
+        return
     if not s.tags:
         raise unittest.SkipTest("no message tags here")
     c = s.comm
@@ -388,6 +419,8 @@ def check_tags(s: Subject, f: Findings) -> None:
 def check_fifo(s: Subject, f: Findings) -> None:
     """Messages on one (source, tag) channel arrive in order, whatever the order of the waits; ``test()`` on
     a receive whose message was not sent yet returns False without blocking."""
+    if refuses_messages(s, f):
+        return
     if not s.tags:
         raise unittest.SkipTest("no message tags here")
     c = s.comm
@@ -427,7 +460,16 @@ def check_barrier(s: Subject, f: Findings) -> None:
 
 def check_split(s: Subject, f: Findings) -> None:
     """Evens and odds, each ordered by key (reverse rank); collectives and messages stay inside each; a split
-    of the split; a split is as lossy as its parent; close() is idempotent and closes the nested split."""
+    of the split; a split is as lossy as its parent; close() is idempotent and closes the nested split.
+    (A subject that cannot split refuses at once with NotImplementedError.)"""
+    if not s.splits:
+        try:
+            s.comm.split(0)
+            f.true(False, "split was accepted, though the subject says it cannot split")
+        except NotImplementedError:
+            pass
+        f.settle()
+        return
     c, dev = s.comm, s.device
     sub = c.split(c.rank % 2, key=-c.rank)
     members = sorted((r for r in range(c.size) if r % 2 == c.rank % 2), reverse=True)
@@ -457,17 +499,18 @@ def check_split(s: Subject, f: Findings) -> None:
 
 
 def check_split_node(s: Subject, f: Findings) -> None:
-    """On one machine every rank shares the node, in rank order."""
+    """The ranks of this rank's node (on one machine: every rank), in rank order."""
     c = s.comm
+    members = s.node if s.node is not None else tuple(range(c.size))
     node = c.split_node()
-    f.true((node.rank, node.size) == (c.rank, c.size), f"split_node gave {node!r}")
+    f.true((node.rank, node.size) == (members.index(c.rank), len(members)), f"split_node gave {node!r}")
     f.true(
         (node.exact is node) == (c.exact is c),
         "a node split of a lossy communicator is exact, or the reverse",
     )
     t = data(c.rank, N, device=s.device)
     node.allreduce(t)
-    f.equal(t, reduced(node, ReduceOp.SUM, range(c.size), N), "split_node allreduce")
+    f.equal(t, reduced(node, ReduceOp.SUM, members, N), "split_node allreduce")
     node.close()
     f.settle()
 
@@ -561,6 +604,44 @@ IN_PROCESS: dict[str, Callable[[Communicator], Subject]] = {
 def test_contract_in_process(impl: str, size: int, check: str) -> None:
     """One contract check on every rank of an in-process world (a failing rank is named in the error)."""
     InProcessWorld(size, timeout_s=30).run(lambda comm: run_check(CONTRACT[check], IN_PROCESS[impl](comm)))
+
+
+def linked_run(size: int, groups: int, check: Check) -> None:
+    """``check`` on every rank of a :class:`~mpicrossbow.comm.linked.LinkedCommunicator`: ``groups``
+    replica groups of ``size // groups`` in-process ranks each (a split of one in-process world), their first
+    ranks linked over Gloo on this machine (:class:`~mpicrossbow.comm.group_link.GroupLink`, as threads)."""
+    from slurm_cluster import free_ports
+
+    from mpicrossbow.comm.group_link import GroupLink
+    from mpicrossbow.comm.linked import LinkedCommunicator
+
+    (port,) = free_ports(1)
+    per = size // groups
+
+    def rank(comm: Communicator) -> None:
+        group = comm.rank // per
+        inner = comm.split(group, key=comm.rank)
+        link = GroupLink("127.0.0.1", port, group, groups) if inner.rank == 0 else None
+        linked = LinkedCommunicator(inner, link, group, groups)
+        node = tuple(range(group * per, (group + 1) * per))  # a group is a node (or a set of nodes)
+        # Gloo sums 16-bit types natively; the in-process groups take a transposed tensor, as does the link
+        subject = Subject(linked, sums_16bit_in_float32=False, takes_non_contiguous=True,
+                          point_to_point=False, splits=False, node=node)  # fmt: skip
+        try:
+            run_check(check, subject)
+        finally:
+            if check is not check_close:
+                linked.close()
+
+    InProcessWorld(size, timeout_s=60).run(rank)
+
+
+@pytest.mark.parametrize("check", list(CONTRACT))
+@pytest.mark.parametrize(("size", "groups"), [(2, 2), (4, 2)])
+def test_contract_linked(size: int, groups: int, check: str) -> None:
+    """One contract check on every rank of replica groups joined by the link (the rules' communicator under
+    ``[link] groups``): the collectives cross the groups; messages and splits are refused at once."""
+    linked_run(size, groups, CONTRACT[check])
 
 
 # ------------------------------------------------------------------------------- binding 2: under mpiexec
