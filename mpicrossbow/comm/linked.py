@@ -20,10 +20,11 @@ operations stay within the group (the rule's binding at start) until it took a p
 (:meth:`LinkedCommunicator.take_state`, which its leader receives over the link). The members learn at a sum
 that it waits (:attr:`LinkedCommunicator.pending`, carried with the live groups, so every rank knows) and let
 it in where their state is whole, at the start of a step (:meth:`LinkedCommunicator.admit_pending`, the
-source group's leader handing the state over): :mod:`mpicrossbow.training.returning_group`. Ranks are numbered
-group by group (group ``g``'s rank ``r`` is
-``offset(g) + r``), every group the same size. Point-to-point messages and splits do not cross groups: rules
-that need them are refused before training (:func:`~mpicrossbow.training.run.link_groups.check_linked_rule`).
+source group's leader handing the state over): :mod:`mpicrossbow.training.returning_group`.
+
+Ranks are numbered group by group (group ``g``'s rank ``r`` is ``offset(g) + r``), every group the same size.
+Point-to-point messages and splits do not cross groups (they are refused at once, NotImplementedError): rules
+that need them are refused before training (:func:`~mpicrossbow.training.replica_groups.check_linked`).
 """
 
 from __future__ import annotations
