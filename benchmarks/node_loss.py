@@ -67,11 +67,18 @@ class Drill:
 
 
 def drill(
-    cluster: NetnsCluster, rule: str, out: Path, epochs: int, kill_epoch: int | None, restart: bool = False
+    cluster: NetnsCluster,
+    rule: str,
+    out: Path,
+    epochs: int,
+    kill_epoch: int | None,
+    restart: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> Drill:
-    """Three groups, one per node (each ``mpiexec -n 1`` inside its node), ``rule`` for ``epochs``; node3
-    killed once group 0 logs epoch ``kill_epoch`` (None: no kill); ``restart``: booted again at once and its
-    group's job started anew (a fourth process), else booted again afterwards."""
+    """Three groups, one per node (each ``mpiexec -n 1`` inside its node), ``rule`` for ``epochs`` (and the
+    overrides ``extra``); node3 killed once group 0 logs epoch ``kill_epoch`` (None: no kill); ``restart``:
+    booted again at once and its group's job started anew (a fourth process), else booted again
+    afterwards."""
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     launch = str(Path(sys.executable).parent / "crossbow-launch")
     address = f"{cluster.hosts[0]}:{random.randrange(20000, 30000)}"
@@ -81,7 +88,7 @@ def drill(
     def start(g: int, host: str) -> None:
         argv = [mpiexec, "-n", "1", launch, "-cfg", "launch/digits.cfg", f"RULE={rule}", "link.groups=3",
                 f"link.group={g}", f"link.address={address}", f"session.epochs={epochs}",
-                f"session.output={out}", "session.progress=log"]  # fmt: skip
+                f"session.output={out}", "session.progress=log", *extra]  # fmt: skip
         proc = subprocess.Popen(cluster.node_command(host, argv), cwd=REPO, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
         procs.append(proc)

@@ -542,8 +542,11 @@ def test_a_killed_node_costs_its_replica_group_and_its_restart_rejoins(
     group's job started anew there. Groups 0 and 1 exit 0, group 0 names the lost group and node3 in one line
     within 5 s of the kill; the restarted group takes a peer's state at a step's boundary (one line each
     side, the same step) and ends with status 0; the three groups end on the same accuracy, trained
-    (benchmarks/node_loss.py runs the same drill to 20 epochs)."""
-    result = drill(cluster, rule, tmp_path / "runs", epochs=10, kill_epoch=3, restart=True)
+    (benchmarks/node_loss.py runs the same drill to 20 epochs). The groups' steps sleep 0.1 s while a group
+    is missing, so the run is still going when the restarted job is up on a loaded machine (in one CI run it
+    came after the others had finished, unslowed)."""
+    slowed = ("session.slow_ranks=0", "session.slow_seconds=0.1", "session.slow_while_short=true")
+    result = drill(cluster, rule, tmp_path / "runs", epochs=10, kill_epoch=3, restart=True, extra=slowed)
     out = "\n".join(line for lines in result.lines for _, line in lines[-15:])
     assert result.codes[:2] == [0, 0] and result.codes[2] != 0 and result.codes[3:] == [0], (
         result.codes,
