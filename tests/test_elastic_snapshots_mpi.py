@@ -70,7 +70,11 @@ def whole(snapshot: Path) -> bool:
             ("inject.step=20", "inject.action=kill_in_save"),
             "was lost at the snapshot meeting",
         ),
-        (("RULE=EASGD", "rule.mode=async"), ("inject.step=30", "inject.action=kill"), "the EASGD centre"),
+        (
+            ("RULE=EASGD", "rule.mode=async"),
+            ("inject.step=30", "inject.action=kill"),
+            "the EASGD centre (rank 0) was lost",
+        ),
     ],
     ids=["ASGD-between-snapshots", "ASGD-in-a-save", "EASGD-async-centre"],
 )

@@ -98,3 +98,28 @@ def test_lost_groups_are_appended_to_the_file_the_template_watches(
     monkeypatch.setenv(LOST_FILE_ENV, str(tmp_path / "gone" / "lost-groups"))
     record_lost({2: "node3"})
     assert "could not record the lost group(s)" in caplog.text
+
+
+def test_a_group_back_with_another_rank_count_is_one_line() -> None:
+    """A group's job started again with fewer ranks than the others: its data shards would overlap theirs,
+    so taking the peer's state stops it with one ConfigError naming both counts (before anything loads)."""
+    import io
+    from types import SimpleNamespace
+
+    import torch
+
+    from mpicrossbow.comm.linked import LinkedCommunicator
+    from mpicrossbow.training.returning_group import take_group_state
+
+    buffer = io.BytesIO()
+    torch.save({"pool": {}, "rule": {}, "consensus": torch.zeros(1), "position": {}, "group_size": 2}, buffer)
+    comm = LinkedCommunicator.__new__(LinkedCommunicator)  # a joining group's leader, its link stood in for
+    comm.group, comm.joining = 2, True
+    comm.take_state = lambda: buffer.getvalue()  # type: ignore[method-assign]
+    world = SimpleNamespace(size=1, rank=0, bcast=lambda data: data)
+    with pytest.raises(ConfigError) as refused:
+        take_group_state(comm, world, None, None, None)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "[link] groups: group 2 came back with 1 rank(s), the others have 2; start each group's job with as "
+        "many"
+    )

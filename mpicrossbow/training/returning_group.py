@@ -35,6 +35,7 @@ import torch
 
 from ..comm.base import Communicator
 from ..comm.linked import LinkedCommunicator
+from ..errors import ConfigError
 from ..launch.world import World
 from ..pool.base import LearnerPool
 from ..rules.base import Rule
@@ -44,9 +45,9 @@ from .run.window import ForwardingWindow, StepWindow
 log = logging.getLogger(__name__)
 
 
-def pack_state(pool: LearnerPool, rule: Rule, position: dict[str, Any]) -> bytes:
+def pack_state(pool: LearnerPool, rule: Rule, position: dict[str, Any], group_size: int) -> bytes:
     """What a group back takes (after the rule's ``sync_state``): the pool's and the rule's state, the
-    consensus weights and the loop's ``position``, serialized."""
+    consensus weights, the loop's ``position`` and the source group's rank count, serialized."""
     held = rule.eval_params()
     consensus = held if held is not None else pool.learners[0].params
     state = {
@@ -54,6 +55,7 @@ def pack_state(pool: LearnerPool, rule: Rule, position: dict[str, Any]) -> bytes
         "rule": rule.state_dict(),
         "consensus": consensus.detach().cpu(),
         "position": position,
+        "group_size": group_size,
     }
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -79,7 +81,7 @@ class GroupReturns(ForwardingWindow):
         self.rule.sync_state()
 
         def state() -> bytes:
-            sizes.append(len(payload := pack_state(self.pool, self.rule, position)))
+            sizes.append(len(payload := pack_state(self.pool, self.rule, position, self.comm.inner.size)))
             return payload
 
         joined = self.comm.admit_pending(state)
@@ -107,6 +109,11 @@ def take_group_state(
     started = time.perf_counter()
     data = world.bcast(comm.take_state())
     state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if state["group_size"] != world.size:  # its data shards would overlap the others'
+        raise ConfigError(
+            f"[link] groups: group {comm.group} came back with {world.size} rank(s), the others have "
+            f"{state['group_size']}; start each group's job with as many"
+        )
     pool.load_state_dict(state["pool"])
     rule.load_state_dict(state["rule"])
     for learner in pool.learners:  # the consensus, as a replacement's (its replicas may have differed)
