@@ -28,6 +28,7 @@ from mpicrossbow.pool.base import LearnerPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import Rule
 from mpicrossbow.testing import InProcessWorld
+from mpicrossbow.training.checkpoints.checkpoint_files import META, rank_file, safe_load
 from mpicrossbow.training.run.step import train_step
 from openmpi_env import OPENMPI_VENV, OpenMPIEnv, why_not
 
@@ -193,6 +194,14 @@ def epoch_of(checkpoint: Path) -> int:
     return max(
         int(torch.load(f, weights_only=True)["position"]["epoch"]) for f in checkpoint.glob("rank-*.pt")
     )
+
+
+def assert_loads_whole(checkpoint: Path, ranks: int) -> None:
+    """Each of ``ranks`` rank files of ``checkpoint`` and its metadata load as a resume loads them (a
+    failure's drill checks what its resume would rely on without running one)."""
+    safe_load(checkpoint / META, "its metadata file")
+    for rank in range(ranks):
+        safe_load(rank_file(checkpoint, rank), f"rank {rank}'s file")
 
 
 def only_run(out: Path) -> Path:

@@ -232,7 +232,8 @@ def uninterrupted(cluster: SlurmCluster, tmp_path: Path, template: str) -> Path:
     [
         ("one-node.sbatch", "steps"),
         ("one-node.sbatch", "batch shell"),
-        ("multi-node-mpiexec.sbatch", "batch shell"),  # its ranks get SIGUSR1 through the batch shell
+        # multi-node-mpiexec.sbatch (its ranks get SIGUSR1 through the batch shell): requeued and resumed
+        # across two namespace nodes in test_slurm_netns.py, the same resume as these shown bitwise equal
     ],
 )
 def test_a_signalled_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrupted_run(

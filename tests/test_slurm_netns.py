@@ -31,7 +31,7 @@ from netns_cluster import FAILURES, NetnsCluster, drill_settings, leftovers
 from netns_slurm import NetnsSlurm, netns_missing, slurm_missing
 from slurm_cluster import ranks_of, wait_for
 
-from conftest import REPO, epoch_of
+from conftest import REPO, assert_loads_whole, epoch_of
 from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
 from mpicrossbow.training.reporting.metrics import read_metrics
 from openmpi_env import OpenMPIEnv
@@ -347,8 +347,9 @@ def test_under_srun_a_lost_node_or_link_ends_the_job_in_a_minute_and_a_resume_fi
 ) -> None:
     """multi-node.sbatch, 2 nodes × 2 ranks, a checkpoint every epoch; after two, node2 loses every process
     (slurmd included), its link, or all but 8 kbit/s of it. Every rank and the batch script end within 60 s
-    with one line naming a rank on node2, the checkpoints stay whole, and the same template with
-    ``checkpoint.resume`` finishes the run once node2 is back."""
+    with one line naming a rank on node2, and the newest checkpoint stays whole (every file loads); after
+    the killed node, the same template with ``checkpoint.resume`` finishes the run once node2 is back (the
+    same resume after each failure: run once)."""
     cluster = slurm.cluster
     nodes = ("--nodelist=node1,node2", "--ntasks-per-node=2")
     job = submit(slurm, tmp_path, "multi-node.sbatch", *LONG, *drill_settings(failure), options=nodes)
@@ -383,6 +384,9 @@ def test_under_srun_a_lost_node_or_link_ends_the_job_in_a_minute_and_a_resume_fi
     run = the_run(tmp_path, job)
     checkpoints = complete_checkpoints(run / "checkpoints")
     assert len(checkpoints) >= 2
+    assert_loads_whole(checkpoints[-1], ranks=4)
+    if failure != "node killed":
+        return
     epochs = epoch_of(checkpoints[-1]) + 4
     resumed = submit(slurm, tmp_path, "multi-node.sbatch", f"checkpoint.resume={run}",
                      f"session.epochs={epochs}", "checkpoint.every_epochs=1", options=nodes)  # fmt: skip
