@@ -5,10 +5,13 @@ Who sends what to whom (``[elastic] server_backups = 1``, placement = rank, S se
 alike — which trains not. After the server handled a worker's message (a push applied, discarded or held; a
 goodbye) or forgot a lost worker, it forwards that event to the backup (:meth:`Mirror.forward`, the worker's
 message with two values after it: the worker's rank and the kind of event), which handles it the same way in
-the same order, sends no reply, and acknowledges it. The server does not wait for a push's acknowledgement
-(at most :data:`LAG` events go unacknowledged): its reply goes out at once and tells the worker how many of
-its pushes the backup has acknowledged, and the worker keeps the others (their messages) until a later reply
-confirms them. A goodbye, and a forgotten worker, wait until the backup has every event.
+the same order, sends no reply, and acknowledges it: once it has handled every event that has arrived,
+one message counting them (the backup is lazy: a poll that backs off, one acknowledgement for several
+events, so its rank takes little of a CPU it may share with workers). The server does not wait for a
+push's acknowledgement (at most :data:`LAG` events go unacknowledged): its reply goes out at once and tells
+the worker how many of its pushes the backup has acknowledged, and the worker keeps the others (their
+messages) until a later reply confirms them. A goodbye, and a forgotten worker, wait until the backup has
+every event.
 
 The takeover. The server lost, the backup's receive from it fails (ULFM): the backup says so in one line
 (:func:`mirror_until_done` returns False), tells every live worker what it holds of it (a :data:`NOTICE_TAG`
@@ -49,7 +52,9 @@ HANDLED, FORGOTTEN = 0.0, 1.0
 #: A server's events sent to its backup and not yet acknowledged, at most: the pushes a worker may have to
 #: send again after a takeover, and the buffers a server keeps for them.
 LAG = 8
-#: A backup's poll of its server's next event backs off to sleeps of this long at most (seconds).
+#: A backup's poll of its server's next event sleeps this long first, then twice as long each time, up to
+#: :data:`POLL_MAX_S` (seconds): the server waits for no acknowledgement until :data:`LAG` events are out.
+POLL_MIN_S = 1e-4
 POLL_MAX_S = 1e-3
 
 
@@ -127,10 +132,11 @@ class Mirror:
         elif not self._ack_recv.test():
             return False
         self._ack_recv = None
-        worker, number = self._unacked.popleft()
-        if number:
-            self._confirmed[worker] = number
-        self.forwarded += 1
+        for _ in range(int(self._ack[0])):  # the events the backup has handled since its last message
+            worker, number = self._unacked.popleft()
+            if number:
+                self._confirmed[worker] = number
+            self.forwarded += 1
         return True
 
     def _lost(self, backup: int) -> None:
@@ -175,29 +181,43 @@ def mirror_until_done(
     tick: Callable[[], None] | None,
 ) -> bool:
     """A backup's loop: apply every event its server forwards over ``comm`` (the server's mirror's channel),
-    in order, and acknowledge it, until every worker is done (True: the server finished) or the server is
-    lost (False: the caller takes over)."""
+    in order, and acknowledge them (one message for those that had arrived), until every worker is done
+    (True: the server finished) or the server is lost (False: the caller takes over)."""
     event = server.w.new_zeros(server.message_size + 2)
     ack = server.w.new_zeros(1)
     silence = Silence(patience, f"backup rank {comm.rank}", "for its server's next event", [primary])
     gone: Callable[[int], None] = lambda rank: None  # noqa: E731
+    recv: Handle | None = None
+    handled = 0  # events handled and not yet acknowledged
     while not server.all_done():
-        recv, pause = comm.irecv(event, primary, MIRROR_TAG), 0.0
+        if recv is None:
+            recv = comm.irecv(event, primary, MIRROR_TAG)
         with Forgetting(primary, gone) as met:
-            while not recv.test():
+            arrived = recv.test()
+            if not arrived and handled:  # nothing more has arrived: acknowledge what was handled
+                ack[0] = handled
+                comm.isend(ack, primary, MIRROR_ACK_TAG).wait()
+                handled = 0
+            pause = 0.0
+            while not arrived:
                 if tick is not None:
                     tick()
                 silence.check([primary])
-                pause = min(2 * pause or 2e-5, POLL_MAX_S)
+                pause = min(2 * pause or POLL_MIN_S, POLL_MAX_S)
                 time.sleep(pause)
+                arrived = recv.test()
         if met.lost:
             return False
+        recv = None
         silence.heard(primary)
         worker, kind = int(event[-2]), float(event[-1])
         if kind == FORGOTTEN:
             server.forget(worker)
         else:
             server.replay(worker, event[:-2])
+        handled += 1
+    if handled:
+        ack[0] = handled
         with Forgetting(primary, gone) as met:
             comm.isend(ack, primary, MIRROR_ACK_TAG).wait()
         if met.lost:
