@@ -9,8 +9,10 @@ The digits job, RULE=ASGD, one server and two workers, under ``mpiexec --with-ft
   larger ``--batches``: a larger batch is more compute per push), ``server_backups = 0`` on 3 ranks against
   ``= 1`` on 4 (the same two workers; the fourth rank mirrors the server), interleaved pairs. A step's
   seconds are 1 / the workers' mean steps per second (metrics.h5 ``rank_steps_per_second``); the cost is
-  the median of the pairs' ratios − 1. On this 2-core machine the backup's rank shares the cores with the
-  others, which a cluster (the backup on another node) does not. ``--compute-ms`` adds that many ms to each
+  the median of the pairs' ratios − 1. Beside it, the backup's wake-ups a second (its voluntary context
+  switches, from /proc, while it runs): on a node whose cores it shares with workers each may take one. On
+  this 2-core machine the backup's rank shares the cores with the others, which a cluster (the backup on
+  another node) does not, except with the workers of its own node. ``--compute-ms`` adds that many ms to each
   worker's step as a sleep (``session.slow_seconds``): an accelerator's kernel time, during which a worker's
   CPU is free — the backup's rank then gets the CPU it would have on a node of its own, and what is left is
   the mirror's cost to the protocol;
@@ -26,15 +28,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.faults import elastic_job
-from benchmarks.report import append_result
+from benchmarks.faults import OPENMPI_ENV, TIMEOUT_S, elastic_job
+from benchmarks.report import REPO, append_result
 
 log = logging.getLogger("benchmarks.server_backup")
 
@@ -43,9 +50,9 @@ COST_EPOCHS = 10
 KILL = ("inject.rank=0", "inject.step=30", "inject.action=kill")
 
 
-def step_seconds(backups: int, batch: int, compute_ms: float = 0.0) -> float:
+def step_seconds(backups: int, batch: int, compute_ms: float = 0.0) -> tuple[float, float]:
     """One fault-free run with ``batch`` samples a step (each worker's step ``compute_ms`` longer, asleep):
-    the workers' mean seconds per step."""
+    the workers' mean seconds per step, and the last rank's wake-ups a second (the backup's, with one)."""
     from mpicrossbow.training.reporting.metrics import read_metrics
 
     with tempfile.TemporaryDirectory(prefix="server-backup-") as out:
@@ -54,10 +61,58 @@ def step_seconds(backups: int, batch: int, compute_ms: float = 0.0) -> float:
         overrides += (f"elastic.server_backups={backups}",)
         if compute_ms:  # the workers are ranks 1 and 2 with or without the backup (rank 3)
             overrides += ("session.slow_ranks=1,2", f"session.slow_seconds={compute_ms / 1e3}")
-        elastic_job(Path(out), *overrides, ranks=3 + backups)
+        wakeups = sampled_job(Path(out), *overrides, ranks=3 + backups)
         (metrics,) = Path(out).glob("*/metrics.h5")
         rates = [r for r in read_metrics(metrics)["attrs"]["rank_steps_per_second"] if r == r]
-    return 1.0 / statistics.mean(rates)
+    return 1.0 / statistics.mean(rates), wakeups
+
+
+def sampled_job(out: Path, *overrides: str, ranks: int) -> float:
+    """:func:`~benchmarks.faults.elastic_job`'s run, its last rank's voluntary context switches a second of
+    its life — its wake-ups, each of which may take a core from a worker beside it — sampled from /proc
+    every 50 ms (the pids from rank 0's ``rank processes`` line) until the job ends."""
+    here = Path(sys.executable).parent
+    cmd = [str(here / "mpiexec"), "--with-ft", "ulfm", "-n", str(ranks), str(here / "crossbow-launch"),
+           "-cfg", "launch/digits.cfg", f"session.output={out}", *overrides]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env={**os.environ, **OPENMPI_ENV}, stderr=subprocess.PIPE, text=True
+    )
+    seen: dict[str, float] = {}
+    pids: list[int] = []
+
+    def sample() -> None:
+        while proc.poll() is None:
+            if pids:
+                try:
+                    status = Path(f"/proc/{pids[-1]}/status").read_text(encoding="ascii")
+                    seen.setdefault("first", time.monotonic())
+                    seen["switches"] = float(
+                        re.findall(r"^voluntary_ctxt_switches:\s+(\d+)", status, re.M)[0]
+                    )
+                    seen["last"] = time.monotonic()
+                except (OSError, IndexError):
+                    pass
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    limit = threading.Timer(TIMEOUT_S * 3, proc.kill)  # a hung job ends the read below
+    limit.start()
+    assert proc.stderr is not None
+    tail: list[str] = []
+    try:
+        for line in proc.stderr:
+            tail = [*tail[-40:], line]
+            found = re.search(r"rank processes: (.*)", line)
+            if found:
+                pids.extend(int(pid) for pid in re.findall(r"\d+: pid (\d+)", found.group(1)))
+        proc.wait()
+    finally:
+        limit.cancel()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"elastic job failed ({proc.returncode}): {''.join(tail)[-2000:]}")
+    return seen.get("switches", math.nan) / max(seen.get("last", 0.0) - seen.get("first", 0.0), 1e-9)
 
 
 def drill(kill: bool) -> tuple[float, int, bool]:
@@ -76,17 +131,19 @@ def cost_table(repeats: int, batches: Sequence[int], computes: Sequence[float] =
     a step."""
     lines = [
         "| ASGD, 2 workers | ms a step, no backup (3 ranks) | with a backup (4 ranks) | ms added (median of "
-        "pairs) | cost (median of pairs) |",
-        "|---|---:|---:|---:|---:|",
+        "pairs) | cost (median of pairs) | the backup's wake-ups a second (median) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for batch, compute in ((b, c) for b in batches for c in computes):
-        pairs = []
+        pairs, wakeups = [], []
         for i in range(repeats):
             order = (0, 1) if i % 2 == 0 else (1, 0)
             got = {b: step_seconds(b, batch, compute) for b in order}
-            pairs.append((got[0], got[1]))
-            log.info("batch %d, %g ms compute, pair %d: %.3f ms a step without a backup, %.3f ms with", batch,
-                     compute, i, 1e3 * got[0], 1e3 * got[1])  # fmt: skip
+            pairs.append((got[0][0], got[1][0]))
+            wakeups.append(got[1][1])
+            log.info("batch %d, %g ms compute, pair %d: %.3f ms a step without a backup, %.3f ms with (its "
+                     "wake-ups: %.0f/s)", batch, compute, i, 1e3 * got[0][0], 1e3 * got[1][0],
+                     got[1][1])  # fmt: skip
         without, with_ = ([p[k] for p in pairs] for k in (0, 1))
         ratio = statistics.median(b / a for a, b in pairs)
         added = statistics.median(b - a for a, b in pairs)
@@ -94,7 +151,8 @@ def cost_table(repeats: int, batches: Sequence[int], computes: Sequence[float] =
         lines.append(
             f"| {label} | {1e3 * statistics.median(without):.3f} ({1e3 * min(without):.3f}–"
             f"{1e3 * max(without):.3f}) | {1e3 * statistics.median(with_):.3f} ({1e3 * min(with_):.3f}–"
-            f"{1e3 * max(with_):.3f}) | {1e3 * added:+.3f} | **{100 * (ratio - 1):+.1f} %** |"
+            f"{1e3 * max(with_):.3f}) | {1e3 * added:+.3f} | **{100 * (ratio - 1):+.1f} %** | "
+            f"{statistics.median(wakeups):,.0f} |"
         )
     return "\n".join(lines)
 

@@ -52,10 +52,12 @@ HANDLED, FORGOTTEN = 0.0, 1.0
 #: A server's events sent to its backup and not yet acknowledged, at most: the pushes a worker may have to
 #: send again after a takeover, and the buffers a server keeps for them.
 LAG = 8
-#: A backup's poll of its server's next event sleeps this long first, then twice as long each time, up to
-#: :data:`POLL_MAX_S` (seconds): the server waits for no acknowledgement until :data:`LAG` events are out.
+#: A backup polls for its server's next event at a pace of a quarter of :data:`LAG` events (their mean
+#: interval so far), backing off to the longest while none comes, within these bounds (seconds): the
+#: server waits for no acknowledgement until LAG events are out, and each poll that wakes the backup may
+#: take a core from a worker beside it.
 POLL_MIN_S = 1e-4
-POLL_MAX_S = 1e-3
+POLL_MAX_S = 4e-3
 
 
 def backup_ranks(servers: int, size: int) -> list[int]:
@@ -189,6 +191,7 @@ def mirror_until_done(
     gone: Callable[[int], None] = lambda rank: None  # noqa: E731
     recv: Handle | None = None
     handled = 0  # events handled and not yet acknowledged
+    pace, last = POLL_MIN_S, time.monotonic()  # seconds between polls; when the last event arrived
     while not server.all_done():
         if recv is None:
             recv = comm.irecv(event, primary, MIRROR_TAG)
@@ -198,17 +201,19 @@ def mirror_until_done(
                 ack[0] = handled
                 comm.isend(ack, primary, MIRROR_ACK_TAG).wait()
                 handled = 0
-            pause = 0.0
-            while not arrived:
+            wait = pace
+            while not arrived:  # at the pace, then backing off while nothing comes (the start, the end)
                 if tick is not None:
                     tick()
                 silence.check([primary])
-                pause = min(2 * pause or POLL_MIN_S, POLL_MAX_S)
-                time.sleep(pause)
+                time.sleep(wait)
+                wait = min(2 * wait, POLL_MAX_S)
                 arrived = recv.test()
         if met.lost:
             return False
-        recv = None
+        recv, now = None, time.monotonic()
+        pace = min(max(0.8 * pace + 0.2 * (now - last) * LAG / 4, POLL_MIN_S), POLL_MAX_S)
+        last = now
         silence.heard(primary)
         worker, kind = int(event[-2]), float(event[-1])
         if kind == FORGOTTEN:
