@@ -55,6 +55,8 @@ def test_every_rule_reaches_the_four_rank_digits_target(digits_runs: tuple[Path,
     assert accuracy[-1] >= DIGITS_TARGET[4], accuracy
     assert metrics["attrs"]["world_size"] == 4
     assert list(metrics["attrs"]["rank_in_flight"]) == [0, 0, 0, 0]
+    # the run's epochs and steps (its done: line's), also where rank 0 serves and trains none
+    assert metrics["attrs"]["epochs"] == DIGITS_EPOCHS and metrics["attrs"]["steps"] > 0, metrics["attrs"]
     if label in ("GOSGD", "EASGD-async"):  # every rank's own model scored (gossip, a centre and workers)
         assert len(metrics["attrs"]["rank_val_accuracy"]) == 4
 

@@ -20,6 +20,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from ...comm.base import ReduceOp
 from ..health.signals import SignalStop
 from ..reporting.result import RunResult
 from .async_checkpoints import AsyncCheckpoints
@@ -144,8 +145,13 @@ class Asynchronous(RunMode):
             snapshots.signals.close()
 
     def conclude(self, outcome: LoopOutcome) -> tuple[float, tuple[float, float]]:
-        """Samples summed over ranks; rank 0 validates the rule's final model for everyone."""
-        samples = self.parts.comm.allreduce_scalars([outcome.samples])[0]
+        """Samples summed over ranks; the run's epochs and steps are the furthest rank's (rank 0 may serve
+        and take none: its ``done:`` line and metrics.h5 said 0 of each); rank 0 validates the rule's final
+        model for everyone."""
+        comm = self.parts.comm
+        samples = comm.allreduce_scalars([outcome.samples])[0]
+        furthest = comm.allreduce_scalars([float(outcome.epochs), float(outcome.steps)], ReduceOp.MAX)
+        outcome.epochs, outcome.steps = int(furthest[0]), int(furthest[1])
         return samples, self.parts.evaluator.final(self.parts.trains)
 
 
