@@ -225,3 +225,20 @@ def test_a_group_back_where_the_run_takes_none_back_ends_at_once_in_one_line() -
         "groups train on"
     )
     assert sums == [(0, 1), (0, 1)]
+
+
+def test_a_group_started_again_after_the_run_ended_ends_within_its_bound_in_one_line() -> None:
+    """A lost group's job started again (``restarted``, as groups.sbatch does) just as the run ended: no
+    rendezvous listens any more, and its leader ends after ``restart_connect_s`` with one line, not after the
+    store's connection timeout and its retries (a minute); a first start would wait for group 0."""
+    from mpicrossbow.comm.group_link import GroupLink, GroupLost
+
+    (port,) = free_ports(1)
+    start = time.monotonic()
+    with pytest.raises(GroupLost) as ended:
+        GroupLink("127.0.0.1", port, 1, 2, restarted=True, restart_connect_s=1.0)
+    assert time.monotonic() - start < 5
+    assert str(ended.value) == (
+        f"link: group 1 started again, but the rendezvous on 127.0.0.1:{port} was not there within 1 s: the "
+        "run has ended, nothing left to train"
+    )

@@ -103,6 +103,7 @@ def test_a_lost_group_starts_again_on_the_spare_node_and_its_hanging_srun_is_end
     assert starts[3:] == [["2", "node4"]], log
     again = log[3]
     assert "link.groups=3" in again and "--nodelist=node4" in again, again
+    assert again.endswith(" link.restarted=true") and "link.restarted" not in " ".join(log[:3]), log
     (hung,) = [int(line.split()[3]) for line in log if line.startswith("start 2 node3")]
     with pytest.raises(ProcessLookupError):
         os.kill(hung, 0)

@@ -78,6 +78,10 @@ LOOK_S = 0.05
 #: Seconds every group's leader has to reach the rendezvous at the start (its job's start-up: imports, the
 #: data, another node's Slurm step starting later).
 START_S = 120.0
+#: Seconds a restarted group's leader tries to reach the rendezvous: the run was under way when its job was
+#: started again, so a store not there by then has ended with the run (the store's own connection timeout,
+#: ``join_s`` + 30 s, is for a first start, where group 0's job may start later than the others).
+RESTART_CONNECT_S = 10.0
 #: Gloo's own timeout on an operation: the backstop behind the heartbeats (an aborted era's operation that
 #: a peer never finishes ends by it).
 GLOO_TIMEOUT_S = 120.0
@@ -108,6 +112,21 @@ def _route_address(address: str, port: int) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((address, port))
         return str(probe.getsockname()[0])
+
+
+def _listening(address: str, port: int, within_s: float) -> bool:
+    """Whether something accepts a TCP connection on ``address:port`` within ``within_s`` (tried every 0.2 s;
+    the connection is closed at once): a plain probe, so that an absent store costs neither the store
+    client's retries nor its C++ error lines."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=max(deadline - time.monotonic(), 0.1)):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
 
 
 def _retire(held: list[dist.ProcessGroupGloo]) -> None:
@@ -148,7 +167,9 @@ class _Heartbeat:
 
 class GroupLink:
     """One group leader's end of the link (the protocol: the module doc). ``groups`` groups start in era 0;
-    :meth:`allreduce` sums over the live ones; :meth:`close` at the end."""
+    :meth:`allreduce` sums over the live ones; :meth:`close` at the end. ``restarted``: this leader's job
+    started its group again after a loss, so the rendezvous is tried for ``restart_connect_s`` only (the run
+    ended if it is not there by then)."""
 
     def __init__(
         self,
@@ -161,6 +182,8 @@ class GroupLink:
         start_s: float = START_S,
         admit: bool = False,
         on_lost: Callable[[dict[int, str]], None] | None = None,
+        restarted: bool = False,
+        restart_connect_s: float = RESTART_CONNECT_S,
     ) -> None:
         if not 0 <= group < groups:
             raise ValueError(f"group {group} of {groups}: groups are 0..{groups - 1}")
@@ -174,6 +197,11 @@ class GroupLink:
         #: Where this leader's Gloo sockets listen: its address on the route to the rendezvous.
         self.local_address = _route_address(address, port)
         listener = socket.create_server((address, port)) if group == 0 else None  # never the wildcard
+        if restarted and group != 0 and not _listening(address, port, restart_connect_s):
+            raise GroupLost(
+                f"link: group {group} started again, but the rendezvous on {host}:{port} was not there "
+                f"within {restart_connect_s:g} s: the run has ended, nothing left to train"
+            )
         try:
             self._store = dist.TCPStore(
                 address, port, is_master=group == 0, wait_for_workers=False, timeout=timeout,

@@ -290,6 +290,12 @@ class LinkSection:
     dead_after_s: float = setting(
         2.0, "a group whose heartbeat (every 0.25 s) has not moved for this long is lost", gt=0
     )
+    restarted: bool = setting(
+        False,
+        "this job starts a lost group again (launch/slurm/groups.sbatch sets it): the run is under way, so a "
+        "rendezvous not reached within 10 s means the run has ended, and this job ends at once with one line "
+        "instead of waiting out the store's connection timeout",
+    )
 
 
 @dataclass(frozen=True)

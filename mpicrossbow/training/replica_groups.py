@@ -119,8 +119,9 @@ def join_groups(inner: Communicator, config: Config) -> Communicator:
     leader = None
     if inner.rank == 0:  # admit: a group back takes a peer's state (..returning_group)
         leader = GroupLink(
-            host, int(port), link.group, link.groups, link.dead_after_s, admit=True, on_lost=record_lost
-        )
+            host, int(port), link.group, link.groups, link.dead_after_s, admit=True, on_lost=record_lost,
+            restarted=link.restarted,
+        )  # fmt: skip
     linked = LinkedCommunicator(inner, leader, link.group, link.groups)
     if linked.joining:  # its sums start where the others are, at its first step
         return linked
