@@ -265,15 +265,28 @@ def connect(merged: Any, first_joiner: int) -> list[str]:
 
 def merge_with_survivors() -> Any:
     """In a replacement, after MPI started: the communicator merged with the survivors that spawned it (they
-    come first), its errors returned as exceptions (then :func:`connect`)."""
+    come first), its errors returned as exceptions (then :func:`connect`). What the replacement's set-up
+    will import anyway is imported first (:func:`warm_up`): before the merge the survivors train on."""
     from mpi4py import MPI
 
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
         raise RuntimeError(f"{REPLACES} is set but no survivors spawned this process")
+    warm_up()
     merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     return merged
+
+
+def warm_up() -> None:
+    """Import ``torch._dynamo``, which torch's optimizers import as they are built (torch 2.13: 1.0-1.7 s
+    here, most of a replacement's set-up between the survivors' offer and its first collective, while they
+    wait): a replacement does it before it merges with them, while they still train (the spawn runs on a
+    thread of theirs). Nothing is lost where it cannot be imported: the optimizer then does without."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as exc:  # torch's own concern; the set-up meets it again and says so
+        log.debug("elastic: torch._dynamo not imported ahead (%s)", exc)
 
 
 def send_handover(merged: Any, joiners: range, handover: Handover) -> None:
