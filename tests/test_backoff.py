@@ -35,12 +35,14 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 
 def test_a_wait_yields_until_it_is_old_then_naps_a_bounded_share_of_it(clock: Clock) -> None:
     wait = Backoff()
+    napped = []
     for _ in range(5):  # 5 polls within the first YIELD_S
-        wait.pause()
+        napped.append(wait.pause())
         clock.now += YIELD_S / 10
     assert [kind for kind, _ in clock.done] == ["yield"] * 5
     clock.now += YIELD_S  # the wait is now 1.5 x YIELD_S old
-    wait.pause()
+    napped.append(wait.pause())
+    assert napped == [False] * 5 + [True]  # the caller learns which pauses napped
     kind, nap = clock.done[-1]
     assert kind == "nap" and nap == pytest.approx(NAP_SHARE * 1.5 * YIELD_S)
     clock.now += 10.0  # a straggler: ten seconds

@@ -103,3 +103,26 @@ def test_the_fence_is_none_on_x86_64_and_libatomics_elsewhere(monkeypatch: pytes
 
     monkeypatch.setattr(shm.ctypes, "CDLL", missing)
     assert shm._fence() is None
+
+
+def test_an_elastic_wait_asks_mpi_every_32nd_poll_while_it_yields_and_after_every_nap() -> None:
+    """ULFM raises a peer's failure only in an MPI call, and needs a few: a wait on the shared window asks
+    (``MPI_Iprobe``) every :data:`~mpicrossbow.comm.shm.ASK_EVERY`-th poll while polls are microseconds
+    apart, and after every nap once they are a millisecond apart (every 32nd nap let a SIGKILLed peer's
+    survivors wait 160-270 ms); without ``notice_failures`` it never asks."""
+    from types import SimpleNamespace
+
+    from mpicrossbow.comm.shm import ASK_EVERY, SharedMemoryCommunicator
+
+    asked: list[int] = []
+    for notice in (True, False):
+        probe = SimpleNamespace(Iprobe=lambda *args: asked.append(1))
+        fake = SimpleNamespace(notice_failures=notice, _comm=probe)
+        polls = range(1, 3 * ASK_EVERY + 1)
+        for poll in polls:  # yielding
+            SharedMemoryCommunicator._ask_mpi(fake, poll, False)  # type: ignore[arg-type]
+        yielding = len(asked)
+        for poll in polls:  # napping
+            SharedMemoryCommunicator._ask_mpi(fake, poll, True)  # type: ignore[arg-type]
+        assert (yielding, len(asked) - yielding) == ((3, 3 * ASK_EVERY) if notice else (0, 0))
+        asked.clear()

@@ -35,16 +35,19 @@ class Backoff:
     def __init__(self) -> None:
         self._since: float | None = None
 
-    def pause(self) -> None:
-        """Give the core back once: yield while the wait is young, else nap a share of its length."""
+    def pause(self) -> bool:
+        """Give the core back once: yield while the wait is young, else nap a share of its length. Whether
+        it napped (a poll after a nap is a millisecond or so from the last: a caller that also asks MPI
+        every so many polls asks after each nap)."""
         now = time.monotonic()
         if self._since is None:
             self._since = now
         waited = now - self._since
         if waited < YIELD_S:
             os.sched_yield()
-        else:
-            time.sleep(min(MAX_NAP_S, waited * NAP_SHARE))
+            return False
+        time.sleep(min(MAX_NAP_S, waited * NAP_SHARE))
+        return True
 
     def reset(self) -> None:
         """The wait ended: the next one starts by yielding again."""

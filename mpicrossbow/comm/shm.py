@@ -103,9 +103,11 @@ _DTYPE_NAMES = {i: str(dtype) for dtype, i in _DTYPE_CODES.items()}
 TILE = 1 << 18
 #: Polls of the other ranks' flags before each further poll gives the core back (:class:`.Backoff`).
 SPINS = 100
-#: With ``notice_failures``: polls past :data:`SPINS` between two questions to MPI (``MPI_Iprobe`` takes
-#: about 1.4 us here, a yielding poll about 1 us: asking at every poll delayed each sync's end by up to one
-#: question, 6 us of a digits allreduce; every 32nd poll notices a failure within about 0.1 ms of waiting).
+#: With ``notice_failures``: polls past :data:`SPINS` between two questions to MPI while the wait yields
+#: (``MPI_Iprobe`` takes about 1.4 us here, a yielding poll about 1 us: asking at every poll delayed each
+#: sync's end by up to one question, 6 us of a digits allreduce); once it naps, after every nap. Every 32nd
+#: nap (the count alone, before) let a SIGKILLed peer's survivors wait 160-270 ms on the dead: ULFM needs
+#: a few of these progress calls to raise the failure (benchmarks.vs_torchft: the stall at the loss).
 ASK_EVERY = 32
 _ALIGN = 64
 
@@ -447,19 +449,19 @@ class SharedMemoryCommunicator(MPICommunicator):
                 while q != me and header[0] < epoch:
                     polls += 1
                     if polls > SPINS:
-                        self._backoff.pause()
+                        napped = self._backoff.pause()
                         self._watch.waiting("the shared-memory allreduce")
-                        self._ask_mpi(polls)
+                        self._ask_mpi(polls, napped)
                     window.refresh()
             self._watch.reset()
             self._backoff.reset()
         window.sync()
 
-    def _ask_mpi(self, polls: int) -> None:
-        """With ``notice_failures``, at every :data:`ASK_EVERY`-th poll: let MPI progress on the run's
-        communicator, where ULFM raises a failure it knows of (ERR_PROC_FAILED, ERR_REVOKED); nothing is
-        received (``MPI_Iprobe`` only looks)."""
-        if self.notice_failures and polls % ASK_EVERY == 0:
+    def _ask_mpi(self, polls: int, napped: bool) -> None:
+        """With ``notice_failures``, at every :data:`ASK_EVERY`-th poll, and after every nap (``napped``):
+        let MPI progress on the run's communicator, where ULFM raises a failure it knows of
+        (ERR_PROC_FAILED, ERR_REVOKED); nothing is received (``MPI_Iprobe`` only looks)."""
+        if self.notice_failures and (napped or polls % ASK_EVERY == 0):
             self._comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
 
     def _across_nodes(self, buf: np.ndarray) -> None:
@@ -475,8 +477,7 @@ class SharedMemoryCommunicator(MPICommunicator):
         while not request.Test():
             polls += 1
             if polls > SPINS:
-                self._backoff.pause()
-                self._ask_mpi(polls)
+                self._ask_mpi(polls, self._backoff.pause())
         self._backoff.reset()
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
