@@ -3,19 +3,20 @@ process for each, hand it the consensus state from a live peer (no disk), and th
 
 Who sends what to whom, in order (S: every survivor, J: every replacement, M: the merged communicator):
 
-1. **Spawn.** At the first step after a recovery that every survivor trains, S call ``MPI_Comm_spawn``
-   over a duplicate of their communicator, **on a thread of their own** (:class:`BackgroundSpawn`; MPI runs
-   with ``MPI_THREAD_MULTIPLE`` when ``[elastic] replace`` is on): one process per lost rank, the job's own
-   command line (``sys.orig_argv``), with :data:`REPLACES` in its environment naming the start rank it
-   stands for. J starts as any rank does (Python, ``import torch``: about 2 s here), finds :data:`REPLACES`
-   and merges; S's thread merges too, first, so every survivor keeps its rank and rank 0 its duties, and
-   greets each replacement (:func:`connect`). Meanwhile S **train on**: at the start of every step they agree
-   (one allreduce of a flag) whether every survivor's thread is done, and go on to step 2 at the first step
-   where it is — a commit window's start, every survivor holding the committed state. Only when every member
-   (lost ones included) is on one host: across hosts, Open MPI 5.0's ``MPI_Comm_spawn`` on a thread stalls the
-   survivors' own collectives over TCP and itself, for a minute to several (2 namespace nodes: spawns of 3.8,
-   30, 62 and 201 s and one past 280 s in five runs, against 2.6 s in each of four when the survivors wait),
-   so there S wait for the spawn (:func:`spawn_threaded`).
+1. **Spawn.** At the first step after a recovery that every survivor trains, S call ``MPI_Comm_spawn`` over a
+   duplicate of their communicator, **on a thread of their own** (:class:`BackgroundSpawn`; MPI runs with
+   ``MPI_THREAD_MULTIPLE`` when ``[elastic] replace`` is on): one process per lost rank, the job's own command
+   line (``sys.orig_argv``), with :data:`REPLACES` in its environment naming the start rank it stands for. J
+   starts as any rank does (Python, ``import torch``: about 2 s here), finds :data:`REPLACES`, imports what
+   its set-up will (:func:`warm_up`: its optimizer's ``torch._dynamo``, 1-1.7 s, which S would otherwise wait
+   for after step 2) and merges; S's thread merges too, first, so every survivor keeps its rank and rank 0 its
+   duties, and greets each replacement (:func:`connect`). Meanwhile S **train on**: at the start of every step
+   they agree (one allreduce of a flag) whether every survivor's thread is done, and go on to step 2 at the
+   first step where it is — a commit window's start, every survivor holding the committed state. Only when
+   every member (lost ones included) is on one host: across hosts, Open MPI 5.0's ``MPI_Comm_spawn`` on a
+   thread stalls the survivors' own collectives over TCP and itself, for a minute to several (2 namespace
+   nodes: spawns of 3.8, 30, 62 and 201 s and one past 280 s in five runs, against 2.6 s in each of four when
+   the survivors wait), so there S wait for the spawn (:func:`spawn_threaded`).
 2. **Offer.** Rank 0 broadcasts an :class:`Offer` over M: the start ranks every member stands for, the
    run folder, the loop position and the thread count. J prepares locally as the lost start rank would
    have: its device, its data shard, its seed (S wait meanwhile, in the next collective).
