@@ -242,3 +242,22 @@ def test_a_group_started_again_after_the_run_ended_ends_within_its_bound_in_one_
         f"link: group 1 started again, but the rendezvous on 127.0.0.1:{port} was not there within 1 s: the "
         "run has ended, nothing left to train"
     )
+
+
+def test_close_twice_after_group_0_ended_the_rendezvous_returns_at_once() -> None:
+    """A member's second ``close`` (the communicator contract allows it) after group 0's leader, seeing every
+    member gone, ended the rendezvous: it returns, where it once asked the store that is gone and raised
+    GroupLost (the linked communicator's contract check failed so under load)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mpicrossbow.comm.group_link import GroupLink
+
+    (port,) = free_ports(1)
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(lambda g: GroupLink("127.0.0.1", port, g, 2), range(2))
+    second.close()
+    first.close()  # every member left: group 0's leader ends, and its store with it
+    del first
+    start = time.monotonic()
+    second.close()
+    assert time.monotonic() - start < 1

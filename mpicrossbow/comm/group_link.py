@@ -224,6 +224,8 @@ class GroupLink:
         #: Groups back and admitted at a commit, waiting for :meth:`admit_pending` (the same on every member).
         self.pending: tuple[int, ...] = ()
         self._pg: dist.ProcessGroupGloo | None = None
+        #: :meth:`close` ran: a second call does nothing (group 0's leader may have ended the rendezvous).
+        self._closed = False
         if returning:
             self._rejoin(start_s)
             return
@@ -568,7 +570,11 @@ class GroupLink:
     def close(self) -> None:
         """Leave the link at the end of the run, on every member: group 0's leader, which holds the
         rendezvous, waits until every other member has left (or its heartbeat stopped, at most ``join_s``);
-        then stop the heartbeat and release the Gloo group."""
+        then stop the heartbeat and release the Gloo group. Once: a second call returns at once (the first
+        told group 0's leader this member left, and the rendezvous may be gone since)."""
+        if self._closed:
+            return
+        self._closed = True
         key = f"{self.quorum.era}/closed"
         with self._abandoned_if_lost():
             self._store_call(lambda: self._store.add(key, 1))
