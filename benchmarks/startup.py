@@ -1,7 +1,8 @@
 """Start-up cost of a whole small job: ``crossbow-launch`` on the 1-epoch digits job against the floor of any
 MPI + PyTorch job, ``mpiexec -n 2 python -c 'import torch, mpi4py.MPI'``.
 
-    python -m benchmarks.startup [--pairs 5] [--ranks 2] [--optim-floor] [--launch CMD] [--no-write]
+    python -m benchmarks.startup [--pairs 5] [--ranks 2] [--optim-floor] [--launch CMD] [--baseline DIR]
+                                 [--no-write]
 
 Run from the repository root (the job reads ``launch/digits.cfg`` and ``models.mlp`` from there). Both
 commands are whole processes, started the way a user starts them: the ``crossbow-launch`` and ``mpiexec``
@@ -15,6 +16,12 @@ ratios) are printed and appended to ``benchmarks/results/startup.md``.
 ``--optim-floor`` adds a third process to every round: the floor plus building one ``torch.optim.SGD``
 (PyTorch imports ``torch._dynamo`` when an optimizer is built or steps), the least any rank that trains
 with a torch optimizer costs.
+
+``--baseline DIR`` adds the same job run from another checkout, in it and with its own virtual environment
+(``DIR/.venv/bin/crossbow-launch`` in ``DIR``: the ranks import ``mpicrossbow`` from their working folder)
+to every round, and the ratio job ÷ baseline: a start-up change measured side by side. For an older
+commit: ``git worktree add DIR COMMIT && cd DIR && python3 -m venv .venv && .venv/bin/pip install -c
+constraints.txt -e '.[mpich]'``.
 """
 
 from __future__ import annotations
@@ -54,6 +61,10 @@ class Samples:
 
     label: str
     argv: list[str]
+    #: Whether the command is a job, which gets a fresh ``session.output`` folder each run.
+    job: bool = False
+    #: The folder it runs in (None: this one).
+    cwd: Path | None = None
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
 
@@ -76,6 +87,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--optim-floor", action="store_true", help="also time the floor plus building one torch optimizer"
     )
+    parser.add_argument(
+        "--baseline",
+        help="also time the job from this checkout (PYTHONPATH), e.g. a worktree of an old commit",
+    )
     parser.add_argument("--note", default="", help="a line added to the results (what was measured)")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
     args = parser.parse_args(argv)
@@ -95,12 +110,12 @@ def beside_interpreter(name: str) -> str:
     return found
 
 
-def run_once(argv: list[str]) -> tuple[float, float]:
-    """Run ``argv`` to completion; its (wall, CPU) seconds. Exits with its output if it fails."""
+def run_once(argv: list[str], cwd: Path | None = None) -> tuple[float, float]:
+    """Run ``argv`` to completion (in ``cwd``); its (wall, CPU) seconds. Exits with its output if it fails."""
     with tempfile.TemporaryFile() as output:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
-        proc = subprocess.run(argv, stdout=output, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+        proc = subprocess.run(argv, stdout=output, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S, cwd=cwd)
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if proc.returncode != 0:
@@ -111,16 +126,16 @@ def run_once(argv: list[str]) -> tuple[float, float]:
     return wall, cpu
 
 
-def measure(commands: list[Samples], job: Samples, pairs: int, warmup: int) -> None:
+def measure(commands: list[Samples], pairs: int, warmup: int) -> None:
     """Interleaved rounds, each command once per round, the order reversed every other round."""
     for round_ in range(warmup + pairs):
         order = commands if round_ % 2 == 0 else commands[::-1]
         for samples in order:
             argv = samples.argv
             with tempfile.TemporaryDirectory(prefix="startup-bench-") as out:
-                if samples is job:
+                if samples.job:
                     argv = [*argv, f"session.output={out}"]
-                wall, cpu = run_once(argv)
+                wall, cpu = run_once(argv, samples.cwd)
             if round_ >= warmup:
                 samples.wall.append(wall)
                 samples.cpu.append(cpu)
@@ -153,7 +168,7 @@ def spread(values: list[float]) -> str:
 
 
 def table(commands: list[Samples], job: Samples, floors: list[Samples]) -> str:
-    """The Markdown table: wall and CPU per command, then job ÷ each floor."""
+    """The Markdown table: wall and CPU per command, then job ÷ each of the others (``floors``)."""
     lines = [
         "| process | wall s, median (min–max) | CPU s, median (min–max) |",
         "|---|---:|---:|",
@@ -185,8 +200,11 @@ def write(text: str) -> Path:
     return path
 
 
-def portable(command: str) -> str:
-    """``command`` without this machine's paths: the interpreter's folder becomes ``$BIN``."""
+def portable(command: str, baseline: str | None = None) -> str:
+    """``command`` without this machine's paths: the interpreter's folder becomes ``$BIN``, the baseline
+    checkout ``$BASELINE``."""
+    if baseline:
+        command = command.replace(str(Path(baseline).resolve()), "$BASELINE")
     return command.replace(str(Path(sys.executable).parent) + "/", "$BIN/")
 
 
@@ -196,25 +214,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     mpiexec = beside_interpreter("mpiexec")
     launch = shlex.split(args.launch) if args.launch else [beside_interpreter("crossbow-launch")]
-    job = Samples(
-        "job",
-        [*launch, "-cfg", args.cfg, "-np", str(args.ranks), "session.epochs=1", "session.progress=off"],
-    )
+    job_argv = [*launch, "-cfg", args.cfg, "-np", str(args.ranks), "session.epochs=1", "session.progress=off"]
+    job = Samples("job", job_argv, job=True)
     floor = Samples("floor", [mpiexec, "-n", str(args.ranks), sys.executable, "-c", FLOOR_CODE])
     floors = [floor]
+    if args.baseline:
+        launcher = Path(args.baseline).resolve() / ".venv" / "bin" / "crossbow-launch"
+        if not launcher.is_file():
+            sys.exit(f"--baseline {args.baseline}: no {launcher} (a checkout with its own .venv; see --help)")
+        baseline = Samples("baseline job", [str(launcher), *job_argv[1:]], job=True, cwd=launcher.parents[2])
+        floors.insert(0, baseline)
     if args.optim_floor:
         optim = [mpiexec, "-n", str(args.ranks), sys.executable, "-c", OPTIM_FLOOR_CODE]
         floors.append(Samples("floor + optimizer", optim))
     commands = [job, *floors]
     load_before = os.getloadavg()[0]
     started = datetime.datetime.now(datetime.timezone.utc)
-    measure(commands, job, args.pairs, args.warmup)
+    measure(commands, args.pairs, args.warmup)
     result = table(commands, job, floors)
     print(result)
     if args.no_write:
         return 0
-    invocation = shlex.join(["python", "-m", "benchmarks.startup", *(sys.argv[1:] if argv is None else argv)])
-    described = "\n".join(f"- {s.label}: `{portable(shlex.join(s.argv))}`" for s in commands)
+    invocation = portable(
+        shlex.join(["python", "-m", "benchmarks.startup", *(sys.argv[1:] if argv is None else argv)]),
+        args.baseline,
+    )
+    described = "\n".join(
+        f"- {s.label}: `{portable(shlex.join(s.argv), args.baseline)}`{' (in $BASELINE)' if s.cwd else ''}"
+        for s in commands
+    )
     note = f"\n- note: {args.note}" if args.note else ""
     section = (
         f"\n## 1-epoch digits job vs the import floor — {started:%Y-%m-%d %H:%M} UTC\n\n"

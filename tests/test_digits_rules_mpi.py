@@ -61,6 +61,13 @@ def test_every_rule_reaches_the_four_rank_digits_target(digits_runs: tuple[Path,
         assert len(metrics["attrs"]["rank_val_accuracy"]) == 4
 
 
+def test_no_rule_imports_the_compiler(digits_runs: tuple[Path, str]) -> None:
+    """Every rank built and stepped its optimizers through every rule and none compiled: none imported
+    torch._dynamo (about a second of each rank's start: mpicrossbow.dynamo_on_demand)."""
+    _, log = digits_runs
+    assert "COMPILER imported on ranks []" in log, log[-2000:]
+
+
 def test_the_asynchronous_easgd_centre_reports_about_once_an_epoch(digits_runs: tuple[Path, str]) -> None:
     """EASGD's centre rank reported the centre's accuracy about once per epoch, then the final model, and
     said so in its log."""

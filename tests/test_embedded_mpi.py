@@ -23,6 +23,8 @@ from data.digits import digits_dataset
 pytestmark = [pytest.mark.mpi]
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
+#: The checks tests/mpi_scripts/embedded_checks.py runs (each says OK, SKIP or FAIL).
+CHECKS = 13
 #: Every synchronous rule: the example's final weights equal crossbow-launch's (observed: bitwise).
 SYNCHRONOUS = ("BSP", "SMA", "EASGD", "LOCALSGD", "DILOCO")
 #: Validation accuracy both paths reach on the digits in 4 epochs (chance is 0.1; DiLoCo is the slowest
@@ -62,7 +64,7 @@ def test_embedded_api_checks(mpiexec: str, tmp_path: Path, n: int) -> None:
     """tests/mpi_scripts/embedded_checks.py: every check passes (or does not apply) at n ranks."""
     stdout = launch(mpiexec, n, [str(SCRIPTS / "embedded_checks.py"), str(tmp_path)], 60 + 30 * n)
     found = verdicts(stdout)
-    assert len(found) == 12, stdout
+    assert len(found) == CHECKS, stdout
     failed = {name: v for name, v in found.items() if not (v == "OK" or (n == 1 and v.startswith("SKIP")))}
     assert not failed, failed
 
@@ -75,7 +77,7 @@ def test_embedded_api_checks_on_a_gpu(tmp_path: Path) -> None:
     proc = run_local(args, timeout=300, env={"EMBEDDED_DEVICES": "cuda0"})
     assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     found = verdicts(proc.stdout)
-    assert len(found) == 9 and all(v == "OK" or v.startswith("SKIP") for v in found.values()), found
+    assert len(found) == CHECKS and all(v == "OK" or v.startswith("SKIP") for v in found.values()), found
 
 
 def test_the_example_runs_under_mpiexec_as_the_docs_say(mpiexec: str, tmp_path: Path) -> None:

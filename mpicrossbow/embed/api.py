@@ -52,6 +52,7 @@ from ..comm.base import Communicator
 from ..config.fields import build
 from ..config.sections import CommSection, ElasticSection, NumaSection, SessionSection
 from ..data.loader import LoaderOptions
+from ..dynamo_on_demand import spare_dynamo
 from ..errors import USAGE_EXIT_CODE, ConfigError, UsageError
 from ..launch.binding import bind as bind_cores
 from ..launch.binding import gather_facts
@@ -173,6 +174,7 @@ def init(
         if problem:
             _refuse_repeated_init(_state.world, problem)
         return _state.world
+    spare_dynamo()  # optimizers built from here on import the compiler only if the script compiles
     if replacing():  # a replacement spawned by an elastic job's survivors: it joins them
         return _join_init(asked)
     world = _start_world(threads, elastic, log_level)

@@ -5,6 +5,8 @@
 Each run trains with the launcher's own ``run_rank`` (the same code path as ``crossbow-launch``) and writes
 its run folder under ``OUT/LABEL``; the overrides after ``--`` apply to every run. Rank 0 prints
 ``RAN <label>`` after each run and ``DONE`` at the end; a failing run aborts the whole job, as it would alone.
+Before ``DONE`` it says on stderr which ranks imported the compiler, ``torch._dynamo`` (``COMPILER imported on
+ranks [...]``): none should, since none compiles (mpicrossbow.dynamo_on_demand).
 
 With ``LINK_COUNTERS=IFACE`` in the environment (nodes of tests/netns_cluster.py), rank 0 also prints
 ``LINK <label> <host>=<bytes> ...`` before the first run (label ``start``) and after each: the bytes sent plus
@@ -67,7 +69,9 @@ def main(argv: list[str]) -> int:
         report_links(label)
         if MPI.COMM_WORLD.rank == 0:
             print(f"RAN {label}", flush=True)
+    compiled = MPI.COMM_WORLD.allgather("torch._dynamo" in sys.modules)
     if MPI.COMM_WORLD.rank == 0:
+        print(f"COMPILER imported on ranks {[r for r, c in enumerate(compiled) if c]}", file=sys.stderr)
         print("DONE", flush=True)
     return 0
 

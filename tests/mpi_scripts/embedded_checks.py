@@ -295,6 +295,12 @@ def expect(kind: type[BaseException], words: str, call: Callable[[], object]) ->
         raise AssertionError(f"no {kind.__name__} ({words})")
 
 
+def check_the_compiler_was_never_imported() -> None:
+    """Every check above built and stepped torch optimizers; none compiled, so none imported the compiler
+    (mpicrossbow.dynamo_on_demand: about a second of every rank's start)."""
+    assert "torch._dynamo" not in sys.modules, "torch._dynamo was imported"
+
+
 def main() -> int:
     folder = Path(sys.argv[1])
     global DEVICE
@@ -312,6 +318,7 @@ def main() -> int:
         ("allreduce", check_allreduce_numbers_and_tensors),
         ("evaluation_shards", check_evaluation_shards_keep_every_sample),
         ("optimizer_state_and_lr", check_distribute_broadcasts_the_optimizer_state_and_scales_lr),
+        ("compiler_never_imported", check_the_compiler_was_never_imported),
     ]
     return finish(run_checks("embedded", checks))
 

@@ -7,9 +7,9 @@ Who sends what to whom, in order (S: every survivor, J: every replacement, M: th
    duplicate of their communicator, **on a thread of their own** (:class:`BackgroundSpawn`; MPI runs with
    ``MPI_THREAD_MULTIPLE`` when ``[elastic] replace`` is on): one process per lost rank, the job's own command
    line (``sys.orig_argv``), with :data:`REPLACES` in its environment naming the start rank it stands for. J
-   starts as any rank does (Python, ``import torch``: about 2 s here), finds :data:`REPLACES`, imports what
-   its set-up will (:func:`warm_up`: its optimizer's ``torch._dynamo``, 1-1.7 s, which S would otherwise wait
-   for after step 2) and merges; S's thread merges too, first, so every survivor keeps its rank and rank 0 its
+   starts as any rank does (Python, ``import torch``: about 2 s here; its optimizer will not import the
+   compiler, which S would wait 1-1.7 s for after step 2: :mod:`mpicrossbow.dynamo_on_demand`), finds
+   :data:`REPLACES` and merges; S's thread merges too, first, so every survivor keeps its rank and rank 0 its
    duties, and greets each replacement (:func:`connect`). Meanwhile S **train on**: at the start of every step
    they agree (one allreduce of a flag) whether every survivor's thread is done, and go on to step 2 at the
    first step where it is — a commit window's start, every survivor holding the committed state. Only when
@@ -266,28 +266,15 @@ def connect(merged: Any, first_joiner: int) -> list[str]:
 
 def merge_with_survivors() -> Any:
     """In a replacement, after MPI started: the communicator merged with the survivors that spawned it (they
-    come first), its errors returned as exceptions (then :func:`connect`). What the replacement's set-up
-    will import anyway is imported first (:func:`warm_up`): before the merge the survivors train on."""
+    come first), its errors returned as exceptions (then :func:`connect`)."""
     from mpi4py import MPI
 
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
         raise RuntimeError(f"{REPLACES} is set but no survivors spawned this process")
-    warm_up()
     merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     return merged
-
-
-def warm_up() -> None:
-    """Import ``torch._dynamo``, which torch's optimizers import as they are built (torch 2.13: 1.0-1.7 s
-    here, most of a replacement's set-up between the survivors' offer and its first collective, while they
-    wait): a replacement does it before it merges with them, while they still train (the spawn runs on a
-    thread of theirs). Nothing is lost where it cannot be imported: the optimizer then does without."""
-    try:
-        import torch._dynamo  # noqa: F401
-    except Exception as exc:  # torch's own concern; the set-up meets it again and says so
-        log.debug("elastic: torch._dynamo not imported ahead (%s)", exc)
 
 
 def send_handover(merged: Any, joiners: range, handover: Handover) -> None:

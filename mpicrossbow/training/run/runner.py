@@ -15,6 +15,7 @@ from ...comm.elastic import elastic_over_mpi
 from ...comm.membership import Membership
 from ...comm.ulfm import ElasticEnd
 from ...config import Config
+from ...dynamo_on_demand import spare_dynamo
 from ...errors import UsageError
 from ...launch.binding import bind, device_label, gather_facts, report
 from ...launch.collector import collector_off_then_frozen
@@ -68,6 +69,7 @@ def prepare_session(config: Config, rule: Rule | None = None) -> tuple[World, Se
         or (rule is not None and rule.needs_mpi_threads)
         or bool(config.elastic.enabled and config.elastic.replace)  # replacements start on a thread
     )
+    spare_dynamo()  # before the model file builds its optimizer
     world = detect_world(threads)
     setup_logging(world.rank, world.size, config.session.log_level.upper() if world.rank == 0 else None)
     session = Session(config, world, rule)
@@ -106,6 +108,7 @@ def join_rank(config: Config, replaces: int) -> int:
     ends only this process, by a signal the survivors see (they recover without it)."""
     from mpi4py import MPI
 
+    spare_dynamo()
     alone = detect_world(threads=True)  # MPI starts: its own COMM_WORLD of one (it may spawn in turn)
     merged = merge_with_survivors()
     connect(merged, merged.size - MPI.COMM_WORLD.Get_size())  # the replacements started together come last
