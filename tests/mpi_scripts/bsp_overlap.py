@@ -19,10 +19,13 @@ from mpi4py import MPI
 from models.mlp import MLP
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.config import OptimSection
+from mpicrossbow.dynamo_on_demand import spare_dynamo
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP
 from mpicrossbow.training.run.step import train_step
+
+spare_dynamo()  # as crossbow-launch's ranks: the optimizers below need not import the compiler
 
 STEPS, BATCH = 6, 8
 OPTIM = OptimSection(lr=0.1, momentum=0.9, weight_decay=1e-3)
