@@ -22,10 +22,13 @@ from test_gosgd import STEPS, check_against_numpy, scheduled_run
 from models.mlp import MLP
 from mpicrossbow.comm.mpi import MPICommunicator
 from mpicrossbow.config import OptimSection
+from mpicrossbow.dynamo_on_demand import spare_dynamo
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import GOSGD
 from mpicrossbow.training.run.step import train_step
+
+spare_dynamo()  # as crossbow-launch's ranks: the optimizers below need not import the compiler
 
 torch.set_num_threads(1)
 comm = MPICommunicator()
