@@ -47,3 +47,26 @@ def test_a_rank_blocked_after_sigterm_exits_within_the_grace_period() -> None:
     assert stderr.startswith(
         "crossbow-launch: error: rank 3: SIGTERM, and the training loop has not come back for 5 s"
     ), stderr
+
+
+CLOSED_AT_ONCE = """
+import time
+from mpicrossbow.training.health import signals
+
+class OneRank:
+    def allreduce(self, tensor, op, async_op=False):
+        raise AssertionError("no check was started")
+
+signals.WATCH_POLL_S = 60.0  # the watch would sleep through the whole test
+stop = signals.SignalStop(OneRank())
+time.sleep(0.2)  # the watch is in its wait
+stop.close()
+print("alive" if stop._thread.is_alive() else "ended", flush=True)
+"""
+
+
+def test_close_wakes_the_watch_thread_instead_of_waiting_out_its_poll() -> None:
+    """A run's end does not wait for the watch's next look (it did: up to half a second on every rank)."""
+    proc = subprocess.run([sys.executable, "-c", CLOSED_AT_ONCE], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ended"

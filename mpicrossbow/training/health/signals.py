@@ -40,6 +40,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 TERM_GRACE_S = 5.0
 #: The grace never exceeds this: Slurm's default KillWait is 30 s.
 TERM_GRACE_MAX_S = 20.0
+#: Seconds the watch thread waits for a signal before it looks at the grace again.
+WATCH_POLL_S = 0.5
 
 
 class SignalStop:
@@ -105,7 +107,7 @@ class SignalStop:
         """Notice SIGTERM even while the main thread is blocked; exit when its loop does not come back."""
         term_at: float | None = None
         while not self._closing.is_set():
-            ready, _, _ = select.select([self._read], [], [], 0.5)
+            ready, _, _ = select.select([self._read], [], [], WATCH_POLL_S)
             if ready:
                 data = os.read(self._read, 64)
                 if signal.SIGTERM in data and term_at is None:
@@ -126,6 +128,10 @@ class SignalStop:
             handle.wait()
         self._pending.clear()
         self._closing.set()
+        try:  # wake the watch now, not at its next look (up to WATCH_POLL_S at every run's end)
+            os.write(self._write, b"\0")
+        except BlockingIOError:  # the pipe is full: the watch is awake already
+            pass
         self._thread.join(timeout=5)
         signal.set_wakeup_fd(self._previous_fd)
         for fd in (self._read, self._write):
