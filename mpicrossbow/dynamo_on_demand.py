@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: Where ``torch._disable_dynamo``'s decorated function caches the wrapper it built (torch 2.x).
 CACHE_ATTR = "__dynamo_disable"
@@ -38,12 +41,16 @@ def spare_dynamo(packages: tuple[str, ...] = PACKAGES) -> int:
     """Give every ``torch._disable_dynamo`` decorated function of ``packages`` (imported modules and their
     submodules), and every optimizer class's own ``step`` there, a stand-in that imports nothing until the
     process compiles; the number of stand-ins given (0 where torch changed, or when called again). Imports
-    torch."""
-    import torch._compile
+    torch. Never fails a run: where this torch lacks either decorator, it gives none (a slower start)."""
+    try:
+        import torch._compile
 
-    optimizer_module = importlib.import_module("torch.optim.optimizer")  # torch.optim deletes the name
-    disabled = torch._compile._disable_dynamo(_probe).__code__
-    stepping = optimizer_module._use_grad_for_differentiable(_probe).__code__
+        optimizer_module = importlib.import_module("torch.optim.optimizer")  # torch.optim deletes the name
+        disabled = torch._compile._disable_dynamo(_probe).__code__
+        stepping = optimizer_module._use_grad_for_differentiable(_probe).__code__
+    except (ImportError, AttributeError, TypeError) as exc:  # another torch: its own decorators stay
+        log.debug("torch's optimizers keep importing torch._dynamo: %s", exc)
+        return 0
     count = 0
     for function in _functions_of(packages):
         if function.__code__ is disabled:

@@ -132,3 +132,10 @@ def test_a_module_without_torchs_decorators_gets_nothing() -> None:
         assert spare_dynamo(("plainoptim",)) == 0
     finally:
         del sys.modules["plainoptim"]
+
+
+def test_a_torch_without_the_decorators_gets_no_stand_ins_and_the_run_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(sys.modules["torch.optim.optimizer"], "_use_grad_for_differentiable")
+    assert spare_dynamo() == 0
