@@ -4,7 +4,7 @@ A ``torch.optim`` optimizer imports ``torch._dynamo``, the whole compiler stack 
 decompositions), the first time it is built and stepped: a few methods (``add_param_group``, ``zero_grad``,
 ``state_dict``, ``load_state_dict``; some functional steps) are marked ``torch._disable_dynamo``, whose first
 call imports the compiler to build its "do not trace this" wrapper, and every ``step`` is wrapped by
-``_use_grad_for_differentiable``, which imports it to place graph breaks. That is 0.8-1.2 s of CPU on every
+``_use_grad_for_differentiable``, which imports it to place graph breaks. That is 0.8-1.3 s of CPU on every
 rank here (torch 2.13, ``python -X importtime``), about a third of a rank's start, on a rank that never
 compiles anything; on a cluster every rank pays it at once, from a shared file system.
 
@@ -61,8 +61,10 @@ def spare_dynamo(packages: tuple[str, ...] = PACKAGES) -> int:
     for cls in _optimizer_classes(packages):
         step = vars(cls).get("step")
         if isinstance(step, types.FunctionType) and step.__code__ is stepping:  # none built yet (hooked)
-            cls.step = _step_stand_in(step, _closure_value(step, "func"))
-            count += 1
+            raw = _closure_value(step, "func")
+            if isinstance(raw, types.FunctionType):
+                cls.step = _step_stand_in(step, raw)
+                count += 1
     return count
 
 
