@@ -4,7 +4,7 @@ the final validation accuracy of each, and the difference in points.
     python -m benchmarks.precision                      # the whole grid, seeds 0-2; results/precision.md
     python -m benchmarks.precision --datasets digits --seeds 0 --no-write
 
-Each world size is one ``mpiexec`` job per precision whose runs go one after another
+Each world size is one ``mpiexec`` job whose runs go one after another, every fp32 run then every bf16 one
 (tests/mpi_scripts/cfg_runs.py: torch starts once per rank), through ``crossbow-launch``'s own code path.
 The synchronous rules run on 2 ranks, the asynchronous and parameter-server rules on 4 (their existing digits
 tests' settings, tests/test_compression_mpi.py); the cfgs are launch/digits.cfg and launch/mnist1d.cfg as
@@ -68,27 +68,29 @@ def accuracies(
     ranks: int,
     labels: dict[str, str],
     dataset: str,
-    precision: str,
+    precisions: tuple[str, ...],
     seeds: list[int],
     timeout_s: float,
-) -> dict[str, float]:
-    """Train every rule of ``labels`` (label → overrides) on ``ranks`` ranks on ``dataset`` in ``precision``
-    for every seed (one MPI job); label → mean accuracy over the seeds."""
+) -> dict[tuple[str, str], float]:
+    """Train every rule of ``labels`` (label → overrides) on ``ranks`` ranks on ``dataset`` in every one of
+    ``precisions`` for every seed, in one MPI job (torch starts once per rank for all of them); (label,
+    precision) → mean accuracy over the seeds."""
     cfg, common = DATASETS[dataset]
     tuned = TUNED.get(dataset, {})
     runs = [
-        f"{label}@{seed}={cfg},{overrides},session.seed={seed}"
+        f"{label}@{seed}@{precision}={cfg},{overrides},session.seed={seed},optim.precision={precision}"
         + (f",{tuned[label]}" if label in tuned else "")
+        for precision in precisions
         for label, overrides in labels.items()
         for seed in seeds
     ]
-    folder = out / f"{dataset}-{ranks}-{precision}"
-    common = [*common, f"optim.precision={precision}"]
-    ran = cfg_runs(folder, ranks, runs, common, timeout_s, f"{dataset} {precision} on {ranks} ranks")
-    found: dict[str, list[float]] = {}
-    for label, accuracy in ran.items():
-        found.setdefault(label.partition("@")[0], []).append(accuracy)
-    return {label: sum(values) / len(values) for label, values in found.items()}
+    what = f"{dataset} {'/'.join(precisions)} on {ranks} ranks"
+    ran = cfg_runs(out / f"{dataset}-{ranks}", ranks, runs, common, timeout_s, what)
+    found: dict[tuple[str, str], list[float]] = {}
+    for run, accuracy in ran.items():
+        label, _, rest = run.partition("@")
+        found.setdefault((label, rest.rpartition("@")[2]), []).append(accuracy)
+    return {key: sum(values) / len(values) for key, values in found.items()}
 
 
 def measure(
@@ -106,9 +108,11 @@ def measure(
         for ranks, labels in rules.items():
             if not labels:
                 continue
-            fp32 = accuracies(out, ranks, labels, dataset, "fp32", seeds, timeout_s)
-            bf16 = accuracies(out, ranks, labels, dataset, "bf16", seeds, timeout_s)
-            outcomes += [Outcome(dataset, label, fp32[label], bf16[label], len(seeds)) for label in labels]
+            found = accuracies(out, ranks, labels, dataset, ("fp32", "bf16"), seeds, timeout_s)
+            outcomes += [
+                Outcome(dataset, label, found[label, "fp32"], found[label, "bf16"], len(seeds))
+                for label in labels
+            ]
     return outcomes
 
 

@@ -1,6 +1,6 @@
 """``[optim] precision`` under real ``mpiexec``: every synchronous rule trains the digits MLP in bf16 within
 one point of its fp32 accuracy, and so does BSP on the MNIST-1D CNN (benchmarks/precision.py's grid on
-seed 0: one MPI job per world size and precision, its runs one after another through ``crossbow-launch``'s
+seed 0: one MPI job per world size, fp32's and bf16's runs one after another through ``crossbow-launch``'s
 own path), and an fp16 overflow on one rank is skipped by every rank.
 
 On MNIST-1D the test runs BSP alone: the convolutions' bf16 arithmetic is the same under every rule, and
