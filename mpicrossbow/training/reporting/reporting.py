@@ -287,15 +287,17 @@ class Reporter(FollowsWorld):
         if self.metrics is not None:
             self.metrics.file.attrs["autotune_history"] = [list(h) for h in history]
 
-    def rank_rates(self, rate: float, share: float) -> None:
-        """Collective: every rank's training steps/s and exchange share (NaN for serving ranks), and its
-        start rank (after an elastic loss the survivors' ranks are renumbered; the report names them so)."""
-        pairs = self.world.allgather((rate, share, self.start_rank))
+    def rank_rates(self, rate: float, share: float, trained: int = 0) -> None:
+        """Collective: every rank's training steps/s and exchange share (NaN for serving ranks), the steps it
+        trained (a resumed run's or a replacement's from where it started) and its start rank (after an
+        elastic loss the survivors' ranks are renumbered; the report names them so)."""
+        pairs = self.world.allgather((rate, share, self.start_rank, trained))
         figures = {"steps_per_second": [p[0] for p in pairs], "exchange_share": [p[1] for p in pairs]}
         if self.metrics is not None:
             for name, values in figures.items():
                 self.metrics.file.attrs[f"rank_{name}"] = values
             self.metrics.file.attrs["rank_start_rank"] = [p[2] for p in pairs]
+            self.metrics.file.attrs["rank_steps_trained"] = [p[3] for p in pairs]
         if self.tensorboard is not None:
             self.tensorboard.ranks(figures, self._last_step)
 

@@ -58,7 +58,8 @@ class RunMode(ABC):
             parts.timeline.finish(parts.world)
         if parts.trains and busy > 0:
             # the steps this process trained: a resumed run's or a replacement's started part-way
-            reporter.rank_rates((outcome.steps - outcome.first_step) / busy, outcome.exchange_s / busy)
+            trained = outcome.steps - outcome.first_step
+            reporter.rank_rates(trained / busy, outcome.exchange_s / busy, trained)
         else:
             reporter.rank_rates(math.nan, math.nan)
         reporter.rank_health(parts.rule.in_flight, parts.straggler.injected_seconds)
