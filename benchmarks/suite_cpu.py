@@ -3,6 +3,7 @@ second, then count the processes and their CPU seconds by kind and by test file.
 
     python -m benchmarks.suite_cpu                      # the README's test command: results/suite_cpu.md
     python -m benchmarks.suite_cpu --no-write -- -m quick -n 2
+    python -m benchmarks.suite_cpu --dump /tmp/procs.json    # and every process, for a census by test
 
 Each process is read from ``/proc/<pid>/stat`` (user + system CPU, the largest value seen while it lived:
 up to a second of a process's end is missed, and a process that lives less than a second may be missed
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import statistics
 import subprocess
@@ -162,10 +164,16 @@ def main(argv: list[str]) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
+    parser.add_argument(
+        "--dump", type=Path, help="also write every process seen (test, command line, CPU s) to this JSON"
+    )
     parser.add_argument("pytest_args", nargs="*", help="pytest's arguments after --")
     args = parser.parse_args(argv)
     pytest_args = args.pytest_args or list(DEFAULT_ARGS)
     status, wall, ticks, procs = run_sampled(pytest_args)
+    if args.dump:
+        rows = [{"comm": p.comm, "cmd": p.cmd, "test": p.test, "cpu": round(p.cpu, 2)} for p in procs]
+        args.dump.write_text(json.dumps(rows), encoding="utf-8")
     table = tables(wall, ticks, procs)
     print(table)
     if not args.no_write:

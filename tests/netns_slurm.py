@@ -34,6 +34,8 @@ from netns_cluster import missing_reason as netns_missing
 from slurm_cluster import SlurmCluster, daemon_lines, free_ports, read_pid, start_munge, stop_pid, tool
 from slurm_cluster import missing_reason as slurm_missing
 
+from parallel import sharing_env
+
 START_TIMEOUT_S = 60.0
 
 
@@ -92,7 +94,8 @@ class NetnsSlurm(SlurmCluster):
             (self.root / sub).mkdir()
         sock, self.munge_pid_file = start_munge(self.root)
         self._write_config(sock)
-        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SLURM_CONF": str(self.conf)}
+        path = os.environ.get("PATH", "/usr/bin:/bin")
+        self.env = {"PATH": path, "SLURM_CONF": str(self.conf), **sharing_env()}
         started = [self.run(tool("slurmctld") or "slurmctld", "-f", str(self.conf))]
         started += [self._start_slurmd(name) for name in self.cluster.hosts]
         self._wait_idle(started)

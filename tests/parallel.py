@@ -57,6 +57,18 @@ SHARED = {
 IMPORTED_BY_WORKERS: set[str] = set()
 
 
+#: The environment :func:`pytest_configure` gives the workers, so every job they start inherits it.
+SHARING_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", *OVERSUBSCRIBED_SETTINGS)
+
+
+def sharing_env() -> dict[str, str]:
+    """This process's core-sharing settings (:data:`SHARING_KEYS` that are set: by :func:`pytest_configure`
+    or the user), for a job whose environment is built from scratch (a Slurm cluster's clients, a fresh
+    login shell's): without them its ranks spin in every MPI wait and start a thread per core beside the
+    other worker's test (a lost-node test's survivors burnt 43 CPU s in 53 s, measured alone)."""
+    return {key: os.environ[key] for key in SHARING_KEYS if key in os.environ}
+
+
 def group_of(nodeid: str) -> str:
     """The group of the test ``nodeid``: the daemons', a shared fixture's, or its file's."""
     name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]

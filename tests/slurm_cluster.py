@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from parallel import sharing_env
+
 DAEMONS = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd"}
 CLIENTS = ("sbatch", "sinfo", "scontrol", "squeue", "sacct", "srun")
 NODES = ("n1", "n2")
@@ -87,9 +89,11 @@ class SlurmCluster:
         return dict(line.split() for line in proc.stdout.splitlines() if len(line.split()) == 2)
 
     def fresh_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """A fresh login shell's environment on this cluster: system PATH, HOME, SLURM_CONF, ``extra``."""
+        """A fresh login shell's environment on this cluster: system PATH, HOME, SLURM_CONF, the suite's
+        core-sharing settings (:func:`parallel.sharing_env`: what a shared machine's profile would set),
+        ``extra``."""
         base = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": os.environ.get("HOME", "/")}
-        return {**base, "SLURM_CONF": str(self.conf), **(extra or {})}
+        return {**base, "SLURM_CONF": str(self.conf), **sharing_env(), **(extra or {})}
 
     def sbatch(self, *args: str, cwd: Path, env: dict[str, str] | None = None, fresh: bool = False) -> int:
         """Submit a batch script (from a fresh shell's environment plus ``env`` if ``fresh``); its job id."""

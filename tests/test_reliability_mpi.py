@@ -131,7 +131,10 @@ def test_a_failing_rank_ends_the_job_quickly_and_is_named(mpiexec: str, tmp_path
         pids = dict(re.findall(r"(\d+): pid (\d+)", re.search(r"rank processes: (.*)", proc.stderr)[1]))
         dead = re.search(r"PID (\d+) RUNNING AT|process rank (\d+)", proc.stdout + proc.stderr)
         assert dead is not None, proc.stdout[-2000:]
-        assert dead[1] == pids["1"] or dead[2] == "1"
+        # On a loaded machine rank 0's wait can see the loss before hydra's proxy does (comm/peer_watch.py):
+        # rank 0 then ends first, its line naming rank 1, and hydra names rank 0 (seen once in ~15 suites).
+        seen_by_peer = f"node rank 1 (pid {pids['1']}) is gone" in proc.stderr
+        assert dead[1] == pids["1"] or dead[2] == "1" or seen_by_peer, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 
