@@ -57,7 +57,6 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_btl", "^ofi")
     env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(extra or {})

@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .fabric_probe import skip_fabric_probe
 from .finalize_fence import skip_finalize_fence
 
 #: Variables that prove an MPI launcher (or srun with a PMI plug-in) started this process.
@@ -159,6 +160,7 @@ def detect_world(threads: bool = False) -> World:
     mpi4py.rc.thread_level = "multiple" if threads else "serialized"
     oversubscribed = tune_for_oversubscription()
     skip_finalize_fence()  # under --with-ft ulfm: a dead rank must not hold up MPI_Finalize
+    skip_fabric_probe()  # Open MPI on one node: its libfabric transport only costs MPI_Init a second
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
