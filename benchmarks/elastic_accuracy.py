@@ -145,7 +145,7 @@ def job(out: Path, overrides: list[str]) -> tuple[int, str]:
     cmd = [str(here / "mpiexec"), "--with-ft", "ulfm", "-n", str(RANKS), str(here / "crossbow-launch"),
            "-cfg", CFG, f"session.output={out}", *overrides]  # fmt: skip
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMPI_MCA_btl": "^ofi"}  # fmt: skip
+           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True,

@@ -117,7 +117,7 @@ ELASTIC_KILLS = {"BSP": "kill_in_exchange", "SMA": "kill_in_exchange", "LOCALSGD
 
 #: The environment of every elastic job: Open MPI as root, more ranks than cores allowed.
 OPENMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-               "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMPI_MCA_btl": "^ofi"}  # fmt: skip
+               "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}  # fmt: skip
 
 
 #: Ranks of the per-step cost's jobs: one per core of this 2-core machine (the recoveries run 4).
