@@ -9,9 +9,11 @@ import signal
 
 import numpy as np
 
+from mpicrossbow.launch.fabric_probe import skip_fabric_probe
 from mpicrossbow.launch.finalize_fence import skip_finalize_fence
 
 skip_finalize_fence()  # before MPI_Init, as crossbow-launch does: the dead rank must not hold up MPI_Finalize
+skip_fabric_probe()  # and, as it does, without libfabric's second-long probe on one node
 from mpi4py import MPI  # noqa: E402
 
 VICTIM = 1
