@@ -10,7 +10,10 @@ job's ranks are all here (``OMPI_COMM_WORLD_LOCAL_SIZE`` equals ``OMPI_COMM_WORL
 :func:`skip_fabric_probe` sets ``OMPI_MCA_btl=^ofi`` for this rank. A job across nodes keeps every
 transport (a fabric's own path, ``pml/cm`` with ``mtl/ofi``, is not a BTL and is never touched), and a
 ``btl`` setting the user gave (``--mca btl``, which Open MPI hands each rank as ``OMPI_MCA_btl``, or the
-variable) wins. Measured here: ``MPI_Init`` 1.07 s -> 0.08 s a rank; the 1-epoch digits job on 2 ranks
+variable) wins. A replacement rank (``MPI_Comm_spawn``) is a job of one to Open MPI, so it always leaves the
+layer out: in a job across nodes it then reaches its peers by ``btl/tcp`` (or the fabric's ``pml``), not
+by ``btl/ofi`` (what its parents pass it, :mod:`~mpicrossbow.training.elastic.replacement`, does not carry
+their choice yet). Measured here: ``MPI_Init`` 1.07 s -> 0.08 s a rank; the 1-epoch digits job on 2 ranks
 3.28 s -> 2.23 s (benchmarks/results/startup.md, 2026-12-02 05:51).
 """
 
