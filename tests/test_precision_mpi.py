@@ -39,9 +39,7 @@ ONE_SEED_MNIST1D = 0.02
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["digits", "mnist1d"])
-def test_bf16_trains_every_synchronous_rule_close_to_fp32(
-    mpiexec: str, tmp_path: Path, dataset: str
-) -> None:
+def test_bf16_trains_every_synchronous_rule_close_to_fp32(mpiexec: str, tmp_path: Path, dataset: str) -> None:
     rules = {ranks: {k: v for k, v in by.items() if k in SYNCHRONOUS} for ranks, by in RULES.items()}
     if dataset == "mnist1d":
         rules = {2: {k: v for k, v in rules[2].items() if k == "BSP"}}  # the CNN; every rule: digits
