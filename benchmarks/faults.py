@@ -178,9 +178,12 @@ def embedded_job(
 
 
 def loss_line(stderr: str) -> tuple[float, int]:
-    """(seconds to recover, steps dropped) from the job's one ``elastic: lost rank(s)`` line."""
+    """(seconds to recover, steps dropped) from the job's one ``elastic: lost rank(s)`` line (a step redone
+    over the survivors, the embedded API's BSP: none dropped)."""
     (line,) = [line for line in stderr.splitlines() if "elastic: lost rank(s)" in line]
     (seconds,) = re.findall(r"recovered in ([0-9.]+)s", line)
+    if re.search(r", step \d+ redone over the survivors", line):
+        return float(seconds), 0
     dropped = re.search(r", (?:(no step)|step (\d+)|steps (\d+)-(\d+)) dropped", line)
     if dropped is None:
         raise RuntimeError(f"no steps dropped in: {line}")

@@ -679,3 +679,58 @@ def test_auto_decides_again_over_the_survivors_after_a_loss() -> None:
         assert [row[:2] for row in rule.decisions] == [(3, "BSP"), (9, "BSP")]
         assert rule.decision.measured.ranks == 3
     assert all(torch.equal(survivors[0][0][-1], other[0][-1]) for other in survivors[1:])
+
+
+def test_in_your_own_loop_bsp_redoes_the_step_that_met_the_loss_over_the_survivors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The embedded API's BSP (one allreduce after backward): rank 2 of 3 dies right after step 3's
+    allreduce completed everywhere, so both survivors meet the loss inside step 4's. Each kept its own
+    step-4 gradient before the exchange (:meth:`StepHooks._keep_gradients`): they heal, put it back and
+    allreduce it again over the two of them, so step 4 trains — its update is the mean of the survivors'
+    own gradients, bitwise the same on both — and no step is dropped (the one line says so; it dropped
+    step 4 before, a step more than torchft's survivors lose)."""
+    from torch import nn
+
+    from mpicrossbow.embed.elastic_mode import ModelState
+    from mpicrossbow.embed.own_model import OwnModel
+    from mpicrossbow.embed.step_hooks import StepHooks
+    from mpicrossbow.training.elastic.fault_tolerance import FaultTolerance
+
+    world, lr = FaultyWorld(3, timeout_s=20), 0.1
+
+    def body(group: FaultyGroup) -> tuple[list[torch.Tensor], list[torch.Tensor], FaultTolerance]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        own = OwnModel(model, optimizer, lambda: None)
+        comm = ElasticCommunicator(group)
+        trapped = ExchangeTrap(comm)
+        rule = RULES.get("BSP")().bind(trapped, own)
+        tolerance = FaultTolerance(comm, rule, [ModelState(own), rule], refresh=True)
+        StepHooks(own, rule, window=tolerance)
+        after, local = [], []
+        for step in range(7):
+            data = torch.Generator().manual_seed(100 * group.me + step)
+            x, y = torch.randn(16, 4, generator=data), torch.randint(0, 3, (16,), generator=data)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            local.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
+            if group.me == 2 and step == 3:
+                trapped.arm(lambda: world.die(2))
+            optimizer.step()
+            after.append(own.learner.params.clone())
+        return after, local, tolerance
+
+    results = world.run(body)
+    assert results[2] is None
+    (after0, local0, tol0), (after1, local1, tol1) = results[0], results[1]
+    for step in range(7):
+        assert torch.equal(after0[step], after1[step]), step  # the replicas bitwise equal throughout
+    assert not torch.equal(after0[4], after0[3])  # step 4 trained
+    expected = after0[3] - lr * ((local0[4] + local1[4]) / 2)  # the mean of the survivors' own gradients
+    assert torch.allclose(after0[4], expected, atol=1e-7, rtol=0), (after0[4] - expected).abs().max()
+    assert tol0.committed == tol1.committed == 7 and len(tol0.recoveries) == 1
+    lines = [r.getMessage() for r in caplog.records if "lost rank(s) 2" in r.getMessage()]
+    assert len(lines) == 1 and "at step 4, step 4 redone over the survivors" in lines[0], lines
+    assert "dropped" not in lines[0]

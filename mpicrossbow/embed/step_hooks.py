@@ -25,7 +25,9 @@ post-hook ends the step there — committing the window when it ends, or, after 
 of the last commit (the optimizer's update of a step that met the loss is undone with the rest). Under a
 rule that heals from a peer instead (BSP), a step that met the loss, or that a rank behind skips, hands the
 optimizer no gradient (each parameter's ``grad`` is None during its ``step()``, put back after it), so the
-user's ``optimizer.step()`` changes nothing there.
+user's ``optimizer.step()`` changes nothing there — unless the exchange is redone: BSP's one allreduce can run
+again over the survivors (``StepWindow.redoes``), so the pre-hook keeps a copy of the rank's own gradient
+before it, put back when every survivor met the loss inside the same step's exchange, and that step trains.
 
 **fp16.** torch's ``GradScaler`` calls ``optimizer.step()`` only on a rank whose gradients did not
 overflow, so on the one rank that overflowed the pre-hook, and BSP's allreduce in it, would not run while
@@ -38,6 +40,7 @@ is a usage error, named before any rank waits.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,6 +82,8 @@ class StepHooks:
         self.agreed = -1
         #: Gradients held back from the optimizer during a step that does not train (elastic healing).
         self.held: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        #: This rank's own gradient of the step running now, kept for a redo (elastic training), once used.
+        self.kept: torch.Tensor | None = None
         HOOKED[optimizer] = self
         self._handles = [
             optimizer.register_step_pre_hook(self._before),
@@ -102,11 +107,22 @@ class StepHooks:
         self.check_lr()
         self.window.begin(self.step)
         exchange = lambda: rule_gradients(self.rule, self.step, self.own, self.noise)  # noqa: E731
-        self.window.guard(exchange, f"step {self.step}")
+        redo = self._keep_gradients() if self.window.redoes() else None
+        self.window.guard(exchange, f"step {self.step}", redo)
         if not self.window.trains():  # torch's optimizers pass over a parameter without a gradient
             self.held = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
             for param, _ in self.held:
                 param.grad = None
+
+    def _keep_gradients(self) -> Callable[[], None]:
+        """A copy of this rank's own flat gradient, taken before the exchange (into the same buffer every
+        step), and what puts it back: a step whose exchange met a lost rank runs it again over the
+        survivors from there (elastic training's redo, :meth:`StepWindow.redoes`)."""
+        grads = self.own.learner.grads
+        if self.kept is None or self.kept.shape != grads.shape:
+            self.kept = torch.empty_like(grads)
+        kept = self.kept.copy_(grads)
+        return lambda: grads.copy_(kept)
 
     def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         for param, grad in self.held:  # the user's own zero_grad() finds them as it left them

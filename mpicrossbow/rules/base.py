@@ -83,6 +83,15 @@ class Rule:
         return False
 
     @property
+    def redoes_exchange(self) -> bool:
+        """True when ``on_gradients`` can run again over the survivors after it met a lost rank, from the
+        same local gradients put back, and write nothing but the learners' ``grads`` (BSP's grad mode when its
+        exchange is one allreduce after backward, no buckets started during it): elastic training then
+        redoes the step that met the loss instead of dropping it
+        (:mod:`mpicrossbow.training.elastic.fault_tolerance`)."""
+        return False
+
+    @property
     def unapplied_steps(self) -> int:
         """Steps this rank completed whose exchange has not reached its shared state yet (SMA: the step whose
         allreduce is in flight, completed at the next step's start; every rule whose exchange completes

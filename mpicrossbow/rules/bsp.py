@@ -80,6 +80,12 @@ class BSP(Rule):
         the BatchNorm statistics are averaged between steps whole (``atomic``)."""
         return getattr(self, "mode", None) == "grad"
 
+    @property
+    def redoes_exchange(self) -> bool:
+        """Grad mode with one allreduce after backward (no buckets: their allreduces start during backward,
+        before a copy of the local gradient could be kept): the allreduce can run again over the survivors."""
+        return getattr(self, "mode", None) == "grad" and getattr(self, "buckets", None) is None
+
     def on_bind(self) -> None:
         """Resolve ``auto`` and reject gradient mode for models that update themselves."""
         assert self.pool is not None

@@ -61,7 +61,12 @@ survivors
 
 One step is lost for the survivors' shared model — the one in which they met the loss (BSP: its update; SMA:
 z's move, and the step before's when they met it in its overlapped allreduce; LOCALSGD and DILOCO: its
-average, each survivor keeping its local step) — and none when the loss was met between steps; a rank's own
+average, each survivor keeping its local step) — and none when the loss was met between steps, or when the
+step's exchange can run again (``Rule.redoes_exchange``, BSP's one allreduce after backward, in the user's own
+loop, whose hooks keep a copy of the rank's gradient before it: ``guard``'s ``redo``): when every survivor met
+the loss inside that same exchange, the heal's agreement says so, each puts its gradient back and the
+exchange runs again over the survivors (:meth:`FaultTolerance.redoes`), as torchft's quorum leaves a dead
+replica out of the step's allreduce; a rank's own
 batches for at most two (LOCALSGD: up to a period, on a rank that lagged an average); and elastic training
 costs no per-step work beyond the elastic communicator's forwarding.
 
@@ -210,6 +215,10 @@ class FaultTolerance(StepWindow):
         self.skip_until = 0
         #: Healing: the step running now does not train (skipped, or it met a loss).
         self.idle = False
+        #: Healing: this rank met the loss inside a step's gradient exchange that can run again (``guard``'s
+        #: ``redo``), and the last heal decided that every survivor redoes it.
+        self.redoable = False
+        self.redo = False
 
     @property
     def heals(self) -> bool:
@@ -267,9 +276,16 @@ class FaultTolerance(StepWindow):
         elif self.refresh and not self.pending and self.met is None:
             self.saved = self.capture(self.saved)
 
-    def guard(self, work: Callable[[], T], where: str) -> T | None:
+    def redoes(self) -> bool:
+        """Healing under a rule whose gradient exchange can run again (``Rule.redoes_exchange``): a step
+        whose exchange met the loss on every survivor is redone over them, not dropped."""
+        return self.heals and self.rule.redoes_exchange
+
+    def guard(self, work: Callable[[], T], where: str, redo: Callable[[], None] | None = None) -> T | None:
         """``work()`` inside the open window, unless this rank met a lost rank in it already (then, or when
-        ``work`` meets one now, None: the window's end drops it)."""
+        ``work`` meets one now, None: the window's end drops it). Healing with ``redo`` (the step's gradient
+        exchange, :meth:`redoes`): when every survivor met the loss inside this same exchange, ``redo()``
+        puts this rank's gradients back and ``work`` runs again over the survivors."""
         if self.met is not None or (self.heals and self.idle):
             return None
         try:
@@ -277,9 +293,15 @@ class FaultTolerance(StepWindow):
         except PeerLost:
             self.met = (where, time.perf_counter())
             if self.heals:  # recover and heal now: the others meet it within one step (module doc)
-                self.idle = True
+                self.idle, self.redoable = True, redo is not None and self.redoes()
                 self.comm.commit(False)  # as a committed collective's member that met it: revoke, agree
                 self._healed(self.steps_done + 1)
+                self.redoable = False
+                if self.redo:
+                    self.idle = self.redo = False
+                    assert redo is not None
+                    redo()
+                    return self.guard(work, where, redo)
             return None
 
     def end(self, step: int) -> bool:
@@ -383,12 +405,15 @@ class FaultTolerance(StepWindow):
         in words. Collective over the survivors; a rank that dies during it fails it on every rank before any
         state is loaded (every part is received first)."""
         comm, me = self.comm.exact, self.comm.rank
-        latest, furthest, least = (
-            int(v)
-            for v in comm.allreduce_scalars(
-                [float(self.committed), float(position), float(-self.committed)], op=ReduceOp.MAX
-            )
-        )
+        mine = [float(self.committed), float(position), float(-self.committed), float(-self.redoable)]
+        latest, furthest, least, some_cannot = (
+            int(v) for v in comm.allreduce_scalars(mine, op=ReduceOp.MAX)
+        )  # some_cannot: -1 when every survivor can redo, 0 when one cannot
+        # every survivor holds the same steps and met the loss inside the next one's redoable exchange
+        self.redo = some_cannot == -1 and -least == latest and furthest == latest + 1
+        if self.redo:
+            self.skip_until = latest
+            return f"step {latest} redone over the survivors (their own gradients)"
         holder = me if self.committed == latest else self.comm.size
         source = int(comm.allreduce_scalars([float(holder)], op=ReduceOp.MIN)[0])
         if -least < latest:  # some survivor lags a step: every part from the source, then loaded

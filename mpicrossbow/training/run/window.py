@@ -41,10 +41,17 @@ class StepWindow(ABC):
         """Step ``step`` starts, its parts to follow in :meth:`guard` and :meth:`end` (the embedded API's
         steps, split around the user's ``optimizer.step()``; :meth:`step` is all three)."""
 
-    def guard(self, work: Callable[[], T], where: str) -> T | None:
+    def guard(self, work: Callable[[], T], where: str, redo: Callable[[], None] | None = None) -> T | None:
         """``work()`` as a part of the open step (``where`` names it in the log); None when the window
-        drops it."""
+        drops it. ``redo``: ``work`` may run again after a loss met inside it, once ``redo()`` put back
+        what it reads (the step's own gradients: :meth:`redoes`)."""
         return work()
+
+    def redoes(self) -> bool:
+        """Whether a step's gradient exchange that meets a lost rank runs again over the survivors, from
+        the gradients each computed (``guard``'s ``redo``), instead of the step being dropped: the embedded
+        API then keeps a copy of them before the exchange."""
+        return False
 
     def end(self, step: int) -> bool:
         """Step ``step`` ended; False when it was dropped."""
@@ -118,9 +125,13 @@ class ForwardingWindow(StepWindow):
         """As the inner window."""
         self.inner.begin(step)
 
-    def guard(self, work: Callable[[], T], where: str) -> T | None:
+    def guard(self, work: Callable[[], T], where: str, redo: Callable[[], None] | None = None) -> T | None:
         """As the inner window."""
-        return self.inner.guard(work, where)
+        return self.inner.guard(work, where, redo)
+
+    def redoes(self) -> bool:
+        """The inner window's."""
+        return self.inner.redoes()
 
     def end(self, step: int) -> bool:
         """As the inner window."""
