@@ -358,8 +358,8 @@ TABLE: tuple[Entry, ...] = (
             ("mpiexec --with-ft", "mpiexec --allow-run-as-root --oversubscribe --with-ft"),
         ),
         expect=(
-            r"elastic: a lost rank is dropped and the others go on \(BSP's, SMA's and LOCALSGD's survivors "
-            r"heal from a peer; other rules commit every 10 step\(s\)",
+            r"elastic: a lost rank is dropped and the others go on \(BSP's survivors redo the step over "
+            r"themselves, SMA's and LOCALSGD's heal from a peer; other rules commit every 10 step\(s\)",
             r"^Test: average loss [\d.]+, accuracy \d+/\d+",
         ),
         kind="openmpi",
@@ -411,8 +411,8 @@ TABLE: tuple[Entry, ...] = (
         "the run goes to a temporary folder (nothing else changed)",
         subst=(("inject.action=kill", "inject.action=kill session.output={out}"),),
         expect=(
-            r"elastic: lost rank\(s\) 2 \(start numbering\) at step 40, step 40 dropped; 3 "
-            r"rank\(s\) go on",
+            r"elastic: lost rank\(s\) 2 \(start numbering\) at step 40, step 40 redone over the survivors "
+            r"\(their own gradients\); 3 rank\(s\) go on",
             r"\[rank 0/3\] INFO done: 20 epoch\(s\)",
         ),
         kind="openmpi",

@@ -102,13 +102,16 @@ def elastic_run(
     every: int = 1,
     falters: int | None = None,
     heals: bool | None = None,
+    redo: bool = False,
 ) -> list[Any]:
     """``steps`` elastic steps of ``rule_name`` on ``size`` fault-double ranks; ``victim`` dies in step
     ``at``: right after its first exchange operation completed when ``exchanging`` (the others' too: a step
     that completed its collective on every rank), else at the step's start; a commit every ``every`` steps.
     ``falters``: a rank whose first exchange operation of step ``at`` completes and then reports the loss
     (ULFM's collectives are not uniform: it failed there, and completed on the others). ``heals``: False
-    commits BSP's grad mode in windows too (the windows' own tests), None lets the rule say. Per survivor:
+    commits BSP's grad mode in windows too (the windows' own tests), None lets the rule say. ``redo``: each
+    step runs its exchange in the window's guard (as the session's loop does: ``train_step(window=...)``),
+    so a step that met the loss can be redone; without it the step's loss drops it. Per survivor:
     its parameters after every step, its membership, its RunTolerance and its rule."""
     world, built = FaultyWorld(size, timeout_s=20), pools(size)
 
@@ -123,7 +126,7 @@ def elastic_run(
         def run(step: int) -> float:
             if group.me == victim and step == at and not exchanging:
                 world.die(victim)  # at the step's start: the others meet the loss in its collectives
-            return train_step(pool, rule, step)
+            return train_step(pool, rule, step, window=steps_ if redo else None)
 
         for step in range(steps):
             if group.me == victim and step == at and exchanging:
@@ -686,7 +689,7 @@ def test_in_your_own_loop_bsp_redoes_the_step_that_met_the_loss_over_the_survivo
 ) -> None:
     """The embedded API's BSP (one allreduce after backward): rank 2 of 3 dies right after step 3's
     allreduce completed everywhere, so both survivors meet the loss inside step 4's. Each kept its own
-    step-4 gradient before the exchange (:meth:`StepHooks._keep_gradients`): they heal, put it back and
+    step-4 gradient before the exchange (``training.run.step.kept_gradients``): they heal, put it back and
     allreduce it again over the two of them, so step 4 trains — its update is the mean of the survivors'
     own gradients, bitwise the same on both — and no step is dropped (the one line says so; it dropped
     step 4 before, a step more than torchft's survivors lose)."""
@@ -734,3 +737,23 @@ def test_in_your_own_loop_bsp_redoes_the_step_that_met_the_loss_over_the_survivo
     lines = [r.getMessage() for r in caplog.records if "lost rank(s) 2" in r.getMessage()]
     assert len(lines) == 1 and "at step 4, step 4 redone over the survivors" in lines[0], lines
     assert "dropped" not in lines[0]
+
+
+def test_crossbow_launchs_bsp_redoes_the_step_that_met_the_loss_over_the_survivors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The session's loop hands its window to ``train_step``: rank 2 of 4 dies right after step 3's allreduce
+    completed everywhere, the survivors meet the loss in step 4's, heal, put back the gradients each kept and
+    allreduce them again over the three of them: step 4 trains (not dropped, as it is when the exchange runs
+    outside the window: the test above), the replicas bitwise equal after every step, one line saying so."""
+    results = elastic_run("BSP", 4, victim=2, at=3, steps=8, redo=True)
+    assert results[2] is None
+    survivors = [r for r in results if r is not None]
+    for after, membership, steps, _ in survivors:
+        assert steps.redoes() and steps.saved is None  # nothing copied but the gradients
+        assert not torch.equal(after[4], after[3])  # step 4 trained
+        assert membership.ranks == (0, 1, 3) and len(steps.recoveries) == 1 and steps.committed == 8
+    for step in range(8):
+        assert all(torch.equal(r[0][step], survivors[0][0][step]) for r in survivors), step
+    lines = [r.getMessage() for r in caplog.records if "lost rank(s) 2" in r.getMessage()]
+    assert len(lines) == 1 and "at step 4, step 4 redone over the survivors" in lines[0], lines

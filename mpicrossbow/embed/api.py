@@ -256,8 +256,9 @@ def _start_elastic(section: ElasticSection) -> None:
     one line saying so."""
     atexit.register(bound_finalize)  # before mpi4py's MPI_Finalize, which runs after it
     log.info(
-        "elastic: a lost rank is dropped and the others go on (BSP's, SMA's and LOCALSGD's survivors heal "
-        "from a peer; other rules commit every %d step(s); at least %d rank(s))",
+        "elastic: a lost rank is dropped and the others go on (BSP's survivors redo the step over "
+        "themselves, SMA's and LOCALSGD's heal from a peer; other rules commit every %d step(s); at least "
+        "%d rank(s))",
         section.commit_every,
         section.min_ranks,
     )

@@ -40,7 +40,6 @@ is a usage error, named before any rank waits.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..rules.base import Rule
-from ..training.run.step import overflow_anywhere, rule_exchange, rule_gradients
+from ..training.run.step import kept_gradients, overflow_anywhere, rule_exchange, rule_gradients
 from ..training.run.window import StepWindow, Unguarded
 from ..training.tuning.noise_scale import NoiseScale
 from .own_model import OwnModel
@@ -82,8 +81,6 @@ class StepHooks:
         self.agreed = -1
         #: Gradients held back from the optimizer during a step that does not train (elastic healing).
         self.held: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        #: This rank's own gradient of the step running now, kept for a redo (elastic training), once used.
-        self.kept: torch.Tensor | None = None
         HOOKED[optimizer] = self
         self._handles = [
             optimizer.register_step_pre_hook(self._before),
@@ -107,22 +104,12 @@ class StepHooks:
         self.check_lr()
         self.window.begin(self.step)
         exchange = lambda: rule_gradients(self.rule, self.step, self.own, self.noise)  # noqa: E731
-        redo = self._keep_gradients() if self.window.redoes() else None
+        redo = kept_gradients(self.own) if self.window.redoes() else None
         self.window.guard(exchange, f"step {self.step}", redo)
         if not self.window.trains():  # torch's optimizers pass over a parameter without a gradient
             self.held = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
             for param, _ in self.held:
                 param.grad = None
-
-    def _keep_gradients(self) -> Callable[[], None]:
-        """A copy of this rank's own flat gradient, taken before the exchange (into the same buffer every
-        step), and what puts it back: a step whose exchange met a lost rank runs it again over the
-        survivors from there (elastic training's redo, :meth:`StepWindow.redoes`)."""
-        grads = self.own.learner.grads
-        if self.kept is None or self.kept.shape != grads.shape:
-            self.kept = torch.empty_like(grads)
-        kept = self.kept.copy_(grads)
-        return lambda: grads.copy_(kept)
 
     def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         for param, grad in self.held:  # the user's own zero_grad() finds them as it left them

@@ -185,7 +185,7 @@ class TrainLoop:
             self.window.amend()  # elastic: a step dropped later keeps the new rate
 
         def run() -> float:
-            return train_step(parts.pool, parts.rule, self.step, count, self._guard, self.noise)
+            return train_step(parts.pool, parts.rule, self.step, count, self._guard, self.noise, self.window)
 
         exchange_s = self.window.step(run, self.step)
         self.out.exchange_s += exchange_s

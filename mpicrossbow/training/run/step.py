@@ -20,7 +20,10 @@ own ``optimizer.step()``: the user's loop computes and applies, and the hooks ca
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
+
+import torch
 
 from ...comm.base import ReduceOp
 from ...pool.base import LearnerPool
@@ -28,6 +31,10 @@ from ...pool.replica_view import ReplicaView
 from ...rules.base import Rule
 from ...trace import complete, span
 from ..tuning.noise_scale import NoiseScale
+from .window import StepWindow
+
+#: Each rank's copies of its learners' gradients for a redo (:func:`kept_gradients`), reused every step.
+_KEPT: weakref.WeakKeyDictionary[ReplicaView, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 def train_step(
@@ -37,13 +44,17 @@ def train_step(
     count: int | None = None,
     guard: Callable[[int], None] | None = None,
     probe: NoiseScale | None = None,
+    window: StepWindow | None = None,
 ) -> float:
     """Run step ``step`` (counted over the whole run) on batch ``count`` of the epoch; return the seconds the
     rule's hooks took (the exchange time).
 
     ``count`` defaults to ``step`` modulo the steps per epoch. ``guard(step)`` runs between backward and
     the rule's first hook: the loop checks the loss there (NaN policy, fault injection, watchdog phase).
-    ``probe`` measures the gradient noise scale around ``on_gradients`` on the steps it is due.
+    ``probe`` measures the gradient noise scale around ``on_gradients`` on the steps it is due. ``window``:
+    the run's, when it redoes a gradient exchange that met a lost rank (:meth:`StepWindow.redoes`, elastic
+    BSP): ``on_gradients`` runs in its guard with the learners' own gradients kept to put back, and a step
+    whose exchange the survivors could not redo applies nothing.
     """
     with span("forward+backward", "compute", step=step):
         pool.compute(step % pool.n_batch_train if count is None else count)
@@ -51,10 +62,35 @@ def train_step(
         guard(step)
     if not unscaled(pool, rule):
         return 0.0
-    seconds = rule_gradients(rule, step, pool, probe)
+    if window is not None and window.redoes():
+        redo = kept_gradients(pool)
+        redone = window.guard(lambda: rule_gradients(rule, step, pool, probe), f"step {step}", redo)
+        if redone is None or not window.trains():
+            return 0.0
+        seconds = redone
+    else:
+        seconds = rule_gradients(rule, step, pool, probe)
     with span("optimizer step", "compute"):
         pool.apply()
     return seconds + rule_exchange(rule, step)
+
+
+def kept_gradients(replicas: ReplicaView) -> Callable[[], None]:
+    """A copy of each learner's own flat gradient, taken before the exchange (into the same buffers every
+    step), and what puts them back: a step whose exchange met a lost rank runs it again over the survivors
+    from there (elastic training's redo, :meth:`StepWindow.redoes`)."""
+    grads = [learner.grads for learner in replicas.learners]
+    kept = _KEPT.get(replicas)
+    if kept is None or [k.shape for k in kept] != [g.shape for g in grads]:
+        kept = _KEPT[replicas] = [torch.empty_like(g) for g in grads]
+    for copy, grad in zip(kept, grads, strict=True):
+        copy.copy_(grad)
+
+    def put_back() -> None:
+        for copy, grad in zip(kept, grads, strict=True):
+            grad.copy_(copy)
+
+    return put_back
 
 
 def rule_gradients(rule: Rule, step: int, replicas: ReplicaView, probe: NoiseScale | None = None) -> float:
