@@ -622,16 +622,22 @@ def linked_run(size: int, groups: int, check: Check) -> None:
         group = comm.rank // per
         inner = comm.split(group, key=comm.rank)
         link = GroupLink("127.0.0.1", port, group, groups) if inner.rank == 0 else None
-        linked = LinkedCommunicator(inner, link, group, groups)
-        node = tuple(range(group * per, (group + 1) * per))  # a group is a node (or a set of nodes)
-        # Gloo sums 16-bit types natively; the in-process groups take a transposed tensor, as does the link
-        subject = Subject(linked, sums_16bit_in_float32=False, takes_non_contiguous=True,
-                          point_to_point=False, splits=False, node=node)  # fmt: skip
-        try:
+        linked = None
+        try:  # the link closed whatever happens: a check that skips (or fails) at once aborts the in-process
+            # world, and a rank aborted while building its communicator once left its link open, its
+            # heartbeat beating on while group 0's leader waited its 30 s for it to leave (1 run in 5)
+            linked = LinkedCommunicator(inner, link, group, groups)
+            node = tuple(range(group * per, (group + 1) * per))  # a group is a node (or a set of nodes)
+            # Gloo sums 16-bit types natively; in-process groups take a transposed tensor, as the link does
+            subject = Subject(linked, sums_16bit_in_float32=False, takes_non_contiguous=True,
+                              point_to_point=False, splits=False, node=node)  # fmt: skip
             run_check(check, subject)
         finally:
             if check is not check_close:
-                linked.close()
+                if linked is not None:
+                    linked.close()
+                elif link is not None:
+                    link.close()
 
     InProcessWorld(size, timeout_s=60).run(rank)
 
