@@ -62,8 +62,9 @@ survivors
 One step is lost for the survivors' shared model — the one in which they met the loss (BSP: its update; SMA:
 z's move, and the step before's when they met it in its overlapped allreduce; LOCALSGD and DILOCO: its
 average, each survivor keeping its local step) — and none when the loss was met between steps, or when the
-step's exchange can run again (``Rule.redoes_exchange``, BSP's one allreduce after backward, in the user's own
-loop, whose hooks keep a copy of the rank's gradient before it: ``guard``'s ``redo``): when every survivor met
+step's exchange can run again (``Rule.redoes_exchange``, BSP's one allreduce after backward, before which
+the step keeps a copy of the rank's gradients — crossbow-launch's ``train_step`` and the user's loop's hooks
+alike: ``guard``'s ``redo``): when every survivor met
 the loss inside that same exchange, the heal's agreement says so, each puts its gradient back and the
 exchange runs again over the survivors (:meth:`FaultTolerance.redoes`), as torchft's quorum leaves a dead
 replica out of the step's allreduce; a rank's own

@@ -49,8 +49,8 @@ class StepWindow(ABC):
 
     def redoes(self) -> bool:
         """Whether a step's gradient exchange that meets a lost rank runs again over the survivors, from
-        the gradients each computed (``guard``'s ``redo``), instead of the step being dropped: the embedded
-        API then keeps a copy of them before the exchange."""
+        the gradients each computed (``guard``'s ``redo``), instead of the step being dropped: the step
+        (``train_step``, the embedded API's hooks) then keeps a copy of them before the exchange."""
         return False
 
     def end(self, step: int) -> bool:
