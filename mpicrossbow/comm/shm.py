@@ -477,13 +477,14 @@ class SharedMemoryCommunicator(MPICommunicator):
             self._comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
 
     def _across_nodes(self, buf: np.ndarray) -> None:
-        """Step 3: the leaders' ``MPI_Allreduce`` in place of their node sums; with ``notice_failures``
-        non-blocking, its wait asking MPI as :meth:`_sync` does (a rank lost on another node fails the run's
-        communicator, not the leaders')."""
+        """Step 3: the leaders' ``MPI_Allreduce`` in place of their node sums, non-blocking, its wait polled
+        (napping as :meth:`_sync` does; with ``notice_failures`` asking MPI for failures, since a rank lost on
+        another node fails the run's communicator, not the leaders'). Never the blocking call: MPICH's
+        blocking ``MPI_Allreduce`` died of SIGSEGV when the other node's leader vanished (a whole node killed,
+        on a loaded 2-core machine: 2 of 3 fresh-clone CIs, and 1 of 1 by hand under load; polled, 0 of 4),
+        and a rank dead of a crash hid the lost node from the job's failure line; polled, the rank stays in
+        Python, where the watchdog names the lost node's ranks (tests/test_slurm_netns.py)."""
         if self._leaders == MPI.COMM_NULL:
-            return
-        if not self.notice_failures:
-            self._leaders.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
             return
         request, polls = self._leaders.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM), 0
         while not request.Test():
