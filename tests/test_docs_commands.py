@@ -93,7 +93,7 @@ TABLE: tuple[Entry, ...] = (
         ("README.md",),
         "python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e '.[mpich,test]'",
         SUBST,
-        "the install as above (`--dry-run`, nothing missing); the whole suite (`pytest -q -n 2`, ~27 min, "
+        "the install as above (`--dry-run`, nothing missing); the whole suite (`pytest -q -n 2`, 14-24 min, "
         "this test among them) is left out: .ci/run runs that line verbatim (tests/test_readme.py checks it)",
         subst=(
             ("python3 -m venv .venv && ", ""),
