@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import processes_mentioning
 
 from conftest import REPO, launcher, mpi_env, only_run, run_local, run_mpi
 from mpicrossbow.launch.failure import ERROR_PREFIX
@@ -214,18 +215,6 @@ def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
     assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
 
 
-def ranks_running(word: str) -> list[int]:
-    """The pids of live processes whose command line holds ``word``."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if word.encode() in cmdline.read_bytes():
-                found.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return found
-
-
 def test_a_job_that_is_not_elastic_leaves_no_rank_behind_under_ulfm(
     openmpi: OpenMPIEnv, tmp_path: Path
 ) -> None:
@@ -238,11 +227,11 @@ def test_a_job_that_is_not_elastic_leaves_no_rank_behind_under_ulfm(
     proc = run_local(openmpi.ft_command(4, openmpi.launch, *args), timeout=180)
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert any("rank 2 on" in line for line in error_lines(proc.stderr)), proc.stderr[-3000:]
-    left = ranks_running(f"session.output={out}")
+    left = [pid for pid, _ in processes_mentioning(f"session.output={out}")]
     deadline = time.monotonic() + 5
     while left and time.monotonic() < deadline:  # every rank gone within 5 s (once the orphan spun forever)
         time.sleep(0.2)
-        left = ranks_running(f"session.output={out}")
+        left = [pid for pid, _ in processes_mentioning(f"session.output={out}")]
     for pid in left:  # never leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert left == [], f"ranks left running after the job ended: {left}"

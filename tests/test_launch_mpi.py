@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from processes import processes_mentioning
 
 from conftest import REPO, launcher, mpi_env, only_run, run_local, run_mpi
 from models.mlp import MLP
@@ -173,22 +174,6 @@ def test_rule_init_from_plain_python_trains_and_reports_failures(tmp_path: Path)
     assert "rank 1 of 2" in lines[2] and "RuntimeError: injected failure in forward" in lines[2]
     for name in ("ok", "missing", "crash"):
         assert not list((tmp_path / name).glob("*.cfg"))  # the temporary cfg is removed
-
-
-def processes_mentioning(marker: str) -> list[tuple[int, str]]:
-    """(pid, command line) of every process whose command line contains ``marker`` (a /proc scan)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            zombie = "State:\tZ" in (entry / "status").read_text()
-        except OSError:
-            continue
-        if marker in cmdline and not zombie:
-            found.append((int(entry.name), cmdline))
-    return found
 
 
 def test_sigint_to_a_rule_init_driver_stops_the_whole_job(tmp_path: Path) -> None:
