@@ -10,6 +10,8 @@ things must not be split or doubled:
 * **the daemons' group**: the files of :data:`DAEMON_FILES` (every test marked ``slurm`` or ``cluster``, but
   one that stays in its file), on one worker, first: they share the session's private Slurm and namespace
   nodes, made once per worker, and are the longest group, so starting them first keeps the end short;
+  the in-process files of :data:`MOSTLY_WAITING` join it: beside the other worker's jobs they cost a core
+  little, where in the in-process tail, after the jobs, their waits held a worker (37 s of waits);
 * **the communicator group**: the files that share the communicator contract's four ``mpiexec`` launches
   (:func:`conftest.comm_job`).
 
@@ -44,6 +46,19 @@ from mpicrossbow.launch.world import OVERSUBSCRIBED_SETTINGS
 DAEMON_MARKERS = ("slurm", "cluster")
 #: The files of the daemons' group.
 DAEMON_FILES = ("test_slurm.py", "test_slurm_netns.py", "test_cluster_netns.py", "test_embedded_slurm.py")
+#: In-process files whose tests mostly wait (a peer's timeout, a grace period, a fake srun that hangs, a
+#: re-measure timer), measured alone: about 37 s of their wall is waiting, 12 s is CPU. They run in the
+#: daemons' group, beside the MPI jobs, not in the in-process tail after them.
+MOSTLY_WAITING = (
+    "test_auto.py",
+    "test_bounded.py",
+    "test_elastic_template.py",
+    "test_groups_template.py",
+    "test_lost_hosts.py",
+    "test_peer_watch.py",
+    "test_rendezvous.py",
+    "test_signals.py",
+)
 #: Files with a daemons' test that runs in its own file's group: its cluster is its own (a command of
 #: docs/cluster.md starting one), and it shares nothing with the daemons' group.
 DAEMONS_ELSEWHERE = ("test_docs_commands.py",)
@@ -70,9 +85,10 @@ def sharing_env() -> dict[str, str]:
 
 
 def group_of(nodeid: str) -> str:
-    """The group of the test ``nodeid``: the daemons', a shared fixture's, or its file's."""
+    """The group of the test ``nodeid``: the daemons' (with the mostly waiting files), a shared fixture's, or
+    its file's."""
     name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-    return "daemons" if name in DAEMON_FILES else SHARED.get(name, name)
+    return "daemons" if name in DAEMON_FILES or name in MOSTLY_WAITING else SHARED.get(name, name)
 
 
 def in_worker(config: pytest.Config) -> bool:

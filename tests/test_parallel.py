@@ -6,13 +6,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from parallel import DAEMON_FILES, DAEMONS_ELSEWHERE, SHARED, group_of, order_of
+from parallel import DAEMON_FILES, DAEMONS_ELSEWHERE, MOSTLY_WAITING, SHARED, group_of, order_of
 
 TESTS = Path(__file__).resolve().parent
 
 
 def test_the_daemons_files_are_one_group_and_every_other_file_its_own() -> None:
     assert {group_of(f"tests/{name}::test_x[a-b]") for name in DAEMON_FILES} == {"daemons"}
+    assert {group_of(f"tests/{name}::test_x") for name in MOSTLY_WAITING} == {"daemons"}
     assert {group_of(f"tests/{name}::test_x") for name in SHARED} == {"communicator"}
     assert group_of("tests/test_bsp.py::test_x[1-2]") == "test_bsp.py"
     assert group_of("tests/test_bsp.py::test_y") == group_of("tests/test_bsp.py::test_x")
@@ -27,6 +28,14 @@ def test_every_file_with_slurm_or_cluster_tests_is_in_the_table() -> None:
         if re.search(r"pytest\.mark\.(slurm|cluster)\b", path.read_text(encoding="utf-8"))
     }
     assert marked == set(DAEMON_FILES) | set(DAEMONS_ELSEWHERE)
+
+
+def test_the_mostly_waiting_files_start_no_mpi_job() -> None:
+    """The daemons' group takes no core slots (tests/core_slots.py): an MPI test there would run beside the
+    other worker's job."""
+    for name in MOSTLY_WAITING:
+        text = (TESTS / name).read_text(encoding="utf-8")
+        assert not re.search(r"pytest\.mark\.mpi\b|run_mpi\(", text), name
 
 
 def test_the_queue_runs_the_daemons_then_the_jobs_then_the_in_process_groups() -> None:
