@@ -263,7 +263,7 @@ def test_a_signalled_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrup
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, out[-3000:], logs)
     # slurm-<jobid>.out holds both runs: the stop and requeue, then the resumed run to its end.
     stop = re.search(r"stopped by a signal after step (\d+)", out)
-    assert stop is not None and f"requeued Slurm job {job}" in out, out[-3000:]
+    assert stop is not None and f"requeueing Slurm job {job}" in out, out[-3000:]
     assert f"resuming from {the_run(tmp_path, job)}/checkpoints/step-{int(stop[1]):09d}" in out
     assert "done: 10 epoch(s), 440 step(s)" in out
     final = complete_checkpoints(the_run(tmp_path, job) / "checkpoints")[-1]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from pathlib import Path
@@ -90,12 +91,25 @@ def test_the_job_record_names_job_array_nodes_and_restarts() -> None:
     ],
 )
 def test_a_signal_stop_requeues_only_when_the_setting_and_the_job_allow_it(
-    scontrol_dir: Path, setting: str, flag: int, fails: bool, requeued: bool, calls: list[str]
+    scontrol_dir: Path,
+    setting: str,
+    flag: int,
+    fails: bool,
+    requeued: bool,
+    calls: list[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The line saying the job requeues comes before the request (Slurm ends the run as it takes it), and
+    an error line follows a refused one."""
     log = fake_scontrol(scontrol_dir, flag, fails)
     config = load_config(REPO / "launch" / "digits.cfg", [f"checkpoint.requeue={setting}"])
-    assert requeue(config, SlurmJob.from_env(JOB_ENV), scontrol_dir) is requeued
+    with caplog.at_level(logging.WARNING):
+        assert requeue(config, SlurmJob.from_env(JOB_ENV), scontrol_dir) is requeued
     assert (log.read_text().splitlines() if log.exists() else []) == calls
+    said = [r.getMessage().split(":")[0] for r in caplog.records]
+    asked = "requeue 4711" in calls
+    assert said.count("requeueing Slurm job 4711") == int(asked)
+    assert any(line.startswith("could not requeue Slurm job 4711") for line in said) == (asked and fails)
 
 
 def test_every_rank_exits_75_after_a_signal_stop_outside_slurm(

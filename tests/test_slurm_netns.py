@@ -309,7 +309,7 @@ def signal_requeue_resume(
     out = output(tmp_path, job)
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", out[-3000:]
     stop = re.search(r"stopped by a signal after step (\d+)", out)
-    assert stop is not None and f"requeued Slurm job {job}" in out, out[-3000:]
+    assert stop is not None and f"requeueing Slurm job {job}" in out, out[-3000:]
     assert f"resuming from {the_run(tmp_path, job)}/checkpoints/step-{int(stop[1]):09d}" in out
     assert "done: 6 epoch(s)" in out
     return out

@@ -55,11 +55,13 @@ def requeue(config: Config, job: SlurmJob | None, run_dir: Path) -> bool:
             later,
         )
         return False
+    # Said before asking: Slurm ends the run as it takes the request, and under Open MPI its mpiexec, ended
+    # too, drops what the ranks write after that (a fresh-clone CI lost the line said after the request).
+    log.warning("requeueing Slurm job %s: it resumes from this checkpoint in %s", job.job_id, run_dir)
     error = job.requeue()
     if error is not None:
         log.error("could not requeue Slurm job %s (%s): %s", job.job_id, error, later)
         return False
-    log.warning("requeued Slurm job %s: it resumes from this checkpoint in %s", job.job_id, run_dir)
     return True
 
 
