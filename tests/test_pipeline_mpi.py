@@ -48,22 +48,17 @@ def test_a_plain_network_and_a_dataset_factory_train_to_target(
     assert "data wait" in proc.stderr
 
 
-@pytest.mark.parametrize(
-    ("rule", "target"),
-    [(("RULE=BSP",), 0.94), (("RULE=SMA", "pool.learners=2"), 0.93)],
-    ids=["BSP", "SMA-m2"],
-)
-def test_the_mnist1d_cnn_reaches_the_papers_accuracy(
-    mpiexec: str, tmp_path: Path, rule: tuple[str, ...], target: float
-) -> None:
-    """models/mnist1d.py's plain CNN and the factory named as module:callable (the paper: 94 %)."""
+def test_the_mnist1d_cnn_reaches_the_papers_accuracy(mpiexec: str, tmp_path: Path) -> None:
+    """models/mnist1d.py's plain CNN and the factory named as module:callable, SMA with 2 learners a rank:
+    93 % (the paper's CNN: 94 %, which BSP's fp32 run of the same cfg and seed is held to in
+    tests/test_precision_mpi.py; a run of its own here cost the suite 9 s, issue 51)."""
     args = [*launcher(), "-cfg", "launch/mnist1d.cfg", f"session.output={tmp_path / 'runs'}",
             "data.dataset=mpicrossbow.data.mnist1d:mnist1d", f"dataset.cache={tmp_path / 'cache'}",
-            *rule]  # fmt: skip
+            "RULE=SMA", "pool.learners=2"]  # fmt: skip
     proc = run_mpi(mpiexec, 2, args, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracy = read_metrics(only_run(tmp_path / "runs") / "metrics.h5")["val"]["accuracy"]
-    assert len(accuracy) == 50 and accuracy[-1] >= target, accuracy
+    assert len(accuracy) == 50 and accuracy[-1] >= 0.93, accuracy
 
 
 def test_a_resumed_run_with_loader_workers_is_bitwise_equal(mpiexec: str, tmp_path: Path) -> None:

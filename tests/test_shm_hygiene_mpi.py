@@ -27,7 +27,7 @@ from conftest import REPO, launcher, mpi_env
 pytestmark = [pytest.mark.mpi]
 
 SHM = Path("/dev/shm")
-RUNS = 10  # each failure twice (20 took 105 s of the suite on 2 cores; issue 51)
+RUNS = 5  # each failure once (20 runs took 105 s of the suite on 2 cores, 10 runs 11 s here; issue 51)
 #: Jobs run at the same time.
 LANES = 2
 #: Seconds one failing job may take before the test gives up on it.
