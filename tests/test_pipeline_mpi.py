@@ -1,6 +1,6 @@
 """A user's own network and data set in real MPI jobs: training to target with BSP and with SMA (2 learners
-a rank) on the digits and on MNIST-1D, exact resume with DataLoader workers, and bad input ending every rank
-with one line.
+a rank) on the digits, with SMA on MNIST-1D (BSP's MNIST-1D run: tests/test_precision_mpi.py), exact
+resume with DataLoader workers, and bad input ending every rank with one line.
 
 The network is tests/user_project/net.py (a plain ``nn.Module``), the data set the ``module:callable``
 factory tests/user_project/datasets.py (digits with per-sample noise from torch's global generator).
