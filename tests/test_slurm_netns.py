@@ -102,6 +102,13 @@ def output(out: Path, job: int) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def shown(out: Path, job: int, text: str) -> str:
+    """What a failed assertion on ``job`` shows: the end of its output, then every rank's traceback file
+    (a rank that left an elastic job writes one; its one line alone did not say where it failed)."""
+    found = sorted((out / "runs" / str(job)).glob("*/rank*.traceback"))
+    return text[-3000:] + "".join(f"\n== {p.name} ==\n{p.read_text(errors='replace')[-3000:]}" for p in found)
+
+
 def the_run(out: Path, job: int) -> Path:
     """The one run folder of ``job`` (beside it: the templates' exit-status file)."""
     (run,) = (p for p in (out / "runs" / str(job)).iterdir() if p.is_dir())
@@ -196,18 +203,19 @@ def test_the_elastic_template_drops_a_killed_rank_and_finishes_on_the_other_thre
     if replace and record["JobState"] != "COMPLETED" and LOST_DAEMON in out:
         the_resume_finishes_after_open_mpi_lost_a_daemon(slurm, openmpi, tmp_path, job, out)
         return
-    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out[-3000:]
-    assert [r[1] for r in binding_rows(out)] == ["node1", "node1", "node2", "node2"], out[-3000:]
+    why = shown(tmp_path, job, out)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", why
+    assert [r[1] for r in binding_rows(out)] == ["node1", "node1", "node2", "node2"], why
     lost = [line for line in out.splitlines() if "elastic: lost rank(s)" in line]
-    assert len(lost) == 1 and "elastic: lost rank(s) 2 " in lost[0], out[-3000:]
-    assert "done: 4 epoch(s)" in out, out[-3000:]
+    assert len(lost) == 1 and "elastic: lost rank(s) 2 " in lost[0], why
+    assert "done: 4 epoch(s)" in out, why
     joined = [line for line in out.splitlines() if "elastic: replaces start rank 2 on" in line]
     if replace:  # on the lost rank's node, at the step after the loss's recovery
-        assert len(joined) == 1 and re.search(r" on node2 from step 4[1-3] ", joined[0]), out[-3000:]
-        assert "start ranks [0, 1, 3, 2]" in out, out[-3000:]
-        assert "the survivors waiting: it ran across hosts" in out, out[-3000:]
+        assert len(joined) == 1 and re.search(r" on node2 from step 4[1-3] ", joined[0]), why
+        assert "start ranks [0, 1, 3, 2]" in out, why
+        assert "the survivors waiting: it ran across hosts" in out, why
     else:
-        assert joined == [], out[-3000:]
+        assert joined == [], why
     metrics = read_metrics(the_run(tmp_path, job) / "metrics.h5")
     assert metrics["val"]["accuracy"][-1] > 0.85
     # Nothing of the job outlives it: no rank (its arguments name tmp_path), no Open MPI daemon.
