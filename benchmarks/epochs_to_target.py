@@ -4,6 +4,13 @@ k small-batch learners need fewer epochs than one large batch?
     python -m benchmarks.epochs_to_target      # k = 4, 8, 16, seeds 0-2: results/epochs_to_target.md
     python -m benchmarks.epochs_to_target --ks 8 --seeds 0 --no-write
     python -m benchmarks.epochs_to_target --configs "period 4,period 16"   # some rows only
+    python -m benchmarks.epochs_to_target --configs "BSP,SMA (lin,LOCALSGD (lin" --targets 0.8,0.85,0.9,0.94
+
+With ``--targets`` (several accuracies), every run trains to the highest and the epochs to each lower one are
+read from the same runs' validations (the first at or above it; metrics.h5 keeps one at each epoch's end, so
+to the whole epoch): one table per target, and a table of each rule's epochs relative to BSP's, per target
+and k — what ``RULE = AUTO``'s statistical side (mpicrossbow/rules/rule_choice.py, EPOCHS_VS_BSP) would read
+were it told the target.
 
 The job is launch/mnist1d.cfg (the paper's CNN) on 2 ranks with ``pool.engine = fused``, k/2 learners per rank
 of batch 16, η₀ = 0.025 (the cfg's 0.1 for a global batch of 64, scaled to one learner's 16), momentum 0.9,
@@ -24,8 +31,10 @@ Each k is one ``mpiexec`` job (tests/mpi_scripts/cfg_runs.py: its runs one after
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -52,17 +61,18 @@ CONFIGS = {
 }
 
 
-def common(epochs: int) -> list[str]:
+def common(epochs: int, target: float = TARGET) -> list[str]:
     """The overrides every run takes: the small-learner recipe capped at ``epochs`` (the module docstring),
-    a validation every quarter epoch and the target."""
-    return [*recipe(epochs), "session.validate_every=0.25", f"session.target_accuracy={TARGET}"]
+    a validation every quarter epoch and the target it stops at."""
+    return [*recipe(epochs), "session.validate_every=0.25", f"session.target_accuracy={target}"]
 
 
 def epochs_to_target(
-    out: Path, k: int, seeds: list[int], epochs: int, configs: dict[str, str]
-) -> dict[str, list[float]]:
-    """Every configuration of ``configs`` (label → overrides) at ``k`` learners for every seed (one MPI job);
-    label → epochs to the target of each seed (NaN: missed within the cap)."""
+    out: Path, k: int, seeds: list[int], epochs: int, configs: dict[str, str], targets: list[float]
+) -> dict[float, dict[str, list[float]]]:
+    """Every configuration of ``configs`` (label → overrides) at ``k`` learners for every seed (one MPI job),
+    trained to the highest of ``targets``; target → label → epochs to it of each seed (NaN: missed within the
+    cap)."""
     specs = {
         f"c{i}s{seed}": f"{CFG},pool.learners={k // RANKS},{overrides},session.seed={seed}"
         for i, overrides in enumerate(configs.values())
@@ -70,13 +80,37 @@ def epochs_to_target(
     }
     folder = out / f"k{k}"
     runs = [f"{label}={spec}" for label, spec in specs.items()]
-    cfg_runs(folder, RANKS, runs, common(epochs), 120 * len(specs) + 300, f"k = {k}")
-    found: dict[str, list[float]] = {label: [] for label in configs}
+    cfg_runs(folder, RANKS, runs, common(epochs, max(targets)), 120 * len(specs) + 300, f"k = {k}")
+    found: dict[float, dict[str, list[float]]] = {t: {label: [] for label in configs} for t in targets}
     for i, label in enumerate(configs):
         for seed in seeds:
             (run,) = (folder / f"c{i}s{seed}").iterdir()
-            found[label].append(float(read_metrics(run / "metrics.h5")["attrs"]["target_epochs"]))
+            metrics = read_metrics(run / "metrics.h5")
+            epochs_done = fractional_epochs(metrics["val"]["step"], metrics["train"]["step"])
+            for target in targets:
+                found[target][label].append(first_at(epochs_done, metrics["val"]["accuracy"], target))
     return found
+
+
+def fractional_epochs(val_steps: Sequence[float], train_steps: Sequence[float]) -> list[float]:
+    """Each validation's epochs done, fractional (metrics.h5's ``val`` rows carry the epoch's index): its
+    step over the steps of an epoch, the first ``train`` row's step (one row per whole epoch). A run that
+    ended within its first epoch has no such row: NaN for each."""
+    per_epoch = float(train_steps[0]) if len(train_steps) else math.nan
+    return [float(s) / per_epoch for s in val_steps]
+
+
+def first_at(epochs: Sequence[float], accuracy: Sequence[float], target: float) -> float:
+    """The epochs done at the first validation at or above ``target`` (NaN: none was)."""
+    return next((float(e) for e, a in zip(epochs, accuracy, strict=True) if a >= target), math.nan)
+
+
+def ratio_cell(values: list[float], bsp: list[float]) -> str:
+    """Median epochs of the seeds that reached the target relative to BSP's (missed: none did)."""
+    reached, base = [v for v in values if v == v], [v for v in bsp if v == v]
+    if not reached or not base:
+        return "missed"
+    return f"{statistics.median(reached) / statistics.median(base):.2f}"
 
 
 def cell(values: list[float]) -> str:
@@ -87,8 +121,31 @@ def cell(values: list[float]) -> str:
     return f"{statistics.median(reached):.1f} ({len(reached)}/{len(values)})"
 
 
+def tables(
+    results: dict[int, dict[float, dict[str, list[float]]]], ks: list[int], targets: list[float]
+) -> str:
+    """One table of epochs per target, then (several targets, BSP among the rows) each rule's epochs
+    relative to BSP's per target and k."""
+    head = " | ".join(f"k = {k}" for k in ks)
+    parts = []
+    for target in targets:
+        rows = [f"| rule (lr rule) | {head} |", "|---|" + "---|" * len(ks)]
+        for label in results[ks[0]][target]:
+            rows.append(f"| {label} | " + " | ".join(cell(results[k][target][label]) for k in ks) + " |")
+        parts.append((f"**to {target:.0%}**\n\n" if len(targets) > 1 else "") + "\n".join(rows))
+    bsp = next((label for label in results[ks[0]][targets[0]] if label.startswith("BSP")), None)
+    if len(targets) > 1 and bsp is not None:
+        rows = [f"| rule (lr rule), target | {head} |", "|---|" + "---|" * len(ks)]
+        for label in results[ks[0]][targets[0]]:
+            for target in targets if label != bsp else []:
+                cells = (ratio_cell(results[k][target][label], results[k][target][bsp]) for k in ks)
+                rows.append(f"| {label}, {target:.0%} | " + " | ".join(cells) + " |")
+        parts.append("**epochs relative to BSP's**\n\n" + "\n".join(rows))
+    return "\n\n".join(parts)
+
+
 def main(argv: list[str]) -> int:
-    """Measure, print the table, append it to results/epochs_to_target.md unless ``--no-write``."""
+    """Measure, print the tables, append them to results/epochs_to_target.md unless ``--no-write``."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -100,31 +157,40 @@ def main(argv: list[str]) -> int:
         default="",
         help="comma-separated parts of the rows' labels to run (default: all), e.g. 'period 4,period 16'",
     )
+    parser.add_argument(
+        "--targets",
+        default=str(TARGET),
+        help="comma-separated validation accuracies (every run stops at the highest)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
     args = parser.parse_args(argv)
     ks, seeds = [int(k) for k in args.ks.split(",")], [int(s) for s in args.seeds.split(",")]
+    targets = sorted(float(t) for t in args.targets.split(","))
+    if not all(0 < t < 1 for t in targets):
+        parser.error(f"--targets {args.targets}: accuracies between 0 and 1, e.g. 0.8,0.9,0.94")
     parts = [part.strip() for part in args.configs.split(",") if part.strip()]
     configs = {label: spec for label, spec in CONFIGS.items() if not parts or any(p in label for p in parts)}
     if not configs:
         parser.error(f"--configs {args.configs}: no row matches; the rows: {'; '.join(CONFIGS)}")
-    rows = [
-        "| rule (lr rule) | " + " | ".join(f"k = {k}" for k in ks) + " |",
-        "|---|" + "---|" * len(ks),
-    ]
     with TemporaryDirectory(prefix="epochs-to-target-") as tmp:
-        results = {k: epochs_to_target(Path(tmp), k, seeds, args.epochs, configs) for k in ks}
-    for label in configs:
-        rows.append(f"| {label} | " + " | ".join(cell(results[k][label]) for k in ks) + " |")
-    table = "\n".join(rows)
-    print(table)
+        results = {k: epochs_to_target(Path(tmp), k, seeds, args.epochs, configs, targets) for k in ks}
+    text = tables(results, ks, targets)
+    print(text)
     if not args.no_write:
+        named = ", ".join(f"{t:.0%}" for t in targets)
         notes = (
-            f"Median epochs to {TARGET:.0%} validation accuracy over the seeds that reached it within "
+            f"Median epochs to {named} validation accuracy over the seeds that reached it within "
             f"{args.epochs} epochs (how many of seeds {args.seeds} did, in brackets); MNIST-1D CNN, 2 "
             "ranks × k/2 fused learners of batch 16, η₀ = 0.025 scaled by each rule's lr_scaling "
-            f"(linear: up to lr_cap {LR_CAP})."
+            f"(linear: up to lr_cap {LR_CAP}); each run stops at {max(targets):.0%}"
+            + (
+                ", which is read to the quarter epoch; the lower targets to the whole epoch (metrics.h5 "
+                "keeps the validation at each epoch's end and the one that stopped the run)."
+                if len(targets) > 1
+                else "."
+            )
         )
-        append_result("epochs_to_target", "Epochs to 94 % against k", table, notes)
+        append_result("epochs_to_target", f"Epochs to {named} against k", text, notes)
     return 0
 
 
