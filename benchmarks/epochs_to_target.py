@@ -61,14 +61,37 @@ CONFIGS = {
 }
 
 
-def common(epochs: int, target: float = TARGET) -> list[str]:
-    """The overrides every run takes: the small-learner recipe capped at ``epochs`` (the module docstring),
-    a validation every quarter epoch and the target it stops at."""
-    return [*recipe(epochs), "session.validate_every=0.25", f"session.target_accuracy={target}"]
+#: The cfg's own recipe as benchmarks/links.py trains MNIST-1D (its TASKS): batch 32, ``lr`` 0.1 as written
+#: (``lr_scaling = none``, the default), the decay at epoch 20 of its 30, a 2-epoch warm-up.
+CFG_RECIPE = ["DEVICES=cpu", "pool.engine=fused", "optim.milestones=20", "optim.warmup_epochs=2"]
+
+
+def common(epochs: int, target: float = TARGET, recipe_name: str = "small-learners") -> list[str]:
+    """The overrides every run takes: the small-learner recipe capped at ``epochs`` (the module docstring)
+    or the cfg's own (:data:`CFG_RECIPE`), a validation every quarter epoch and the target it stops at."""
+    base = recipe(epochs) if recipe_name == "small-learners" else [*CFG_RECIPE, f"session.epochs={epochs}"]
+    return [*base, "session.validate_every=0.25", f"session.target_accuracy={target}"]
+
+
+def as_written(configs: dict[str, str]) -> dict[str, str]:
+    """``configs`` with their learning-rate rule taken out (the cfg's ``lr`` as written), relabelled."""
+    out = {}
+    for label, spec in configs.items():
+        kept = [
+            part for part in spec.split(",") if not part.startswith(("optim.lr_scaling=", "optim.lr_cap="))
+        ]
+        out[label.split(" (")[0] + " (lr as written)"] = ",".join(kept)
+    return out
 
 
 def epochs_to_target(
-    out: Path, k: int, seeds: list[int], epochs: int, configs: dict[str, str], targets: list[float]
+    out: Path,
+    k: int,
+    seeds: list[int],
+    epochs: int,
+    configs: dict[str, str],
+    targets: list[float],
+    recipe_name: str = "small-learners",
 ) -> dict[float, dict[str, list[float]]]:
     """Every configuration of ``configs`` (label → overrides) at ``k`` learners for every seed (one MPI job),
     trained to the highest of ``targets``; target → label → epochs to it of each seed (NaN: missed within the
@@ -80,7 +103,8 @@ def epochs_to_target(
     }
     folder = out / f"k{k}"
     runs = [f"{label}={spec}" for label, spec in specs.items()]
-    cfg_runs(folder, RANKS, runs, common(epochs, max(targets)), 120 * len(specs) + 300, f"k = {k}")
+    overrides = common(epochs, max(targets), recipe_name)
+    cfg_runs(folder, RANKS, runs, overrides, 120 * len(specs) + 300, f"k = {k}")
     found: dict[float, dict[str, list[float]]] = {t: {label: [] for label in configs} for t in targets}
     for i, label in enumerate(configs):
         for seed in seeds:
@@ -162,6 +186,13 @@ def main(argv: list[str]) -> int:
         default=str(TARGET),
         help="comma-separated validation accuracies (every run stops at the highest)",
     )
+    parser.add_argument(
+        "--recipe",
+        choices=("small-learners", "cfg"),
+        default="small-learners",
+        help="small-learners: batch 16, each rule's rate scaled linearly to 0.2 (the documented recipe); "
+        "cfg: launch/mnist1d.cfg's batch 32 and lr 0.1 as written, as benchmarks/links.py trains it",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
     args = parser.parse_args(argv)
     ks, seeds = [int(k) for k in args.ks.split(",")], [int(s) for s in args.seeds.split(",")]
@@ -172,8 +203,12 @@ def main(argv: list[str]) -> int:
     configs = {label: spec for label, spec in CONFIGS.items() if not parts or any(p in label for p in parts)}
     if not configs:
         parser.error(f"--configs {args.configs}: no row matches; the rows: {'; '.join(CONFIGS)}")
+    if args.recipe == "cfg":
+        configs = as_written({label: spec for label, spec in configs.items() if "sqrt" not in label})
     with TemporaryDirectory(prefix="epochs-to-target-") as tmp:
-        results = {k: epochs_to_target(Path(tmp), k, seeds, args.epochs, configs, targets) for k in ks}
+        results = {
+            k: epochs_to_target(Path(tmp), k, seeds, args.epochs, configs, targets, args.recipe) for k in ks
+        }
     text = tables(results, ks, targets)
     print(text)
     if not args.no_write:
@@ -181,8 +216,14 @@ def main(argv: list[str]) -> int:
         notes = (
             f"Median epochs to {named} validation accuracy over the seeds that reached it within "
             f"{args.epochs} epochs (how many of seeds {args.seeds} did, in brackets); MNIST-1D CNN, 2 "
-            "ranks × k/2 fused learners of batch 16, η₀ = 0.025 scaled by each rule's lr_scaling "
-            f"(linear: up to lr_cap {LR_CAP}); each run stops at {max(targets):.0%}"
+            + (
+                "ranks × k/2 fused learners of batch 16, η₀ = 0.025 scaled by each rule's lr_scaling "
+                f"(linear: up to lr_cap {LR_CAP})"
+                if args.recipe == "small-learners"
+                else "ranks × k/2 fused learners of launch/mnist1d.cfg's batch 32 at its lr 0.1 as written "
+                "(lr_scaling = none), the decay at epoch 20, a 2-epoch warm-up (benchmarks/links.py's recipe)"
+            )
+            + f"; each run stops at {max(targets):.0%}"
             + (
                 ", which is read to the quarter epoch; the lower targets to the whole epoch (metrics.h5 "
                 "keeps the validation at each epoch's end and the one that stopped the run)."

@@ -28,7 +28,8 @@ LINK, NBYTES = Link(1e-6, 1e-9), 1_000_000
 
 
 def measured(compute: float, allreduce: float, overlaps: bool = False, k: int = 2) -> Measured:
-    """Figures of a 2-rank BSP whose step is ``compute`` plus an exposed ``allreduce``."""
+    """Figures of a 2-rank BSP whose step is ``compute`` plus an exposed ``allreduce``, every rate scaled
+    linearly with k (the documented recipe's epochs table)."""
     return Measured(
         ranks=2,
         learners=k,
@@ -39,6 +40,7 @@ def measured(compute: float, allreduce: float, overlaps: bool = False, k: int = 
         gamma=0.0,
         overlaps=overlaps,
         allreduce_s=allreduce,
+        lr_scaling="linear",
     )
 
 
@@ -54,7 +56,7 @@ def test_an_allreduce_that_dominates_the_step_picks_local_sgd() -> None:
     chosen = decision.chosen
     assert chosen.label == "LOCALSGD (period 8)" and chosen.hyper == {"period": 8}
     assert chosen.step_s == pytest.approx(0.005 + 0.020 / 8)
-    assert chosen.time == pytest.approx(0.0075 * epochs_vs_bsp("LOCALSGD (period 8)", 2) / 0.025)
+    assert chosen.time == pytest.approx(0.0075 * epochs_vs_bsp("LOCALSGD (period 8)", 2, "linear") / 0.025)
 
 
 def test_a_communicator_that_overlaps_makes_sma_hide_an_allreduce_as_long_as_compute() -> None:
@@ -75,14 +77,32 @@ def test_compute_is_the_step_less_the_allreduce_when_the_hooks_also_waited_for_a
 
 
 def test_the_epochs_table_is_one_at_one_learner_and_interpolates_in_log_k() -> None:
-    for label, table in EPOCHS_VS_BSP.items():
-        assert label in CANDIDATES  # keyed by the candidate's label (a rule at one period)
-        assert epochs_vs_bsp(label, 1) == 1.0
-        for k, ratio in table.items():
-            assert epochs_vs_bsp(label, k) == ratio
-        assert epochs_vs_bsp(label, 64) == table[16]
-    assert epochs_vs_bsp("SMA", 2) == pytest.approx((1.0 + 1.05) / 2)
-    assert epochs_vs_bsp("BSP", 12) == 1.0
+    for scaling, tables in EPOCHS_VS_BSP.items():
+        for label, table in tables.items():
+            assert label in CANDIDATES  # keyed by the candidate's label (a rule at one period)
+            assert epochs_vs_bsp(label, 1, scaling) == 1.0
+            for k, ratio in table.items():
+                assert epochs_vs_bsp(label, k, scaling) == ratio
+            assert epochs_vs_bsp(label, 64, scaling) == table[max(table)]  # past the table: its largest k
+    sma = EPOCHS_VS_BSP["linear"]["SMA"]
+    assert epochs_vs_bsp("SMA", 2, "linear") == pytest.approx((sma[1] + sma[4]) / 2)
+    assert epochs_vs_bsp("BSP", 12, "linear") == epochs_vs_bsp("BSP", 12) == 1.0
+
+
+def test_the_table_is_the_learning_rate_rules() -> None:
+    """Every rate scaled with k (linear, sqrt) and the rate as written (none, the default) read their own
+    tables: at k = 8 model averaging's extra epochs differ by far between them."""
+    assert {"linear", "none"} <= set(EPOCHS_VS_BSP)
+    label = "LOCALSGD (period 8)"
+    assert epochs_vs_bsp(label, 8, "sqrt") == epochs_vs_bsp(label, 8, "linear")
+    assert epochs_vs_bsp(label, 8) == epochs_vs_bsp(label, 8, "none") < epochs_vs_bsp(label, 8, "linear")
+    # LOCALSGD measured at 0.6 of BSP's step: its epochs decide, and the line names the table read
+    figures = Measured(2, 8, 0.006, 0.0005, LINK, NBYTES, 0.0, False, allreduce_s=0.001,
+                       active="LOCALSGD (period 8)", known=(("BSP", 0.010),))  # fmt: skip
+    as_written = choose_rule(figures)
+    assert as_written.chosen.label == label and "lr_scaling none" in as_written.line()
+    scaled = choose_rule(dataclasses.replace(figures, lr_scaling="linear"))
+    assert scaled.chosen.label == "BSP" and "lr_scaling linear" in scaled.line()
 
 
 def test_the_link_fit_recovers_alpha_and_beta_from_two_ring_allreduces() -> None:

@@ -437,6 +437,7 @@ def distribute(
         _check_settings(precision, noise_scale_every, lr_scaling, lr_cap)
         chosen = _make_rule(rule, hyper)
         _check_rule(chosen, lr_scaling, lr_cap, precision)
+        chosen.on_lr_scaling(lr_scaling)
         if chosen.needs_mpi_threads and not mpi_threads_ok(world):
             raise UsageError(
                 f"xb.distribute: RULE={chosen.name} serves from a second thread and needs "

@@ -150,6 +150,9 @@ class Auto(SwitchingRule):
         #: and at this k (not checkpointed: a resumed run measures afresh).
         self.measured: dict[str, float] = {}
         self._warned = False
+        #: The run's ``[optim] lr_scaling`` (:meth:`on_lr_scaling`; the default until told). A rank that
+        #: joins a running job untold takes the survivors' from the handover: every rank decides alike.
+        self.lr_scaling, self._told = "none", False
 
     @property
     def needs_gradients(self) -> bool:
@@ -165,6 +168,10 @@ class Auto(SwitchingRule):
         """Every candidate's check for ``k`` learners in all."""
         for rule in self.options.values():
             rule.check_learners(k)
+
+    def on_lr_scaling(self, scaling: str) -> None:
+        """Keep the run's learning-rate rule: the epochs table the decision reads."""
+        self.lr_scaling, self._told = scaling, True
 
     def bind(self, comm: Communicator, pool: ReplicaView) -> Rule:
         """Bind the measuring rule (BSP's phase, or LOCALSGD's from step 0: every learner starts from rank
@@ -313,6 +320,7 @@ class Auto(SwitchingRule):
             overlaps=self.comm.overlaps,
             allreduce_s=long,
             active=self.running,
+            lr_scaling=self.lr_scaling,
             known=tuple((label, s) for label, s in self.measured.items() if label != self.running),
         )
         decision = choose_rule(measured, self.options)
@@ -391,6 +399,7 @@ class Auto(SwitchingRule):
             "decisions": [list(row) for row in self.decisions],
             "window": self._window,
             "drifted": self._drifted,
+            "lr_scaling": self.lr_scaling,
             **self.phase_state(),
         }
 
@@ -411,6 +420,8 @@ class Auto(SwitchingRule):
         self.decided = decided
         self.decisions = [(int(a), str(b), float(c)) for a, b, c in state.get("decisions", [])]
         self._window, self._drifted = int(state.get("window", 0)), int(state.get("drifted", 0))
+        if not self._told:
+            self.lr_scaling = str(state.get("lr_scaling", self.lr_scaling))
         self._steps, self._step_s, self._hooks_s, self._mark = 0, 0.0, 0.0, None
         self._average_s = float("inf")
         self.measured = {}

@@ -135,6 +135,11 @@ class Rule:
         with a ConfigError, before any rank trains; called once the pool is built (``learners = auto``: with
         its first count). The default accepts any k."""
 
+    def on_lr_scaling(self, scaling: str) -> None:
+        """How the run's rate scales with its k learners (``[optim] lr_scaling``, ``xb.distribute``'s
+        ``lr_scaling``), told once the pool is built. A rule whose choice depends on it keeps it (AUTO: the
+        epochs model averaging needs against BSP follow it); the default ignores it."""
+
     def serve(self, report: Callable[[torch.Tensor, float], None]) -> None:
         """The loop of a rank that does not train; ``report(params, epoch)`` validates and logs a model."""
         raise NotImplementedError(f"{type(self).__name__} keeps no rank out of training")

@@ -120,6 +120,7 @@ class Session:
         steps = cfg.session.steps
         rule.check_run(steps / self.pool.n_batch_train if steps else cfg.session.epochs)
         rule.check_learners(world.size * len(self.pool.learners))
+        rule.on_lr_scaling(cfg.optim.lr_scaling)
         if not joining:
             self.checkpoints.claim(rule.synchronous and (cfg.checkpoint.enabled or cfg.checkpoint.on_signal))
         log.info(
