@@ -44,10 +44,12 @@ def job(mpiexec: str, out: Path, *overrides: str) -> subprocess.CompletedProcess
 
 
 def test_the_decision_is_one_line_and_the_same_in_metrics(mpiexec: str, tmp_path: Path) -> None:
-    done = job(mpiexec, tmp_path)
+    # lr_scaling tells AUTO which epochs table to read; capped at the cfg's own lr, it changes no rate here
+    done = job(mpiexec, tmp_path, "optim.lr_scaling=linear", "optim.lr_cap=0.05")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if f"AUTO at step {UNDER_LOCALSGD}: chose " in line]
     assert len(lines) == 1, done.stderr[-3000:]
+    assert ", lr_scaling linear, " in lines[0], lines[0]
     # the running rule kept (a move needs MARGIN x its time) adds "(kept: ...)" after the choice
     chosen = re.search(r"chose (.+?)(?: \(kept: .+?, a move needs \S+ or less\))?; time to target ", lines[0])
     assert chosen is not None
@@ -67,7 +69,7 @@ def test_the_decision_is_one_line_and_the_same_in_metrics(mpiexec: str, tmp_path
         f"  rule = AUTO: {chosen[1]} from step {UNDER_LOCALSGD}; last decision: {attrs['rule_auto_line']}"
     )
     state = final_state(tmp_path, 0)["rule"]  # the choice runs from the decision on (LOCALSGD: from 0)
-    assert state["decided"] == chosen[1]
+    assert state["decided"] == chosen[1] and state["lr_scaling"] == "linear"
     assert state["switched_at"] == (0 if chosen[1] == "LOCALSGD (period 8)" else UNDER_LOCALSGD)
     assert attrs["val_accuracy"] >= 0.7  # it trains on (BSP, SMA and LOCALSGD read 0.80-0.86 after 2 epochs)
 
