@@ -47,7 +47,7 @@ from .cost_model import Cluster, Link, step_time
 #: against k — 2026-11-26 23:39" (29.3/27.8, 62.8/30.8, 61.5/31.8), LOCALSGD from "— 2026-12-01 13:30", side
 #: by side with BSP (33.0/27.8, 72.5/30.8, 68.9/31.8). ``none``: the cfg's own recipe (batch 32, lr 0.1 as
 #: written, 30 epochs), to 80 %, the highest every rule reached at k = 4 and 8: "Epochs to 80%, 85%, 90%
-#: against k — 2026-12-02 16:03" (SMA 15.0/12.0, 21.5/17.0; LOCALSGD 14.0/12.0, 20.5/17.0; at k = 16 no
+#: against k — 2026-12-02 16:01" (SMA 15.0/12.0, 21.5/17.0; LOCALSGD 14.0/12.0, 20.5/17.0; at k = 16 no
 #: rule reached 80 % in 30 epochs).
 EPOCHS_VS_BSP: dict[str, dict[str, dict[int, float]]] = {
     "linear": {
