@@ -167,7 +167,9 @@ def spawn_replacements(native: Any, start_ranks: tuple[int, ...], hosts: tuple[s
 
 
 def _spawn(native: Any, start_ranks: tuple[int, ...], hosts: tuple[str, ...]) -> Any:
-    """``MPI_Comm_spawn_multiple`` of the replacements (on ``hosts`` where given); the intercommunicator."""
+    """``MPI_Comm_spawn_multiple`` of the replacements (on ``hosts`` where given); the intercommunicator.
+    ``map_by`` is a directive of the whole spawn, given once: Open MPI 5 refuses it repeated on each process
+    ("Conflicting directives slot slot:OVERSUBSCRIBE"), and two ranks lost together got no replacement."""
     from mpi4py import MPI
 
     passed = {key: os.environ[key] for key in OVERSUBSCRIBED_SETTINGS if key in os.environ}
@@ -175,7 +177,8 @@ def _spawn(native: Any, start_ranks: tuple[int, ...], hosts: tuple[str, ...]) ->
     for i, rank in enumerate(start_ranks):
         info = MPI.Info.Create()
         info.Set("PMIX_ENVAR", "\n".join(f"{k}={v}" for k, v in {REPLACES: str(rank), **passed}.items()))
-        info.Set("map_by", "slot:OVERSUBSCRIBE")
+        if i == 0:
+            info.Set("map_by", "slot:OVERSUBSCRIBE")
         if hosts:
             info.Set("host", hosts[i])
         infos.append(info)
