@@ -39,7 +39,7 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 from benchmarks.report import append_result, cfg_runs
-from benchmarks.sma_recipe import recipe
+from benchmarks.sma_recipe import CFG_RECIPE, recipe
 from mpicrossbow.training.reporting.metrics import read_metrics
 
 CFG = "launch/mnist1d.cfg"
@@ -61,15 +61,15 @@ CONFIGS = {
 }
 
 
-#: The cfg's own recipe as benchmarks/links.py trains MNIST-1D (its TASKS): batch 32, ``lr`` 0.1 as written
-#: (``lr_scaling = none``, the default), the decay at epoch 20 of its 30, a 2-epoch warm-up.
-CFG_RECIPE = ["DEVICES=cpu", "pool.engine=fused", "optim.milestones=20", "optim.warmup_epochs=2"]
-
-
 def common(epochs: int, target: float = TARGET, recipe_name: str = "small-learners") -> list[str]:
     """The overrides every run takes: the small-learner recipe capped at ``epochs`` (the module docstring)
-    or the cfg's own (:data:`CFG_RECIPE`), a validation every quarter epoch and the target it stops at."""
-    base = recipe(epochs) if recipe_name == "small-learners" else [*CFG_RECIPE, f"session.epochs={epochs}"]
+    or the cfg's own (:data:`~benchmarks.sma_recipe.CFG_RECIPE`, fused), a validation every quarter epoch
+    and the target it stops at."""
+    base = (
+        recipe(epochs)
+        if recipe_name == "small-learners"
+        else [*CFG_RECIPE, "pool.engine=fused", f"session.epochs={epochs}"]
+    )
     return [*base, "session.validate_every=0.25", f"session.target_accuracy={target}"]
 
 

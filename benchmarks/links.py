@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import REPO, append_result, cfg_runs
+from benchmarks.sma_recipe import CFG_RECIPE
 from mpicrossbow.training.reporting.metrics import read_metrics
 
 sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster is the test suite's own fixture
@@ -47,7 +48,7 @@ NODES = 2
 #: task → (cfg, its overrides, target validation accuracy, default epochs)
 TASKS = {
     "digits": ("launch/digits.cfg", "", 0.97, 15),
-    "mnist1d": ("launch/mnist1d.cfg", "DEVICES=cpu,optim.milestones=20,optim.warmup_epochs=2", 0.90, 30),
+    "mnist1d": ("launch/mnist1d.cfg", ",".join(CFG_RECIPE), 0.90, 30),
 }
 #: The tbf queue: a packet that would wait longer is dropped. Long enough that TCP is not made to retransmit
 #: a burst the link would carry a moment later (20 ms made the policer, not the rate, decide the times).

@@ -35,6 +35,9 @@ RANKS = 2
 #: One learner's base rate: the cfg's 0.1 for a global batch of 64, scaled to a batch of 16.
 BASE_LR = 0.025
 MOMENTUM = 0.9
+#: The cfg's own MNIST-1D recipe as benchmarks/links.py trains it (batch 32, lr 0.1 as written): the decay at
+#: epoch 20 of its 30, a 2-epoch warm-up; benchmarks/epochs_to_target.py's ``--recipe cfg`` too.
+CFG_RECIPE = ("DEVICES=cpu", "optim.milestones=20", "optim.warmup_epochs=2")
 ALPHAS = ("1/k", "0.1", "0.2", "2/k")
 SCALINGS = ("none", "sqrt", "linear")
 
