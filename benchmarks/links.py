@@ -53,6 +53,12 @@ TASKS = {
 #: The tbf queue: a packet that would wait longer is dropped. Long enough that TCP is not made to retransmit
 #: a burst the link would carry a moment later (20 ms made the policer, not the rate, decide the times).
 QUEUE = "200ms"
+#: The token bucket (tc tbf burst): what goes at the line's own rate after a quiet moment. 8 KB, a few
+#: packets: a link of the given rate for every message, as benchmarks/scaling_links.py's fitted links (4 KB).
+#: Until 2026-12-02 it was 512 KB, five of the digits MLP's allreduces and more of MNIST-1D's CNN's: a rule
+#: that exchanges now and then never emptied it, so such a link capped the average rate, not each message's,
+#: and a short measurement of a lone allreduce (RULE=AUTO's) saw the line, not the rate.
+BURST = "8kb"
 #: label → the rule's overrides ({groups}: a file with one node's name per line).
 RULES = {
     "BSP": "RULE=BSP",
@@ -121,6 +127,7 @@ def measure(
         }
         if "rule_auto_choice" in attrs:
             found[label]["choice"] = str(attrs["rule_auto_choice"])
+            found[label]["line"] = str(attrs["rule_auto_line"])
     return found
 
 
@@ -153,6 +160,8 @@ def table(setting: str, target: float, results: list[dict[str, dict[str, Any]]])
     ratio = times[AUTO] / by_hand[best] if math.isfinite(by_hand[best]) else math.nan
     choices = sorted({r[AUTO].get("choice", "?") for r in results})
     lines += ["", f"auto ÷ best hand-picked: {ratio:.2f} (best: {best}; auto chose {', '.join(choices)})"]
+    if "line" in results[0][AUTO]:
+        lines += ["", f"AUTO's last decision, first seed: {results[0][AUTO]['line']}"]
     return "\n".join(lines)
 
 
@@ -170,6 +179,7 @@ def main() -> int:
     )
     parser.add_argument("--learners", type=int, default=1, help="learners a rank (k = 2 × this)")
     parser.add_argument("--target", type=float, default=0.0, help="validation accuracy (0: each task's)")
+    parser.add_argument("--burst", default=BURST, help="every link's token bucket (tc tbf burst)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     wanted = {"BSP", AUTO, *(w.strip().upper() for w in args.rules.split(",") if w.strip())}
@@ -188,7 +198,7 @@ def main() -> int:
     sections = []
     with started(NetnsCluster(NODES)) as cluster:
         for name in cluster.hosts:
-            cluster.set_rate(name, fast, QUEUE)
+            cluster.set_rate(name, fast, QUEUE, args.burst)
         with tempfile.TemporaryDirectory() as tmp:
             for task in tasks:
                 seeds = [int(s) for s in seeds_for(args.seeds, task).split(",")]
@@ -198,7 +208,7 @@ def main() -> int:
                     (f"both links at {fast}", fast),
                     (f"node2's link at {slow}, node1's at {fast}", slow),
                 ):
-                    cluster.set_rate("node2", rate, QUEUE)
+                    cluster.set_rate("node2", rate, QUEUE, args.burst)
                     folder = Path(tmp) / f"{task}-node2-{rate}"
                     results = [
                         measure(cluster, folder, task, s, epochs, rules, args.learners, target) for s in seeds
@@ -207,8 +217,9 @@ def main() -> int:
                     print(sections[-1], flush=True)
     text = "\n\n".join(sections) + (
         f"\n\n{NODES} namespace nodes × 1 rank (one thread and {args.learners} learner(s) each), links "
-        f"limited by tc tbf both ways (queue {QUEUE}): wall seconds to the first validation (one per epoch) "
-        f"at the task's target, seeds {args.seeds}, medians (a missed target counts last)."
+        f"limited by tc tbf both ways (queue {QUEUE}, burst {args.burst}): wall seconds to the first "
+        f"validation (one per epoch) at the task's target, seeds {args.seeds}, medians (a missed target "
+        "counts last)."
     )
     if not args.no_write:
         print("appended to", append_result("links", "Heterogeneous links: one node behind a slow link", text))

@@ -337,12 +337,15 @@ exec nsenter -t "$pid" -n -u -i -p -m --wd="$PWD" -- sh -c "$*"
         stats = json.loads(out)[0]["stats64"]
         return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
-    def set_rate(self, name: str, rate: str, latency: str = "20ms") -> None:
+    def set_rate(self, name: str, rate: str, latency: str = "20ms", burst: str = "512kb") -> None:
         """Limit node ``name``'s link to ``rate`` both ways (tbf on its eth0 and on its switch port); a packet
-        that would wait longer than ``latency`` in the queue is dropped."""
+        that would wait longer than ``latency`` in the queue is dropped. ``burst`` is the token bucket: that
+        many bytes after a quiet moment go at the line's own rate, so a bucket larger than a few messages
+        caps the link's average rate rather than each message's (a small one, ``8kb``, is a link of that
+        rate)."""
         n = self.node(name)
         for netns, dev in ((n.netns, n.inside), (self.switch, n.port)):
-            tbf = ["tbf", "rate", rate, "burst", "512kb", "latency", latency]
+            tbf = ["tbf", "rate", rate, "burst", burst, "latency", latency]
             _sh("ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf)
 
     def clear_rate(self, name: str) -> None:

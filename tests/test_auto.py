@@ -58,9 +58,11 @@ class PausedMLP(NormedMLP):
 
 
 class SlowLink(ForwardingCommunicator):
-    """``inner`` whose allreduce takes :data:`DELAY_S` more once :attr:`slow` is set."""
+    """``inner`` whose allreduce takes :data:`DELAY_S` more once :attr:`slow` is set, and whose
+    allreduce_mean takes :attr:`mean_delay_s` more (set while BSP runs: a step the model's price misread)."""
 
     slow = False
+    mean_delay_s = 0.0
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
         """Sleep when slow, then the inner allreduce."""
@@ -72,11 +74,15 @@ class SlowLink(ForwardingCommunicator):
         """Sleep when slow, then the inner allreduce_mean (BSP's one allreduce after backward)."""
         if self.slow:
             time.sleep(DELAY_S)
+        time.sleep(self.mean_delay_s)
         self.inner.allreduce_mean(tensor, count)
 
 
-def run(recheck: bool) -> list[dict[str, Any]]:
-    """AUTO (windows of 6 steps) for 54 steps on 2 in-process ranks, the link slow from step 30; per rank
+def run(
+    recheck: bool, lr_scaling: str = "linear", slow_from: int = SLOW_FROM, mean_delay_s: float = 0.0
+) -> list[dict[str, Any]]:
+    """AUTO (windows of 6 steps) for 54 steps on 2 in-process ranks reading ``lr_scaling``'s epochs table,
+    the link slow from step ``slow_from``, BSP's gradient mean ``mean_delay_s`` slower while it runs; per rank
     its decisions, the rule running at the end, and every learner's weights right after each decision."""
     pools = []
     for rank in range(SIZE):
@@ -87,16 +93,17 @@ def run(recheck: bool) -> list[dict[str, Any]]:
     def body(comm: Communicator) -> dict[str, Any]:
         link, pool = SlowLink(comm), pools[comm.rank]
         rule = RULES.get("AUTO")(measure_steps=WINDOW, candidates="BSP,LOCALSGD", recheck=recheck)
-        rule.on_lr_scaling("linear")  # the documented recipe's table: BSP's fewer epochs win on the fast link
+        rule.on_lr_scaling(lr_scaling)  # linear: the documented recipe's table, BSP's fewer epochs win
         rule.bind(link, pool)
         after: dict[int, np.ndarray] = {}
         for step in range(STEPS):
             if step % pool.n_batch_train == 0:
                 pool.start_epoch(step // pool.n_batch_train)
-            link.slow = step >= SLOW_FROM
+            link.slow = step >= slow_from
+            link.mean_delay_s = mean_delay_s if rule.running == "BSP" else 0.0  # after the probes and prices
             decided = len(rule.decisions)
             train_step(pool, rule, step)
-            if len(rule.decisions) > decided or step + 1 == SLOW_FROM:
+            if len(rule.decisions) > decided or step + 1 == slow_from:
                 after[step + 1] = stacked(pool)
         rule.finish()
         return {"decisions": [row[:2] for row in rule.decisions], "active": rule.active, "after": after}
@@ -128,6 +135,24 @@ def test_with_recheck_off_the_first_choice_stays() -> None:
     ranks = run(recheck=False)
     for rank in ranks:
         assert rank["decisions"] == [(FIRST, "BSP")] and isinstance(rank["active"], BSP)
+
+
+@pytest.mark.parametrize("mean_delay_s, chosen", [(0.0, "BSP"), (0.06, "LOCALSGD (period 8)")])
+def test_a_candidate_the_margin_kept_out_runs_one_window_on_trial_then_the_measured_steps_decide(
+    mean_delay_s: float, chosen: str
+) -> None:
+    """With the rate as written (``lr_scaling = none``: LOCALSGD needs 1.21x BSP's epochs at k = 8) BSP's
+    price is within the model's error of LOCALSGD's measured time, so BSP runs the next window on trial.
+    Its step as fast as LOCALSGD's, BSP's fewer epochs win; its gradient mean 60 ms slower than the price
+    (a link the model misread), LOCALSGD is taken back. Every rank alike, every learner equal after each."""
+    ranks = run(recheck=False, lr_scaling="none", slow_from=STEPS, mean_delay_s=mean_delay_s)
+    for rank in ranks:
+        assert rank["decisions"] == [(FIRST, "BSP"), (FIRST + WINDOW, chosen)]
+        assert isinstance(rank["active"], BSP if chosen == "BSP" else LocalSGD)
+        for at in (FIRST, FIRST + WINDOW):
+            moved = rank["after"][at]
+            np.testing.assert_array_equal(moved, ranks[0]["after"][at])
+            assert (moved == moved[0]).all()
 
 
 class Sizes(ForwardingCommunicator):

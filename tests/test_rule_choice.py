@@ -165,6 +165,26 @@ def test_a_move_needs_a_prediction_clearly_sooner_than_the_running_rules_measure
     assert choose_rule(first, labels=("BSP", "SMA")).chosen.label == "BSP"  # LOCALSGD not offered: moves
 
 
+def test_the_kept_out_candidate_goes_on_trial_and_two_measured_steps_need_no_margin() -> None:
+    """AUTO puts the candidate the margin kept out on trial for one window (its line says so and why);
+    with both steps measured the soonest is chosen, however close (``margin = 1``)."""
+    first = dataclasses.replace(
+        measured(compute=0.005, allreduce=0.0002), active="LOCALSGD (period 8)", step_s=0.006, hooks_s=0.001
+    )
+    trial = choose_rule(first).on_trial()
+    assert trial.chosen.label == "BSP" and trial.trial == "LOCALSGD (period 8)" and not trial.kept
+    assert [c.label for c in trial.candidates] == ["BSP", "LOCALSGD (period 8)", "SMA"]
+    assert trial.line().startswith(
+        "chose BSP for one window on trial (predicted 0.94x LOCALSGD (period 8)'s time: a move on a price "
+        "needs 0.8x or less, so its step is measured first); time to target relative to BSP: BSP 1.00 ("
+    )
+    both = dataclasses.replace(first, active="BSP", step_s=0.0062, known=(("LOCALSGD (period 8)", 0.006),))
+    assert choose_rule(both).chosen.label == "BSP"  # LOCALSGD's time is 1.06x BSP's
+    lost = dataclasses.replace(both, step_s=0.0075)  # BSP's measured time: 1.14x LOCALSGD's
+    assert choose_rule(lost, margin=1.0).chosen.label == "LOCALSGD (period 8)"
+    assert choose_rule(lost).chosen.label == "BSP" and choose_rule(lost).kept == "LOCALSGD (period 8)"
+
+
 def test_a_step_measured_while_a_candidate_ran_beats_the_models_price() -> None:
     """BSP ran (chosen at a larger k, say) at 17.7 ms a step, the sustained rate. Decided again, LOCALSGD
     keeps the 6 ms it measured while it ran, not the model's price from the slow allreduce, and wins."""

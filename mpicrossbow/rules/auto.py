@@ -21,6 +21,12 @@ Who sends what to whom, and when:
   it). If the choice is not the measuring rule, every rank moves to it from the next step on: from BSP
   through the switch (:class:`~.switching.SwitchingRule`), from LOCALSGD at once: the window ended on its
   average, so every learner holds the mean model and buffers already (below).
+* **A trial.** Where the soonest candidate was kept out only by the margin (:data:`~.rule_choice.MARGIN`:
+  predicted sooner, but within the model's error) and its step was never measured in this world, the model
+  cannot rank the two: every rank moves to it for one window on trial, and at the window's end the choice
+  is made again between the two measured steps, with no margin (the issue's "short timed trials"; on two
+  fast links the model priced BSP at 0.84× LOCALSGD's time, and LOCALSGD, kept, took 1.27× BSP's time to
+  80 %: benchmarks/results/links.md). A run resumed inside the window on trial ends it alike.
 * **Every later window** ends with one allreduce (MAX) of three numbers: the window's step and hook
   seconds and whether the world or the learner count changed (an elastic loss or replacement,
   ``learners = auto``). With ``recheck`` on, a step :data:`DRIFT`× slower or faster than predicted for
@@ -53,7 +59,7 @@ from ..errors import ConfigError
 from .base import Rule
 from .bsp import BSP
 from .registry import RULES
-from .rule_choice import CANDIDATES, Decision, Measured, choose_rule, fit_link
+from .rule_choice import CANDIDATES, MARGIN, Decision, Measured, choose_rule, fit_link
 from .switching import SwitchingRule
 
 if TYPE_CHECKING:
@@ -139,6 +145,8 @@ class Auto(SwitchingRule):
         #: The last decision, and every decision's (step, label, predicted seconds a step).
         self.decision: Decision | None = None
         self.decisions: list[tuple[int, str, float]] = []
+        #: While a candidate runs one window on trial, the label of the rule it replaced (else empty).
+        self.trial = ""
         self._window = 0  # the step the current window started at
         self._drifted = 0  # windows in a row that drifted
         self._changed = False  # the world or k changed since the last decision
@@ -146,8 +154,8 @@ class Auto(SwitchingRule):
         self._mark: float | None = None  # the end of the last exchange
         #: The fastest exchange of the window that averaged the model (inf: none timed; rules with a period).
         self._average_s = float("inf")
-        #: label → seconds a step, agreed over the ranks, of each candidate's last window run in this world
-        #: and at this k (not checkpointed: a resumed run measures afresh).
+        #: label → seconds a step, agreed over the ranks, of each candidate's last window run in this world,
+        #: at this k and since the last drift (not checkpointed: a resumed run measures afresh).
         self.measured: dict[str, float] = {}
         self._warned = False
         #: The run's ``[optim] lr_scaling`` (:meth:`on_lr_scaling`; the default until told). A rank that
@@ -188,7 +196,7 @@ class Auto(SwitchingRule):
                 "%s: %s for %d step(s) while measuring, then the soonest of %s",
                 self.name,
                 self.measuring,
-                -(-self.window_length() // self._period()) * self._period(),
+                self.first_decision(),
                 ", ".join(self.options),
             )
         return self
@@ -233,6 +241,10 @@ class Auto(SwitchingRule):
             return self.hyper.measure_steps
         return UNTIMED_STEPS + max(self.hyper.measure_steps - UNTIMED_STEPS, 2 * self._period())
 
+    def first_decision(self) -> int:
+        """The step of the first decision: the measuring window's end, on one of its rule's exchanges."""
+        return -(-self.window_length() // self._period()) * self._period()
+
     def _period(self) -> int:
         """Steps between two exchanges of the running candidate (1: every step)."""
         return CANDIDATES[self.running][1].get("period", 1)
@@ -257,7 +269,7 @@ class Auto(SwitchingRule):
         step_s, hooks_s = self._step_s / self._steps, self._hooks_s / self._steps
         if self.decided is None:
             self._decide(step, step_s, hooks_s)
-        elif self.hyper.recheck:
+        elif self.hyper.recheck or self.trial:
             step_s, hooks_s, changed = self.comm.exact.allreduce_scalars(
                 [step_s, hooks_s, float(self._changed)], op=ReduceOp.MAX
             )
@@ -277,8 +289,12 @@ class Auto(SwitchingRule):
                 )
             if changed:
                 self.measured.clear()  # measured in another world, or at another k
-            if changed or self._drifted >= (1 if fresh else SUSTAINED):
+                self.trial = ""  # what it was compared with was measured in another world
+            if self.trial or changed or self._drifted >= (1 if fresh else SUSTAINED):
                 why = f"steps {drift:.2g}x as predicted" if not changed else "the world or k changed"
+                if not self.trial:  # the others' steps were measured before what the drift shows changed
+                    self.measured.clear()
+                why = f"{self.running}'s window on trial ended" if self.trial else why
                 self._decide(step, step_s, hooks_s, why)
             else:
                 self.measured[self.running] = step_s
@@ -323,7 +339,11 @@ class Auto(SwitchingRule):
             lr_scaling=self.lr_scaling,
             known=tuple((label, s) for label, s in self.measured.items() if label != self.running),
         )
-        decision = choose_rule(measured, self.options)
+        decision = choose_rule(measured, self.options, margin=1.0 if self.trial else MARGIN)
+        self.trial = ""
+        if decision.kept and not measured.ran(decision.kept):  # within the model's error: measure it
+            decision = decision.on_trial()
+            self.trial = decision.trial
         running = self.running
         self.decision, self.decided = decision, decision.chosen.label
         self.decisions.append((step, decision.chosen.label, decision.chosen.step_s))
@@ -367,7 +387,7 @@ class Auto(SwitchingRule):
                 "%s: the run ended before the decision at step %d, so it was %s throughout; lower [rule] "
                 "measure_steps or train longer",
                 self.name,
-                self.window_length(),
+                self.first_decision(),
                 self.measuring,
             )
             self._warned = True
@@ -399,6 +419,7 @@ class Auto(SwitchingRule):
             "decisions": [list(row) for row in self.decisions],
             "window": self._window,
             "drifted": self._drifted,
+            "trial": self.trial,
             "lr_scaling": self.lr_scaling,
             **self.phase_state(),
         }
@@ -420,6 +441,7 @@ class Auto(SwitchingRule):
         self.decided = decided
         self.decisions = [(int(a), str(b), float(c)) for a, b, c in state.get("decisions", [])]
         self._window, self._drifted = int(state.get("window", 0)), int(state.get("drifted", 0))
+        self.trial = str(state.get("trial", ""))
         if not self._told:
             self.lr_scaling = str(state.get("lr_scaling", self.lr_scaling))
         self._steps, self._step_s, self._hooks_s, self._mark = 0, 0.0, 0.0, None

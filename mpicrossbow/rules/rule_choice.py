@@ -64,7 +64,8 @@ READS_AS = {"sqrt": "linear"}
 #: A move away from the running rule needs a predicted time to target at most this fraction of the running
 #: rule's: the cost model's predictions were 0.80-1.20 of the measured steps (benchmarks/scaling_links.py),
 #: a link that shapes traffic errs further, and a move costs (the mean model, BSP's optimizer state started
-#: again, a window to confirm it).
+#: again, a window to confirm it). A candidate kept out only by it, never measured, runs one window on trial
+#: (:meth:`Decision.on_trial`), and at its end the two measured steps decide with no margin.
 MARGIN = 0.8
 #: The candidates, in the order they are shown: label → (rule, its hyper-parameters).
 CANDIDATES: dict[str, tuple[str, dict[str, int]]] = {
@@ -129,11 +130,21 @@ class Candidate:
 class Decision:
     """The candidates, the chosen one first, then soonest first; :attr:`chosen` is the first. ``kept``: the
     soonest candidate, when it was not :data:`MARGIN` × the running rule's time or less and the running
-    rule was kept (else empty)."""
+    rule was kept (else empty). ``trial``: the running rule's label when the chosen candidate runs one
+    window on trial instead (:meth:`on_trial`)."""
 
     candidates: tuple[Candidate, ...]
     measured: Measured
     kept: str = ""
+    trial: str = ""
+
+    def on_trial(self) -> Decision:
+        """This decision with the candidate the margin kept out (``kept``) chosen for one window on trial:
+        the model cannot rank two candidates whose predicted times are within its error, so the kept-out
+        one's step is measured before the choice is made (:class:`~.auto.Auto`)."""
+        first = next(c for c in self.candidates if c.label == self.kept)
+        rest = tuple(c for c in self.candidates if c is not first)
+        return Decision((first, *rest), self.measured, trial=self.candidates[0].label)
 
     @property
     def chosen(self) -> Candidate:
@@ -154,6 +165,12 @@ class Decision:
         if self.kept:
             ratio = next(c.time for c in self.candidates if c.label == self.kept) / self.chosen.time
             kept = f" (kept: {self.kept} predicted {ratio:.2f}x its time, a move needs {MARGIN:g}x or less)"
+        elif self.trial:
+            ratio = self.chosen.time / next(c.time for c in self.candidates if c.label == self.trial)
+            kept = (
+                f" for one window on trial (predicted {ratio:.2f}x {self.trial}'s time: a move on a price "
+                f"needs {MARGIN:g}x or less, so its step is measured first)"
+            )
         return (
             f"chose {self.chosen.label}{kept}; time to target relative to BSP: {rows}; from compute "
             f"{m.compute_s * 1e3:.3g} ms/step, allreduce of {m.nbytes / 1e3:.4g} KB over {m.ranks} rank(s) "
@@ -192,11 +209,14 @@ def fit_link(ranks: int, short: tuple[float, float], long: tuple[float, float]) 
     return Link(alpha, beta)
 
 
-def choose_rule(measured: Measured, labels: Collection[str] | None = None) -> Decision:
+def choose_rule(
+    measured: Measured, labels: Collection[str] | None = None, margin: float = MARGIN
+) -> Decision:
     """Price every candidate of ``labels`` (default: all; module docstring) and order them, soonest first
     (ties: the listed order). The active candidate and those in ``known`` keep their measured steps; the
     others are priced by the cost model. Times are relative to BSP's. The active candidate, where it is one
-    of ``labels``, is kept unless the soonest is :data:`MARGIN` × its time or less."""
+    of ``labels``, is kept unless the soonest is ``margin`` × its time or less (1: the soonest, as between
+    two measured steps)."""
     cluster = Cluster(
         "measured",
         gpus_per_node=measured.ranks,
@@ -230,7 +250,7 @@ def choose_rule(measured: Measured, labels: Collection[str] | None = None) -> De
     )
     ranked = [found[i] for i in order]
     running = next((c for c in ranked if c.label == measured.active), None)
-    if running is None or ranked[0] is running or ranked[0].time <= MARGIN * running.time:
+    if running is None or ranked[0] is running or ranked[0].time <= margin * running.time:
         return Decision(tuple(ranked), measured)
     rest = tuple(c for c in ranked if c is not running)
     return Decision((running, *rest), measured, kept=ranked[0].label)
