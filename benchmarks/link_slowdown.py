@@ -73,9 +73,12 @@ def run(
     )  # fmt: skip
     slowed = False
     tail: list[str] = []
+    lines: list[str] = []  # AUTO's decisions, each in its own words
     assert proc.stderr is not None
     for line in proc.stderr:
         tail = [*tail[-40:], line]
+        if " AUTO at step " in line:
+            lines.append(line.strip())
         if not slowed and f"INFO epoch {args.after} step " in line:
             cluster.set_rate("node2", args.slow, QUEUE, args.burst)
             slowed = True
@@ -95,7 +98,7 @@ def run(
         (labels[int(index)], float(step) / steps_per_epoch)
         for step, index, _ in attrs.get("rule_auto_decisions", [])
     ]
-    return {"seconds": float(hits[0]) if hits else math.nan, "decisions": decisions}
+    return {"seconds": float(hits[0]) if hits else math.nan, "decisions": decisions, "lines": lines}
 
 
 def table(results: dict[str, list[dict[str, Any]]], after: int) -> str:

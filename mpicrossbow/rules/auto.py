@@ -309,12 +309,19 @@ class Auto(SwitchingRule):
         model-sized allreduces already: the fastest of them, on the rank that waited least for the others
         (the smallest over the ranks), prices the model's bytes, and no allreduce of them is added (two cost
         a seventh of the digits job's time to target over a 30 mbit link: benchmarks/results/links.md). It
-        holds the learners' local mean and copy too, so it errs slow, towards the running rule."""
+        holds the learners' local mean and copy too, so it errs slow, towards the running rule. At the first
+        decision only: a rank whose peer's data had crossed the link while it still computed finishes its
+        average at once, so on a slow link the fastest average can miss the transfer (after node2's link
+        fell to 10 mbit, 0.44 ms for the digits MLP's 104.5 KB, and AUTO moved to BSP and back:
+        benchmarks/results/link_slowdown.md). The first decision's error is caught by the trial window (a
+        priced BSP is measured before it is taken); a later decision times the allreduces of the model with
+        the ranks lined up instead."""
         assert self.comm is not None and self.pool is not None
         params = self.pool.learners[0].params
         short = _timed_allreduce(self.comm, torch.zeros(SHORT_BYTES // 4, device=params.device), REPEATS)
-        # every rank ran the same steps of the same rule: all timed averages, or none did
-        averaged = self._average_s < float("inf")
+        # every rank ran the same steps of the same rule: all timed averages, or none did; they price the
+        # link at the first decision only (docstring)
+        averaged = self._average_s < float("inf") and not reason
         if averaged:
             long = self._average_s
         else:
