@@ -288,13 +288,12 @@ class Auto(SwitchingRule):
                     expected * 1e3,
                 )
             if changed:
-                self.measured.clear()  # measured in another world, or at another k
-                self.trial = ""  # what it was compared with was measured in another world
-            if self.trial or changed or self._drifted >= (1 if fresh else SUSTAINED):
+                self.trial = ""  # what it would be compared with was measured in another world
+            if self.trial:  # the trial's step against the rule it replaced, both measured
+                self._decide(step, step_s, hooks_s, f"{self.running}'s window on trial ended")
+            elif changed or self._drifted >= (1 if fresh else SUSTAINED):
+                self.measured.clear()  # the others' steps were measured before what changed
                 why = f"steps {drift:.2g}x as predicted" if not changed else "the world or k changed"
-                if not self.trial:  # the others' steps were measured before what the drift shows changed
-                    self.measured.clear()
-                why = f"{self.running}'s window on trial ended" if self.trial else why
                 self._decide(step, step_s, hooks_s, why)
             else:
                 self.measured[self.running] = step_s
