@@ -62,28 +62,34 @@ class SlowLink(ForwardingCommunicator):
     allreduce_mean takes :attr:`mean_delay_s` more (set while BSP runs: a step the model's price misread)."""
 
     slow = False
+    delay_s = DELAY_S
     mean_delay_s = 0.0
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Handle:
         """Sleep when slow, then the inner allreduce."""
         if self.slow:
-            time.sleep(DELAY_S)
+            time.sleep(self.delay_s)
         return self.inner.allreduce(tensor, op, async_op)
 
     def allreduce_mean(self, tensor: torch.Tensor, count: int) -> None:
         """Sleep when slow, then the inner allreduce_mean (BSP's one allreduce after backward)."""
         if self.slow:
-            time.sleep(DELAY_S)
+            time.sleep(self.delay_s)
         time.sleep(self.mean_delay_s)
         self.inner.allreduce_mean(tensor, count)
 
 
 def run(
-    recheck: bool, lr_scaling: str = "linear", slow_from: int = SLOW_FROM, mean_delay_s: float = 0.0
+    recheck: bool,
+    lr_scaling: str = "linear",
+    slow_from: int = SLOW_FROM,
+    mean_delay_s: float = 0.0,
+    delay_s: float = DELAY_S,
 ) -> list[dict[str, Any]]:
     """AUTO (windows of 6 steps) for 54 steps on 2 in-process ranks reading ``lr_scaling``'s epochs table,
-    the link slow from step ``slow_from``, BSP's gradient mean ``mean_delay_s`` slower while it runs; per rank
-    its decisions, the rule running at the end, and every learner's weights right after each decision."""
+    the link ``delay_s`` slower from step ``slow_from``, BSP's gradient mean ``mean_delay_s`` slower while it
+    runs; per rank its decisions, the rule running at the end, and every learner's weights right after each
+    decision."""
     pools = []
     for rank in range(SIZE):
         torch.manual_seed(rank)
@@ -92,6 +98,7 @@ def run(
 
     def body(comm: Communicator) -> dict[str, Any]:
         link, pool = SlowLink(comm), pools[comm.rank]
+        link.delay_s = delay_s
         rule = RULES.get("AUTO")(measure_steps=WINDOW, candidates="BSP,LOCALSGD", recheck=recheck)
         rule.on_lr_scaling(lr_scaling)  # linear: the documented recipe's table, BSP's fewer epochs win
         rule.bind(link, pool)
@@ -153,6 +160,25 @@ def test_a_candidate_the_margin_kept_out_runs_one_window_on_trial_then_the_measu
             moved = rank["after"][at]
             np.testing.assert_array_equal(moved, ranks[0]["after"][at])
             assert (moved == moved[0]).all()
+
+
+def test_a_slow_link_under_the_rate_as_written_moves_local_sgd_to_a_longer_period_with_equal_replicas() -> (
+    None
+):
+    """The rate as written (``none``) offers LOCALSGD's periods 4, 8 and 16. Every allreduce 0.3 s from the
+    start: period 8's measured step is about 38 ms of averaging on ~20 ms of compute, and period 16, paying
+    half of it for 1.38x BSP's epochs at k = 8 against period 8's 1.21x, is sooner (directly, or on trial
+    where a loaded machine's compute brings it within the margin: up to ~110 ms a step). The move is made
+    at the window's end, on its average: every rank alike, every learner equal, and the rule running is
+    LOCALSGD at period 16."""
+    ranks = run(recheck=True, lr_scaling="none", slow_from=0, delay_s=0.3)
+    for rank in ranks:
+        assert rank["decisions"][0] == (FIRST, "LOCALSGD (period 16)")
+        assert rank["decisions"] == ranks[0]["decisions"]
+        assert isinstance(rank["active"], LocalSGD) and rank["active"].hyper.period == 16
+        moved = rank["after"][FIRST]
+        np.testing.assert_array_equal(moved, ranks[0]["after"][FIRST])
+        assert (moved == moved[0]).all()
 
 
 class Sizes(ForwardingCommunicator):

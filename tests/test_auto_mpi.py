@@ -22,7 +22,7 @@ from test_postlocalsgd_mpi import assert_same, final_state
 
 from conftest import REPO, launcher, only_run, run_mpi
 from mpicrossbow.report.summary import auto_line
-from mpicrossbow.rules.rule_choice import CANDIDATES, MARGIN
+from mpicrossbow.rules.rule_choice import MARGIN, offered
 from mpicrossbow.training.checkpoints.checkpoint_files import complete_checkpoints
 from mpicrossbow.training.reporting.metrics import read_metrics
 
@@ -66,11 +66,11 @@ def test_the_decision_is_one_line_and_the_same_in_metrics(mpiexec: str, tmp_path
     attrs = read_metrics(only_run(tmp_path) / "metrics.h5")["attrs"]
     assert attrs["rule_auto_choice"] == chosen[1] and attrs["rule_auto_line"] in lines[0]
     assert attrs["rule_auto_candidates"].split("; ")[0] == chosen[1]
-    assert sorted(attrs["rule_auto_candidates"].split("; ")) == sorted(CANDIDATES)
+    assert sorted(attrs["rule_auto_candidates"].split("; ")) == sorted(offered("linear"))
     predicted = attrs["rule_auto_predicted"]
     soonest = min(row[2] for row in predicted)
     kept = "(kept: " in lines[0]  # the running rule stays unless another needs MARGIN x its time or less
-    assert len(predicted) == len(CANDIDATES) and (
+    assert len(predicted) == len(offered("linear")) and (
         soonest > MARGIN * predicted[0][2] if kept else predicted[0][2] == soonest
     )
     state = final_state(tmp_path, 0)["rule"]  # the choice runs from its move on (LOCALSGD: from 0)

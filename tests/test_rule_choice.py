@@ -19,6 +19,7 @@ from mpicrossbow.rules.rule_choice import (
     choose_rule,
     epochs_vs_bsp,
     fit_link,
+    offered,
 )
 
 pytestmark = pytest.mark.quick
@@ -48,6 +49,32 @@ def test_a_negligible_allreduce_keeps_bsp_which_needs_the_fewest_epochs() -> Non
     decision = choose_rule(measured(compute=0.010, allreduce=0.0001))
     assert decision.chosen.label == "BSP" and decision.chosen.time == 1.0
     assert [c.label for c in decision.candidates] == ["BSP", "SMA", "LOCALSGD (period 8)"]
+
+
+def test_a_period_is_offered_only_under_the_learning_rate_rule_that_measured_its_epochs() -> None:
+    """The rate as written (none) measured LOCALSGD at periods 4, 8 and 16; the linear table period 8 only
+    (period 16 missed 94 % at k = 8): a period without its own row is not priced as another's."""
+    assert offered("linear") == offered("sqrt") == ["BSP", "SMA", "LOCALSGD (period 8)"]
+    assert offered("none") == list(CANDIDATES)
+    linear = choose_rule(measured(compute=0.001, allreduce=0.030))
+    assert {c.label for c in linear.candidates} == set(offered("linear"))
+
+
+def test_a_step_the_allreduce_dominates_takes_the_longer_period_where_its_epochs_are_as_few() -> None:
+    """The digits MLP over a 30 mbit link at k = 2, the rate as written (benchmarks/results/links.md,
+    2026-12-03): 1.4 ms of compute, 27 ms a model allreduce, LOCALSGD at period 8 measured; period 16
+    needs as many epochs at k = 2 and pays half the averages, so it is taken; at k = 8, where it needs
+    1.38x BSP's epochs against period 8's 1.21x, the step's saving does not pay for them."""
+    under_8 = dataclasses.replace(
+        measured(compute=0.0014, allreduce=0.027), lr_scaling="none", active="LOCALSGD (period 8)",
+        step_s=0.0014 + 0.027 / 8, hooks_s=0.027 / 8,
+    )  # fmt: skip
+    chosen = choose_rule(under_8).chosen
+    assert chosen.label == "LOCALSGD (period 16)" and chosen.step_s == pytest.approx(0.0014 + 0.027 / 16)
+    compute_bound = dataclasses.replace(under_8, learners=8, step_s=0.010 + 0.001 / 8, hooks_s=0.001 / 8,
+                                        allreduce_s=0.001)  # fmt: skip
+    times = {c.label: c.time for c in choose_rule(compute_bound).candidates}
+    assert times["LOCALSGD (period 16)"] > times["LOCALSGD (period 8)"]
 
 
 def test_an_allreduce_that_dominates_the_step_picks_local_sgd() -> None:
@@ -131,7 +158,8 @@ def test_auto_refuses_a_candidate_it_does_not_price_and_names_those_it_does() ->
     ):
         RULES.get("AUTO")(candidates="BSP,EASGD")
     rule = RULES.get("auto")(candidates=" sma , localsgd,SMA")
-    assert rule.hyper.candidates == "SMA,LOCALSGD" and list(rule.options) == ["SMA", "LOCALSGD (period 8)"]
+    periods = [f"LOCALSGD (period {h})" for h in (4, 8, 16)]
+    assert rule.hyper.candidates == "SMA,LOCALSGD" and list(rule.options) == ["SMA", *periods]
     assert not rule.averages_gradients_throughout  # an uncapped lr scaling is refused, as for SMA itself
 
 

@@ -59,7 +59,7 @@ from ..errors import ConfigError
 from .base import Rule
 from .bsp import BSP
 from .registry import RULES
-from .rule_choice import CANDIDATES, MARGIN, Decision, Measured, choose_rule, fit_link
+from .rule_choice import CANDIDATES, MARGIN, Decision, Measured, choose_rule, fit_link, offered
 from .switching import SwitchingRule
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ class Auto(SwitchingRule):
                 self.name,
                 self.measuring,
                 self.first_decision(),
-                ", ".join(self.options),
+                ", ".join(label for label in offered(self.lr_scaling) if label in self.options),
             )
         return self
 

@@ -16,17 +16,17 @@ sustained rate).
 
 **Statistical side.** Each candidate's epochs to a target, relative to BSP's at the same k
 (:data:`EPOCHS_VS_BSP`), are read from the measured tables of benchmarks/results/epochs_to_target.md (MNIST-1D
-CNN, 2 ranks, k = 4, 8 and 16, medians of 3 seeds), interpolated in log2 k, and 1 at k = 1 (one learner: every
+CNN, 2 ranks, k = 2 to 16, medians of 3 seeds), interpolated in log2 k, and 1 at k = 1 (one learner: every
 rule is plain SGD); past the largest measured k, that k's figure. The table is the run's learning-rate rule's
 (``[optim] lr_scaling``, told by :meth:`~.base.Rule.on_lr_scaling`): it moves the ratio more than anything
 else measured — at k = 8 LOCALSGD needed 2.35× BSP's epochs with every rate scaled linearly (to 94 %; 4.0× to
 80 %), 1.21× with the rate as written (to 80 %). The noise scale is shown beside the decision but does not
 move it: the only measured link between it and model averaging's epochs is the table, whose B_noise was not
-recorded. LOCALSGD is priced at its default period only (8). Periods 4 and 16 were measured too
-(epochs_to_target.md, 2026-12-01 13:30) and offered for a while: on the digits job at k = 8 AUTO then took
-period 4 and 3.03× the best rule's time, period 16 being the fastest there while MNIST-1D's table has it
-missing the target (benchmarks/results/links.md, 2026-12-01 13:42): a period's epochs follow the model, and
-period 8 alone is offered until they are measured on the user's own.
+recorded. **LOCALSGD's period** is a choice too, where the run's table has a row for it (:func:`offered`):
+with the rate as written periods 4, 8 and 16 (measured side by side, 2026-12-03 06:48); with every rate
+scaled linearly period 8 only — period 16 missed 94 % at k = 8 and 16 in every seed, and period 4, offered
+from that table for a while, took AUTO to 3.03× the best rule's time on the digits job at k = 8, where
+period 16 was the fastest (benchmarks/results/links.md, 2026-12-01 13:42).
 
 **Where it is wrong** (docs/rules.md, "AUTO"): models whose averaging rules need other epochs than MNIST-1D's
 CNN did; a link that changes after the decision (the decision is made once); stragglers, which the model
@@ -47,16 +47,19 @@ from .cost_model import Cluster, Link, step_time
 #: against k — 2026-11-26 23:39" (29.3/27.8, 62.8/30.8, 61.5/31.8), LOCALSGD from "— 2026-12-01 13:30", side
 #: by side with BSP (33.0/27.8, 72.5/30.8, 68.9/31.8). ``none``: the cfg's own recipe (batch 32, lr 0.1 as
 #: written, 30 epochs), to 80 %, the highest every rule reached at k = 4 and 8: "Epochs to 80%, 85%, 90%
-#: against k — 2026-12-02 16:01" (SMA 15.0/12.0, 21.5/17.0; LOCALSGD 14.0/12.0, 20.5/17.0; at k = 16 no
-#: rule reached 80 % in 30 epochs).
+#: against k — 2026-12-03 06:48", every row side by side with BSP (k = 2: 8, k = 4: 12, k = 8: 17 epochs;
+#: SMA 11, 15, 21.5; LOCALSGD at period 4 9, 12, 19.5; at 8 8, 14, 20.5; at 16 8, 14, 23.5; at k = 16 no
+#: rule reached 80 % in 30 epochs, 2026-12-02 16:01).
 EPOCHS_VS_BSP: dict[str, dict[str, dict[int, float]]] = {
     "linear": {
         "SMA": {1: 1.0, 4: 1.05, 8: 2.04, 16: 1.93},
         "LOCALSGD (period 8)": {1: 1.0, 4: 1.19, 8: 2.35, 16: 2.17},
     },
     "none": {
-        "SMA": {1: 1.0, 4: 1.25, 8: 1.26},
-        "LOCALSGD (period 8)": {1: 1.0, 4: 1.17, 8: 1.21},
+        "SMA": {1: 1.0, 2: 1.38, 4: 1.25, 8: 1.26},
+        "LOCALSGD (period 4)": {1: 1.0, 2: 1.12, 4: 1.0, 8: 1.15},
+        "LOCALSGD (period 8)": {1: 1.0, 2: 1.0, 4: 1.17, 8: 1.21},
+        "LOCALSGD (period 16)": {1: 1.0, 2: 1.0, 4: 1.17, 8: 1.38},
     },
 }
 #: The table a learning-rate rule without one of its own reads: ``sqrt`` scales the rate with k too.
@@ -71,8 +74,18 @@ MARGIN = 0.8
 CANDIDATES: dict[str, tuple[str, dict[str, int]]] = {
     "BSP": ("BSP", {}),
     "SMA": ("SMA", {}),
+    "LOCALSGD (period 4)": ("LOCALSGD", {"period": 4}),
     "LOCALSGD (period 8)": ("LOCALSGD", {"period": 8}),
+    "LOCALSGD (period 16)": ("LOCALSGD", {"period": 16}),
 }
+
+
+def offered(lr_scaling: str = "none") -> list[str]:
+    """The candidates a run under the learning-rate rule ``lr_scaling`` chooses among, in
+    :data:`CANDIDATES`' order: BSP and each one whose epochs were measured under that rule
+    (:data:`EPOCHS_VS_BSP`); a period without its own row is not priced as another's."""
+    table = EPOCHS_VS_BSP[READS_AS.get(lr_scaling, lr_scaling)]
+    return [label for label in CANDIDATES if label == "BSP" or label in table]
 
 
 @dataclass(frozen=True)
@@ -191,6 +204,8 @@ def epochs_vs_bsp(label: str, k: int, lr_scaling: str = "none") -> float:
         return table[ks[0]]
     if k >= ks[-1]:
         return table[ks[-1]]
+    if k in table:
+        return table[k]
     high = next(i for i, at in enumerate(ks) if at >= k)
     a, b = ks[high - 1], ks[high]
     share = (math.log2(k) - math.log2(a)) / (math.log2(b) - math.log2(a))
@@ -225,8 +240,12 @@ def choose_rule(
         gamma=measured.gamma,
         overlaps=measured.overlaps,
     )
+    shown = [
+        label for label in offered(measured.lr_scaling) if label == "BSP" or labels is None or label in labels
+    ]
     steps, known = {}, dict(measured.known)
-    for label, (rule, hyper) in CANDIDATES.items():
+    for label in shown:
+        rule, hyper = CANDIDATES[label]
         if label == measured.active:
             steps[label] = measured.step_s
         elif label in known:
@@ -237,13 +256,11 @@ def choose_rule(
                 rule, measured.ranks, measured.compute_s, measured.nbytes, cluster, period=period
             ).seconds
     found = []
-    for label, (rule, hyper) in CANDIDATES.items():
+    for label in shown:
+        rule, hyper = CANDIDATES[label]
         epochs = epochs_vs_bsp(label, measured.learners, measured.lr_scaling)
-        found.append(
-            Candidate(
-                label, rule, hyper, steps[label], epochs, steps[label] * epochs / max(steps["BSP"], 1e-12)
-            )
-        )
+        time = steps[label] * epochs / max(steps["BSP"], 1e-12)
+        found.append(Candidate(label, rule, hyper, steps[label], epochs, time))
     order = sorted(
         (i for i in range(len(found)) if labels is None or found[i].label in labels),
         key=lambda i: (found[i].time, i),
