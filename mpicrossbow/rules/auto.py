@@ -107,7 +107,9 @@ class Auto(SwitchingRule):
             ge=2,
         )
         candidates: str = setting(
-            "BSP,SMA,LOCALSGD", "the rules to choose from, comma-separated: any of BSP, SMA, LOCALSGD"
+            "BSP,SMA,LOCALSGD",
+            "the rules to choose from, comma-separated: any of BSP, SMA, LOCALSGD (at each period the run's "
+            "epochs table measured)",
         )
         recheck: bool = setting(
             True,
