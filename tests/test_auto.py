@@ -29,7 +29,7 @@ from mpicrossbow.comm.base import Communicator, Handle, ReduceOp
 from mpicrossbow.comm.forwarding import ForwardingCommunicator
 from mpicrossbow.pool import SerialPool
 from mpicrossbow.pool.spec import PoolSpec
-from mpicrossbow.rules import BSP, RULES, LocalSGD
+from mpicrossbow.rules import BSP, RULES, LocalSGD, rule_choice
 from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.run.step import train_step
 
@@ -40,21 +40,29 @@ SLOW_FROM = FIRST + WINDOW
 
 
 class Pause(nn.Module):
-    """A layer that sleeps :data:`PAUSE_S` and passes its input on: a step's compute the load cannot shrink
+    """A layer that sleeps ``seconds`` and passes its input on: a step's compute the load cannot shrink
     next to the communication."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Sleep, then ``x`` unchanged."""
-        time.sleep(PAUSE_S)
+        time.sleep(self.seconds)
         return x
 
 
 class PausedMLP(NormedMLP):
-    """:class:`NormedMLP` behind a :class:`Pause`."""
+    """:class:`NormedMLP` behind a :class:`Pause` of ``pause_s``."""
+
+    def __init__(self, hidden: int, pause_s: float = PAUSE_S) -> None:
+        super().__init__(hidden=hidden)
+        self.pause_s = pause_s
 
     def module(self) -> nn.Module:
         """A fresh replica: the pause, then the MLP."""
-        return nn.Sequential(Pause(), super().module())
+        return nn.Sequential(Pause(self.pause_s), super().module())
 
 
 class SlowLink(ForwardingCommunicator):
@@ -85,16 +93,17 @@ def run(
     slow_from: int = SLOW_FROM,
     mean_delay_s: float = 0.0,
     delay_s: float = DELAY_S,
+    pause_s: float = PAUSE_S,
 ) -> list[dict[str, Any]]:
     """AUTO (windows of 6 steps) for 54 steps on 2 in-process ranks reading ``lr_scaling``'s epochs table,
     the link ``delay_s`` slower from step ``slow_from``, BSP's gradient mean ``mean_delay_s`` slower while it
-    runs; per rank its decisions, the rule running at the end, and every learner's weights right after each
-    decision."""
+    runs, each learner's forward ``pause_s`` longer; per rank its decisions, the rule running at the end, and
+    every learner's weights right after each decision."""
     pools = []
     for rank in range(SIZE):
         torch.manual_seed(rank)
         spec = PoolSpec(rank, SIZE, 8, OPTIM, torch.device("cpu"), seed=1, learners=4)
-        pools.append(SerialPool(PausedMLP(hidden=8), spec))
+        pools.append(SerialPool(PausedMLP(hidden=8, pause_s=pause_s), spec))
 
     def body(comm: Communicator) -> dict[str, Any]:
         link, pool = SlowLink(comm), pools[comm.rank]
@@ -146,13 +155,22 @@ def test_with_recheck_off_the_first_choice_stays() -> None:
 
 @pytest.mark.parametrize("mean_delay_s, chosen", [(0.0, "BSP"), (0.06, "LOCALSGD (period 8)")])
 def test_a_candidate_the_margin_kept_out_runs_one_window_on_trial_then_the_measured_steps_decide(
-    mean_delay_s: float, chosen: str
+    mean_delay_s: float, chosen: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the rate as written (``lr_scaling = none``: LOCALSGD needs 1.21x BSP's epochs at k = 8) BSP's
     price is within the model's error of LOCALSGD's measured time, so BSP runs the next window on trial.
     Its step as fast as LOCALSGD's, BSP's fewer epochs win; its gradient mean 60 ms slower than the price
-    (a link the model misread), LOCALSGD is taken back. Every rank alike, every learner equal after each."""
-    ranks = run(recheck=False, lr_scaling="none", slow_from=STEPS, mean_delay_s=mean_delay_s)
+    (a link the model misread), LOCALSGD is taken back. Every rank alike, every learner equal after each.
+
+    The table offers period 8 alone here: with period 4 (1.15x BSP's epochs) its price came before BSP's
+    once an in-process allreduce took 5 ms of a loaded 2-core machine, and it was the one tried (CI,
+    2026-12-03); the choice among periods is the next test's. Each forward pauses 10 ms (compute ~40 ms a
+    step): BSP's step as fast as LOCALSGD's must stay under 1.21x its time, which an in-process allreduce of
+    over 5 ms a step on a 20 ms compute had broken once in 8 runs beside three busy processes on 2 cores."""
+    period_8 = "LOCALSGD (period 8)"
+    only_period_8 = {period_8: rule_choice.EPOCHS_VS_BSP["none"][period_8]}
+    monkeypatch.setitem(rule_choice.EPOCHS_VS_BSP, "none", only_period_8)
+    ranks = run(recheck=False, lr_scaling="none", slow_from=STEPS, mean_delay_s=mean_delay_s, pause_s=0.01)
     for rank in ranks:
         assert rank["decisions"] == [(FIRST, "BSP"), (FIRST + WINDOW, chosen)]
         assert isinstance(rank["active"], BSP if chosen == "BSP" else LocalSGD)

@@ -227,7 +227,8 @@ def fit_link(ranks: int, short: tuple[float, float], long: tuple[float, float]) 
 def choose_rule(
     measured: Measured, labels: Collection[str] | None = None, margin: float = MARGIN
 ) -> Decision:
-    """Price every candidate of ``labels`` (default: all; module docstring) and order them, soonest first
+    """Price every candidate of ``labels`` (default: all) that the run's learning-rate rule offers
+    (:func:`offered`; BSP always priced, as the unit) and order them, soonest first
     (ties: the listed order). The active candidate and those in ``known`` keep their measured steps; the
     others are priced by the cost model. Times are relative to BSP's. The active candidate, where it is one
     of ``labels``, is kept unless the soonest is ``margin`` × its time or less (1: the soonest, as between
