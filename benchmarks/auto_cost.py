@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import REPO, append_result
+from benchmarks.report import REPO, append_result, relaunch
 from benchmarks.sma_recipe import CFG_RECIPE
 from mpicrossbow.training.reporting.metrics import read_metrics
 
@@ -81,16 +79,10 @@ def run(seed: int, epochs: int, folder: Path) -> dict[str, Any]:
     """One AUTO run at ``seed``: the largest of each figure over the ranks, the decisions made and the run's
     training seconds."""
     folder.mkdir(parents=True)
-    here = Path(sys.executable).parent / "mpiexec"
     overrides = [*OVERRIDES, f"session.seed={seed}", f"session.epochs={epochs}", f"session.output={folder}"]
-    cmd = [str(here) if here.exists() else "mpiexec", "-n", str(RANKS), sys.executable, "-m",
-           "benchmarks.auto_cost", "--rank-side", str(folder), "--", *overrides]  # fmt: skip
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    )
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"seed {seed} failed:\n{proc.stderr[-3000:]}")
+    status = relaunch("benchmarks.auto_cost", RANKS, ["--rank-side", str(folder), "--", *overrides], 900)
+    if status != 0:
+        raise RuntimeError(f"seed {seed}: the job exited with {status}")
     ranks = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("rank-*.json"))]
     (path,) = folder.glob("*/metrics.h5")
     metrics = read_metrics(path)
