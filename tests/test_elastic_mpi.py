@@ -230,6 +230,33 @@ def test_a_killed_rank_is_dropped_and_the_survivors_finish_identical(
     assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize(("rule", "rank"), [("BSP", 1), ("SMA", 0)])
+def test_a_rank_killed_inside_a_checkpoint_costs_the_rank_not_the_job(
+    openmpi: OpenMPIEnv, tmp_path: Path, rule: str, rank: int
+) -> None:
+    """A rank SIGKILLed while the checkpoint of step 44 is written (its file written, not yet renamed; the
+    others wait in the save's collectives) is a loss like any other: one line names it "at the checkpoint",
+    the survivors write that checkpoint again over the three of them and finish with status 0, their
+    replicas equal. Before, every survivor left the job at the save's barrier (MPI_ERR_PROC_FAILED, outside
+    the fault-tolerant path), as a CI run did when its replacement was killed during a checkpoint. Rank 0
+    killed: its successor takes over the checkpoint lock and rewrites the half-made folder."""
+    kill = (f"inject.rank={rank}", "inject.step=44", "inject.action=kill_in_save")
+    proc = elastic_job(openmpi, tmp_path, f"RULE={rule}", *kill)
+    assert proc.returncode == 0 and not error_lines(proc.stderr), proc.stderr[-3000:]
+    lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s)" in line]
+    assert len(lost) == 1 and f"lost rank(s) {rank} (start numbering) at the checkpoint" in lost[0], lost
+    checkpoints = only_run(tmp_path) / "checkpoints"
+    for step in (44, 88):
+        names = sorted(p.name for p in (checkpoints / f"step-{step:09d}").iterdir())
+        assert names == ["meta.pt", "rank-00000.pt", "rank-00001.pt", "rank-00002.pt"], (step, names)
+    assert not list(checkpoints.glob("*.partial"))
+    final = checkpoints / "step-000000088"
+    states = [torch.load(final / f"rank-{r:05d}.pt", weights_only=True) for r in range(3)]
+    held = [s["rule"]["z"] if rule == "SMA" else s["pool"]["learners"][0]["params"] for s in states]
+    assert all(torch.equal(held[0], other) for other in held[1:])
+    assert accuracy(proc.stderr) > 0.85, proc.stderr[-2000:]
+
+
 def test_a_job_that_is_not_elastic_leaves_no_rank_behind_under_ulfm(
     openmpi: OpenMPIEnv, tmp_path: Path
 ) -> None:

@@ -271,13 +271,16 @@ class CheckpointManager(FollowsWorld):
                 "[checkpoint] overwrite: deleted %d old checkpoint folder(s) in %s", len(old), directory
             )
 
-    def start(self, run_dir: Path) -> None:
-        """Open the checkpoint folder (``[checkpoint] directory`` or ``<run>/checkpoints``) for saving."""
+    def start(self, run_dir: Path, mpi: Any = None) -> None:
+        """Open the checkpoint folder (``[checkpoint] directory`` or ``<run>/checkpoints``) for saving; the
+        saves' collectives go over ``mpi`` (default: the world's communicator; an elastic run's
+        fault-tolerant group, which a loss revokes, so no survivor stays blocked in a save's barrier)."""
         ckpt = self.config.checkpoint
         directory = Path(ckpt.directory) if ckpt.directory else run_dir / "checkpoints"
         if self.world.rank == 0 and self.lock is None:  # a new run folder: nobody else can be there
             self._take(directory)
-        self.saver = Checkpointer(directory, self.world.rank, self.world.size, ckpt.keep, self.world.mpi)
+        mpi = self.world.mpi if mpi is None else mpi
+        self.saver = Checkpointer(directory, self.world.rank, self.world.size, ckpt.keep, mpi)
 
     def take_over(self) -> bool:
         """Elastic training lost rank 0 and this rank is rank 0 now: the checkpoint folder's lock passes here

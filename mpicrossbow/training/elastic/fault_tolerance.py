@@ -373,8 +373,10 @@ class FaultTolerance(StepWindow):
 
         def run(*args: Any) -> T:
             self.flush(what)
+            # also the MPI errors of work over the group's own communicator (a checkpoint's barriers)
+            failed = lambda exc: self.comm.group.is_failure(exc)  # noqa: E731 - the group of each try
             return until_committed(
-                lambda _redo: fn(*args), self.comm.commit, recovered, clock=time.perf_counter
+                lambda _redo: fn(*args), self.comm.commit, recovered, failed, clock=time.perf_counter
             )
 
         return run

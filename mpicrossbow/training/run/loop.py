@@ -282,6 +282,8 @@ class TrainLoop:
         parts = self.parts
         self._beat("save")
         self.window.flush("the checkpoint")  # a checkpoint holds final steps only
+        # elastic: a committed collective, saved again over the survivors when a rank is lost during it
+        save = self.window.collective(parts.checkpoints.save, "the checkpoint")
         with span("checkpoint", "checkpoint"):
-            parts.checkpoints.save(self.position(count), parts.rule, parts.faults)
+            save(self.position(count), parts.rule, parts.faults)
         self.saved_at = self.step

@@ -202,8 +202,9 @@ class Session:
         take_group_state(self.comm, world, self.pool, self.rule, self.checkpoints)  # a replica group back
         # Asynchronous rules checkpoint by coordinated snapshots (.snapshots); no step watchdog for them.
         synchronous = self.rule.synchronous
-        if cfg.checkpoint.enabled or cfg.checkpoint.on_signal:
-            self.checkpoints.start(self.run_dir)
+        if cfg.checkpoint.enabled or cfg.checkpoint.on_signal:  # elastic: over the group a loss revokes
+            native = self.elastic_comm.group.native if self.elastic_comm is not None else None
+            self.checkpoints.start(self.run_dir, native)
         wd = cfg.watchdog
         if wd.peer_timeout or (synchronous and (wd.warn_after or wd.abort_after)):
             elastic = self.elastic_comm is not None
