@@ -342,8 +342,9 @@ def colocated_runs(mpiexec: str, tmp_path_factory: pytest.TempPathFactory) -> Pa
         "--",
         "rule.placement=colocated",
     ]
-    # 19 s alone here; 268 s in one fresh-clone run on two workers (the other worker's jobs beside it; cause
-    # not found yet): a hang still ends, with every rank's stacks (tests/bounded.py)
+    # 11-14 s alone here, also beside two busy processes; 49.9 s in a fresh-clone suite (2026-12-04), 36.4 s
+    # of it waiting for core slots while the other worker's MPI jobs ran (tests/durations_file.py): the long
+    # figures are the queue, not this job. A hang still ends, with every rank's stacks (tests/bounded.py)
     proc = run_mpi(mpiexec, 3, args, timeout=480)
     assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]
     return out
