@@ -371,10 +371,13 @@ class FaultTolerance(StepWindow):
                 return
             self.recover(what, started)
 
+        def failed(exc: BaseException) -> bool:
+            # the group of the try that raised (a recovery replaces it): also the MPI errors of work over
+            # the group's own communicator (a checkpoint's barriers)
+            return self.comm.group.is_failure(exc)
+
         def run(*args: Any) -> T:
             self.flush(what)
-            # also the MPI errors of work over the group's own communicator (a checkpoint's barriers)
-            failed = lambda exc: self.comm.group.is_failure(exc)  # noqa: E731 - the group of each try
             return until_committed(
                 lambda _redo: fn(*args), self.comm.commit, recovered, failed, clock=time.perf_counter
             )

@@ -281,7 +281,9 @@ class TrainLoop:
         """A checkpoint after the current step (``count`` batches of the current epoch done)."""
         parts = self.parts
         self._beat("save")
-        self.window.flush("the checkpoint")  # a checkpoint holds final steps only
+        # a checkpoint holds final steps only; committed here, outside the checkpoint's span (the
+        # collective below then finds no window open)
+        self.window.flush("the checkpoint")
         # elastic: a committed collective, saved again over the survivors when a rank is lost during it
         save = self.window.collective(parts.checkpoints.save, "the checkpoint")
         with span("checkpoint", "checkpoint"):
