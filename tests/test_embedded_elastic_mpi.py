@@ -116,6 +116,34 @@ def test_a_replacement_still_starting_when_the_loop_ends_is_told_so_and_leaves(
     assert [(s["rank"], s["size"], s["ranks"]) for s in states] == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
 
 
+@pytest.mark.parametrize("rule", ["BSP", "SMA"])
+def test_a_rank_killed_inside_xb_checkpoint_costs_the_rank_and_the_survivors_write_it_again(
+    openmpi: OpenMPIEnv, tmp_path: Path, rule: str
+) -> None:
+    """Your own BSP or SMA loop under ``xb.init(elastic=True)`` saving ``xb.checkpoint`` to one folder every
+    10 steps; start rank 2 SIGKILLed inside the second save, before its rank file
+    (tests/mpi_scripts/embedded_checkpoint_loss.py). The job exits 0, rank 0 names the loss at the save
+    in one line, and the folder ends as the 3 survivors' last save: its meta file vouches for a world of 3,
+    its rank files are those 3 (the 4-rank world's fourth is gone), all at step 30, and the replicas are
+    bitwise equal. Before, the survivors left the job from the save's allgather (MPI_ERR_PROC_FAILED)
+    while the first save's meta file vouched for rank files of two saves."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = str(REPO / "tests" / "mpi_scripts" / "embedded_checkpoint_loss.py")
+    proc = run_local(openmpi.ft_command(4, openmpi.python, script, str(out), "2", "2", rule), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lost = [line for line in proc.stderr.splitlines() if "elastic: lost rank(s) 2 (start numbering)" in line]
+    assert len(lost) == 1 and "at xb.checkpoint" in lost[0], proc.stderr[-3000:]
+    assert "wrote checkpoint " + str(out / "ckpt") + "; the model is yours to save" in proc.stderr
+    states = [torch.load(path, weights_only=True) for path in sorted(out.glob("rank-*.pt"))]
+    assert [(s["rank"], s["size"]) for s in states] == [(0, 3), (1, 3), (2, 3)]
+    assert all(torch.equal(states[0]["weights"], s["weights"]) for s in states[1:])
+    saved = out / "ckpt"
+    assert torch.load(saved / "meta.pt", weights_only=True)["size"] == 3
+    assert sorted(p.name for p in saved.glob("rank-*.pt")) == [f"rank-0000{r}.pt" for r in range(3)]
+    assert [torch.load(saved / f"rank-0000{r}.pt", weights_only=True)["step"] for r in range(3)] == [30] * 3
+
+
 def test_elastic_true_where_it_cannot_be_is_one_line_and_exit_2(
     mpiexec: str, openmpi: OpenMPIEnv, tmp_path: Path
 ) -> None:

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..comm.base import Communicator
+from ..comm.elastic import ElasticCommunicator
 from ..errors import CheckpointError, UsageError
 from ..launch.world import World
 from ..rules.base import Rule
@@ -63,7 +65,8 @@ class EmbeddedJob:
         if trains:
             self.hooks = StepHooks(own, rule, precision=precision, noise=self.noise, window=self.window)
         self.finished = False
-        #: The folders :meth:`checkpoint` wrote, in order: what the job's last line names.
+        #: The folders :meth:`checkpoint` wrote, each once, the latest save last: what the job's last line
+        #: names.
         self.written: list[Path] = []
 
     @property
@@ -139,23 +142,49 @@ class EmbeddedJob:
     def checkpoint(self, path: Path) -> None:
         """Collective: every rank writes the rule's state and its step count into folder ``path``
         (``rank-NNNNN.pt``, atomically), then rank 0 writes ``meta.pt``; the user saves the model's and the
-        optimizer's own ``state_dict`` beside it."""
+        optimizer's own ``state_dict`` beside it.
+
+        A folder written before is taken over: its ``meta.pt`` goes first, so it never vouches for rank
+        files of two saves, and rank files past the world's size go too. In elastic training the save is a
+        committed collective over the fault-tolerant group: a rank lost during it is recovered from like
+        any loss and the survivors write the folder again, for the world they form."""
         self._check_checkpointable("xb.checkpoint")
-        if self.world.rank == 0:
+        self.window.collective(self._write_checkpoint, "xb.checkpoint")(path)
+        if path in self.written:  # a folder saved again: counted once, as the latest
+            self.written.remove(path)
+        self.written.append(path)
+
+    def _write_checkpoint(self, path: Path) -> None:
+        """One try of :meth:`checkpoint`, over :meth:`_collectives` (the world as it is now)."""
+        rank, size, comm = self.world.rank, self.world.size, self._collectives()
+        if rank == 0:
             path.mkdir(parents=True, exist_ok=True)
-        self.world.bcast(None)  # the folder exists before any rank writes into it
+            (path / META).unlink(missing_ok=True)
+        if comm is not None:  # the folder exists, and vouches for nothing, before any rank writes into it
+            comm.bcast(None, root=0)
         state = {
             "version": FORMAT_VERSION,
             "rule": self.rule.state_dict(),
             "step": self.steps,
             "noise_scale": self.noise.state_dict(),
         }
-        atomic_save(state, rank_file(path, self.world.rank))
-        self.world.allgather(None)  # every rank's file is complete before the meta file vouches for them
-        if self.world.rank == 0:
-            meta = {"version": FORMAT_VERSION, "rule": self.rule.name, "size": self.world.size}
+        atomic_save(state, rank_file(path, rank))
+        if comm is not None:  # every rank's file is complete before the meta file vouches for them
+            comm.allgather(None)
+        if rank == 0:
+            for stale in path.glob("rank-*.pt"):  # a larger world's, before a rank was lost
+                if stale.stem[5:].isdigit() and int(stale.stem[5:]) >= size:
+                    stale.unlink(missing_ok=True)
+            meta = {"version": FORMAT_VERSION, "rule": self.rule.name, "size": size}
             atomic_save(meta, path / META)
-        self.written.append(path)
+
+    def _collectives(self) -> Any:
+        """The mpi4py communicator the API's own collectives go over: in elastic training the group a
+        loss revokes (a survivor blocked in the world's would wait on the lost rank, or fail the job), else
+        the world's (None: one process without MPI)."""
+        if isinstance(self.comm, ElasticCommunicator) and self.comm.group.native is not None:
+            return self.comm.group.native
+        return self.world.mpi
 
     def restore(self, path: Path) -> None:
         """Load what :meth:`checkpoint` wrote (same rule and rank count) into the running job."""
