@@ -185,8 +185,9 @@ def test_a_slow_link_under_the_rate_as_written_moves_local_sgd_to_a_longer_perio
 ):
     """The rate as written (``none``) offers LOCALSGD's periods 4, 8 and 16. Every allreduce 0.3 s from the
     start: period 8's measured step is about 38 ms of averaging on ~20 ms of compute, and period 16, paying
-    half of it for 1.38x BSP's epochs at k = 8 against period 8's 1.21x, is sooner (directly, or on trial
-    where a loaded machine's compute brings it within the margin: up to ~110 ms a step). The move is made
+    half of it for 1.38x BSP's epochs at k = 8 against period 8's 1.21x, is sooner (up to ~110 ms of
+    compute a step on a loaded machine), and taken on its price: another period of the running rule needs
+    no margin and no trial. The move is made
     at the window's end, on its average: every rank alike, every learner equal, and the rule running is
     LOCALSGD at period 16."""
     ranks = run(recheck=True, lr_scaling="none", slow_from=0, delay_s=0.3)

@@ -15,6 +15,7 @@ from mpicrossbow.rules.cost_model import Link, ring_allreduce
 from mpicrossbow.rules.rule_choice import (
     CANDIDATES,
     EPOCHS_VS_BSP,
+    MARGIN,
     Measured,
     choose_rule,
     epochs_vs_bsp,
@@ -123,11 +124,12 @@ def test_the_table_is_the_learning_rate_rules() -> None:
     label = "LOCALSGD (period 8)"
     assert epochs_vs_bsp(label, 8, "sqrt") == epochs_vs_bsp(label, 8, "linear")
     assert epochs_vs_bsp(label, 8) == epochs_vs_bsp(label, 8, "none") < epochs_vs_bsp(label, 8, "linear")
-    # LOCALSGD measured at 0.6 of BSP's step: its epochs decide, and the line names the table read
+    # LOCALSGD measured at 0.6 of BSP's step: its epochs decide, and the line names the table read (as
+    # written: LOCALSGD, at period 4 here, priced from period 8's measured step for 1.15x BSP's epochs)
     figures = Measured(2, 8, 0.006, 0.0005, LINK, NBYTES, 0.0, False, allreduce_s=0.001,
                        active="LOCALSGD (period 8)", known=(("BSP", 0.010),))  # fmt: skip
     as_written = choose_rule(figures)
-    assert as_written.chosen.label == label and "lr_scaling none" in as_written.line()
+    assert as_written.chosen.rule == "LOCALSGD" and "lr_scaling none" in as_written.line()
     scaled = choose_rule(dataclasses.replace(figures, lr_scaling="linear"))
     assert scaled.chosen.label == "BSP" and "lr_scaling linear" in scaled.line()
 
@@ -225,3 +227,22 @@ def test_a_step_measured_while_a_candidate_ran_beats_the_models_price() -> None:
     assert decision.chosen.label == "LOCALSGD (period 8)" and not decision.kept
     line = decision.line()
     assert "LOCALSGD (period 8) 0.37 (6 ms/step measured × " in line and "SMA 1.02 (17.7 ms/step × " in line
+
+
+def test_another_period_of_the_running_rule_is_taken_on_its_price_without_margin_or_trial() -> None:
+    """Measured under LOCALSGD at period 8 (6 ms a step, 1 ms of it averaging), period 16 is priced at
+    5.5 ms: 0.92x period 8's time to target, inside the margin a move to another rule needs, but the same
+    measured compute and average at another period: taken at once, nothing kept out, nothing on trial."""
+    first = dataclasses.replace(
+        measured(compute=0.005, allreduce=0.008),
+        active="LOCALSGD (period 8)",
+        step_s=0.006,
+        hooks_s=0.001,
+        lr_scaling="none",
+    )
+    decision = choose_rule(first, labels=("LOCALSGD (period 8)", "LOCALSGD (period 16)"))
+    steps = {c.label: c.step_s for c in decision.candidates}
+    assert steps["LOCALSGD (period 16)"] == pytest.approx(0.0055)
+    ratio = decision.candidates[0].time / next(c.time for c in decision.candidates if c.label.endswith("8)"))
+    assert MARGIN < ratio < 1
+    assert decision.chosen.label == "LOCALSGD (period 16)" and not decision.kept and not decision.trial

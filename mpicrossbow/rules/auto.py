@@ -22,7 +22,8 @@ Who sends what to whom, and when:
   through the switch (:class:`~.switching.SwitchingRule`), from LOCALSGD at once: the window ended on its
   average, so every learner holds the mean model and buffers already (below).
 * **A trial.** Where the soonest candidate was kept out only by the margin (:data:`~.rule_choice.MARGIN`:
-  predicted sooner, but within the model's error) and its step was never measured in this world, the model
+  predicted sooner, but within the model's error; never another period of the running rule, which is taken
+  on its price) and its step was never measured in this world, the model
   cannot rank the two: every rank moves to it for one window on trial, and at the window's end the choice
   is made again between the two measured steps, with no margin (the issue's "short timed trials"; on two
   fast links the model priced BSP at 0.84× LOCALSGD's time, and LOCALSGD, kept, took 1.27× BSP's time to

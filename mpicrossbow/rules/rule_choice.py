@@ -68,7 +68,11 @@ READS_AS = {"sqrt": "linear"}
 #: rule's: the cost model's predictions were 0.80-1.20 of the measured steps (benchmarks/scaling_links.py),
 #: a link that shapes traffic errs further, and a move costs (the mean model, BSP's optimizer state started
 #: again, a window to confirm it). A candidate kept out only by it, never measured, runs one window on trial
-#: (:meth:`Decision.on_trial`), and at its end the two measured steps decide with no margin.
+#: (:meth:`Decision.on_trial`), and at its end the two measured steps decide with no margin. Another period
+#: of the running rule needs no margin and no trial: its step is the running rule's measured compute and
+#: measured average at another period, and a trial of it read worse than its price: LOCALSGD at period 16,
+#: priced at 0.90x period 8's step on MNIST-1D (0.86x by hand), read 1.23x on trial; on digits at k = 8
+#: (0.81x by hand) it read 0.94x (benchmarks/results/links.md, 2026-12-03 06:59 and 07:10).
 MARGIN = 0.8
 #: The candidates, in the order they are shown: label → (rule, its hyper-parameters).
 CANDIDATES: dict[str, tuple[str, dict[str, int]]] = {
@@ -232,7 +236,8 @@ def choose_rule(
     (ties: the listed order). The active candidate and those in ``known`` keep their measured steps; the
     others are priced by the cost model. Times are relative to BSP's. The active candidate, where it is one
     of ``labels``, is kept unless the soonest is ``margin`` × its time or less (1: the soonest, as between
-    two measured steps)."""
+    two measured steps), or is another period of the active candidate's rule (the same step, measured,
+    priced at another period: :data:`MARGIN`)."""
     cluster = Cluster(
         "measured",
         gpus_per_node=measured.ranks,
@@ -268,7 +273,9 @@ def choose_rule(
     )
     ranked = [found[i] for i in order]
     running = next((c for c in ranked if c.label == measured.active), None)
-    if running is None or ranked[0] is running or ranked[0].time <= margin * running.time:
+    if running is None or ranked[0] is running or ranked[0].rule == running.rule:
+        return Decision(tuple(ranked), measured)
+    if ranked[0].time <= margin * running.time:
         return Decision(tuple(ranked), measured)
     rest = tuple(c for c in ranked if c is not running)
     return Decision((running, *rest), measured, kept=ranked[0].label)
