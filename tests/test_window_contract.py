@@ -72,7 +72,8 @@ def test_without_a_loss_every_window_runs_the_steps_and_collectives_as_they_are(
     kind: str, drilled: bool
 ) -> None:
     """Four steps (two through :meth:`step`, two split into begin/guard/end as the embedded API's hooks
-    split them), a collective with arguments, a flush, an amended rate, the run's end: every step trained
+    split them), a collective with arguments, a flush, an amended rate, the run's end, the communicator of
+    the API's own collectives (the world's: the double's group has none): every step trained
     and counted, every value returned as the callable gave it, nothing dropped; the replicas of the two
     ranks end equal (BSP), as without any window."""
     world, make = FaultyWorld(RANKS, timeout_s=20), windows(kind, drilled)
@@ -93,6 +94,8 @@ def test_without_a_loss_every_window_runs_the_steps_and_collectives_as_they_are(
         window.amend()
         window.on_recovery(lambda: None)
         window.settle("the end of training")
+        world_mpi = object()  # a group with no MPI communicator of its own (the double): the world's
+        assert window.members(world_mpi) is world_mpi
         moved = not torch.equal(before, pool.learners[0].params)
         return seconds, int(total), moved, pool.learners[0].params.clone()
 

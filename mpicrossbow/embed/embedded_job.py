@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator
-from ..comm.elastic import ElasticCommunicator
 from ..errors import CheckpointError, UsageError
 from ..launch.world import World
 from ..rules.base import Rule
@@ -179,12 +178,10 @@ class EmbeddedJob:
             atomic_save(meta, path / META)
 
     def _collectives(self) -> Any:
-        """The mpi4py communicator the API's own collectives go over: in elastic training the group a
-        loss revokes (a survivor blocked in the world's would wait on the lost rank, or fail the job), else
-        the world's (None: one process without MPI)."""
-        if isinstance(self.comm, ElasticCommunicator) and self.comm.group.native is not None:
-            return self.comm.group.native
-        return self.world.mpi
+        """The mpi4py communicator the API's own collectives go over (None: one process without MPI): in
+        elastic training the members' own, which a loss revokes (:meth:`StepWindow.members`; a survivor
+        blocked in the world's would wait on the lost rank, or fail the job), else the world's."""
+        return self.window.members(self.world.mpi)
 
     def restore(self, path: Path) -> None:
         """Load what :meth:`checkpoint` wrote (same rule and rank count) into the running job."""

@@ -358,6 +358,11 @@ class FaultTolerance(StepWindow):
         for part, state in zip(self.state, saved, strict=True):
             part.load_state_dict(state)
 
+    def members(self, world_mpi: Any) -> Any:
+        """The current members' mpi4py communicator (the group a loss revokes), else ``world_mpi``."""
+        native = self.comm.group.native
+        return native if native is not None else world_mpi
+
     def collective(self, fn: Callable[..., T], what: str) -> Callable[..., T]:
         """``fn`` as a committed collective: the open window committed first, then ``fn`` retried over the
         survivors until every one completed it (an asynchronous rule's between-step work is local: ``fn``)."""

@@ -47,6 +47,13 @@ class StepWindow(ABC):
         what it reads (the step's own gradients: :meth:`redoes`)."""
         return work()
 
+    def members(self, world_mpi: Any) -> Any:
+        """The mpi4py communicator a collective run through :meth:`collective` goes over when it is not the
+        rule's: ``world_mpi`` (the world's; None without MPI) where a lost rank ends the job; a window that
+        survives one gives its members' own, which a loss revokes, so such a collective fails on every
+        survivor and is redone over them instead of waiting on the lost rank or ending the job."""
+        return world_mpi
+
     def redoes(self) -> bool:
         """Whether a step's gradient exchange that meets a lost rank runs again over the survivors, from
         the gradients each computed (``guard``'s ``redo``), instead of the step being dropped: the step
@@ -128,6 +135,10 @@ class ForwardingWindow(StepWindow):
     def guard(self, work: Callable[[], T], where: str, redo: Callable[[], None] | None = None) -> T | None:
         """As the inner window."""
         return self.inner.guard(work, where, redo)
+
+    def members(self, world_mpi: Any) -> Any:
+        """The inner window's."""
+        return self.inner.members(world_mpi)
 
     def redoes(self) -> bool:
         """The inner window's."""
