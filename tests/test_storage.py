@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,26 @@ def test_a_lock_whose_owner_is_gone_is_taken_over(tmp_path: Path) -> None:
     old = time.time() - 60
     os.utime(tmp_path / "crashed" / LOCK, (old, old))
     CheckpointLock(tmp_path / "crashed").acquire()
+
+
+def test_two_jobs_taking_over_one_stale_lock_leave_one_owner(tmp_path: Path) -> None:
+    """Jobs A and B both read a gone owner's lock; B takes it over and writes its own before A acts on what
+    it read. A must not remove B's live lock: it stops, naming B, and B's lock stays, with nothing beside."""
+    write_lock(tmp_path, pid=finished_pid())
+    a, b = CheckpointLock(tmp_path), CheckpointLock(tmp_path)  # b is this live process
+    a.owner = replace(a.owner, pid=finished_pid())
+    take_over = a._remove
+
+    def b_first(seen: bytes) -> None:
+        b.acquire()  # between A's read of the stale lock and A's take-over
+        take_over(seen)
+
+    a._remove = b_first  # type: ignore[method-assign]
+    with pytest.raises(CheckpointError, match=rf"checkpoint directory {tmp_path} is in use by a job on "):
+        a.acquire()
+    assert b.held and not a.held
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK]
 
 
 def test_an_owner_on_another_host_is_named_with_how_to_remove_the_lock(tmp_path: Path) -> None:

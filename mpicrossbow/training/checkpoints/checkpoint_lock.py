@@ -6,8 +6,9 @@ Two jobs writing checkpoints into one folder corrupt each other (each removes th
 pid, the pid's start time and kernel. A lock whose owner is provably gone — its pid on this kernel no longer
 runs that process, or it was written by an earlier run of the same Slurm job (a requeue) — is taken over; a
 live owner, or one on another host that cannot be checked, stops the new job before it trains with one line
-naming the owner (and how to remove a lock left by a job that is gone). The owner removes the lock when it
-closes.
+naming the owner (and how to remove a lock left by a job that is gone). Two jobs taking the same stale lock
+over at once end with one owner: the lock is moved aside before it is removed, and put back when it is no
+longer the one read. The owner removes the lock when it closes.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class CheckpointLock:
             if self._create():
                 self.held = True
                 return
-            holder = self._read()
+            holder, seen = self._read()
             if holder is None:
                 time.sleep(0.1)
                 continue
@@ -93,7 +94,7 @@ class CheckpointLock:
                     f"checkpoint directory {self.directory} is in use by {holder.describe()}: give this run "
                     f"its own [checkpoint] directory (if that job is gone, delete {self.path})"
                 )
-            self.path.unlink(missing_ok=True)  # its owner is gone: take it over
+            self._remove(seen)  # its owner is gone: take it over
         raise CheckpointError(
             f"checkpoint directory {self.directory}: could not take its lock {self.path} (unreadable and "
             "recent: another job is starting there)"
@@ -112,25 +113,45 @@ class CheckpointLock:
             json.dump(asdict(self.owner), file)
         return True
 
-    def _read(self) -> LockOwner | None:
-        """The holder, or None when the lock is gone or still being written (a crash right after creating
-        it leaves it empty: once older than UNREADABLE_STALE_S it is removed)."""
+    def _read(self) -> tuple[LockOwner | None, bytes]:
+        """The holder and the lock's bytes; no holder when the lock is gone or still being written (a crash
+        right after creating it leaves it empty: once older than UNREADABLE_STALE_S it is removed)."""
         try:
-            return LockOwner(**json.loads(self.path.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, TypeError):
+            seen = self.path.read_bytes()
+        except OSError:
+            return None, b""
+        try:
+            return LockOwner(**json.loads(seen.decode("utf-8"))), seen
+        except (ValueError, TypeError):
             try:
                 if time.time() - self.path.stat().st_mtime > UNREADABLE_STALE_S:
-                    self.path.unlink(missing_ok=True)
+                    self._remove(seen)
             except OSError:
                 pass
-            return None
+            return None, seen
+
+    def _remove(self, seen: bytes) -> None:
+        """Remove the lock if it still holds ``seen`` (a gone owner's, or an unreadable stale one). Another
+        job starting here may have taken the same lock over and written its own since it was read: removed
+        by name, that live lock would go, and both jobs would write here. So the lock is moved aside first
+        (of two jobs' renames one wins, the other finds nothing) and put back unless it is the one read."""
+        aside = self.path.with_name(f"{LOCK}.{self.owner.host}.{self.owner.pid}.{time.monotonic_ns()}")
+        try:
+            os.rename(self.path, aside)
+        except OSError:
+            return  # moved by another job first, or gone: look again
+        try:
+            if aside.read_bytes() != seen:
+                os.link(aside, self.path)  # a live lock: back under its name, never over a newer one
+        except OSError:
+            pass
+        finally:
+            aside.unlink(missing_ok=True)
 
     def release(self) -> None:
         """Remove the lock if this process holds it (idempotent)."""
         if self.held:
             self.held = False
-            holder = self._read()
+            holder, _ = self._read()
             if holder is not None and (holder.host, holder.pid) == (self.owner.host, self.owner.pid):
                 self.path.unlink(missing_ok=True)
