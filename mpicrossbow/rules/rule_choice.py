@@ -46,20 +46,22 @@ from .cost_model import Cluster, Link, step_time
 #: documented recipe (batch 16, every rate scaled linearly to the 0.2 cap), to 94 %: SMA from "Epochs to 94 %
 #: against k — 2026-11-26 23:39" (29.3/27.8, 62.8/30.8, 61.5/31.8), LOCALSGD from "— 2026-12-01 13:30", side
 #: by side with BSP (33.0/27.8, 72.5/30.8, 68.9/31.8). ``none``: the cfg's own recipe (batch 32, lr 0.1 as
-#: written, 30 epochs), to 80 %, the highest every rule reached at k = 4 and 8: "Epochs to 80%, 85%, 90%
-#: against k — 2026-12-03 06:48", every row side by side with BSP (k = 2: 8, k = 4: 12, k = 8: 17 epochs;
-#: SMA 11, 15, 21.5; LOCALSGD at period 4 9, 12, 19.5; at 8 8, 14, 20.5; at 16 8, 14, 23.5; at k = 16 no
-#: rule reached 80 % in 30 epochs, 2026-12-02 16:01).
+#: written, 30 epochs): "Epochs to 80%, 85%, 90% against k — 2026-12-03 06:46", every row side by side with
+#: BSP; at each k the mean of the ratios over the targets every rule reached in most seeds — 80, 85 and 90 %
+#: at k = 2 and 4, 80 % only at k = 8 (two periods missed 85 %). One target alone is coarse: BSP's 8 whole
+#: epochs to 80 % at k = 2 cannot tell periods 8 and 16 apart (1.00 both), its 85 and 90 % rows do (1.00 and
+#: 1.21 against 1.20 and 1.25). At k = 16 no rule reached 80 % in 30 epochs (2026-12-02 16:01). The table
+#: and that file agree (tests/test_rule_choice.py reads it).
 EPOCHS_VS_BSP: dict[str, dict[str, dict[int, float]]] = {
     "linear": {
         "SMA": {1: 1.0, 4: 1.05, 8: 2.04, 16: 1.93},
         "LOCALSGD (period 8)": {1: 1.0, 4: 1.19, 8: 2.35, 16: 2.17},
     },
     "none": {
-        "SMA": {1: 1.0, 2: 1.38, 4: 1.25, 8: 1.26},
-        "LOCALSGD (period 4)": {1: 1.0, 2: 1.12, 4: 1.0, 8: 1.15},
-        "LOCALSGD (period 8)": {1: 1.0, 2: 1.0, 4: 1.17, 8: 1.21},
-        "LOCALSGD (period 16)": {1: 1.0, 2: 1.0, 4: 1.17, 8: 1.38},
+        "SMA": {1: 1.0, 2: 1.43, 4: 1.31, 8: 1.26},
+        "LOCALSGD (period 4)": {1: 1.0, 2: 1.12, 4: 1.15, 8: 1.15},
+        "LOCALSGD (period 8)": {1: 1.0, 2: 1.07, 4: 1.22, 8: 1.21},
+        "LOCALSGD (period 16)": {1: 1.0, 2: 1.15, 4: 1.19, 8: 1.38},
     },
 }
 #: The table a learning-rate rule without one of its own reads: ``sqrt`` scales the rate with k too.
