@@ -127,16 +127,18 @@ class NetnsSlurm(SlurmCluster):
             logs += f"\n--- {log.name}\n" + log.read_text(errors="replace")[-1500:]
         raise RuntimeError(f"Slurm nodes not idle after {START_TIMEOUT_S:.0f} s: {states}\n{logs}")
 
-    def heal(self, job: int) -> None:
+    def heal(self, job: int, cancel: bool = True) -> None:
         """After a failure drill: boot every killed node again with its slurmd (slurmctld waits for a lost
-        node's slurmd to end the job there), cancel ``job``, wait for its end and for every node idle."""
+        node's slurmd to end the job there), cancel ``job`` and wait for its end (unless not ``cancel``: a
+        job that requeued itself), then for every node idle."""
         started = []
         for node in self.cluster.members:
             if node.pid == 0:
                 self.cluster.restart_node(node.name)
                 started.append(self._start_slurmd(node.name))
-        self.run("scancel", str(job))
-        self.wait_job(job, timeout=120)
+        if cancel:
+            self.run("scancel", str(job))
+            self.wait_job(job, timeout=120)
         self._wait_idle(started)
 
     def _write_config(self, munge_socket: Path) -> None:

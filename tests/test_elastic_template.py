@@ -40,6 +40,13 @@ MPIEXECS = {
         'touch "$saved/step-000000044/meta.pt"\n'
         'sleep 0.1; touch "$saved/step-000000066.partial/meta.pt"\nkill -ABRT $$\n'
     ),
+    # loses node2's daemon once the run saved step 44: Open MPI's runtime ends every rank, mpiexec exits 0
+    "loses a node before the finish": (
+        'mkdir -p "$RUNS/7/the-run/checkpoints/step-000000044"\n'
+        'touch "$RUNS/7/the-run/checkpoints/step-000000044/meta.pt"\n'
+        "printf '%s\\n' 'PRTE has lost communication with a remote daemon.' '' "
+        "'  Remote daemon: [prterun-node1-180@0,1] on node node2' '' >&2\nexit 0\n"
+    ),
     # dies of SIGABRT before the first checkpoint
     "aborts before a checkpoint": "kill -ABRT $$\n",
     # killed (SIGKILL: the machine's out-of-memory killer, a user) before the finish: not a crash of its own
@@ -107,20 +114,30 @@ def test_a_runtime_that_misbehaves_after_the_finish_completes_the_job_with_one_w
     wait_for(lambda: not any(str(fake) in cmd for cmd in commands()), 10, "the stand-in mpiexec gone")
 
 
-def test_a_runtime_that_crashes_before_the_finish_requeues_the_job_from_its_newest_checkpoint(
-    tmp_path: Path,
+#: What the template says Open MPI's runtime did, by stand-in.
+ENDED = {
+    "aborts before the finish": "Open MPI's mpiexec crashed (signal 6) before training had finished, no rank "
+    "at fault",
+    "loses a node before the finish": "Open MPI lost its daemon on node node2 and ended every rank (Open MPI "
+    "5.0 survives lost ranks, not a lost node)",
+}
+
+
+@pytest.mark.parametrize("case", list(ENDED))
+def test_a_runtime_that_ends_the_run_before_the_finish_requeues_the_job_from_its_newest_checkpoint(
+    tmp_path: Path, case: str
 ) -> None:
-    """Open MPI's mpiexec dying of SIGABRT before rank 0's report, no rank having written a status (seen with
-    Open MPI 5.0.11 as the survivors spawned a replacement across nodes): the job is requeued, as after a
-    preemption, with one warning naming the newest complete checkpoint it resumes from (not the ``.partial``
-    one being written), and exits with the stopped status 75."""
-    proc, _ = run_template(tmp_path, MPIEXECS["aborts before the finish"])
+    """Open MPI's runtime ending every rank before rank 0's report, no rank at fault — its mpiexec dying of
+    SIGABRT (seen with Open MPI 5.0.11 as the survivors spawned a replacement across nodes), or a lost node's
+    daemon (Open MPI 5.0 survives lost ranks, not a lost node; mpiexec exits 0): the job is requeued, as
+    after a preemption, with one warning naming the newest complete checkpoint it resumes from (not the
+    ``.partial`` one being written), and exits with the stopped status 75."""
+    proc, _ = run_template(tmp_path, MPIEXECS[case])
     assert proc.returncode == 75, (proc.returncode, proc.stderr[-3000:])
     (warned,) = warnings_of(proc.stderr)
     assert warned == (
-        "crossbow-launch: warning: Open MPI's mpiexec crashed (signal 6) before training had finished, no "
-        "rank at fault: requeueing Slurm job 7; it resumes from its newest checkpoint, step-000000044 in "
-        f"{tmp_path / 'runs'}/7/the-run"
+        f"crossbow-launch: warning: {ENDED[case]}: requeueing Slurm job 7; it resumes from its newest "
+        f"checkpoint, step-000000044 in {tmp_path / 'runs'}/7/the-run"
     ), warned
     assert (tmp_path / "bin" / "scontrol.log").read_text().splitlines() == ["-o show job 7", "requeue 7"]
     assert sorted(p.name for p in (tmp_path / "runs" / "7").glob(".*")) == []  # nothing left behind

@@ -358,14 +358,16 @@ def test_the_elastic_template_tells_a_daemon_lost_after_the_run_from_one_that_en
     finished: bool,
 ) -> None:
     """Open MPI 5.0 ends every rank when it loses a node's daemon, and its mpiexec still exits 0: the
-    elastic template fails such a job (status 1, resume from the checkpoint). When rank 0 had written that
-    training finished ($CROSSBOW_FINISHED_FILE) before the loss, the results are whole: the job completes
-    with status 0 and a warning naming the node and the run folder, and is not requeued to train again."""
+    elastic template does not take that for a success; a job that may not requeue (``--no-requeue`` here)
+    fails with status 1 and one line saying so. When rank 0 had written that training finished
+    ($CROSSBOW_FINISHED_FILE) before the loss, the results are whole: the job completes with status 0 and a
+    warning naming the node and the run folder, and is not requeued to train again."""
     fake = tmp_path / "mpiexec"
     fake.write_text(LOSES_A_DAEMON)
     fake.chmod(0o755)
     env = {"MPIEXEC": str(fake), **({"FAKE_TRAIN": "1"} if finished else {})}
-    job = submit(slurm_cluster, tmp_path, "elastic.sbatch", options=("--nodes=1",), env=env)
+    options = ("--nodes=1",) if finished else ("--nodes=1", "--no-requeue")
+    job = submit(slurm_cluster, tmp_path, "elastic.sbatch", options=options, env=env)
     record = slurm_cluster.wait_job(job, timeout=120)
     out = output(tmp_path, job)
     if finished:
@@ -380,7 +382,8 @@ def test_the_elastic_template_tells_a_daemon_lost_after_the_run_from_one_that_en
         assert record["JobState"] == "FAILED" and record["ExitCode"] == "1:0", out[-3000:]
         assert out.rstrip().endswith(
             "crossbow-launch: error: Open MPI lost its daemon on node node2 and ended every rank (Open MPI "
-            "5.0 survives lost ranks, not a lost node): resume with checkpoint.resume=<the run folder>"
+            f"5.0 survives lost ranks, not a lost node); not requeued (Slurm job {job} is not requeueable "
+            "(sbatch --requeue)): no checkpoint saved yet"
         ), out[-3000:]
     assert sorted(p.name for p in (tmp_path / "runs" / str(job)).glob(".*")) == []  # nothing left behind
 

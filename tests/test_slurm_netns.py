@@ -200,13 +200,16 @@ def test_the_elastic_template_drops_a_killed_rank_and_finishes_on_the_other_thre
                  env={"VENV": str(openmpi.venv), **openmpi_job_env(tmp_path)})  # fmt: skip
     record = slurm.wait_job(job, timeout=300, start_requeued=True)
     out = output(tmp_path, job)
-    if replace and record["JobState"] != "COMPLETED" and LOST_DAEMON in out:
-        the_resume_finishes_after_open_mpi_lost_a_daemon(slurm, openmpi, tmp_path, job, out)
-        return
-    if replace and CRASHED in out:  # what the requeued job did is checked like a first run
-        warnings.warn(f"job {job}: Open MPI's mpiexec crashed; the requeued job checked", stacklevel=1)
-        out = out.rsplit(CRASHED, 1)[1]
     why = shown(tmp_path, job, out)
+    if replace and f": requeueing Slurm job {job};" in out:
+        # Open MPI 5.0.11's runtime ended the run after the spawn across nodes (three times in loaded
+        # fresh-clone CIs: a lost daemon, mpiexec's SIGABRT in PMIx's spawn code; cf. open-mpi/ompi#12599):
+        # the template requeued the job, which must finish; the replacement itself was not checked this time.
+        warnings.warn(f"job {job}: Open MPI's runtime ended the run; the requeued job checked", stacklevel=1)
+        assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", why
+        assert "done: 4 epoch(s)" in out.rsplit("requeueing Slurm job", 1)[1], why
+        assert read_metrics(the_newest_run(tmp_path, job) / "metrics.h5")["val"]["accuracy"][-1] > 0.85
+        return
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", why
     assert [r[1] for r in binding_rows(out)] == ["node1", "node1", "node2", "node2"], why
     lost = [line for line in out.splitlines() if "elastic: lost rank(s)" in line]
@@ -226,49 +229,21 @@ def test_the_elastic_template_drops_a_killed_rank_and_finishes_on_the_other_thre
              "the ranks and prted gone")  # fmt: skip
 
 
-#: The start of the template's line when Open MPI's mpiexec crashed before the finish and it requeued the job
-#: (once in a fresh-clone CI: SIGABRT in PMIx's spawn code as the survivors spawned the replacement).
-CRASHED = "crossbow-launch: warning: Open MPI's mpiexec crashed (signal "
-
-
 def the_newest_run(out: Path, job: int) -> Path:
     """The run folder ``job`` wrote last (a requeued job that had no checkpoint began a new one)."""
     runs = [p for p in (out / "runs" / str(job)).iterdir() if p.is_dir()]
     return max(runs, key=lambda p: p.stat().st_mtime)
 
 
-#: The template's line when Open MPI's runtime ended every rank because it lost a node's daemon.
-LOST_DAEMON = "crossbow-launch: error: Open MPI lost its daemon on node node2 and ended every rank"
-
-
-def the_resume_finishes_after_open_mpi_lost_a_daemon(
-    slurm: NetnsSlurm, openmpi: OpenMPIEnv, tmp_path: Path, job: int, out: str
-) -> None:
-    """What the user meets when Open MPI's runtime loses node2's daemon after the replacement's spawn (once
-    in a loaded fresh-clone CI, the daemon gone as the spawn completed, half-way through the run; a fault of
-    Open MPI 5.0's runtime with spawns across nodes, cf. open-mpi/ompi#12599): the job ends with the one
-    line naming the node and the resume, and that resume finishes the run. Warns, so the run's summary shows
-    that the replacement itself was not checked this time."""
-    warnings.warn(f"job {job}: Open MPI lost node2's daemon after the spawn; resume checked", stacklevel=1)
-    assert out.count("crossbow-launch: error:") == 1, out[-3000:]
-    run = the_run(tmp_path, job)
-    assert complete_checkpoints(run / "checkpoints"), out[-3000:]
-    resumed = submit(slurm, tmp_path, "elastic.sbatch", "session.epochs=4", "checkpoint.every_epochs=2",
-                     f"checkpoint.resume={run}", options=("--nodes=2", "--ntasks-per-node=2"),
-                     env={"VENV": str(openmpi.venv), **openmpi_job_env(tmp_path)})  # fmt: skip
-    record = slurm.wait_job(resumed, timeout=300)
-    again = output(tmp_path, resumed)
-    assert record["JobState"] == "COMPLETED" and "done: 4 epoch(s)" in again, again[-3000:]
-    assert read_metrics(run / "metrics.h5")["val"]["accuracy"][-1] > 0.85
-
-
-def test_under_the_elastic_template_a_lost_node_ends_the_job_with_one_line_not_status_0(
+def test_under_the_elastic_template_a_lost_node_requeues_the_job_and_it_resumes_from_the_checkpoint(
     slurm: NetnsSlurm, openmpi: OpenMPIEnv, tmp_path: Path
 ) -> None:
-    """What elastic training does not survive with Open MPI 5.0: a lost node. node2 is killed (its ranks 2
-    and 3 and Open MPI's daemon with them) after the first checkpoint: Open MPI's runtime ends every rank
-    and its mpiexec still exits 0; the template ends the job within 60 s with status 1 and one line naming
-    node2, and the checkpoint stays whole for a resume."""
+    """What elastic training does not survive inside one job with Open MPI 5.0: a lost node. node2 is killed
+    (its ranks 2 and 3 and Open MPI's daemon with them) after the first checkpoint: Open MPI's runtime ends
+    every rank and its mpiexec still exits 0. Within 60 s the template says so in one line and requeues the
+    job, as after a preemption; once Slurm has ended the first run on every node (here: node2 booted again;
+    on a cluster, once Slurm declares it down), the requeued job resumes from the newest checkpoint in the
+    same run folder and finishes."""
     job = submit(slurm, tmp_path, "elastic.sbatch", "session.epochs=8", "checkpoint.every_epochs=2",
                  "session.slow_ranks=0", "session.slow_seconds=0.02",
                  options=("--nodelist=node1,node2", "--ntasks-per-node=2"),
@@ -282,24 +257,32 @@ def test_under_the_elastic_template_a_lost_node_ends_the_job_with_one_line_not_s
             complete_checkpoints(r / "checkpoints") for r in runs.glob("*/") if (r / "checkpoints").exists()
         )
 
+    drilled = False
     try:
         wait_for(a_checkpoint, 120, "a checkpoint")
         cut = time.monotonic()
         slurm.cluster.fail("node2", "node killed")
         wait_for(lambda: slurm.job(job).get("JobState") != "RUNNING", 90, "the batch script's end")
         ended = time.monotonic() - cut
-        record = slurm.job(job)
+        drilled = True
     finally:
         slurm.cluster.heal("node2", boot=False)
-        slurm.heal(job)
+        slurm.heal(job, cancel=not drilled)  # the requeued job stays, to run
     out = output(tmp_path, job)
-    assert ended < 60 and record["ExitCode"] == "1:0", (ended, record, out[-3000:])
-    lines = [line for line in out.splitlines() if line.startswith("crossbow-launch: error:")]
+    run = the_run(tmp_path, job)
+    saved = complete_checkpoints(run / "checkpoints")
+    assert ended < 60 and saved, (ended, out[-3000:])
+    lines = [line for line in out.splitlines() if line.startswith("crossbow-launch:")]
     assert lines == [
-        "crossbow-launch: error: Open MPI lost its daemon on node node2 and ended every rank (Open MPI 5.0 "
-        "survives lost ranks, not a lost node): resume with checkpoint.resume=<the run folder>"
+        "crossbow-launch: warning: Open MPI lost its daemon on node node2 and ended every rank (Open MPI 5.0 "
+        f"survives lost ranks, not a lost node): requeueing Slurm job {job}; it resumes from its newest "
+        f"checkpoint, {saved[-1].name} in {run}"
     ], out[-3000:]
-    assert complete_checkpoints(the_run(tmp_path, job) / "checkpoints")
+    record = slurm.wait_job(job, timeout=300, start_requeued=True)
+    out = output(tmp_path, job)
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", out[-3000:]
+    assert f"resuming from {saved[-1]}" in out and "done: 8 epoch(s)" in out, out[-3000:]
+    assert read_metrics(run / "metrics.h5")["val"]["accuracy"][-1] > 0.85
 
 
 def test_sigterm_to_the_elastic_batch_shell_saves_requeues_and_resumes(
