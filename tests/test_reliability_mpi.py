@@ -29,11 +29,13 @@ STEPS = 132  # 3 epochs of 44 steps on 2 ranks
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
 
 
-def job(mpiexec: str, out: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def job(
+    mpiexec: str, out: Path, *overrides: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """The digits job on 2 ranks for 3 epochs, checkpoints every 25 steps, with ``overrides``."""
     args = [*launcher(), "-cfg", "launch/digits.cfg", f"session.output={out}", "session.epochs=3",
             "checkpoint.every_steps=25", *overrides]  # fmt: skip
-    return run_mpi(mpiexec, 2, args, timeout=timeout)
+    return run_mpi(mpiexec, 2, args, timeout=timeout, env=env)
 
 
 def final_state(out: Path, rank: int) -> dict:
@@ -99,6 +101,28 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(
         for key, value in a["rule"].items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, b["rule"][key]), key
+
+
+def test_a_requeued_job_resumes_from_its_own_newest_checkpoint_not_the_one_it_started_from(
+    mpiexec: str, tmp_path: Path
+) -> None:
+    """Slurm job 4711 started with ``checkpoint.resume`` naming step 25 of an earlier run trains on in that
+    run folder, saves steps 50 and 75 and dies at step 80; requeued (its same arguments, the same job id,
+    ``SLURM_RESTART_COUNT=1``) it resumes from step 75, the newest it wrote, not from step 25 again, and
+    finishes."""
+    out = tmp_path / "runs"
+    earlier = job(mpiexec, out, "inject.rank=1", "inject.step=30")
+    assert earlier.returncode != 0, earlier.stderr[-3000:]
+    run = only_run(out)
+    resume = f"checkpoint.resume={run / 'checkpoints' / 'step-000000025'}"
+    slurm = {"SLURM_JOB_ID": "4711", "SLURM_RESTART_COUNT": "0"}
+    killed = job(mpiexec, out, resume, "inject.rank=1", "inject.step=80", env=slurm)
+    assert killed.returncode != 0 and "resuming from" in killed.stderr, killed.stderr[-3000:]
+    requeued = job(mpiexec, out, resume, env={**slurm, "SLURM_RESTART_COUNT": "1"})
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert "Slurm job 4711 restarted (restart 1)" in requeued.stderr, requeued.stderr[-3000:]
+    assert f"resuming from {run / 'checkpoints' / 'step-000000075'} (step 75)" in requeued.stderr
+    assert only_run(out) == run and complete_checkpoints(run / "checkpoints")[-1].name == f"step-{STEPS:09d}"
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(mpiexec: str, tmp_path: Path) -> None:

@@ -56,10 +56,19 @@ class CheckpointManager(FollowsWorld):
         #: Resuming the checkpoint of a smaller world (:meth:`_grown_from`): this rank starts as a copy of
         #: rank 0's state.
         self.copied = False
+        if automatic_resume(config, self.job) and self._resume_requeued():
+            return
         if config.checkpoint.resume:
             self._load(find_resume(config.checkpoint.resume, self.candidates(), self.looked()))
-        elif automatic_resume(config, self.job):
-            self._resume_requeued()
+        elif automatic_resume(config, self.job) and self.world.rank == 0:
+            assert self.job is not None
+            log.info(
+                "Slurm job %s restarted (restart %d): no checkpoint of its own in %s; starting from the "
+                "beginning",
+                self.job.job_id,
+                self.job.restart_count,
+                self.looked(),
+            )
 
     def meta(self) -> dict[str, Any]:
         """What a checkpoint must agree with to be resumed by this job, and the world size the run started
@@ -122,24 +131,33 @@ class CheckpointManager(FollowsWorld):
             return str(Path(cfg.checkpoint.directory).absolute())
         return f"{Path(cfg.session.output).absolute() / self._pattern() / 'checkpoints'}"
 
-    def _resume_requeued(self) -> None:
-        """A requeued Slurm job: the newest checkpoint of the run folder it wrote before, if there is one."""
+    def _resume_requeued(self) -> bool:
+        """A requeued Slurm job: load the newest checkpoint of the run folder it wrote before; False when
+        there is none."""
         assert self.job is not None
+        candidates = self.candidates(self.job)
+        named = self._named_run()  # where [checkpoint] resume started the job's first run, outside them
+        if named is not None and named / "checkpoints" not in candidates and written_by(named, self.job):
+            candidates.append(named / "checkpoints")
         try:
-            path = find_resume("latest", self.candidates(self.job), self.looked())
+            path = find_resume("latest", candidates, self.looked())
         except CheckpointError:
-            if self.world.rank == 0:
-                log.info(
-                    "Slurm job %s restarted (restart %d): no checkpoint of its own in %s; starting from "
-                    "the beginning",
-                    self.job.job_id,
-                    self.job.restart_count,
-                    self.looked(),
-                )
-            return
+            return False
         if self.world.rank == 0:
             log.info("Slurm job %s restarted (restart %d)", self.job.job_id, self.job.restart_count)
         self._load(path)
+        return True
+
+    def _named_run(self) -> Path | None:
+        """The run folder ``[checkpoint] resume`` names (itself, or the one holding the checkpoint it names),
+        else None."""
+        spec = self.config.checkpoint.resume
+        if not spec or spec == "latest":
+            return None
+        path = Path(spec)
+        if (path / META).is_file() and path.parent.name == "checkpoints":
+            return path.parent.parent
+        return path if (path / "checkpoints").is_dir() else None
 
     def _load(self, path: Path) -> None:
         """Read this rank's part of the checkpoint ``path`` (no communication). Resuming a smaller world

@@ -5,10 +5,12 @@
   ``[checkpoint] requeue`` says so — ``auto``: when the job is requeueable (``sbatch --requeue``) — and every
   rank exits with :data:`~mpicrossbow.errors.STOPPED_EXIT_CODE` (75), never 0: the run is not finished, and
   ``--dependency=afterok`` chains must not go on.
-* **Coming back.** A requeued job starts with ``SLURM_RESTART_COUNT`` ≥ 1 and the same job id. Unless
-  ``[checkpoint] resume`` names something else, it resumes from the newest complete checkpoint of the run
-  folder this job id wrote (its ``session.cfg`` records ``slurm_job_id``), continuing in that folder; when
-  there is none yet it starts from the beginning.
+* **Coming back.** A requeued job starts with ``SLURM_RESTART_COUNT`` ≥ 1 and the same job id. It resumes
+  from the newest complete checkpoint of the run folder this job id wrote (its ``session.cfg`` records
+  ``slurm_job_id``), continuing in that folder — also when ``[checkpoint] resume`` names an older checkpoint
+  (the one the job's first run started from: going back to it would throw away what the job trained since).
+  When the job wrote none yet, ``[checkpoint] resume`` is read as at the first start, else it starts from
+  the beginning.
 """
 
 from __future__ import annotations
@@ -66,13 +68,9 @@ def requeue(config: Config, job: SlurmJob | None, run_dir: Path) -> bool:
 
 
 def automatic_resume(config: Config, job: SlurmJob | None) -> bool:
-    """Whether this run is a requeued Slurm job that resumes by itself (nothing else named to resume)."""
-    return (
-        not config.checkpoint.resume
-        and job is not None
-        and job.restart_count > 0
-        and config.checkpoint.requeue is not False
-    )
+    """Whether this run is a requeued Slurm job that resumes by itself from the newest checkpoint it wrote
+    (before ``[checkpoint] resume``, which names where the job's first run started)."""
+    return job is not None and job.restart_count > 0 and config.checkpoint.requeue is not False
 
 
 def written_by(run_dir: Path, job: SlurmJob) -> bool:
