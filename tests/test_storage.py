@@ -3,6 +3,7 @@ saving, atomic run folders, and unreadable checkpoints told without unsafe advic
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -67,9 +68,19 @@ def test_a_lock_whose_owner_is_gone_is_taken_over(tmp_path: Path) -> None:
     CheckpointLock(tmp_path / "crashed").acquire()
 
 
-def test_two_jobs_taking_over_one_stale_lock_leave_one_owner(tmp_path: Path) -> None:
+@pytest.mark.parametrize("links", [True, False], ids=["hard links", "no hard links"])
+def test_two_jobs_taking_over_one_stale_lock_leave_one_owner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: bool
+) -> None:
     """Jobs A and B both read a gone owner's lock; B takes it over and writes its own before A acts on what
-    it read. A must not remove B's live lock: it stops, naming B, and B's lock stays, with nothing beside."""
+    it read. A must not remove B's live lock: it stops, naming B, and B's lock stays, with nothing beside
+    (also on a file system without hard links, where the lock goes back by rename)."""
+    if not links:
+
+        def no_link(src: object, dst: object) -> None:
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_link)
     write_lock(tmp_path, pid=finished_pid())
     a, b = CheckpointLock(tmp_path), CheckpointLock(tmp_path)  # b is this live process
     a.owner = replace(a.owner, pid=finished_pid())

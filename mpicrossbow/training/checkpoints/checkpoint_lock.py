@@ -141,8 +141,14 @@ class CheckpointLock:
         except OSError:
             return  # moved by another job first, or gone: look again
         try:
-            if aside.read_bytes() != seen:
-                os.link(aside, self.path)  # a live lock: back under its name, never over a newer one
+            if aside.read_bytes() != seen:  # a live lock: back under its name, never over a newer one
+                try:
+                    os.link(aside, self.path)
+                except FileExistsError:
+                    pass
+                except OSError:  # a file system without hard links: back by rename, unless one is there
+                    if not self.path.exists():
+                        os.rename(aside, self.path)
         except OSError:
             pass
         finally:
