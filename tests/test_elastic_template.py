@@ -130,14 +130,15 @@ def test_a_runtime_that_ends_the_run_before_the_finish_requeues_the_job_from_its
     """Open MPI's runtime ending every rank before rank 0's report, no rank at fault — its mpiexec dying of
     SIGABRT (seen with Open MPI 5.0.11 as the survivors spawned a replacement across nodes), or a lost node's
     daemon (Open MPI 5.0 survives lost ranks, not a lost node; mpiexec exits 0): the job is requeued, as
-    after a preemption, with one warning naming the newest complete checkpoint it resumes from (not the
-    ``.partial`` one being written), and exits with the stopped status 75."""
+    after a preemption, with one warning naming the run folder whose checkpoints it resumes from (that of
+    the newest complete checkpoint; which one the resume takes, its own line says), and exits with the
+    stopped status 75."""
     proc, _ = run_template(tmp_path, MPIEXECS[case])
     assert proc.returncode == 75, (proc.returncode, proc.stderr[-3000:])
     (warned,) = warnings_of(proc.stderr)
     assert warned == (
-        f"crossbow-launch: warning: {ENDED[case]}: requeueing Slurm job 7; it resumes from its newest "
-        f"checkpoint, step-000000044 in {tmp_path / 'runs'}/7/the-run"
+        f"crossbow-launch: warning: {ENDED[case]}: requeueing Slurm job 7; it resumes from the checkpoints "
+        f"saved in {tmp_path / 'runs'}/7/the-run"
     ), warned
     assert (tmp_path / "bin" / "scontrol.log").read_text().splitlines() == ["-o show job 7", "requeue 7"]
     assert sorted(p.name for p in (tmp_path / "runs" / "7").glob(".*")) == []  # nothing left behind

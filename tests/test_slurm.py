@@ -408,8 +408,8 @@ def test_the_elastic_template_requeues_a_job_whose_mpiexec_crashed_and_it_resume
     tmp_path: Path,
 ) -> None:
     """Open MPI's mpiexec dying of SIGABRT mid-run, no rank at fault: the template requeues the job with one
-    warning naming the checkpoint, and the requeued job resumes from it in the same run folder (Slurm's own
-    requeue: every process of the first run gone first) and completes."""
+    warning naming the run folder, and the requeued job resumes from its checkpoint in that folder
+    (Slurm's own requeue: every process of the first run gone first) and completes."""
     fake = tmp_path / "mpiexec"
     fake.write_text(CRASHES_ONCE)
     fake.chmod(0o755)
@@ -423,8 +423,7 @@ def test_the_elastic_template_requeues_a_job_whose_mpiexec_crashed_and_it_resume
     assert saved is not None, out[-3000:]
     assert (
         "crossbow-launch: warning: Open MPI's mpiexec crashed (signal 6) before training had finished, no "
-        f"rank at fault: requeueing Slurm job {job}; it resumes from its newest checkpoint, {saved[1]} in "
-        f"{run}"
+        f"rank at fault: requeueing Slurm job {job}; it resumes from the checkpoints saved in {run}"
     ) in out, out[-3000:]
     assert f"resuming from {run}/checkpoints/{saved[1]}" in out and "done: 2 epoch(s)" in out, out[-3000:]
     assert read_metrics(run / "metrics.h5")["val"]["accuracy"].size == 2

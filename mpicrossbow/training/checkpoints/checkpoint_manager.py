@@ -56,11 +56,12 @@ class CheckpointManager(FollowsWorld):
         #: Resuming the checkpoint of a smaller world (:meth:`_grown_from`): this rank starts as a copy of
         #: rank 0's state.
         self.copied = False
-        if automatic_resume(config, self.job) and self._resume_requeued():
+        requeued = automatic_resume(config, self.job)
+        if requeued and self._resume_requeued():
             return
         if config.checkpoint.resume:
             self._load(find_resume(config.checkpoint.resume, self.candidates(), self.looked()))
-        elif automatic_resume(config, self.job) and self.world.rank == 0:
+        elif requeued and self.world.rank == 0:
             assert self.job is not None
             log.info(
                 "Slurm job %s restarted (restart %d): no checkpoint of its own in %s; starting from the "
