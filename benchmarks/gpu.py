@@ -69,11 +69,13 @@ def header_text(tests: str, tests_rc: int) -> str:
         outcome = "left out"
     return (
         f"CUDA tests (`pytest -m cuda tests`): {outcome}; {tests.strip() or 'no summary line'}.\n\n"
-        "The sections below, up to the next gpu.sh header, are this run's GPU tables, in the order of their "
-        "priority: learners per GPU (the pool engines serial, fused and streams on ResNet-20, with each "
-        "engine's peak GPU memory), bf16 against fp32 on ResNet-20 and ResNet-50, BSP against DDP over "
-        "NCCL, the allreduce of a CUDA buffer, one short training run per engine against the CPU's "
-        "accuracy, and the engines on ResNet-50. CUDA graphs are not captured by any engine yet."
+        "The sections below, up to the next gpu.sh header, are this run's GPU tables, in the order gpu.sh "
+        "runs its steps (GPU_SH_STEPS names those it ran): one short training run per engine against the "
+        "CPU's accuracy (train), the allreduce of a CUDA buffer (exchange), the engines with CUDA graphs "
+        "against without (graphs, streams), learners per GPU without graphs (learners), bf16 against fp32 "
+        "(precision), BSP against DDP over NCCL (ddp), the showdown against plain PyTorch (tta) and the "
+        "engines on ResNet-50 (resnet50). A step that failed or ran out of time has a note instead of its "
+        "table."
     )
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -79,6 +80,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="timed alternating rounds per engine")
     parser.add_argument("--round-seconds", type=float, default=0.5, help="target length of one round")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=float(os.environ.get("GPU_SH_STEP_SECONDS") or 0),
+        help="start no grid point that would end after this many seconds; the table holds the points "
+        "measured and names the rest (default: gpu.sh's step limit GPU_SH_STEP_SECONDS, else no limit)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.learners, args.batches, args.threads = "1,8", "4,16", "1"
@@ -116,6 +124,44 @@ ENGINES = ("serial", "fused", "streams")
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: ``[pool] cuda_graphs`` values ``--graphs`` takes.
 GRAPHS = ("off", "on", "auto")
+
+
+class Deadline:
+    """The grid within a time limit: a caller that kills the process at its limit (gpu.sh's steps) would lose
+    every point measured, so the grid stops before a point that would not end in time, judged by the longest
+    point so far, and the table says which points were left out.
+
+    ``seconds`` counts from the Deadline's making; 0 means no limit. ``margin`` is kept for the table and the
+    results file.
+    """
+
+    def __init__(self, seconds: float, margin: float = 10.0) -> None:
+        self.seconds = seconds
+        self.margin = margin
+        self.start = time.monotonic()
+        self.left_out: list[tuple[int, str, int, int]] = []
+
+    def points(self, points: list[tuple[int, str, int, int]]) -> Any:
+        """Yield the grid's points while the next one, as long as the longest so far, would end in time."""
+        longest = 0.0
+        for i, point in enumerate(points):
+            began = time.monotonic()
+            if self.seconds > 0 and began - self.start + 1.25 * longest + self.margin > self.seconds:
+                self.left_out = points[i:]
+                print(f"time limit of {self.seconds:.0f} s: {len(self.left_out)} point(s) left out", flush=True)
+                return
+            yield point
+            longest = max(longest, time.monotonic() - began)
+
+    def note(self) -> str:
+        """A paragraph naming the points left out, or "" when the whole grid ran."""
+        if not self.left_out:
+            return ""
+        named = ", ".join(f"{key} m = {m} batch {batch}" for _, key, batch, m in self.left_out)
+        return (
+            f"\n\nNot measured, the time limit of {self.seconds:.0f} s (`--seconds`, gpu.sh's step limit) being "
+            f"near: {named}."
+        )
 
 
 def check_device(device: str) -> None:
@@ -544,14 +590,18 @@ def graphs_table(rows: list[GraphsRow], engines: list[str], settings: list[str])
 
 
 def main_graphs(
-    args: argparse.Namespace, catalogue: dict[str, Any], points: list[tuple[int, str, int, int]], device: Any
+    args: argparse.Namespace,
+    catalogue: dict[str, Any],
+    points: list[tuple[int, str, int, int]],
+    device: Any,
+    deadline: Deadline,
 ) -> int:
     """``--graphs`` with two or more values: every engine and the bound at every setting, the table,
     results/."""
     import torch
 
     rows: list[GraphsRow] = []
-    for threads, key, batch, m in points:
+    for threads, key, batch, m in deadline.points(points):
         torch.set_num_threads(threads)
         label, model = catalogue[key]
         timing = measure_graphs(model, m, batch, args, device)
@@ -567,7 +617,7 @@ def main_graphs(
         "torch.cuda.max_memory_allocated over building the pool and its warm-up steps (the graphs' memory "
         "included), less what was allocated before."
     )
-    text = head + "\n\n" + graphs_table(rows, args.engines, args.graphs)
+    text = head + "\n\n" + graphs_table(rows, args.engines, args.graphs) + deadline.note()
     print(text)
     if not args.no_write:
         where = "GPU" if device.type == "cuda" else "CPU"
@@ -715,6 +765,7 @@ def layout_costs(catalogue: dict[str, Any], m: int = 8, batch: int = 16) -> str:
 def main() -> int:
     """Measure the grid, print the table, append it to results/<out>.md and (CPU rows) draw the PNG."""
     args = parse_args(sys.argv[1:])
+    deadline = Deadline(args.seconds)
     check_device(args.device)
     import torch
 
@@ -732,11 +783,11 @@ def main() -> int:
         for m in learners
     ]  # fmt: skip
     if len(args.precisions) > 1:
-        return main_precisions(args, catalogue, points, device)
+        return main_precisions(args, catalogue, points, device, deadline)
     if len(args.graphs) > 1:
-        return main_graphs(args, catalogue, points, device)
+        return main_graphs(args, catalogue, points, device, deadline)
     rows: list[Row] = []
-    for threads, key, batch, m in points:
+    for threads, key, batch, m in deadline.points(points):
         torch.set_num_threads(threads)
         label, model = catalogue[key]
         timing, cpu_ratio = measure(model, m, batch, args, device)
@@ -747,7 +798,7 @@ def main() -> int:
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
     extra = "\n\n" + layout_costs(catalogue) + "\n\n" + forward_paths(catalogue)
-    text = table(rows) + (extra if device.type == "cpu" and not args.quick else "")
+    text = table(rows) + deadline.note() + (extra if device.type == "cpu" and not args.quick else "")
     if device.type == "cuda":
         text += (
             "\n\nLearners per GPU: samples/s at m learners ÷ one learner's (the serial engine at m = 1, same "
@@ -762,13 +813,17 @@ def main() -> int:
 
 
 def main_precisions(
-    args: argparse.Namespace, catalogue: dict[str, Any], points: list[tuple[int, str, int, int]], device: Any
+    args: argparse.Namespace,
+    catalogue: dict[str, Any],
+    points: list[tuple[int, str, int, int]],
+    device: Any,
+    deadline: Deadline,
 ) -> int:
     """``--precisions`` with two or more values: every engine at every precision, the table, results/."""
     import torch
 
     rows: list[PrecisionRow] = []
-    for threads, key, batch, m in points:
+    for threads, key, batch, m in deadline.points(points):
         torch.set_num_threads(threads)
         label, model = catalogue[key]
         for row in measure_precisions(model, m, batch, args, device):
@@ -786,7 +841,7 @@ def main_precisions(
         + (f"; on CUDA fp32 runs with `[optim] tf32 = {str(tf32).lower()}`" if tf32 is not None else "")
         + f"; `[pool] cuda_graphs = {args.graphs[0]}`."
     )
-    text = head + "\n\n" + precision_table(rows, args.precisions)
+    text = head + "\n\n" + precision_table(rows, args.precisions) + deadline.note()
     print(text)
     if not args.no_write:
         where = "GPU" if device.type == "cuda" else "CPU"

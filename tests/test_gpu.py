@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from itertools import chain, count
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +281,20 @@ def test_pool_engine_options() -> None:
     assert lines[0].endswith("| streams samples/s | streams ÷ serial |")
     assert lines[2].endswith("| – | – |") and lines[3].endswith("| 150 | 1.50 |")
     assert "streams" not in pool.table([pool.Row("m", "cpu", 1, 1, 4, 1.0, 1.0, 1.0, 1.0, 1)])
+
+
+def test_pool_grid_stops_before_a_point_that_would_pass_its_time_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu.sh kills a step at its limit, losing every row; the grid stops first and names what it left out."""
+    clock = chain([0.0, 1.0, 21.0, 22.0, 42.0, 43.0, 63.0, 64.0], count(100.0))  # made at 0; 20 s a point
+    monkeypatch.setattr(pool.time, "monotonic", lambda: next(clock))
+    deadline = pool.Deadline(80, margin=10)
+    grid = [(1, "resnet50", 16, m) for m in (1, 2, 4, 8)]
+    assert list(deadline.points(grid)) == grid[:3]  # at 64 s a fourth (25 s with the 1.25 guard) ends past 70
+    assert deadline.left_out == grid[3:]
+    assert deadline.note().endswith("near: resnet50 m = 8 batch 16.")
+    unlimited = pool.Deadline(0)
+    assert list(unlimited.points(grid)) == grid and unlimited.note() == ""
+    assert pool.parse_args(["--seconds", "120"]).seconds == 120
 
 
 def test_learners_per_gpu_table_divides_by_one_serial_learner_and_shows_each_peak() -> None:
