@@ -23,7 +23,9 @@ chunks summed through node-shared memory (SharedMemoryCommunicator; skipped wher
 whole-buffer staging it replaces (one copy out, MPI, one copy back), device pointers handed to a CUDA-aware
 MPI (only where the MPI says it is one), NCCL (only with one GPU per rank: NCCL refuses two ranks on one
 GPU), the **floor** — each rank's own pinned device-to-host plus host-to-device copy of the same bytes, what
-any staging must at least pay — and one device-to-device copy. Ratios are to the floor (pipelined staging ÷
+any staging must at least pay — the host sum alone (the staging communicator's allreduce of a pinned host
+tensor of the same bytes: what staging adds to the copies, whatever of it the pipeline overlaps) and one
+device-to-device copy. Ratios are to the floor (pipelined staging ÷
 floor is the goal figure: at most 1.5 at 16 MB and 100 MB) and to the whole-buffer staging (the gain).
 ``--stage-chunks 1,16`` adds pipelined rows with other chunk sizes (MB). Whatever cannot run is listed with
 its reason under the table.
@@ -59,6 +61,7 @@ WHOLE = (
     "framework MPICommunicator, whole-buffer staging (one copy out, MPI, one copy back: before the pipeline)"
 )
 FLOOR = "floor: pinned device-to-host + host-to-device copy of the same bytes (each rank's own two copies)"
+HOST_SUM = "host sum alone: MPICommunicator's allreduce of the same bytes in pinned host memory (no device)"
 AWARE = "framework MPICommunicator, CUDA-aware MPI (device pointers)"
 NCCL = "torch.distributed nccl all_reduce"
 D2D = "device-to-device copy of the same bytes"
@@ -192,9 +195,9 @@ def cuda_plan(ranks: int, gpus: int, cuda_aware: bool, vendor: str) -> tuple[lis
 def cuda_rows(planned: list[str], chunk_rows: list[str], shm_ok: bool) -> list[str]:
     """The table's rows for a CUDA run, in order: the pipelined staging (and ``chunk_rows``, its variants),
     through shared memory where ``shm_ok``, the whole-buffer staging, then :func:`cuda_plan`'s other methods,
-    the floor before the device copy."""
+    the floor and the host sum alone before the device copy."""
     rest = [name for name in planned if name not in (STAGED, D2D)]
-    return [STAGED, *chunk_rows, *([STAGED_SHM] if shm_ok else []), WHOLE, *rest, FLOOR, D2D]
+    return [STAGED, *chunk_rows, *([STAGED_SHM] if shm_ok else []), WHOLE, *rest, FLOOR, HOST_SUM, D2D]
 
 
 def shm_room(window_bytes: int, ranks: int) -> str:
@@ -233,10 +236,14 @@ def with_cuda_aware(flag: str, shared_memory: bool = False, stage_chunk_bytes: i
             os.environ["MPICROSSBOW_CUDA_AWARE"] = before
 
 
-def cuda_methods(comms: dict[str, Any], buf: Any, dst: Any, host: Any) -> dict[str, Callable[[], object]]:
+def cuda_methods(
+    comms: dict[str, Any], buf: Any, dst: Any, host: Any, summed: Any
+) -> dict[str, Callable[[], object]]:
     """Each communicator's allreduce of ``buf``, the floor (``buf`` → pinned ``host`` → ``dst``, both copies
-    queued on the current stream) and the copy ``buf`` → ``dst``, each followed by a CUDA synchronisation, so
-    a timed call ends when the GPU's work (NCCL's kernel, a staging copy) has."""
+    queued on the current stream), the host sum alone (the staging communicator's allreduce of the pinned
+    host tensor ``summed``: what staging adds to the floor, whatever it overlaps) and the copy ``buf`` →
+    ``dst``, each followed by a CUDA synchronisation, so a timed call ends when the GPU's work (NCCL's
+    kernel, a staging copy) has."""
     import torch
 
     def synced(call: Callable[[], object]) -> Callable[[], object]:
@@ -244,6 +251,7 @@ def cuda_methods(comms: dict[str, Any], buf: Any, dst: Any, host: Any) -> dict[s
 
     methods = {name: synced(lambda c=comm: c.allreduce(buf)) for name, comm in comms.items()}
     methods[FLOOR] = synced(lambda: (host.copy_(buf, non_blocking=True), dst.copy_(host, non_blocking=True)))
+    methods[HOST_SUM] = synced(lambda: comms[STAGED].allreduce(summed))
     methods[D2D] = synced(lambda: dst.copy_(buf))
     return methods
 
@@ -301,9 +309,10 @@ def measure_cuda(args: argparse.Namespace) -> dict[str, Any]:
         buf = torch.empty(size // 4, device="cuda", dtype=torch.float32)
         dst = torch.empty_like(buf)
         host = torch.empty(size // 4, dtype=torch.float32, pin_memory=True)
-        made = cuda_methods(comms, buf, dst, host)
+        summed = torch.empty(size // 4, dtype=torch.float32, pin_memory=True)
+        made = cuda_methods(comms, buf, dst, host, summed)
         methods = {name: made[name] for name in rows}
-        buffers = {name: dst if name in (FLOOR, D2D) else buf for name in methods}
+        buffers = {name: {FLOOR: dst, D2D: dst, HOST_SUM: summed}.get(name, buf) for name in methods}
         out["samples"][str(size)] = time_methods(
             world, methods, buffers, (FLOOR, D2D), size, args, settle=torch.cuda.synchronize
         )
@@ -431,9 +440,14 @@ def cuda_summary(result: dict[str, Any]) -> list[str]:
             )
             if name in s
         )
-        lines.append(
-            f"- {result['ranks']} ranks, {label(size)}: staging ÷ floor = {ratios} (goal: pipelined ≤ 1.5)"
-        )
+        line = f"- {result['ranks']} ranks, {label(size)}: staging ÷ floor = {ratios} (goal: pipelined ≤ 1.5)"
+        if HOST_SUM in s and STAGED in s:  # the sum alone: what no staging avoids, next to the copies
+            host_sum = statistics.median(s[HOST_SUM])
+            line += (
+                f"; the host sum alone ÷ floor {host_sum / floor:.2f}, pipelined ÷ (floor + host sum) "
+                f"{statistics.median(s[STAGED]) / (floor + host_sum):.2f}"
+            )
+        lines.append(line)
     return lines
 
 

@@ -148,7 +148,8 @@ class Deadline:
             began = time.monotonic()
             if self.seconds > 0 and began - self.start + 1.25 * longest + self.margin > self.seconds:
                 self.left_out = points[i:]
-                print(f"time limit of {self.seconds:.0f} s: {len(self.left_out)} point(s) left out", flush=True)
+                left = len(self.left_out)
+                print(f"time limit of {self.seconds:.0f} s: {left} point(s) left out", flush=True)
                 return
             yield point
             longest = max(longest, time.monotonic() - began)
@@ -159,8 +160,8 @@ class Deadline:
             return ""
         named = ", ".join(f"{key} m = {m} batch {batch}" for _, key, batch, m in self.left_out)
         return (
-            f"\n\nNot measured, the time limit of {self.seconds:.0f} s (`--seconds`, gpu.sh's step limit) being "
-            f"near: {named}."
+            f"\n\nNot measured, the time limit of {self.seconds:.0f} s (`--seconds`, gpu.sh's step limit) "
+            f"being near: {named}."
         )
 
 

@@ -283,7 +283,9 @@ def test_pool_engine_options() -> None:
     assert "streams" not in pool.table([pool.Row("m", "cpu", 1, 1, 4, 1.0, 1.0, 1.0, 1.0, 1)])
 
 
-def test_pool_grid_stops_before_a_point_that_would_pass_its_time_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pool_grid_stops_before_a_point_that_would_pass_its_time_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """gpu.sh kills a step at its limit, losing every row; the grid stops first and names what it left out."""
     clock = chain([0.0, 1.0, 21.0, 22.0, 42.0, 43.0, 63.0, 64.0], count(100.0))  # made at 0; 20 s a point
     monkeypatch.setattr(pool.time, "monotonic", lambda: next(clock))
@@ -436,3 +438,18 @@ def test_exchange_on_cuda_plans_what_one_gpu_allows() -> None:
     assert "| ÷ device copy | ÷ staged MPI |" in text and "| 2.00 | 1.000 |" in text
     assert text.endswith(f"- {exchange.NCCL}: skipped, needs one GPU per rank")
     assert exchange.summary([result]) == ""
+
+
+def test_exchange_cuda_summary_sets_the_staging_against_the_copies_and_the_host_sum() -> None:
+    """The goal line: staging ÷ the copy floor, and ÷ the floor plus the host sum that no staging avoids."""
+    size = 16 << 20
+    assert exchange.cuda_rows([exchange.STAGED, exchange.D2D], [], False)[-3:] == [
+        exchange.FLOOR, exchange.HOST_SUM, exchange.D2D
+    ]  # fmt: skip
+    samples = {exchange.STAGED: [6e-3], exchange.WHOLE: [8e-3], exchange.FLOOR: [1e-3]}
+    samples[exchange.HOST_SUM] = [3e-3]
+    lines = exchange.cuda_summary({"ranks": 2, "samples": {str(size): samples}})
+    assert lines == [
+        "- 2 ranks, 16M: staging ÷ floor = pipelined (MPI) 6.00, whole-buffer 8.00 (goal: pipelined ≤ 1.5); "
+        "the host sum alone ÷ floor 3.00, pipelined ÷ (floor + host sum) 1.50"
+    ]
