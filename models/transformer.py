@@ -50,6 +50,10 @@ class Tokens(torch.utils.data.Dataset):
         """Sequence ``i`` and its label."""
         return self.x[i], self.targets[i]
 
+    def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequences ``indices`` and their labels, one indexing each (the pipeline's whole-batch read)."""
+        return self.x[indices], self.targets[indices]
+
 
 def tokens(split: str, n: int = 2048, length: int = 12) -> Tokens:
     """``[data] dataset = models.transformer:tokens``: random sequences, ``n`` for train, n/4 for val."""

@@ -13,6 +13,7 @@ test_streams.py.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -302,6 +303,63 @@ def test_nonfinite_names_the_learner_whose_loss_is_not_finite(engine: str) -> No
     pool.learners[1].params.fill_(float("nan"))
     pool.compute(1)
     assert pool.nonfinite() == [1]
+
+
+def guard_params() -> list[Any]:
+    """Every engine where its tests put it, and the serial and fused engines on a GPU too: there the NaN
+    guard reads a step's flags when the device has them (deferred), on the CPU at once."""
+    no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    on_gpu = [pytest.param(e, "cuda", id=f"{e.lower()}-on-cuda", marks=[pytest.mark.cuda, no_gpu])
+              for e in ("SERIAL", "FUSED")]  # fmt: skip
+    return [pytest.param(*p.values, None, id=p.id, marks=p.marks) for p in engine_params()] + on_gpu
+
+
+@pytest.mark.parametrize(("engine", "where", "on_nan"), [
+    pytest.param(*p.values, on_nan, id=f"{p.id}-{on_nan}", marks=p.marks)
+    for p in guard_params() for on_nan in ("skip", "stop")
+])  # fmt: skip
+def test_the_nan_guard_zeroes_or_stops_on_the_learner_whose_loss_is_not_finite(
+    engine: str, where: str | None, on_nan: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``[session] on_nan``: a NaN in learner 1's loss zeroes its gradient alone (skip, one warning naming
+    the step) or stops the job naming the step (stop), by the epoch's end at the latest (deferred on CUDA)."""
+    from mpicrossbow.config import InjectSection
+    from mpicrossbow.training.health.faults import FaultInjector
+    from mpicrossbow.training.run.nan_guard import NanGuard, NonFiniteLoss
+
+    if where == "cuda":
+        torch.manual_seed(0)
+        spec = PoolSpec(0, 1, BATCH, OPTIM, torch.device("cuda", 0), seed=SEED, learners=3)
+        pool = ENGINES.get(engine)(NormedMLP(hidden=8), spec)
+    else:
+        pool = make_pool(engine, learners=3)
+    guard, faults = NanGuard(on_nan), FaultInjector(InjectSection(), 0)
+    flags = pool.nonfinite_flags()
+    pool.start_epoch(0)
+    pool.compute(0)
+    guard.check(pool, faults, 0, 0)
+    assert flags is None or not pool.nonfinite_flags().any()
+    saved = pool.learners[1].params.clone()
+    pool.learners[1].params.fill_(float("nan"))
+    pool.compute(1)
+    assert pool.nonfinite() == [1]
+    assert flags is None or pool.nonfinite_flags().tolist() == [False, True, False]
+    caplog.set_level(logging.WARNING, logger="mpicrossbow.training.run.nan_guard")
+    if on_nan == "stop":
+        with pytest.raises(NonFiniteLoss, match=r"at step 7 \(epoch 2\), learner\(s\) 1; lower \[optim\] lr"):
+            guard.check(pool, faults, 7, 1)
+            guard.flush()
+        guard.flush()  # nothing left in flight
+        return
+    guard.check(pool, faults, 7, 1)
+    guard.flush()
+    assert [r.getMessage() for r in caplog.records if r.name.endswith(".nan_guard")] == [
+        "loss is NaN or infinite at step 7 (epoch 2), learner(s) 1: "
+        "that batch is skipped (its gradient zeroed)"
+    ]
+    assert not pool.learners[1].grads.any()
+    assert pool.learners[0].grads.any() and pool.learners[2].grads.any()
+    pool.learners[1].params.copy_(saved)
 
 
 def test_the_fused_bindings_take_the_paths_they_name() -> None:

@@ -42,3 +42,7 @@ class ArrayDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample ``index``: its input tensor and its label."""
         return self.x[index], self.targets[index]
+
+    def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of ``indices``, one indexing each: what the DataLoader would stack sample by sample."""
+        return self.x[indices], self.targets[indices]

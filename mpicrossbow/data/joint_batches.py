@@ -13,10 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch.utils.data import default_collate
-
 from .loader import LoaderData
-from .seeded import Seeded
+from .seeded import Seeded, collate
 
 
 class JointBatches:
@@ -59,4 +57,4 @@ class JointBatches:
             self._iters = [iter(sampler) for sampler in self.samplers]
         keys = [key for it in self._iters for key in next(it)]
         m = len(self._iters)
-        return tuple(t.view(m, -1, *t.shape[1:]) for t in default_collate(self.dataset.__getitems__(keys)))
+        return tuple(t.view(m, -1, *t.shape[1:]) for t in collate(self.dataset.__getitems__(keys)))

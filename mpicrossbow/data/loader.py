@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from ..errors import DataError
 from ..model.shard import Shard
 from .sampler import EpochBatches, InOrder, train_part, val_part
-from .seeded import Seeded, quiet_worker
+from .seeded import Seeded, collate, quiet_worker
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ def seeded_loader(
     return DataLoader(
         Seeded(dataset),
         batch_sampler=sampler,
+        collate_fn=collate,
         num_workers=workers,
         prefetch_factor=options.prefetch if workers else None,
         persistent_workers=persistent and workers > 0,

@@ -62,6 +62,10 @@ class MNIST1D(Dataset):
         """Sample ``index``: its signal and its label."""
         return self.data[index], int(self.targets[index])
 
+    def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of ``indices``, one indexing each: what the DataLoader would stack sample by sample."""
+        return self.data[indices], self.targets[indices].to(torch.int64)
+
 
 def mnist1d(
     split: str,

@@ -39,6 +39,17 @@ class ReplicaView(ABC):
         """Learners whose last training loss was NaN or infinite (one host synchronisation)."""
         return []
 
+    def nonfinite_flags(self) -> torch.Tensor | None:
+        """:meth:`nonfinite` as a bool vector (one flag per learner) on the device, with no host
+        synchronisation (the NaN guard on a CUDA device); None where these replicas keep no losses."""
+        return None
+
+    def zero_gradients_where(self, flags: torch.Tensor) -> None:
+        """Zero the flat gradient of each learner whose flag in ``flags`` (a bool vector on the device) is
+        set, on the device, without reading the flags on the host."""
+        for j, learner in enumerate(self.learners):
+            learner.grads.masked_fill_(flags[j], 0.0)
+
     def grad_layout(self) -> list[tuple[int, int]] | None:
         """(offset, numel) of every parameter in a learner's flat gradient, in flat order; None when these
         replicas cannot report gradients as backward produces them (:meth:`watch_gradients` is then

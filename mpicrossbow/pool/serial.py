@@ -164,6 +164,10 @@ class SerialPool(ShardedPool):
         ok = torch.isfinite(torch.stack([learner.last_loss for learner in self.learners])).tolist()
         return [j for j, good in enumerate(ok) if not good]
 
+    def nonfinite_flags(self) -> torch.Tensor:
+        """Each learner's last loss not finite, on the device (no host synchronisation)."""
+        return ~torch.isfinite(torch.stack([learner.last_loss for learner in self.learners]))
+
     def grad_layout(self) -> list[tuple[int, int]] | None:
         """Each trainable parameter's (offset, numel) in a learner's flat gradient (``param_list`` order);
         None under a loss scale (:meth:`~.base.LearnerPool.scaled_gradients`) and under ``cuda_graphs = on``

@@ -483,6 +483,14 @@ class FusedPool(ShardedPool):
         """Learners whose last loss was not finite (one host synchronisation)."""
         return [j for j, good in enumerate(torch.isfinite(self._last_losses).tolist()) if not good]
 
+    def nonfinite_flags(self) -> torch.Tensor:
+        """Each learner's last loss not finite, on the device (no host synchronisation)."""
+        return ~torch.isfinite(self._last_losses)
+
+    def zero_gradients_where(self, flags: torch.Tensor) -> None:
+        """Zero the gradient rows of the flagged learners: one operation on the device for all of them."""
+        self.grads2d.masked_fill_(flags[:, None], 0.0)
+
     def state_dict(self) -> dict[str, Any]:
         """All replicas (rows), the fused optimizer's state and the running stats."""
         return {

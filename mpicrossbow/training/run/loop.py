@@ -22,7 +22,7 @@ from ..tuning.noise_scale import NoiseScale
 from .async_checkpoints import AsyncCheckpoints
 from .evaluation import per_sample
 from .learner_tuning import LearnerTuning
-from .nan_guard import check_finite
+from .nan_guard import NanGuard
 from .parts import RankParts
 from .schedule import lr_at
 from .step import train_step
@@ -91,6 +91,8 @@ class TrainLoop:
         #: The gradient noise scale, measured around the rule's ``on_gradients`` (continued on a resume).
         self.noise = NoiseScale(cfg.session.noise_scale_every, cfg.session.noise_scale_smoothing)
         self.noise.load_state_dict(position.get("noise_scale", {}))
+        #: ``[session] on_nan`` after each step's backward (deferred on a CUDA device: no wait per step).
+        self.nan_guard = NanGuard(cfg.session.on_nan)
         size = parts.world.size
         #: Ranks that train (a parameter server's or an asynchronous centre's rank does not).
         self.trainers = sum(parts.rule.trains(rank, size) for rank in range(size))
@@ -117,6 +119,7 @@ class TrainLoop:
             self.epoch < self.epochs and (not self.budget or self.step < self.budget) and not self.checks.done
         ):
             if self._epoch():
+                self.nan_guard.flush()
                 self.out.val, self.out.stopped = self.validate(), True
                 return self._outcome()
             self.skip = 0
@@ -206,7 +209,7 @@ class TrainLoop:
     def _guard(self, step: int) -> None:
         """Between backward and the rule's hooks: the NaN policy, then the watchdog's exchange phase."""
         parts = self.parts
-        check_finite(parts.pool, parts.faults, parts.config.session.on_nan, step, self.epoch)
+        self.nan_guard.check(parts.pool, parts.faults, step, self.epoch)
         self._beat("exchange")
 
     def _beat(self, phase: str) -> None:
@@ -218,6 +221,7 @@ class TrainLoop:
         """Statistics, validation, the report row, the auto-tuner and epoch checkpoints (the epoch may end
         early: the target accuracy was reached)."""
         parts = self.parts
+        self.nan_guard.flush()  # the epoch's last steps' NaN checks, before its statistics and checkpoints
         self._beat("validate")
         learners = len(parts.pool.learners)
         waited = parts.pool.take_data_wait() / seconds if seconds > 0 else 0.0
