@@ -353,3 +353,38 @@ def test_gradient_watchers_keep_the_learner_step_eager_while_they_watch() -> Non
     train(pool, WARMUP + 2, start=WARMUP + 2)
     assert pool.graphs.captures[LEARNER_STEP] == 2
     assert SerialPool(LeNet(), spec(CUDA, "on", learners=2)).grad_layout() is None
+
+
+@pytest.mark.parametrize("make", ENGINES[:2])
+@pytest.mark.cuda
+@needs_cuda
+def test_a_captured_step_with_the_nan_guard_never_waits_for_the_device(
+    make: Callable[[PoolSpec], LearnerPool],
+) -> None:
+    """Once captured, a step (the batch's copy, both replays, the NaN guard) queues its work and returns:
+    torch's synchronisation check, set to error, finds no operation that waits for the GPU. A step that did
+    would stop the host from preparing the next step while the GPU computes (the one-GPU showdown)."""
+    from mpicrossbow.config import InjectSection
+    from mpicrossbow.training.health.faults import FaultInjector
+    from mpicrossbow.training.run.nan_guard import NanGuard
+
+    (pool,) = _pools(make, ("on",))
+    guard, faults = NanGuard("skip"), FaultInjector(InjectSection(), 0)
+    pool.start_epoch(0)
+    for count in range(WARMUP + 2):  # warm-up and capture, outside the check
+        pool.compute(count)
+        guard.check(pool, faults, count, 0)
+        pool.apply()
+    torch.cuda.synchronize()
+    captured = dict(pool.graphs.captures)  # type: ignore[attr-defined]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for count in range(WARMUP + 2, WARMUP + 6):
+            pool.compute(count)
+            guard.check(pool, faults, count, 0)
+            pool.apply()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    guard.flush()
+    assert pool.graphs.captures == captured and captured[LEARNER_STEP] >= 1  # type: ignore[attr-defined]
+    assert all(torch.isfinite(learner.params).all() for learner in pool.learners)

@@ -84,3 +84,24 @@ def test_a_target_needs_a_synchronous_rule(capsys: pytest.CaptureFixture[str]) -
     assert agree(world, Session(cfg, world).prepare_local) == 2
     err = capsys.readouterr().err
     assert "[session] target_accuracy needs a synchronous rule" in err and "RULE=GOSGD" in err, err
+
+
+def test_the_device_work_queued_before_a_validation_counts_as_training() -> None:
+    """On CUDA the steps run after the host queued them: the clock pauses only once ``settle`` waited for
+    them, so an asynchronous device's training is not booked as validation."""
+    waited: list[float] = []
+
+    def settle() -> None:  # a device still busy with queued steps for 50 ms
+        time.sleep(0.05)
+        waited.append(time.perf_counter())
+
+    def validate() -> tuple[float, float]:
+        time.sleep(0.05)
+        return 0.1, 0.5
+
+    checks = Validations(validate, 0.25, 0.0, settle)
+    checks.start()
+    checks.run(4, 0.25)
+    assert len(waited) == 1 and 0.05 <= checks.training_seconds < 0.095
+    checks.run(4, 0.25)  # the same step: neither validated nor settled again
+    assert len(waited) == 1

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ...trace import span
 from ..health.signals import SIGNAL_CHECK_STEPS, SignalStop
 from ..tuning.noise_scale import NoiseScale
@@ -85,7 +87,11 @@ class TrainLoop:
         self.saved_at = self.step if parts.checkpoints.resume is not None else -1
         self.out = LoopOutcome(first_step=self.step)
         self.at_epochs = float(self.epoch)  # epochs done, with the current one's fraction
-        self.checks = Validations(self.validate, cfg.session.validate_every, cfg.session.target_accuracy)
+        where = pool.learners[0].params.device
+        settle = (lambda: torch.cuda.synchronize(where)) if where.type == "cuda" else None
+        self.checks = Validations(
+            self.validate, cfg.session.validate_every, cfg.session.target_accuracy, settle
+        )
         #: The auto-tuner's checks (``[pool] learners = auto``), else None.
         self.tuning = LearnerTuning(parts, parts.tuner) if parts.tuner is not None else None
         #: The gradient noise scale, measured around the rule's ``on_gradients`` (continued on a resume).

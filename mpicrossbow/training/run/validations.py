@@ -5,7 +5,9 @@ fraction below 1 that many times an epoch (0.25: four times, at the nearest step
 ``[session] target_accuracy`` (above 0) ends training at the first validation at or above it: the time to
 accuracy that Crossbow's claim is about. The training clock runs from the loop's first step and stops
 while a validation runs, so ``time to target`` is training time alone, comparable between engines whose
-validations cost differently. Every validation is one point of the run's ``curve``.
+validations cost differently. Every validation is one point of the run's ``curve``. On a device that runs
+asynchronously (CUDA) the clock stops only once the device has finished the steps queued before the
+validation (``settle``), so no training step is counted as validation.
 """
 
 from __future__ import annotations
@@ -24,8 +26,16 @@ class Validations:
     """The loop's validations: ``due_*`` say when, :meth:`run` validates (once per step at most), records
     ``(training seconds, epochs, accuracy)`` in :attr:`curve` and notes when ``target`` is first reached."""
 
-    def __init__(self, validate: Callable[[], tuple[float, float]], every: float, target: float) -> None:
+    def __init__(
+        self,
+        validate: Callable[[], tuple[float, float]],
+        every: float,
+        target: float,
+        settle: Callable[[], object] | None = None,
+    ) -> None:
         self._validate, self.every, self.target = validate, every, target
+        #: Waits for the device's queued training work (``torch.cuda.synchronize`` on CUDA), or None.
+        self._settle = settle
         #: ``(training seconds, epochs done, validation accuracy)`` of every validation, in order.
         self.curve: list[tuple[float, float, float]] = []
         #: ``(training seconds, epochs done)`` at the first validation at or above the target, or None.
@@ -66,6 +76,8 @@ class Validations:
         already; (loss, accuracy)."""
         if step == self._step:
             return self._last
+        if self._settle is not None:
+            self._settle()  # the steps queued so far are training time
         paused = time.perf_counter()
         self._last, self._step = self._validate(), step
         self._paused += time.perf_counter() - paused
