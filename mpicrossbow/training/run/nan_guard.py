@@ -2,7 +2,8 @@
 
 On the CPU the check reads the step's losses at once. On a CUDA device reading them would make the host wait
 for the step's forward and backward every step, so the host could never queue the next step's batch and
-kernels while the GPU computes (a small model's step on a GPU is mostly that wait). There the guard works
+kernels while the GPU computes (with CUDA graphs a small model's step is a few launches, and the host's own
+work per step is the rest). There the guard works
 without waiting: each step it zeroes the flagged learners' gradients on the device (which is what ``skip``
 does, so a NaN never reaches the rule or the optimizer), copies the flags into page-locked memory and records
 an event, and reads a step's flags on the host once the device has computed them, at a later step's check
