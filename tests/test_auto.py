@@ -248,3 +248,30 @@ def test_measuring_under_localsgd_moves_no_more_model_bytes_than_localsgd() -> N
     30 mbit link)."""
     auto = model_sized_allreduces("AUTO", measure_steps=WINDOW, candidates="LOCALSGD")
     assert auto and auto == model_sized_allreduces("LOCALSGD", period=8)
+
+
+def test_a_validation_inside_a_measuring_window_is_not_timed_as_a_step() -> None:
+    """The loop validates between steps (``sync_state``, then the forward passes): AUTO's window leaves
+    that time out, so a validation does not make the rule it measures look slow. A gap of 0.5 s after
+    ``sync_state`` inside BSP's window of 3 timed steps of ~20 ms each would read as a step of ~190 ms."""
+    pools = []
+    for rank in range(SIZE):
+        torch.manual_seed(rank)
+        spec = PoolSpec(rank, SIZE, 8, OPTIM, torch.device("cpu"), seed=1, learners=4)
+        pools.append(SerialPool(PausedMLP(hidden=8), spec))
+
+    def body(comm: Communicator) -> float:
+        pool = pools[comm.rank]
+        rule = RULES.get("AUTO")(measure_steps=WINDOW, candidates="BSP", recheck=False)
+        rule.bind(comm, pool)
+        pool.start_epoch(0)
+        for step in range(WINDOW):
+            train_step(pool, rule, step)
+            if step == WINDOW - 2:  # a validation between the window's last two steps
+                rule.sync_state()
+                time.sleep(0.5)
+        assert [row[:2] for row in rule.decisions] == [(WINDOW, "BSP")]
+        return rule.measured["BSP"]
+
+    for step_s in InProcessWorld(SIZE, timeout_s=60).run(body):
+        assert 0.015 < step_s < 0.1, step_s
