@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
@@ -43,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import RESULTS, append_result, gpu_versions, versions
+from benchmarks.report import RESULTS, add_seconds_argument, append_result, gpu_versions, versions
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -80,12 +79,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="timed alternating rounds per engine")
     parser.add_argument("--round-seconds", type=float, default=0.5, help="target length of one round")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
-    parser.add_argument(
-        "--seconds",
-        type=float,
-        default=float(os.environ.get("GPU_SH_STEP_SECONDS") or 0),
-        help="start no grid point that would end after this many seconds; the table holds the points "
-        "measured and names the rest (default: gpu.sh's step limit GPU_SH_STEP_SECONDS, else no limit)",
+    add_seconds_argument(
+        parser,
+        "start no grid point that would end after this many seconds; the table holds the points measured "
+        "and names the rest",
     )
     args = parser.parse_args(argv)
     if args.quick:

@@ -15,10 +15,23 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+def add_seconds_argument(parser: Any, what: str) -> None:
+    """``--seconds``, the command's time limit: by default gpu.sh's limit for the step running it
+    (``GPU_SH_STEP_SECONDS``), else none (0). gpu.sh kills a step at its limit, so a script that reads it
+    stops early enough to write what it measured; ``what`` says what the script does with it."""
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=float(os.environ.get("GPU_SH_STEP_SECONDS") or 0),
+        help=f"{what} (default: gpu.sh's step limit GPU_SH_STEP_SECONDS, else no limit)",
+    )
 
 
 def under_mpi() -> bool:

@@ -68,7 +68,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import RESULTS, append_result, gpu_versions, relaunch, under_mpi, versions
+from benchmarks.report import (
+    RESULTS,
+    add_seconds_argument,
+    append_result,
+    gpu_versions,
+    relaunch,
+    under_mpi,
+    versions,
+)
 from benchmarks.tta_grid import (
     DDP,
     TORCH,
@@ -142,12 +150,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="tta",
         help="results/<OUT>.md to append to (gpu.sh: gpu); an absolute /dir/NAME appends to /dir/NAME.md",
     )
-    parser.add_argument(
-        "--seconds",
-        type=float,
-        default=float(os.environ.get("GPU_SH_STEP_SECONDS") or 0),
-        help="one device: the whole command's time; no run starts unless it fits before the end "
-        "(default: gpu.sh's step limit GPU_SH_STEP_SECONDS, else no limit)",
+    add_seconds_argument(
+        parser, "one device: the whole command's time; no run starts unless it fits before the end"
     )
     args = parser.parse_args(argv)
     args.one_device = args.one_device or args.device == "cuda"
