@@ -76,3 +76,23 @@ def test_a_watcher_hears_every_gradient_once_per_backward(name: str) -> None:
     unwatch()
     backward()
     assert sum(heard.values()) == len(layout) * len(replicas.learners), "heard after unwatch()"
+
+
+@pytest.mark.parametrize("name", SUBJECTS)
+def test_nonfinite_flags_agree_with_nonfinite_and_zeroing_touches_only_the_flagged(name: str) -> None:
+    """The NaN guard's device-side view: the flags (where the replicas keep losses) say what ``nonfinite``
+    says, and ``zero_gradients_where`` zeroes exactly the flagged learners' gradients."""
+    replicas, backward = subject(name)
+    backward()
+    flags = replicas.nonfinite_flags()
+    if flags is not None:
+        assert flags.dtype == torch.bool and flags.tolist() == [
+            j in replicas.nonfinite() for j in range(len(replicas.learners))
+        ]
+    only_last = torch.zeros(len(replicas.learners), dtype=torch.bool)
+    only_last[-1] = True
+    kept = [learner.grads.clone() for learner in replicas.learners[:-1]]
+    replicas.zero_gradients_where(only_last.to(replicas.learners[0].grads.device))
+    assert not replicas.learners[-1].grads.any()
+    for learner, before in zip(replicas.learners[:-1], kept, strict=True):
+        assert torch.equal(learner.grads, before)

@@ -72,7 +72,9 @@ class SessionSection:
         "(from a loss until its replacement joined: a drill waits no longer than the replacement's start)",
     )
     on_nan: Literal["stop", "skip"] = setting(
-        "stop", "a learner's loss is NaN or infinite: stop the job with a message, or skip that batch"
+        "stop",
+        "a learner's loss is NaN or infinite: stop the job with a message, or skip that batch (on CUDA read "
+        "a step or two late, the batch's gradient zeroed at once: docs/reliability.md)",
     )
     noise_scale_every: int = setting(
         10,
