@@ -306,12 +306,16 @@ def test_nonfinite_names_the_learner_whose_loss_is_not_finite(engine: str) -> No
 
 
 def guard_params() -> list[Any]:
-    """Every engine where its tests put it, and the serial and fused engines on a GPU too: there the NaN
-    guard reads a step's flags when the device has them (deferred), on the CPU at once."""
+    """Every engine where its tests put it, read at once and deferred (as on a GPU, where flags are read
+    when the device has written them), and the serial and fused engines on a GPU too."""
     no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     on_gpu = [pytest.param(e, "cuda", id=f"{e.lower()}-on-cuda", marks=[pytest.mark.cuda, no_gpu])
               for e in ("SERIAL", "FUSED")]  # fmt: skip
-    return [pytest.param(*p.values, None, id=p.id, marks=p.marks) for p in engine_params()] + on_gpu
+    deferred = [
+        pytest.param(*p.values, "deferred", id=f"{p.id}-deferred", marks=p.marks) for p in engine_params()
+    ]
+    at_once = [pytest.param(*p.values, None, id=p.id, marks=p.marks) for p in engine_params()]
+    return at_once + deferred + on_gpu
 
 
 @pytest.mark.parametrize(("engine", "where", "on_nan"), [
@@ -333,7 +337,8 @@ def test_the_nan_guard_zeroes_or_stops_on_the_learner_whose_loss_is_not_finite(
         pool = ENGINES.get(engine)(NormedMLP(hidden=8), spec)
     else:
         pool = make_pool(engine, learners=3)
-    guard, faults = NanGuard(on_nan), FaultInjector(InjectSection(), 0)
+    guard = NanGuard(on_nan, defer=True if where == "deferred" else None)
+    faults = FaultInjector(InjectSection(), 0)
     flags = pool.nonfinite_flags()
     pool.start_epoch(0)
     pool.compute(0)
@@ -360,6 +365,38 @@ def test_the_nan_guard_zeroes_or_stops_on_the_learner_whose_loss_is_not_finite(
     assert not pool.learners[1].grads.any()
     assert pool.learners[0].grads.any() and pool.learners[2].grads.any()
     pool.learners[1].params.copy_(saved)
+
+
+def test_the_deferred_nan_guard_reads_a_step_once_the_device_wrote_it_and_waits_beyond_four_in_flight(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A device still busy (its flags not written: ``query()`` False) holds the verdict back, and the host
+    runs at most IN_FLIGHT steps ahead: with step 1's loss NaN, the warning comes at step 1 + IN_FLIGHT's
+    check, when the host waits for the oldest; a flush reads the rest."""
+    from mpicrossbow.config import InjectSection
+    from mpicrossbow.training.health.faults import FaultInjector
+    from mpicrossbow.training.run import nan_guard
+
+    monkeypatch.setattr(nan_guard.Written, "query", lambda self: False)
+    pool = make_pool("SERIAL", learners=2)
+    guard, faults = nan_guard.NanGuard("skip", defer=True), FaultInjector(InjectSection(), 0)
+    caplog.set_level(logging.WARNING, logger="mpicrossbow.training.run.nan_guard")
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name.endswith(".nan_guard")]
+
+    for step in range(1 + nan_guard.IN_FLIGHT):
+        for learner in pool.learners:
+            bad = step == 1 and learner is pool.learners[1]
+            learner.last_loss = torch.tensor(float("nan") if bad else 0.5)
+        guard.check(pool, faults, step, 0)
+        assert warned() == [], step
+    guard.check(pool, faults, 1 + nan_guard.IN_FLIGHT, 0)
+    assert [m.split(":")[0] for m in warned()] == [
+        "loss is NaN or infinite at step 1 (epoch 1), learner(s) 1"
+    ]
+    guard.flush()
+    assert len(warned()) == 1 and not guard._pending
 
 
 def test_the_fused_bindings_take_the_paths_they_name() -> None:

@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 IN_FLIGHT = 4
 
 
+class Written:
+    """The event of flags a CPU device wrote at once: always complete (the deferred path on the CPU)."""
+
+    def query(self) -> bool:
+        """Complete."""
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
 class NonFiniteLoss(RuntimeError):
     """A learner's training loss became NaN or infinite and ``[session] on_nan = stop``."""
 
@@ -35,9 +46,11 @@ class NonFiniteLoss(RuntimeError):
 class NanGuard:
     """The NaN policy of one rank's loop, checked after each step's backward (:meth:`check`)."""
 
-    def __init__(self, on_nan: str) -> None:
-        self.on_nan = on_nan
-        self._pending: deque[tuple[int, int, torch.Tensor, torch.cuda.Event]] = deque()
+    def __init__(self, on_nan: str, defer: bool | None = None) -> None:
+        """``defer``: read the flags when the device has written them (None: on a CUDA device only; on the
+        CPU they are written at once, so deferring there only shows the deferred path's behaviour)."""
+        self.on_nan, self.defer = on_nan, defer
+        self._pending: deque[tuple[int, int, torch.Tensor, torch.cuda.Event | Written]] = deque()
 
     def check(self, pool: LearnerPool, faults: FaultInjector, step: int, epoch: int) -> None:
         """After step ``step``'s backward: raise :class:`NonFiniteLoss`, or (``on_nan = skip``) zero the bad
@@ -54,15 +67,20 @@ class NanGuard:
         faults.poison(step, [lr.last_loss for lr in learners], [lr.grads for lr in learners])
         if pool.scaled_gradients:
             return
-        flags = pool.nonfinite_flags() if learners[0].grads.is_cuda else None  # deferred on CUDA only
+        defer = learners[0].grads.is_cuda if self.defer is None else self.defer
+        flags = pool.nonfinite_flags() if defer else None
         if flags is None:
             self._act(pool.nonfinite(), step, epoch, pool)
             return
         pool.zero_gradients_where(flags)
-        host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        event: torch.cuda.Event | Written
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = flags.clone(), Written()
         self._pending.append((step, epoch, host, event))
         self._read(wait=len(self._pending) > IN_FLIGHT)
 
