@@ -38,6 +38,7 @@ import gc
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,7 @@ class Deadline:
         self.start = time.monotonic()
         self.left_out: list[tuple[int, str, int, int]] = []
 
-    def points(self, points: list[tuple[int, str, int, int]]) -> Any:
+    def points(self, points: list[tuple[int, str, int, int]]) -> Iterator[tuple[int, str, int, int]]:
         """Yield the grid's points while the next one, as long as the longest so far, would end in time."""
         longest = 0.0
         for i, point in enumerate(points):
