@@ -250,10 +250,12 @@ def test_measuring_under_localsgd_moves_no_more_model_bytes_than_localsgd() -> N
     assert auto and auto == model_sized_allreduces("LOCALSGD", period=8)
 
 
-def test_a_validation_inside_a_measuring_window_is_not_timed_as_a_step() -> None:
-    """The loop validates between steps (``sync_state``, then the forward passes): AUTO's window leaves
-    that time out, so a validation does not make the rule it measures look slow. A gap of 0.5 s after
-    ``sync_state`` inside BSP's window of 3 timed steps of ~20 ms each would read as a step of ~190 ms."""
+@pytest.mark.parametrize("pause", ["sync_state", "on_pause"], ids=["validation", "checkpoint-or-epoch-end"])
+def test_work_between_steps_inside_a_measuring_window_is_not_timed_as_a_step(pause: str) -> None:
+    """The loop validates between steps (``sync_state``, then the forward passes), ends epochs and saves
+    checkpoints there (``on_pause`` first): AUTO's window leaves that time out, so it does not make the rule
+    it measures look slow. A gap of 0.5 s inside BSP's window of 3 timed steps of ~20 ms each would read as
+    a step of ~190 ms."""
     pools = []
     for rank in range(SIZE):
         torch.manual_seed(rank)
@@ -267,8 +269,8 @@ def test_a_validation_inside_a_measuring_window_is_not_timed_as_a_step() -> None
         pool.start_epoch(0)
         for step in range(WINDOW):
             train_step(pool, rule, step)
-            if step == WINDOW - 2:  # a validation between the window's last two steps
-                rule.sync_state()
+            if step == WINDOW - 2:  # work between the window's last two steps
+                getattr(rule, pause)()
                 time.sleep(0.5)
         assert [row[:2] for row in rule.decisions] == [(WINDOW, "BSP")]
         return rule.measured["BSP"]

@@ -389,10 +389,15 @@ class Auto(SwitchingRule):
         self.later, self.switched_at = target, step
 
     def sync_state(self) -> None:
-        """The active rule's. A validation (or the final model) follows: the time until the next step's end
-        is not a step's, so that step is left out of the window's timing (a validation inside a window of
-        seven timed steps had made BSP's measured step 1.4x its own: benchmarks/results/links.md)."""
+        """The active rule's; a validation (or the final model) follows: :meth:`on_pause`."""
         self.active.sync_state()
+        self.on_pause()
+
+    def on_pause(self) -> None:
+        """Work that is not a step follows (a validation, an epoch's end, a checkpoint): the time until the
+        next step's end is not a step's, so that step is left out of the window's timing (a validation
+        inside a window of seven timed steps had made BSP's measured step 1.4x its own:
+        benchmarks/results/links.md)."""
         self._mark = None
 
     def finish(self) -> None:

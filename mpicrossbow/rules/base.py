@@ -274,6 +274,10 @@ class Rule:
     def on_lr_change(self, old: float, new: float) -> None:
         """Called when the learning-rate schedule changes the rate (SMA resets replicas on a step down)."""
 
+    def on_pause(self) -> None:
+        """Called before the loop does work between two steps that is not training (an epoch's end, a
+        validation, a checkpoint): a rule that times its steps leaves that time out (AUTO)."""
+
     def finish(self) -> None:
         """Drain messages in flight; after it returns no rank waits on another."""
 

@@ -157,6 +157,7 @@ class TrainLoop:
             self._step(count, per_epoch)
             self.at_epochs = self.epoch + (count + 1) / per_epoch
             if self.checks.due_within_epoch(count + 1, per_epoch):
+                parts.rule.on_pause()
                 self._beat("validate")
                 with span("validation", "validation"):
                     self.checks.run(self.step, self.at_epochs)
@@ -227,6 +228,7 @@ class TrainLoop:
         """Statistics, validation, the report row, the auto-tuner and epoch checkpoints (the epoch may end
         early: the target accuracy was reached)."""
         parts = self.parts
+        parts.rule.on_pause()
         self.nan_guard.flush()  # the epoch's last steps' NaN checks, before its statistics and checkpoints
         self._beat("validate")
         learners = len(parts.pool.learners)
@@ -290,6 +292,7 @@ class TrainLoop:
     def _save(self, count: int) -> None:
         """A checkpoint after the current step (``count`` batches of the current epoch done)."""
         parts = self.parts
+        parts.rule.on_pause()
         self._beat("save")
         # a checkpoint holds final steps only; committed here, outside the checkpoint's span (the
         # collective below then finds no window open)
