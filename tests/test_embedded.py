@@ -155,6 +155,9 @@ class Recorder(Rule):
     def on_lr_change(self, old: float, new: float) -> None:
         self.calls.append(("lr", old, new))
 
+    def on_pause(self) -> None:
+        self.calls.append(("pause", 0, 0.0))
+
 
 def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
@@ -163,8 +166,9 @@ def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def test_hooks_run_the_rule_around_the_users_step_in_crossbow_launchs_order() -> None:
-    """on_gradients before the update, exchange after it, the step counted; a lowered rate is reported at
-    the next training forward pass; remove() gives the optimizer back."""
+    """on_gradients before the update, exchange after it, the step counted; an evaluation pass is a pause
+    between steps; a lowered rate is reported at the next training forward pass; remove() gives the
+    optimizer back."""
     model, optimizer = model_and_optimizer()
     own = OwnModel(model, optimizer, lambda: None)
     rule = Recorder(own)
@@ -188,14 +192,14 @@ def test_hooks_run_the_rule_around_the_users_step_in_crossbow_launchs_order() ->
     scheduler.step()
     model.eval()
     model(x)
-    assert rule.calls[-1][0] == "exchange", "an evaluation pass reported the rate"
+    assert rule.calls[-1][0] == "pause", "an evaluation pass reported the rate, or was not a pause"
     model.train()
     model(x)
     assert rule.calls[-1] == ("lr", 0.1, 0.05)
     assert hooks.step == 2 and own.n_batch_train == 1
     hooks.remove()
     optimizer.step()
-    assert len(rule.calls) == 5, "a hook outlived remove()"
+    assert len(rule.calls) == 6, "a hook outlived remove()"
     own.learner.release()
     assert "zero_grad" not in vars(optimizer)
 

@@ -10,7 +10,9 @@ which call the rule's side of the step as :mod:`mpicrossbow.training.run.step` w
 * a **step post-hook** calls ``exchange(step)`` and counts the step;
 * a **forward pre-hook** on the module (training mode only) tells the rule when the learning rate changed
   (the user's scheduler), before the forward pass: SMA restarts its replicas from z there, as it does under
-  ``crossbow-launch``, where the rate is set before the step's forward pass.
+  ``crossbow-launch``, where the rate is set before the step's forward pass; in evaluation mode it tells the
+  rule that work between steps is under way (``on_pause``: the user's validation, which AUTO leaves out of
+  its step timing, as the loop's own).
 
 The gradient noise scale (:class:`~mpicrossbow.training.tuning.noise_scale.NoiseScale`, ``xb.noise_scale()``)
 is measured in the pre-hook as ``crossbow-launch``'s step measures it: the gradient before ``on_gradients``
@@ -123,6 +125,8 @@ class StepHooks:
     def _forward(self, module: nn.Module, inputs: Any) -> None:
         if module.training:
             self.check_lr()
+        else:  # the user's evaluation, between two steps
+            self.rule.on_pause()
 
     def check_lr(self) -> None:
         """Tell the rule when the first parameter group's learning rate changed since the last step."""
