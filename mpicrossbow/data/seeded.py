@@ -11,7 +11,7 @@ A data set held in memory as tensors may offer the whole batch at once: ``draws_
 ``gather(indices)`` (a 1-D int64 tensor) returning what ``default_collate`` makes of ``[dataset[i] for i in
 indices]``. Its batch is then one indexing per tensor instead of b ``__getitem__`` calls and a stack: on a
 GPU, where a small model's step is a few hundred microseconds of replayed kernels, b Python calls per step
-were the host's largest cost (MNIST-1D, 8 learners × 32: 0.75 ms of a step's fetch on the CPU).
+are a large part of the host's work (MNIST-1D, 8 learners × 32: 0.75 ms of a step's fetch on the CPU).
 """
 
 from __future__ import annotations
