@@ -36,11 +36,13 @@ class ReplicaView(ABC):
         return [learner.optimizer for learner in self.learners]
 
     def nonfinite(self) -> list[int]:
-        """Learners whose last training loss was NaN or infinite (one host synchronisation)."""
-        return []
+        """Learners whose last training loss was NaN or infinite: :meth:`nonfinite_flags` read on the host
+        (one synchronisation for all of them)."""
+        flags = self.nonfinite_flags()
+        return [] if flags is None else [j for j, bad in enumerate(flags.tolist()) if bad]
 
     def nonfinite_flags(self) -> torch.Tensor | None:
-        """:meth:`nonfinite` as a bool vector (one flag per learner) on the device, with no host
+        """Each learner's last training loss NaN or infinite, as a bool vector on the device, with no host
         synchronisation (the NaN guard on a CUDA device); None where these replicas keep no losses."""
         return None
 

@@ -159,11 +159,6 @@ class SerialPool(ShardedPool):
             with span(f"learner {j}", "compute", learner=j):  # nested in the step's forward+backward
                 learner.forward_backward(*batch)
 
-    def nonfinite(self) -> list[int]:
-        """Learners whose last loss was not finite; one host synchronisation for all of them."""
-        ok = torch.isfinite(torch.stack([learner.last_loss for learner in self.learners])).tolist()
-        return [j for j, good in enumerate(ok) if not good]
-
     def nonfinite_flags(self) -> torch.Tensor:
         """Each learner's last loss not finite, on the device (no host synchronisation)."""
         return ~torch.isfinite(torch.stack([learner.last_loss for learner in self.learners]))

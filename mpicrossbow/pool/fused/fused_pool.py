@@ -479,10 +479,6 @@ class FusedPool(ShardedPool):
         """The one optimizer that steps every replica."""
         return [self.optimizer]
 
-    def nonfinite(self) -> list[int]:
-        """Learners whose last loss was not finite (one host synchronisation)."""
-        return [j for j, good in enumerate(torch.isfinite(self._last_losses).tolist()) if not good]
-
     def nonfinite_flags(self) -> torch.Tensor:
         """Each learner's last loss not finite, on the device (no host synchronisation)."""
         return ~torch.isfinite(self._last_losses)
