@@ -24,6 +24,15 @@ for its global batch of 16·k is the same rate. SMA also runs with ``sqrt``, the
 A run that misses the target within the cap counts as missing; the table shows the median epochs of the
 seeds that reached it and how many did.
 
+``--task digits`` (with ``--recipe cfg``) runs launch/digits.cfg's MLP instead, at its batch 16 and lr 0.05 as
+written, as benchmarks/links.py trains it: a second model beside the one ``RULE = AUTO``'s table comes from.
+
+Each run also gives its gradient noise scale: the median of its train rows' ``noise_scale`` (B_noise in
+samples, every 10th step, :mod:`mpicrossbow.training.tuning.noise_scale`) up to the epoch it reached the
+highest target, one table of each row's median over the seeds, with B_noise/b, the learners' batches in it.
+BSP's is the gradient's (its learners' mean over all k); under an averaging rule the learners' gradients are
+taken at replicas apart, so its figure also counts their spread (not measured with one learner a rank).
+
 Each k is one ``mpiexec`` job (tests/mpi_scripts/cfg_runs.py: its runs one after another through
 ``crossbow-launch``'s own code path).
 """
@@ -43,6 +52,8 @@ from benchmarks.sma_recipe import CFG_RECIPE, recipe
 from mpicrossbow.training.reporting.metrics import read_metrics
 
 CFG = "launch/mnist1d.cfg"
+#: task → (cfg, its batch as written); digits only with the cfg's own recipe (``--recipe cfg``).
+TASKS = {"mnist1d": (CFG, 32), "digits": ("launch/digits.cfg", 16)}
 RANKS = 2
 TARGET = 0.94
 #: The most one learner of batch 16 is given: 0.4 diverged on MNIST-1D (results/sma_recipe.md).
@@ -61,15 +72,17 @@ CONFIGS = {
 }
 
 
-def common(epochs: int, target: float = TARGET, recipe_name: str = "small-learners") -> list[str]:
+def common(
+    epochs: int, target: float = TARGET, recipe_name: str = "small-learners", task: str = "mnist1d"
+) -> list[str]:
     """The overrides every run takes: the small-learner recipe capped at ``epochs`` (the module docstring)
-    or the cfg's own (:data:`~benchmarks.sma_recipe.CFG_RECIPE`, fused), a validation every quarter epoch
-    and the target it stops at."""
-    base = (
-        recipe(epochs)
-        if recipe_name == "small-learners"
-        else [*CFG_RECIPE, "pool.engine=fused", f"session.epochs={epochs}"]
-    )
+    or the cfg's own (MNIST-1D: :data:`~benchmarks.sma_recipe.CFG_RECIPE`; digits: its cfg as written),
+    fused, a validation every quarter epoch and the target it stops at."""
+    if recipe_name == "small-learners":
+        base = recipe(epochs)
+    else:
+        own = list(CFG_RECIPE) if task == "mnist1d" else ["DEVICES=cpu"]
+        base = [*own, "pool.engine=fused", f"session.epochs={epochs}"]
     return [*base, "session.validate_every=0.25", f"session.target_accuracy={target}"]
 
 
@@ -92,20 +105,22 @@ def epochs_to_target(
     configs: dict[str, str],
     targets: list[float],
     recipe_name: str = "small-learners",
-) -> dict[float, dict[str, list[float]]]:
+    task: str = "mnist1d",
+) -> tuple[dict[float, dict[str, list[float]]], dict[str, list[float]]]:
     """Every configuration of ``configs`` (label → overrides) at ``k`` learners for every seed (one MPI job),
-    trained to the highest of ``targets``; target → label → epochs to it of each seed (NaN: missed within the
-    cap)."""
+    trained to the highest of ``targets``: target → label → epochs to it of each seed (NaN: missed within the
+    cap), and label → each seed's gradient noise scale (:func:`run_noise_scale`)."""
     specs = {
-        f"c{i}s{seed}": f"{CFG},pool.learners={k // RANKS},{overrides},session.seed={seed}"
+        f"c{i}s{seed}": f"{TASKS[task][0]},pool.learners={k // RANKS},{overrides},session.seed={seed}"
         for i, overrides in enumerate(configs.values())
         for seed in seeds
     }
     folder = out / f"k{k}"
     runs = [f"{label}={spec}" for label, spec in specs.items()]
-    overrides = common(epochs, max(targets), recipe_name)
+    overrides = common(epochs, max(targets), recipe_name, task)
     cfg_runs(folder, RANKS, runs, overrides, 120 * len(specs) + 300, f"k = {k}")
     found: dict[float, dict[str, list[float]]] = {t: {label: [] for label in configs} for t in targets}
+    noise: dict[str, list[float]] = {label: [] for label in configs}
     for i, label in enumerate(configs):
         for seed in seeds:
             (run,) = (folder / f"c{i}s{seed}").iterdir()
@@ -113,7 +128,15 @@ def epochs_to_target(
             epochs_done = fractional_epochs(metrics["val"]["step"], metrics["train"]["step"])
             for target in targets:
                 found[target][label].append(first_at(epochs_done, metrics["val"]["accuracy"], target))
-    return found
+            noise[label].append(run_noise_scale(metrics["train"]["noise_scale"]))
+    return found, noise
+
+
+def run_noise_scale(values: Sequence[float]) -> float:
+    """A run's gradient noise scale: the median of its train rows' B_noise (one per whole epoch, each the
+    smoothed estimate at that epoch's end) that were measured (NaN: none was)."""
+    measured = [float(v) for v in values if math.isfinite(float(v))]
+    return statistics.median(measured) if measured else math.nan
 
 
 def fractional_epochs(val_steps: Sequence[float], train_steps: Sequence[float]) -> list[float]:
@@ -168,6 +191,22 @@ def tables(
     return "\n\n".join(parts)
 
 
+def noise_table(noise: dict[int, dict[str, list[float]]], ks: list[int], batch: int) -> str:
+    """Each row's gradient noise scale at each k, the median over its seeds, in samples and in learners'
+    batches of ``batch`` (B_noise/b). BSP's is the gradient's; under a model-averaging rule the learners'
+    gradients are taken at replicas apart, and the estimate counts that spread as noise too."""
+    head = " | ".join(f"k = {k}" for k in ks)
+    rows = [f"| rule (lr rule) | {head} |", "|---|" + "---:|" * len(ks)]
+    for label in noise[ks[0]]:
+        cells = []
+        for k in ks:
+            measured = [v for v in noise[k][label] if math.isfinite(v)]
+            value = statistics.median(measured) if measured else math.nan
+            cells.append(f"{value:.0f} ({value / batch:.1f} b)" if measured else "not measured")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "**gradient noise scale B_noise** (median over epochs, then seeds)\n\n" + "\n".join(rows)
+
+
 def main(argv: list[str]) -> int:
     """Measure, print the tables, append them to results/epochs_to_target.md unless ``--no-write``."""
     parser = argparse.ArgumentParser(
@@ -193,8 +232,16 @@ def main(argv: list[str]) -> int:
         help="small-learners: batch 16, each rule's rate scaled linearly to 0.2 (the documented recipe); "
         "cfg: launch/mnist1d.cfg's batch 32 and lr 0.1 as written, as benchmarks/links.py trains it",
     )
+    parser.add_argument(
+        "--task",
+        choices=tuple(TASKS),
+        default="mnist1d",
+        help="mnist1d: launch/mnist1d.cfg's CNN; digits: launch/digits.cfg's MLP (with --recipe cfg only)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results/")
     args = parser.parse_args(argv)
+    if args.task == "digits" and args.recipe != "cfg":
+        parser.error("--task digits: only with --recipe cfg (the small-learner recipe is MNIST-1D's)")
     ks, seeds = [int(k) for k in args.ks.split(",")], [int(s) for s in args.seeds.split(",")]
     targets = sorted(float(t) for t in args.targets.split(","))
     if not all(0 < t < 1 for t in targets):
@@ -206,23 +253,36 @@ def main(argv: list[str]) -> int:
     if args.recipe == "cfg":
         configs = as_written({label: spec for label, spec in configs.items() if "sqrt" not in label})
     with TemporaryDirectory(prefix="epochs-to-target-") as tmp:
-        results = {
-            k: epochs_to_target(Path(tmp), k, seeds, args.epochs, configs, targets, args.recipe) for k in ks
+        measured = {
+            k: epochs_to_target(Path(tmp), k, seeds, args.epochs, configs, targets, args.recipe, args.task)
+            for k in ks
         }
-    text = tables(results, ks, targets)
+    results = {k: found for k, (found, _) in measured.items()}
+    batch = TASKS[args.task][1] if args.recipe == "cfg" else 16
+    noise = noise_table({k: n for k, (_, n) in measured.items()}, ks, batch)
+    text = tables(results, ks, targets) + "\n\n" + noise
     print(text)
     if not args.no_write:
         named = ", ".join(f"{t:.0%}" for t in targets)
+        if args.task == "digits":
+            job = (
+                "digits MLP, 2 ranks × k/2 fused learners of launch/digits.cfg's batch 16 at its lr 0.05 as "
+                "written (lr_scaling = none), its own schedule (benchmarks/links.py's recipe)"
+            )
+        elif args.recipe == "small-learners":
+            job = (
+                "MNIST-1D CNN, 2 ranks × k/2 fused learners of batch 16, η₀ = 0.025 scaled by each rule's "
+                f"lr_scaling (linear: up to lr_cap {LR_CAP})"
+            )
+        else:
+            job = (
+                "MNIST-1D CNN, 2 ranks × k/2 fused learners of launch/mnist1d.cfg's batch 32 at its lr 0.1 "
+                "as written (lr_scaling = none), the decay at epoch 20, a 2-epoch warm-up "
+                "(benchmarks/links.py's recipe)"
+            )
         notes = (
             f"Median epochs to {named} validation accuracy over the seeds that reached it within "
-            f"{args.epochs} epochs (how many of seeds {args.seeds} did, in brackets); MNIST-1D CNN, 2 "
-            + (
-                "ranks × k/2 fused learners of batch 16, η₀ = 0.025 scaled by each rule's lr_scaling "
-                f"(linear: up to lr_cap {LR_CAP})"
-                if args.recipe == "small-learners"
-                else "ranks × k/2 fused learners of launch/mnist1d.cfg's batch 32 at its lr 0.1 as written "
-                "(lr_scaling = none), the decay at epoch 20, a 2-epoch warm-up (benchmarks/links.py's recipe)"
-            )
+            f"{args.epochs} epochs (how many of seeds {args.seeds} did, in brackets); {job}"
             + f"; each run stops at {max(targets):.0%}"
             + (
                 ", which is read to the quarter epoch; the lower targets to the whole epoch (metrics.h5 "

@@ -16,6 +16,7 @@ steps (a move to it needs the delay above about three steps' compute).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ from mpicrossbow.pool.spec import PoolSpec
 from mpicrossbow.rules import BSP, RULES, LocalSGD, rule_choice
 from mpicrossbow.testing import InProcessWorld
 from mpicrossbow.training.run.step import train_step
+from mpicrossbow.training.tuning.noise_scale import NoiseScale
 
 pytestmark = pytest.mark.quick
 
@@ -277,3 +279,34 @@ def test_work_between_steps_inside_a_measuring_window_is_not_timed_as_a_step(pau
 
     for step_s in InProcessWorld(SIZE, timeout_s=60).run(body):
         assert 0.015 < step_s < 0.1, step_s
+
+
+def test_each_decision_shows_the_gradient_noise_scale_the_run_measured() -> None:
+    """The loop tells AUTO where the noise scale is read (``on_noise_scale``); the decision holds the value
+    measured up to it and its line shows it (``B_noise not measured`` only where no probe estimated it).
+    Four learners a rank: the probe estimates it from their own gradients under LOCALSGD, the measuring
+    rule."""
+    pools = []
+    for rank in range(SIZE):
+        torch.manual_seed(rank)
+        spec = PoolSpec(rank, SIZE, 8, OPTIM, torch.device("cpu"), seed=1, learners=4)
+        pools.append(SerialPool(NormedMLP(hidden=8), spec))
+
+    def body(comm: Communicator) -> tuple[float, float, str]:
+        pool = pools[comm.rank]
+        probe = NoiseScale(every=1, smoothing=0.5)
+        rule = RULES.get("AUTO")(measure_steps=WINDOW, candidates="LOCALSGD", recheck=False)
+        rule.on_noise_scale(lambda: probe.value(8))
+        rule.bind(comm, pool)
+        step = 0
+        while not rule.decisions:
+            if step % pool.n_batch_train == 0:
+                pool.start_epoch(step // pool.n_batch_train)
+            train_step(pool, rule, step, probe=probe)
+            step += 1
+        assert rule.decision is not None
+        return rule.decision.measured.noise_scale, probe.value(8), rule.decision.line()
+
+    for shown, measured, line in InProcessWorld(SIZE, timeout_s=60).run(body):
+        assert math.isfinite(measured) and shown == measured
+        assert line.endswith(f", B_noise {measured:.4g}"), line

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from benchmarks.epochs_to_target import first_at, fractional_epochs, tables
+from benchmarks.epochs_to_target import first_at, fractional_epochs, noise_table, run_noise_scale, tables
 
 pytestmark = pytest.mark.quick
 
@@ -37,3 +37,15 @@ def test_the_tables_give_each_target_and_each_rule_relative_to_bsp() -> None:
     assert "| SMA, 80% | 2.00 |" in text and "| SMA, 90% | 3.00 |" in text  # medians over BSP's median
     assert "| BSP, 80%" not in text
     assert "relative to BSP" not in tables(results, [4], [0.8])  # one target: its table alone
+
+
+def test_the_noise_scale_is_each_runs_median_then_the_seeds_median_in_samples_and_batches() -> None:
+    nan = math.nan
+    assert run_noise_scale([nan, 40.0, 100.0, 60.0]) == 60.0  # epochs it was not measured are left out
+    assert math.isnan(run_noise_scale([nan, nan]))
+    noise = {
+        2: {"SMA (x)": [nan, nan], "BSP (x)": [30.0, 50.0, nan]},
+        4: {"SMA (x)": [nan, 320.0], "BSP (x)": [64.0, 64.0, 80.0]},
+    }
+    rows = noise_table(noise, [2, 4], batch=16).splitlines()[-2:]
+    assert rows == ["| SMA (x) | not measured | 320 (20.0 b) |", "| BSP (x) | 40 (2.5 b) | 64 (4.0 b) |"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import logging
+import math
 import os
 import secrets
 import sys
@@ -536,6 +537,7 @@ def _start_job(
     forward = PrecisionForward(own.learner.module, Precision(precision, world.device))
     noise = NoiseScale(noise_scale_every, SessionSection.noise_scale_smoothing, NOISE_UNKNOWN)
     job = _state.job = EmbeddedJob(world, rule, comm, own, trains, forward, noise, window)
+    rule.on_noise_scale(lambda: noise.value(size) if (size := _loader_batch()) else math.nan)
     return job
 
 
@@ -790,13 +792,18 @@ def noise_scale(batch_size: int | None = None) -> float:
     samples of one optimizer step on one rank (default: the batch size of :func:`shard`'s loader).
     Local: no communication (every rank of a synchronous rule holds the same value)."""
     job = _job("xb.noise_scale")
-    size = batch_size or next((loader.batch_size for loader in _state.loaders), None)
+    size = batch_size or _loader_batch()
     if size is None:
         raise UsageError(
             "xb.noise_scale(): no xb.shard loader gives the batch size; pass batch_size= (samples of one "
             "optimizer step on one rank)"
         )
     return job.noise.value(size)
+
+
+def _loader_batch() -> int | None:
+    """The batch size of the first :func:`shard` loader (None: no loader yet)."""
+    return next((loader.batch_size for loader in _state.loaders), None)
 
 
 def trains() -> bool:

@@ -47,8 +47,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -164,6 +165,8 @@ class Auto(SwitchingRule):
         #: The run's ``[optim] lr_scaling`` (:meth:`on_lr_scaling`; the default until told). A rank that
         #: joins a running job untold takes the survivors' from the handover: every rank decides alike.
         self.lr_scaling, self._told = "none", False
+        #: Where the run's gradient noise scale is read (:meth:`on_noise_scale`; NaN until told).
+        self._noise_scale: Callable[[], float] = lambda: math.nan
 
     @property
     def needs_gradients(self) -> bool:
@@ -183,6 +186,11 @@ class Auto(SwitchingRule):
     def on_lr_scaling(self, scaling: str) -> None:
         """Keep the run's learning-rate rule: the epochs table the decision reads."""
         self.lr_scaling, self._told = scaling, True
+
+    def on_noise_scale(self, read: Callable[[], float]) -> None:
+        """Keep where the gradient noise scale is read: each decision shows it (:mod:`.rule_choice`: shown,
+        not used)."""
+        self._noise_scale = read
 
     def bind(self, comm: Communicator, pool: ReplicaView) -> Rule:
         """Bind the measuring rule (BSP's phase, or LOCALSGD's from step 0: every learner starts from rank
@@ -346,6 +354,7 @@ class Auto(SwitchingRule):
             allreduce_s=long,
             active=self.running,
             lr_scaling=self.lr_scaling,
+            noise_scale=self._noise_scale(),
             known=tuple((label, s) for label, s in self.measured.items() if label != self.running),
         )
         decision = choose_rule(measured, self.options, margin=1.0 if self.trial else MARGIN)

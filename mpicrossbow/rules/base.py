@@ -140,6 +140,11 @@ class Rule:
         ``lr_scaling``), told once the pool is built. A rule whose choice depends on it keeps it (AUTO: the
         epochs model averaging needs against BSP follow it); the default ignores it."""
 
+    def on_noise_scale(self, read: Callable[[], float]) -> None:
+        """Where the run's gradient noise scale is read: ``read()`` gives B_noise in samples (NaN: not
+        measured yet, or not estimable), told once the loop holds its probe. A rule that reports it keeps it
+        (AUTO shows it beside each decision); the default ignores it."""
+
     def serve(self, report: Callable[[torch.Tensor, float], None]) -> None:
         """The loop of a rank that does not train; ``report(params, epoch)`` validates and logs a model."""
         raise NotImplementedError(f"{type(self).__name__} keeps no rank out of training")

@@ -20,9 +20,12 @@ CNN, 2 ranks, k = 2 to 16, medians of 3 seeds), interpolated in log2 k, and 1 at
 rule is plain SGD); past the largest measured k, that k's figure. The table is the run's learning-rate rule's
 (``[optim] lr_scaling``, told by :meth:`~.base.Rule.on_lr_scaling`): it moves the ratio more than anything
 else measured — at k = 8 LOCALSGD needed 2.35× BSP's epochs with every rate scaled linearly (to 94 %; 4.0× to
-80 %), 1.21× with the rate as written (to 80 %). The noise scale is shown beside the decision but does not
-move it: the only measured link between it and model averaging's epochs is the table, whose B_noise was not
-recorded. **LOCALSGD's period** is a choice too, where the run's table has a row for it (:func:`offered`):
+80 %), 1.21× with the rate as written (to 80 %). **The gradient noise scale** (read where the loop's probe
+keeps it, :meth:`~.base.Rule.on_noise_scale`) is shown beside the decision but does not move it: measured
+beside the epochs of two models (benchmarks/results/epochs_to_target.md, 2026-12-04 10:17 and 10:18), the
+same B_noise (2.3 and 2.4 learners' batches at k = 2) went with LOCALSGD needing 0.95× BSP's epochs on the
+digits MLP and 1.07× on MNIST-1D's CNN, and the larger B_noise (digits at k = 4 and 8) with the fewer extra
+epochs. **LOCALSGD's period** is a choice too, where the run's table has a row for it (:func:`offered`):
 with the rate as written periods 4, 8 and 16 (measured side by side, 2026-12-03 06:48); with every rate
 scaled linearly period 8 only — period 16 missed 94 % at k = 8 and 16 in every seed, and period 4, offered
 from that table for a while, took AUTO to 3.03× the best rule's time on the digits job at k = 8, where

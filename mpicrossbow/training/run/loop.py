@@ -97,6 +97,8 @@ class TrainLoop:
         #: The gradient noise scale, measured around the rule's ``on_gradients`` (continued on a resume).
         self.noise = NoiseScale(cfg.session.noise_scale_every, cfg.session.noise_scale_smoothing)
         self.noise.load_state_dict(position.get("noise_scale", {}))
+        batch = cfg.data.batch_size
+        parts.rule.on_noise_scale(lambda: self.noise.value(batch))
         #: ``[session] on_nan`` after each step's backward (deferred on a CUDA device: no wait per step).
         self.nan_guard = NanGuard(cfg.session.on_nan)
         size = parts.world.size
