@@ -48,7 +48,7 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 from benchmarks.report import append_result, cfg_runs
-from benchmarks.sma_recipe import CFG_RECIPE, recipe
+from benchmarks.sma_recipe import BATCH, CFG_RECIPE, recipe
 from mpicrossbow.training.reporting.metrics import read_metrics
 
 CFG = "launch/mnist1d.cfg"
@@ -258,7 +258,7 @@ def main(argv: list[str]) -> int:
             for k in ks
         }
     results = {k: found for k, (found, _) in measured.items()}
-    batch = TASKS[args.task][1] if args.recipe == "cfg" else 16
+    batch = TASKS[args.task][1] if args.recipe == "cfg" else BATCH
     noise = noise_table({k: n for k, (_, n) in measured.items()}, ks, batch)
     text = tables(results, ks, targets) + "\n\n" + noise
     print(text)

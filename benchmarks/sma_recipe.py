@@ -32,6 +32,8 @@ from mpicrossbow.training.run.schedule import lr_scale
 
 CFG = "launch/mnist1d.cfg"
 RANKS = 2
+#: One learner's batch in the small-learner recipe.
+BATCH = 16
 #: One learner's base rate: the cfg's 0.1 for a global batch of 64, scaled to a batch of 16.
 BASE_LR = 0.025
 MOMENTUM = 0.9
@@ -55,7 +57,7 @@ def recipe(epochs: int) -> list[str]:
     return [
         "DEVICES=cpu",
         "pool.engine=fused",
-        "data.batch_size=16",
+        f"data.batch_size={BATCH}",
         f"optim.lr={BASE_LR}",
         f"optim.momentum={MOMENTUM}",
         "optim.warmup_epochs=2",
